@@ -1,0 +1,102 @@
+"""What a checkpoint holds, described from metadata alone: every source tensor and where its pieces live.
+
+A source module (merger/sources/<format>.py) turns a checkpoint folder into a `Catalog` without reading
+tensor data. The plan and the stream only ever see these values, so every format, every transform and
+every launch mode share one engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class PieceCopy:
+    """One place where a piece's bytes are stored: a file plus how its format finds them there.
+
+    `key` is the format's own locator (a state-dict key, a DCP storage index, a safetensors name);
+    `byte_range` is set when the format knows the exact (offset, length) of the bytes in `file`.
+    """
+
+    file: str
+    key: str
+    byte_range: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """A box of the global tensor (`offsets`, `sizes` per dim) and every file that holds a copy of it.
+
+    Replicated data (HSDP replicas, buffers saved by every rank) is one piece with several copies, so it
+    is read once and never concatenated.
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    copies: tuple[PieceCopy, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: tuple[ShardPiece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class PieceReader(Protocol):
+    """Reads pieces from the files one merge rank opened. Formats implement it; the stream calls it."""
+
+    def check_files(self, files: list[str]) -> None:
+        """Open `files` and check them against the catalog (shapes, placements); raise MergerError."""
+
+    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
+        """The piece's data as a tensor of shape `piece.sizes`; may be a view into a mapped file."""
+
+    def release(self) -> None:
+        """Drop whatever the last reads kept resident (mapped pages), so memory stays flat."""
+
+
+@dataclass
+class Catalog:
+    """A checkpoint as the planner sees it. `files` is ordered: merge rank i of M opens files i, i+M, ..."""
+
+    format: str
+    root: Path
+    tensors: dict[str, SourceTensor]
+    files: list[str]
+    reader_factory: type
+    hf_dir: Path | None = None
+    # Facts for `inspect` and the summary (world size, mesh, placements...), human-readable values.
+    details: dict[str, object] = field(default_factory=dict)
+
+    def open_reader(self) -> PieceReader:
+        return self.reader_factory(self)
+
+    def files_of_rank(self, rank: int, world: int) -> list[str]:
+        return self.files[rank::world]
+
+    def file_owner(self, world: int) -> dict[str, int]:
+        """Which merge rank opens each file."""
+        return {f: i % world for i, f in enumerate(self.files)}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())

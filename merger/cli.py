@@ -1,0 +1,153 @@
+"""Command line: `merger merge|test|inspect`, with verl's flag spellings (`--local_dir`) and dashed ones.
+
+Runs the same on one process and under torchrun/Slurm: the process group comes from the environment.
+Errors reach the user as one line `merger: error: <what>, <which file>` and exit code 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .dist import init_group
+from .errors import MergerError
+from .options import DTYPES, MergeOptions
+from .units import format_size, parse_size
+
+
+def _flag(*names: str) -> list[str]:
+    """verl spells flags with underscores; accept both `--local_dir` and `--local-dir`."""
+    out = []
+    for name in names:
+        out += [name, name.replace("_", "-")] if "_" in name else [name]
+    return list(dict.fromkeys(out))
+
+
+def _add_source_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(*_flag("--local_dir"), dest="local_dir", type=Path, required=True,
+                   help="checkpoint folder (e.g. global_step_100/actor)")
+    p.add_argument("--backend", default="auto", help="checkpoint format: auto (default), fsdp")
+    p.add_argument(*_flag("--hf_model_config_path"), dest="hf_model_config_path", type=Path, default=None,
+                   help="folder with config.json and tokenizer (default: huggingface/ inside the checkpoint)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
+                   help="output dtype of floating tensors (default bfloat16, as verl); keep = source dtype")
+    p.add_argument(*_flag("--tie_word_embedding"), dest="tie_word_embedding", action="store_true",
+                   help="write lm_head once, tied to the input embedding, whatever config.json says")
+    p.add_argument(*_flag("--trust_remote_code"), dest="trust_remote_code", action="store_true")
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(*_flag("--max_inflight"), dest="max_inflight", type=parse_size, default="1GiB",
+                   help="memory budget per rank for pieces in flight (default 1GiB; a larger tensor goes alone)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where pieces travel under torchrun: cuda uses NCCL, cpu gloo (default: cuda if present)")
+    p.add_argument(*_flag("--dist_timeout"), dest="dist_timeout", type=float, default=600.0,
+                   help="seconds a rank waits for its peers before giving up (default 600)")
+    p.add_argument(*_flag("--log_level"), dest="log_level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="merger", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    merge = sub.add_parser("merge", help="merge a checkpoint into a HF model folder")
+    _add_source_args(merge)
+    merge.add_argument(*_flag("--target_dir"), dest="target_dir", type=Path, required=True)
+    merge.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
+                       help="largest output safetensors file (default 5GB; 200KB, 2GB or bytes)")
+    merge.add_argument("--overwrite", action="store_true", help="replace a non-empty target folder")
+    _add_run_args(merge)
+
+    test = sub.add_parser("test", help="merge in memory and compare with a reference HF folder")
+    _add_source_args(test)
+    test.add_argument(*_flag("--test_hf_dir"), dest="test_hf_dir", type=Path, required=True)
+    test.add_argument("--atol", type=float, default=0.0)
+    test.add_argument("--rtol", type=float, default=0.0)
+    _add_run_args(test)
+
+    inspect = sub.add_parser("inspect", help="describe a checkpoint and the planned output, reading no tensor data")
+    _add_source_args(inspect)
+    inspect.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB")
+    inspect.add_argument("--json", action="store_true", help="print the description as JSON")
+    inspect.add_argument("--debug", action="store_true")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> MergeOptions:
+    fields = MergeOptions.__dataclass_fields__
+    return MergeOptions(**{k: v for k, v in vars(args).items() if k in fields})
+
+
+def _inspect(options: MergeOptions, as_json: bool) -> int:
+    from .merge import prepare
+    from .dist import Group
+
+    prepared = prepare(options, Group())
+    c, plan = prepared.catalog, prepared.plan
+    info = {
+        "format": c.format, "root": str(c.root), "source_files": len(c.files), **c.details,
+        "tensors": len(c.tensors), "source_bytes": c.nbytes, "hf_dir": str(prepared.hf_dir),
+        "output_dtype": options.dtype, "output_tensors": len(plan.location), "output_bytes": plan.total_bytes,
+        "output_files": [{"name": f.name, "bytes": f.size, "tensors": len(f.entries)} for f in plan.files],
+    }
+    if as_json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    for key, value in info.items():
+        if key == "output_files":
+            print("output_files:")
+            for f in value:
+                print(f"  {f['name']}  {format_size(f['bytes'])}  {f['tensors']} tensors")
+        elif key.endswith("bytes"):
+            print(f"{key}: {value} ({format_size(value)})")
+        else:
+            print(f"{key}: {value}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    options = options_from_args(args)
+    if args.command == "inspect":
+        return _inspect(options, args.json)
+    group = init_group(options.device, options.dist_timeout)
+    try:
+        if args.command == "merge":
+            from .merge import run_merge
+
+            run_merge(options, group)
+            return 0
+        from .compare import CompareSink, ReferenceModel, report
+        from .merge import on_every_rank, prepare
+        from .stream import run_plan
+
+        options.dtype = "keep"  # compare in the reference's own dtype: CompareSink casts each tensor to it
+        prepared = prepare(options, group)
+        reference = on_every_rank(group, lambda: ReferenceModel(args.test_hf_dir), options.debug)
+        sink = CompareSink(reference, args.atol, args.rtol)
+        run_plan(prepared.plan, prepared.catalog, group, sink, None, options.debug)
+        return 0 if report(group, sink, set(prepared.plan.location), reference) else 1
+    finally:
+        group.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(message)s", stream=sys.stderr)
+    try:
+        return _run(args)
+    except MergerError as e:
+        print(f"merger: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("merger: error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - a bug still gets one line unless --debug
+        if args.debug:
+            raise
+        print(f"merger: error: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        return 1

@@ -1,0 +1,87 @@
+"""The parallel plumbing: one process, or a torch.distributed group started by torchrun, Slurm or the launcher.
+
+Data (piece bytes) moves with one all_to_all_single per batch, over NCCL when CUDA is there and gloo
+otherwise. Control (did every rank succeed?) always goes over a gloo group on the CPU, so a failing rank
+is noticed at the next sync point and every rank stops within the collective timeout instead of hanging.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .errors import MergerError
+
+
+@dataclass
+class Group:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+    control: object = None  # gloo process group for status and small objects; None when world == 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def exchange(self, sends: list[list[torch.Tensor]], recv_bytes: list[int]) -> list[torch.Tensor]:
+        """Send `sends[r]` (pieces in route order) to rank r; return, per source rank, the bytes received."""
+        import torch.distributed as dist
+
+        flat = [t.reshape(-1).view(torch.uint8) for ts in sends for t in ts]
+        send_split = [sum(t.numel() * t.element_size() for t in ts) for ts in sends]
+        send_buf = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+        recv_buf = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=self.device)
+        dist.all_to_all_single(recv_buf, send_buf.to(self.device), recv_bytes, send_split)
+        recv_buf = recv_buf.cpu()
+        return list(recv_buf.split(recv_bytes))
+
+    def agree(self, error: str | None) -> None:
+        """Sync point: raise on every rank if any rank failed, naming the first failing rank and its error."""
+        if not self.distributed:
+            if error:
+                raise MergerError(error)
+            return
+        import torch.distributed as dist
+
+        errors: list = [None] * self.world
+        dist.all_gather_object(errors, error, group=self.control)
+        for rank, message in enumerate(errors):
+            if message:
+                raise MergerError(message if rank == self.rank else f"rank {rank} failed: {message}")
+
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.control)
+
+    def close(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def init_group(device: str = "auto", timeout_s: float = 600) -> Group:
+    """Join the group torchrun/Slurm described in the environment, or run alone when there is none."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Group()
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", "0"))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MergerError("--device cuda asked for, but CUDA is not available on this machine")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
+        control = dist.new_group(backend="gloo", timeout=timeout)
+        return Group(rank, world, torch.device("cuda", local), control)
+    dist.init_process_group("gloo", timeout=timeout)
+    return Group(rank, world, torch.device("cpu"), dist.group.WORLD)

@@ -1,0 +1,20 @@
+"""The one exception type that reaches users as a single `merger: error: ...` line."""
+import traceback
+
+
+class MergerError(Exception):
+    """A problem with the user's input or environment, not a bug in merger.
+
+    The CLI prints it as one line (no traceback unless --debug) and exits non-zero.
+    Messages say what is wrong and name the file involved: `<what>, <which file>`.
+    """
+
+
+def describe_error(e: BaseException, rank: int, debug: bool) -> str:
+    """One line for any failure on a rank: user errors as they are, OS errors with their file, bugs labelled."""
+    if isinstance(e, MergerError):
+        return str(e)
+    if isinstance(e, OSError):
+        return f"{(e.strerror or str(e)).lower()}, {e.filename or 'unknown file'}"
+    text = f"internal error on rank {rank}: {type(e).__name__}: {e}"
+    return text + ("\n" + traceback.format_exc() if debug else "")

@@ -1,0 +1,127 @@
+"""The safetensors format, small and strict: headers computed before any data exists, and a validating reader.
+
+A header depends only on names, dtypes and shapes, so the planner builds every output file's header up
+front; writers on any rank then put each tensor's bytes at `data_start + begin` with os.pwrite.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from .errors import MergerError
+
+DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+
+# A header is JSON of names and shapes; 100 MB is what the reference implementation accepts at most.
+MAX_HEADER_BYTES = 100_000_000
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # relative to the start of the data section
+    end: int
+
+
+def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n
+
+
+def build_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None) -> tuple[bytes, list[TensorEntry]]:
+    """The full prefix of a safetensors file (length + JSON) and each tensor's data range, in order given."""
+    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    placed, offset = [], 0
+    for name, dtype, shape in entries:
+        if dtype not in DTYPE_NAMES:
+            raise MergerError(f"dtype {dtype} cannot be stored in safetensors, tensor {name}")
+        size = nbytes_of(shape, dtype)
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        placed.append(TensorEntry(name, dtype, tuple(shape), offset, offset + size))
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the reference writer aligns the data section to 8 bytes
+    return struct.pack("<Q", len(text)) + text, placed
+
+
+def read_header(path: str) -> tuple[int, dict[str, TensorEntry], dict[str, str]]:
+    """Parse and validate a safetensors header: (data_start, entries by name, metadata).
+
+    Refuses, before allocating anything for data, a header length past the file, offsets that are not
+    contiguous from 0, sizes that disagree with dtype and shape, and a data section of the wrong length.
+    """
+    try:
+        file_size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise MergerError(f"not a safetensors file (shorter than 8 bytes), {path}")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER_BYTES or 8 + n > file_size:
+                raise MergerError(f"safetensors header length {n} runs past the file ({file_size} bytes), {path}")
+            raw = f.read(n)
+    except OSError as e:
+        raise MergerError(f"cannot read {e.strerror.lower() if e.strerror else e}, {path}") from e
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MergerError(f"safetensors header is not valid JSON ({e}), {path}") from e
+    if not isinstance(header, dict):
+        raise MergerError(f"safetensors header is not a JSON object, {path}")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise MergerError(f"safetensors __metadata__ must map strings to strings, {path}")
+    entries = {}
+    for name, info in header.items():
+        try:
+            dtype = DTYPES_BY_NAME[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise MergerError(f"safetensors entry {name!r} is malformed, {path}") from e
+        if any(s < 0 for s in shape) or not 0 <= begin <= end:
+            raise MergerError(f"safetensors entry {name!r} has a negative size or offset, {path}")
+        if end - begin != nbytes_of(shape, dtype):
+            raise MergerError(f"safetensors entry {name!r} is {end - begin} bytes but its shape needs "
+                              f"{nbytes_of(shape, dtype)}, {path}")
+        entries[name] = TensorEntry(name, dtype, shape, begin, end)
+    expected = 0
+    for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if e.begin != expected:
+            raise MergerError(f"safetensors entry {e.name!r} overlaps or leaves a gap at byte {e.begin}, {path}")
+        expected = e.end
+    if 8 + n + expected != file_size:
+        raise MergerError(f"safetensors data section is {file_size - 8 - n} bytes but the header describes "
+                          f"{expected}, {path}")
+    return 8 + n, entries, metadata
+
+
+def read_tensor(path: str, data_start: int, entry: TensorEntry) -> torch.Tensor:
+    """One tensor's bytes read with pread into a fresh tensor (no mapping left behind)."""
+    out = torch.empty(entry.end - entry.begin, dtype=torch.uint8)
+    view = memoryview(out.numpy())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], data_start + entry.begin + done)
+            if got == 0:
+                raise MergerError(f"file ends inside tensor {entry.name!r}, {path}")
+            done += got
+    finally:
+        os.close(fd)
+    return out.view(entry.dtype).reshape(entry.shape)

@@ -1,0 +1,42 @@
+"""Checkpoint formats: each module turns a folder into a Catalog from metadata alone.
+
+A format is registered here by name with `detect(root) -> bool` and `open_catalog(root) -> Catalog`;
+`--backend auto` picks the first whose detect() accepts the folder.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from ..catalog import Catalog
+from ..errors import MergerError
+
+# name -> module under merger.sources; order matters for auto-detection (most specific first).
+BACKENDS = {
+    "fsdp": "fsdp",
+}
+
+
+def _module(name: str):
+    return importlib.import_module(f"{__name__}.{BACKENDS[name]}")
+
+
+def detect_backend(root: Path) -> str:
+    for name in BACKENDS:
+        if _module(name).detect(root):
+            return name
+    raise MergerError(f"no known checkpoint layout (looked for: {', '.join(BACKENDS)}), {root}")
+
+
+def open_catalog(root: Path, backend: str = "auto") -> Catalog:
+    if not root.exists():
+        raise MergerError(f"checkpoint folder does not exist, {root}")
+    if not root.is_dir():
+        raise MergerError(f"checkpoint path is not a folder, {root}")
+    if backend == "auto":
+        backend = detect_backend(root)
+    elif backend not in BACKENDS:
+        raise MergerError(f"unknown backend {backend!r} (known: auto, {', '.join(BACKENDS)}), {root}")
+    elif not _module(backend).detect(root):
+        raise MergerError(f"folder is not a {backend} checkpoint, {root}")
+    return _module(backend).open_catalog(root)

@@ -1,0 +1,201 @@
+"""verl FSDP / FSDP2 checkpoints: `model_world_size_{W}_rank_{r}.pt` files of DTensors or plain tensors.
+
+The catalog needs only rank 0's file: a DTensor records its global shape, its mesh (which global rank sits
+at which coordinate) and its placements, which together fix the region every other rank holds. Each merge
+rank later opens its own rank files and checks them against that description before any byte is written.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
+from ..errors import MergerError
+from ..memory import release_pages
+
+RANK_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
+
+
+def detect(root: Path) -> bool:
+    return any(RANK_FILE.fullmatch(p.name) for p in root.glob("model_world_size_*_rank_*.pt"))
+
+
+def _world_size(root: Path) -> int:
+    sizes = {int(m.group(1)) for p in root.iterdir() if (m := RANK_FILE.fullmatch(p.name))}
+    config = root / "fsdp_config.json"
+    if config.is_file():
+        try:
+            declared = int(json.loads(config.read_text())["world_size"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise MergerError(f"fsdp_config.json has no readable world_size ({e}), {config}") from e
+        if sizes and sizes != {declared}:
+            raise MergerError(f"fsdp_config.json says world_size {declared} but the rank files say "
+                              f"{sorted(sizes)}, {config}")
+        return declared
+    if len(sizes) != 1:
+        raise MergerError(f"rank files of several world sizes {sorted(sizes)} in one folder, {root}")
+    return sizes.pop()
+
+
+def load_rank_file(path: str) -> dict:
+    """A rank's state dict, memory-mapped: nothing is read until a tensor's bytes are touched."""
+    import torch.distributed.tensor  # noqa: F401  registers DTensor for the weights_only unpickler
+
+    # Unpickling a DeviceMesh outside its process group warns about torch.compile; we only read its layout.
+    logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError as e:
+        raise MergerError(f"rank file is missing, {path}") from e
+    except Exception as e:  # torch raises RuntimeError/UnpicklingError/zip errors for damaged files
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MergerError(f"cannot load rank file ({first_line}), {path}") from e
+    if not isinstance(state, dict):
+        raise MergerError(f"rank file holds a {type(state).__name__}, not a state dict, {path}")
+    return state
+
+
+def shard_region(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...],
+                 placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of the box a mesh coordinate holds; Shard(d) splits like torch.chunk, in mesh-dim order."""
+    offsets, sizes = [0] * len(shape), list(shape)
+    for mesh_dim, placement in enumerate(placements):
+        if not placement.is_shard():
+            continue
+        d, n, k = placement.dim, mesh_shape[mesh_dim], coord[mesh_dim]
+        full = math.ceil(sizes[d] / n) if sizes[d] else 0
+        start = min(full * k, sizes[d])
+        size = max(0, min(sizes[d], start + full) - start)
+        offsets[d] += start
+        sizes[d] = size
+    return tuple(offsets), tuple(sizes)
+
+
+def _describe_placements(value) -> tuple:
+    return tuple(str(p) for p in value.placements)
+
+
+def _check_placements(name: str, placements, path: str) -> None:
+    for p in placements:
+        if p.is_replicate():
+            continue
+        if p.is_shard() and type(p).__name__ == "Shard":
+            continue
+        raise MergerError(f"tensor {name} has placement {p}, which merger cannot merge "
+                          f"(only Shard(d) and Replicate()), {path}")
+
+
+def _dtensor_pieces(name: str, value, files: list[str], path: str) -> tuple[ShardPiece, ...]:
+    _check_placements(name, value.placements, path)
+    mesh = value.device_mesh.mesh
+    if mesh.numel() != len(files):
+        raise MergerError(f"tensor {name} lives on a mesh of {mesh.numel()} ranks but the checkpoint has "
+                          f"{len(files)} rank files, {path}")
+    regions: dict[tuple, list[PieceCopy]] = {}
+    for rank, file in enumerate(files):
+        where = (mesh == rank).nonzero()
+        if len(where) != 1:
+            raise MergerError(f"rank {rank} is not on the mesh of tensor {name}, {path}")
+        coord = tuple(int(c) for c in where[0])
+        region = shard_region(tuple(value.shape), tuple(mesh.shape), coord, value.placements)
+        if math.prod(region[1]) == 0 and value.numel() > 0:
+            continue  # torch.chunk leaves the last ranks empty when a dim is smaller than the mesh
+        regions.setdefault(region, []).append(PieceCopy(file, name))
+    return tuple(ShardPiece(off, size, tuple(copies)) for (off, size), copies in regions.items())
+
+
+def open_catalog(root: Path) -> Catalog:
+    from torch.distributed.tensor import DTensor
+
+    world = _world_size(root)
+    files = [str(root / f"model_world_size_{world}_rank_{r}.pt") for r in range(world)]
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        raise MergerError(f"{len(missing)} of {world} rank files are missing, {missing[0]}")
+    state = load_rank_file(files[0])
+    tensors, placements, meshes = {}, set(), set()
+    for name, value in state.items():
+        if isinstance(value, DTensor):
+            pieces = _dtensor_pieces(name, value, files, files[0])
+            placements.add(_describe_placements(value))
+            meshes.add((tuple(value.device_mesh.mesh.shape), value.device_mesh.mesh_dim_names))
+        elif isinstance(value, torch.Tensor):
+            # A plain tensor is either a single-process save or a buffer every rank saved whole: one piece,
+            # with a copy in every file, so it is read once and never concatenated.
+            copies = tuple(PieceCopy(f, name) for f in files)
+            pieces = (ShardPiece((0,) * value.dim(), tuple(value.shape), copies),)
+        else:
+            continue  # non-tensor entries (e.g. _extra_state bytes) carry no weights
+        tensors[name] = SourceTensor(name, tuple(value.shape), value.dtype, pieces)
+    if not tensors:
+        raise MergerError(f"rank file holds no tensors, {files[0]}")
+    hf_dir = root / "huggingface"
+    return Catalog(
+        format="fsdp", root=root, tensors=tensors, files=files, reader_factory=FsdpReader,
+        hf_dir=hf_dir if hf_dir.is_dir() else None,
+        details={"world_size": world,
+                 "meshes": sorted(f"{shape} {names}" for shape, names in meshes) or ["none (plain tensors)"],
+                 "placements": sorted(str(p) for p in placements)},
+    )
+
+
+class FsdpReader:
+    """Reads local shards from the rank files one merge rank opened, checking each against the catalog."""
+
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
+        self.states: dict[str, dict] = {}
+        self.touched: list[torch.Tensor] = []
+
+    def _state(self, file: str) -> dict:
+        if file not in self.states:
+            self.states[file] = load_rank_file(file)
+        return self.states[file]
+
+    def _expected(self) -> dict[str, dict[str, tuple]]:
+        """For each file, the region size every tensor must have there."""
+        expected: dict[str, dict[str, tuple]] = {}
+        for t in self.catalog.tensors.values():
+            for piece in t.pieces:
+                for copy in piece.copies:
+                    expected.setdefault(copy.file, {})[t.name] = piece.sizes
+        return expected
+
+    def check_files(self, files: list[str]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        expected = self._expected()
+        for file in files:
+            state = self._state(file)
+            for name, tensor in self.catalog.tensors.items():
+                value = state.get(name)
+                if not isinstance(value, torch.Tensor):
+                    raise MergerError(f"tensor {name} is missing from this rank's file, {file}")
+                local = value._local_tensor if isinstance(value, DTensor) else value
+                if tuple(value.shape) != tensor.shape or value.dtype != tensor.dtype:
+                    raise MergerError(f"tensor {name} is {tuple(value.shape)} {value.dtype} here but "
+                                      f"{tensor.shape} {tensor.dtype} on rank 0, {file}")
+                want = expected.get(file, {}).get(name)
+                if want is not None and tuple(local.shape) != want:
+                    raise MergerError(f"tensor {name} has local shape {tuple(local.shape)} but its placements "
+                                      f"give {want}, {file}")
+
+    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
+        value = self._state(copy.file)[copy.key]
+        local = getattr(value, "_local_tensor", value)
+        if tuple(local.shape) != piece.sizes:
+            raise MergerError(f"tensor {copy.key} has local shape {tuple(local.shape)}, expected {piece.sizes}, "
+                              f"{copy.file}")
+        self.touched.append(local)
+        return local
+
+    def release(self) -> None:
+        for t in self.touched:
+            release_pages(t)
+        self.touched.clear()

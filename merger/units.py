@@ -1,0 +1,26 @@
+"""Human-friendly byte sizes for flags like --max-shard-size 5GB and for log lines."""
+import re
+
+from .errors import MergerError
+
+_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000, '200KiB' -> 204800, '1024' -> 1024 (transformers' convention: GB is 1e9)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _UNITS:
+        raise MergerError(f"cannot read size {text!r}: use bytes or a number with KB/MB/GB/KiB/MiB/GiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,94 @@
+"""Shared test plumbing: run merger or a writer as real processes (one, or a torchrun gloo group), build real
+checkpoints once per session, and compare outputs with an oracle that is not our code."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+WRITERS = ROOT / "tests" / "writers"
+sys.path.insert(0, str(WRITERS))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(WRITERS), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def torchrun_cmd(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+
+
+def run(cmd: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n--- stdout\n{proc.stdout}"
+                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_merger(*args, nproc: int = 1, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m merger ARGS` as one process, or under torchrun with `nproc` gloo ranks."""
+    prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
+    return run(prefix + ["-m", "merger", *map(str, args)], timeout=timeout, check=check)
+
+
+def run_writer(script: str, *args, nproc: int = 1) -> subprocess.CompletedProcess:
+    prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
+    return run(prefix + [str(WRITERS / script), *map(str, args)])
+
+
+@pytest.fixture(scope="session")
+def fsdp_checkpoint(tmp_path_factory):
+    """fsdp_checkpoint(arch, world, mesh=None, tied=False, ...) -> (actor_dir, reference_dir), built once each."""
+    cache: dict = {}
+
+    def make(arch: str = "llama", world: int = 4, mesh: str | None = None, tied: bool = False,
+             extra: tuple = ()) -> tuple[Path, Path]:
+        key = (arch, world, mesh, tied, extra)
+        if key not in cache:
+            root = tmp_path_factory.mktemp(f"fsdp_{arch}_w{world}")
+            actor = root / "global_step_1" / "actor"
+            args = ["--out", actor, "--reference", root / "reference", "--arch", arch]
+            args += (["--mesh", mesh] if mesh else []) + (["--tied"] if tied else []) + list(extra)
+            run_writer("fsdp_checkpoint.py", *args, nproc=world)
+            cache[key] = (actor, root / "reference")
+        return cache[key]
+
+    return make
+
+
+def load_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF folder, read by the safetensors library (not our reader)."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def assert_same_weights(merged: Path, reference: Path, dtype: torch.dtype | None) -> None:
+    """The merge equals the model's own weights (save_pretrained's output) cast to `dtype`, bit for bit."""
+    ours, ref = load_safetensors_folder(merged), load_safetensors_folder(reference)
+    assert sorted(ours) == sorted(ref)
+    for name, want in ref.items():
+        want = want.to(dtype) if dtype is not None and want.is_floating_point() else want
+        assert ours[name].dtype == want.dtype, name
+        assert torch.equal(ours[name], want), name

@@ -1,0 +1,73 @@
+"""Write a real verl-layout FSDP2 checkpoint of a tiny transformers model. Run under torchrun (gloo, CPU).
+
+    torchrun --nproc_per_node 4 tests/writers/fsdp_checkpoint.py --out DIR --arch llama [--mesh 2,2]
+
+Every rank builds the same seeded model, shards it with torch's `fully_shard` and saves
+`model_world_size_{W}_rank_{r}.pt` from `model.state_dict()` (DTensors), as verl's checkpoint manager
+does. Rank 0 also writes `fsdp_config.json`, `huggingface/` (config + a small tokenizer) and, outside the
+checkpoint, the oracle: the unsharded model's own state dict (`reference/model.safetensors`).
+With one process (no torchrun) it saves plain tensors, as a single-GPU verl run does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tiny_models import build_model, save_hf_folder
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True, help="checkpoint folder (global_step_N/actor)")
+    p.add_argument("--reference", type=Path, default=None, help="where the oracle goes (default OUT/../reference)")
+    p.add_argument("--arch", default="llama")
+    p.add_argument("--mesh", default=None, help="'W' (fsdp) or 'R,S' (HSDP: R replicas of S shards)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--tied", action="store_true")
+    p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--no-fsdp-config", action="store_true", help="omit fsdp_config.json, as older verl did")
+    args = p.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    model = build_model(args.arch, tied=args.tied, vocab=args.vocab, hidden=args.hidden, layers=args.layers,
+                        dtype=getattr(torch, args.dtype))
+    reference = args.reference or args.out.parent / "reference"
+    args.out.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        save_hf_folder(model, args.out / "huggingface")
+        reference.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(reference)  # the oracle: the model's own weights, by transformers' own writer
+        if not args.no_fsdp_config:
+            (args.out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))
+
+    if world == 1:
+        torch.save(model.state_dict(), args.out / "model_world_size_1_rank_0.pt")
+        return
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    if args.mesh and "," in args.mesh:
+        replicas, shards = (int(x) for x in args.mesh.split(","))
+        mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("ddp", "fsdp"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    for layer in model.base_model.layers if hasattr(model.base_model, "layers") else model.base_model.h:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    torch.save(model.state_dict(), args.out / f"model_world_size_{world}_rank_{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
