@@ -32,13 +32,18 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--buffer", action="store_true",
+                   help="add a persistent buffer: fully_shard leaves it a plain tensor saved whole by every rank")
     p.add_argument("--no-fsdp-config", action="store_true", help="omit fsdp_config.json, as older verl did")
     args = p.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     model = build_model(args.arch, tied=args.tied, vocab=args.vocab, hidden=args.hidden, layers=args.layers,
-                        dtype=getattr(torch, args.dtype))
+                        dtype=getattr(torch, args.dtype), seed=args.seed)
+    if args.buffer:
+        model.model.register_buffer("scale_table", torch.arange(7, dtype=torch.float32) / 7, persistent=True)
     reference = args.reference or args.out.parent / "reference"
     args.out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
