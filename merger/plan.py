@@ -45,7 +45,11 @@ class Step:
 
 @dataclass(frozen=True)
 class Route:
-    """One piece of one step input, from the rank that reads it to the rank that writes the step."""
+    """One piece of one step input, from the rank that reads it to the rank that writes the step.
+
+    `dtype` is the dtype the piece travels and is assembled in: the output dtype for a pure cast (the reader
+    casts, so fp32 -> bf16 moves half the bytes), the source dtype when a transform needs the original values.
+    """
 
     step: int
     input: int
@@ -165,22 +169,23 @@ def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size:
         routes = []
         for ii, name in enumerate(step.inputs):
             tensor = catalog.tensors[name]
+            wire = step.outputs[0].dtype if step.fn is identity and len(step.inputs) == 1 else tensor.dtype
             for piece in tensor.pieces:
                 local = [c for c in piece.copies if owner[c.file] == writers[si]]
                 copy = local[0] if local else min(piece.copies, key=lambda c: (read_load[owner[c.file]], owner[c.file]))
-                route = Route(si, ii, piece, copy, owner[copy.file], writers[si], tensor.dtype)
+                route = Route(si, ii, piece, copy, owner[copy.file], writers[si], wire)
                 read_load[route.reader] += route.nbytes
                 routes.append(route)
         step_routes.append(routes)
 
-    return Plan(steps, writers, files, location, _batches(catalog, steps, writers, step_routes, world, max_inflight),
+    return Plan(steps, writers, files, location, _batches(steps, writers, step_routes, world, max_inflight),
                 world)
 
 
-def _step_memory(catalog: Catalog, step: Step, writer: int, routes: list[Route], world: int) -> list[int]:
+def _step_memory(step: Step, writer: int, routes: list[Route], world: int) -> list[int]:
     """Bytes each rank holds at once for one step: sent and received pieces, assembled inputs, outputs."""
     mem = [0] * world
-    mem[writer] += sum(catalog.tensors[n].nbytes for n in step.inputs) + sum(s.nbytes for s in step.outputs)
+    mem[writer] += sum(r.nbytes for r in routes) + sum(s.nbytes for s in step.outputs)  # assembled inputs, outputs
     for r in routes:
         if r.reader != r.writer:
             mem[r.reader] += r.nbytes
@@ -188,7 +193,7 @@ def _step_memory(catalog: Catalog, step: Step, writer: int, routes: list[Route],
     return mem
 
 
-def _batches(catalog: Catalog, steps: list[Step], writers: list[int], step_routes: list[list[Route]],
+def _batches(steps: list[Step], writers: list[int], step_routes: list[list[Route]],
              world: int, max_inflight: int) -> list[Batch]:
     """Consecutive steps grouped while no rank's memory for the group exceeds max_inflight.
 
@@ -205,7 +210,7 @@ def _batches(catalog: Catalog, steps: list[Step], writers: list[int], step_route
             batches.append(Batch(tuple(current), routes, out))
 
     for si, step in enumerate(steps):
-        need = _step_memory(catalog, step, writers[si], step_routes[si], world)
+        need = _step_memory(step, writers[si], step_routes[si], world)
         if current and any(m + n > max_inflight for m, n in zip(mem, need)):
             close()
             current, mem = [], [0] * world

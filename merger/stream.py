@@ -34,7 +34,7 @@ def _assemble(catalog: Catalog, name: str, routes: list[tuple[Route, torch.Tenso
     source = catalog.tensors[name]
     if len(routes) == 1 and routes[0][0].piece.sizes == source.shape:
         return routes[0][1]  # the whole tensor in one piece: no copy
-    box = torch.empty(source.shape, dtype=source.dtype)
+    box = torch.empty(source.shape, dtype=routes[0][0].dtype if routes else source.dtype)
     covered = 0
     for route, data in routes:
         _place(box, route.piece.offsets, data)
@@ -65,7 +65,7 @@ def _read_batch(batch: Batch, group: Group, reader) -> tuple[dict[int, torch.Ten
     for i, route in enumerate(batch.routes):
         if route.reader != group.rank:
             continue
-        data = reader.read(route.copy, route.piece, route.dtype)
+        data = reader.read(route.copy, route.piece).to(route.dtype)
         if route.writer == group.rank:
             local[i] = data
         else:

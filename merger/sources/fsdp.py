@@ -186,7 +186,7 @@ class FsdpReader:
                     raise MergerError(f"tensor {name} has local shape {tuple(local.shape)} but its placements "
                                       f"give {want}, {file}")
 
-    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, copy: PieceCopy, piece: ShardPiece) -> torch.Tensor:
         value = self._state(copy.file)[copy.key]
         local = getattr(value, "_local_tensor", value)
         if tuple(local.shape) != piece.sizes:

@@ -1,0 +1,59 @@
+"""Write a multi-GB fp32 verl-layout FSDP2 checkpoint without ever holding the model. Run under torchrun.
+
+The model is built on the meta device and sharded with fully_shard; `to_empty` then allocates only this
+rank's shard, which is filled with random values and saved as `model_world_size_{W}_rank_{r}.pt`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+def bench_config(layers: int) -> transformers.LlamaConfig:
+    # ~51M parameters a layer plus 131M of embeddings: 7 layers ~ 2 GB fp32, 19 layers ~ 4.5 GB fp32.
+    return transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                    num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16,
+                                    tie_word_embeddings=False)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--layers", type=int, required=True)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = bench_config(args.layers)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    torch.manual_seed(rank)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.to_local().normal_(0, 0.02)
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), args.out / f"model_world_size_{world}_rank_{rank}.pt")
+    if rank == 0:
+        hf = args.out / "huggingface"
+        hf.mkdir(exist_ok=True)
+        config.save_pretrained(hf)
+        (args.out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
