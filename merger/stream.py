@@ -65,7 +65,10 @@ def _read_batch(batch: Batch, group: Group, reader) -> tuple[dict[int, torch.Ten
     for i, route in enumerate(batch.routes):
         if route.reader != group.rank:
             continue
-        data = reader.read(route.copy, route.piece).to(route.dtype)
+        # Copy (and cast) out of the mapped file at once, then hand its pages back: at most one piece of
+        # the source is ever resident, however large the batch.
+        data = reader.read(route.copy, route.piece).to(route.dtype, copy=True)
+        reader.release()
         if route.writer == group.rank:
             local[i] = data
         else:
@@ -93,10 +96,10 @@ def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int, local: dic
     by_step: dict[int, list[tuple[Route, torch.Tensor]]] = {}
     for i, route in enumerate(batch.routes):
         if route.writer == me:
-            by_step.setdefault(route.step, []).append((route, local[i]))
+            by_step.setdefault(route.step, []).append((route, local.pop(i)))
     for si in batch.steps:
         if plan.writers[si] == me:
-            _run_step(plan, catalog, si, by_step.get(si, []), sink)
+            _run_step(plan, catalog, si, by_step.pop(si, []), sink)  # pop: each step's pieces die with it
 
 
 def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: Progress | None = None,
@@ -128,7 +131,6 @@ def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: P
         except Exception as e:  # noqa: BLE001
             error = describe_error(e, group.rank, debug)
         del local
-        reader.release()
         if progress and error is None:
             progress.advance(batch.out_bytes)
     group.agree(error)

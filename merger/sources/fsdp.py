@@ -6,6 +6,7 @@ rank later opens its own rank files and checks them against that description bef
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -91,19 +92,32 @@ def _check_placements(name: str, placements, path: str) -> None:
                           f"(only Shard(d) and Replicate()), {path}")
 
 
+@functools.lru_cache(maxsize=None)
+def _coordinates(mesh_shape: tuple[int, ...], ranks: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    """Global rank -> its coordinate on a mesh (given row-major), computed once per distinct mesh."""
+    return {rank: tuple(_unravel(i, mesh_shape)) for i, rank in enumerate(ranks)}
+
+
+def _unravel(index: int, shape: tuple[int, ...]) -> list[int]:
+    coord = []
+    for size in reversed(shape):
+        index, c = divmod(index, size)
+        coord.append(c)
+    return coord[::-1]
+
+
 def _dtensor_pieces(name: str, value, files: list[str], path: str) -> tuple[ShardPiece, ...]:
     _check_placements(name, value.placements, path)
     mesh = value.device_mesh.mesh
     if mesh.numel() != len(files):
         raise MergerError(f"tensor {name} lives on a mesh of {mesh.numel()} ranks but the checkpoint has "
                           f"{len(files)} rank files, {path}")
+    coords = _coordinates(tuple(mesh.shape), tuple(mesh.flatten().tolist()))
     regions: dict[tuple, list[PieceCopy]] = {}
     for rank, file in enumerate(files):
-        where = (mesh == rank).nonzero()
-        if len(where) != 1:
+        if rank not in coords:
             raise MergerError(f"rank {rank} is not on the mesh of tensor {name}, {path}")
-        coord = tuple(int(c) for c in where[0])
-        region = shard_region(tuple(value.shape), tuple(mesh.shape), coord, value.placements)
+        region = shard_region(tuple(value.shape), tuple(mesh.shape), coords[rank], value.placements)
         if math.prod(region[1]) == 0 and value.numel() > 0:
             continue  # torch.chunk leaves the last ranks empty when a dim is smaller than the mesh
         regions.setdefault(region, []).append(PieceCopy(file, name))
