@@ -25,7 +25,7 @@ demo: setup
 		--out $(DEMO)/global_step_1/actor --reference $(DEMO)/reference
 	.venv/bin/torchrun --nproc_per_node 2 -m merger merge --local_dir $(DEMO)/global_step_1/actor \
 		--target_dir $(DEMO)/merged
-	$(PY) -m merger test --local_dir $(DEMO)/global_step_1/actor --test_hf_dir $(DEMO)/reference --dtype float32
+	$(PY) -m merger test --local_dir $(DEMO)/global_step_1/actor --test_hf_dir $(DEMO)/reference
 	$(PY) examples/generate.py $(DEMO)/merged
 
 bench: setup
