@@ -1,0 +1,123 @@
+"""Slurm through submitit: one job, one task per merge rank. Each task turns Slurm's view of the job into
+torch.distributed's environment (submitit's TorchDistributedEnvironment) and runs `merger.cli.main`.
+
+The submitting process waits (unless --no-wait), prints the job's state as Slurm reports it, and on failure
+prints the log tail of a failing task (with its `merger: error:` line) and returns 1. States come from
+`scontrol show job` and, once Slurm has forgotten the job, `sacct`, so clusters without accounting work too.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+from .paths import ROOT
+
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
+          "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "PREEMPTED"}
+TAIL_LINES = 20
+SUBMITIT_FAILURE_MARK = "Submitted job triggered an exception"
+
+
+class MergeFailed(Exception):
+    """Raised in a task whose merge failed, so submitit records an error and the task exits non-zero."""
+
+
+def run_rank(merger_args: list[str], cwd: str) -> int:
+    """Body of every Slurm task (pickled by submitit): join the group Slurm describes, run the merger."""
+    import submitit
+
+    os.chdir(cwd)  # relative paths in the merger's arguments mean what they meant where the user typed them
+    # LOCAL_RANK picks the GPU (torchrun's convention), so every task keeps all of its node's devices visible.
+    env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    from merger.cli import main
+
+    status = main(merger_args)
+    if status:
+        raise MergeFailed(f"merger exited with status {status} on rank {env.rank} of {env.world_size}")
+    return status
+
+
+def job_state(job_id: str) -> str:
+    """The job's state as Slurm reports it now: PENDING, RUNNING, COMPLETED, FAILED, ... or UNKNOWN."""
+    queries = (["scontrol", "show", "job", "-o", job_id], ["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id])
+    for cmd in queries:
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        found = re.search(r"JobState=(\S+)", out) if cmd[0] == "scontrol" else re.match(r"\s*([A-Z_]+)", out)
+        if found:
+            return found.group(1)
+    return "UNKNOWN"
+
+
+def wait_for(job_id: str, unknown_limit_s: float = 120) -> str:
+    """Poll until the job ends (quickly at first, then every 10 s); print each state change; return the last."""
+    last, delay, unknown_since = None, 0.5, None
+    while True:
+        state = job_state(job_id)
+        if state != last:
+            print(f"launcher: job {job_id} {state}", flush=True)
+            last = state
+        if state == "UNKNOWN":
+            unknown_since = unknown_since or time.monotonic()
+            if time.monotonic() - unknown_since > unknown_limit_s:
+                return state
+        elif state not in ACTIVE:
+            return state
+        else:
+            unknown_since = None
+        time.sleep(delay)
+        delay = min(delay * 1.5, 10.0)
+
+
+def report_failure(job, state: str) -> None:
+    """Print the log tail of the first task that wrote a `merger: error:` line (else of task 0)."""
+    logs = [(task, task.stderr() or "") for task in (job.task(t) for t in range(job.num_tasks))]
+    task, text = next(((t, s) for t, s in logs if "merger: error:" in s), logs[0])
+    # What the merger said comes before submitit's traceback of MergeFailed, which says nothing more.
+    lines = text.rstrip().splitlines()
+    lines = lines[:next((i for i, line in enumerate(lines) if SUBMITIT_FAILURE_MARK in line), len(lines))]
+    print(f"launcher: job {job.job_id} ended {state}; last lines of {task.paths.stderr}:", file=sys.stderr)
+    for line in lines[-TAIL_LINES:]:
+        print(line, file=sys.stderr)
+
+
+def make_executor(args: argparse.Namespace):
+    import submitit
+
+    executor = submitit.AutoExecutor(folder=args.folder, cluster="slurm")
+    gpus = 0 if args.cpu else (args.gpus_per_node if args.gpus_per_node is not None else args.tasks_per_node)
+    params = dict(name="merger", nodes=args.nodes, tasks_per_node=args.tasks_per_node, gpus_per_node=gpus,
+                  cpus_per_task=args.cpus_per_task, timeout_min=args.time, slurm_partition=args.partition,
+                  slurm_account=args.account, slurm_mem=args.mem,
+                  # The job imports the same merger and launcher as this process, checkout or install.
+                  slurm_setup=[f"export PYTHONPATH={shlex.quote(str(ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}"])
+    executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
+    return executor
+
+
+def submit(args: argparse.Namespace, merger_args: list[str]) -> int:
+    merger_args = merger_args + (["--device", "cpu"] if args.cpu else [])
+    try:
+        job = make_executor(args).submit(run_rank, merger_args, os.getcwd())
+    except (OSError, subprocess.CalledProcessError) as e:  # no sbatch here, or sbatch refused the job
+        detail = getattr(e, "stderr", None) or getattr(e, "output", None) or e
+        detail = detail.decode(errors="replace") if isinstance(detail, bytes) else detail
+        print(f"launcher: error: could not submit the Slurm job: {str(detail).strip()}", file=sys.stderr)
+        return 1
+    ranks = args.nodes * args.tasks_per_node
+    print(f"launcher: submitted job {job.job_id}: {ranks} ranks on {args.nodes} node(s); logs in {job.paths.folder}",
+          flush=True)
+    if args.no_wait:
+        return 0
+    state = wait_for(job.job_id)
+    if state == "COMPLETED":
+        return 0
+    report_failure(job, state)
+    return 1
