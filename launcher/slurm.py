@@ -56,24 +56,29 @@ def job_state(job_id: str) -> str:
     return "UNKNOWN"
 
 
-def wait_for(job_id: str, unknown_limit_s: float = 120) -> str:
-    """Poll until the job ends (quickly at first, then every 10 s); print each state change; return the last."""
-    last, delay, unknown_since = None, 0.5, None
+def wait_for(job, unknown_limit_s: float = 120) -> str:
+    """Wait until the job ends; print each state change; return the last state.
+
+    Slurm is asked quickly at first, then every 10 s at most; between questions, the tasks' result files
+    (submitit writes one per task as it ends) say when to ask again at once, so short jobs return promptly.
+    """
+    results = [job.task(t).paths.result_pickle for t in range(job.num_tasks)]
+    last, interval, next_query, unknown_since = None, 0.5, 0.0, None
     while True:
-        state = job_state(job_id)
-        if state != last:
-            print(f"launcher: job {job_id} {state}", flush=True)
-            last = state
-        if state == "UNKNOWN":
-            unknown_since = unknown_since or time.monotonic()
-            if time.monotonic() - unknown_since > unknown_limit_s:
+        now = time.monotonic()
+        if now >= next_query or all(p.exists() for p in results):
+            state = job_state(job.job_id)
+            if state != last:
+                print(f"launcher: job {job.job_id} {state}", flush=True)
+                last = state
+            if state not in ACTIVE and state != "UNKNOWN":
                 return state
-        elif state not in ACTIVE:
-            return state
-        else:
-            unknown_since = None
-        time.sleep(delay)
-        delay = min(delay * 1.5, 10.0)
+            unknown_since = (unknown_since or now) if state == "UNKNOWN" else None
+            if unknown_since is not None and now - unknown_since > unknown_limit_s:
+                return state
+            interval = min(interval * 1.5, 10.0)
+            next_query = now + interval
+        time.sleep(0.25)
 
 
 def report_failure(job, state: str) -> None:
@@ -116,7 +121,7 @@ def submit(args: argparse.Namespace, merger_args: list[str]) -> int:
           flush=True)
     if args.no_wait:
         return 0
-    state = wait_for(job.job_id)
+    state = wait_for(job)
     if state == "COMPLETED":
         return 0
     report_failure(job, state)
