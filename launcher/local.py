@@ -45,6 +45,8 @@ def run_local(nproc: int, merger_args: list[str]) -> int:
             if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
                 break
             time.sleep(0.1)
+    except KeyboardInterrupt:
+        status = 130
     finally:
         for p in procs:  # only those still running: after a failure's grace period, or on Ctrl-C
             if p.poll() is None:

@@ -11,6 +11,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -108,20 +109,28 @@ def make_executor(args: argparse.Namespace):
 
 
 def submit(args: argparse.Namespace, merger_args: list[str]) -> int:
+    from submitit.core.utils import FailedJobError
+
+    if not (shutil.which("sbatch") and shutil.which("srun")):
+        print("launcher: error: sbatch/srun not found: run this where Slurm's commands are (a login node)",
+              file=sys.stderr)
+        return 1
     merger_args = merger_args + (["--device", "cpu"] if args.cpu else [])
     try:
         job = make_executor(args).submit(run_rank, merger_args, os.getcwd())
-    except (OSError, subprocess.CalledProcessError) as e:  # no sbatch here, or sbatch refused the job
-        detail = getattr(e, "stderr", None) or getattr(e, "output", None) or e
-        detail = detail.decode(errors="replace") if isinstance(detail, bytes) else detail
-        print(f"launcher: error: could not submit the Slurm job: {str(detail).strip()}", file=sys.stderr)
+    except FailedJobError as e:  # sbatch refused the job; its message's last line says why
+        print(f"launcher: error: could not submit the Slurm job: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
         return 1
     ranks = args.nodes * args.tasks_per_node
     print(f"launcher: submitted job {job.job_id}: {ranks} ranks on {args.nodes} node(s); logs in {job.paths.folder}",
           flush=True)
     if args.no_wait:
         return 0
-    state = wait_for(job)
+    try:
+        state = wait_for(job)
+    except KeyboardInterrupt:
+        print(f"launcher: stopped waiting; job {job.job_id} goes on (scancel {job.job_id} stops it)", file=sys.stderr)
+        return 130
     if state == "COMPLETED":
         return 0
     report_failure(job, state)

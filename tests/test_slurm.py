@@ -3,6 +3,7 @@ cluster that slurm/local/up.sh brings up, and as a local gloo group (`launcher l
 model's own weights (save_pretrained's output), as in the engine's tests."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,8 @@ SLURM_BINARIES = ("sbatch", "slurmctld", "slurmd", "munged")
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A running one-node Slurm cluster for the session; taken down afterwards if this fixture started it."""
-    missing = [b for b in SLURM_BINARIES if not shutil.which(b)]
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])  # daemons live in sbin
+    missing = [b for b in SLURM_BINARIES if not shutil.which(b, path=path)]
     if missing:
         pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing): apt-get install -y slurm-wlm munge")
     up = subprocess.run(["bash", ROOT / "slurm/local/up.sh"], capture_output=True, text=True, timeout=120)
