@@ -60,17 +60,24 @@ def test_sbatch_template_merges_with_torchrun(slurm_cluster, fsdp_checkpoint, tm
     assert_same_weights(tmp_path / "out", reference, torch.bfloat16)
 
 
-def test_launcher_slurm_reports_a_failed_merge(slurm_cluster, fsdp_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def broken_checkpoint(fsdp_checkpoint, tmp_path_factory) -> tuple[Path, str]:
+    """A copy of the FSDP checkpoint whose last rank file is gone: a bad input the merger must refuse."""
     actor, _ = fsdp_checkpoint()
-    broken = tmp_path / "actor"
+    broken = tmp_path_factory.mktemp("broken") / "actor"
     shutil.copytree(actor, broken)
     missing = sorted(broken.glob("model_world_size_*_rank_*.pt"))[-1]
     missing.unlink()
+    return broken, missing.name
+
+
+def test_launcher_slurm_reports_a_failed_merge(slurm_cluster, broken_checkpoint, tmp_path):
+    broken, missing = broken_checkpoint
     proc = launcher("slurm", "--tasks-per-node", 2, "--cpu", "--folder", tmp_path / "logs" / "%j", "--",
                     *merge_args(broken, tmp_path / "out"), check=False)
     assert proc.returncode != 0
     assert "FAILED" in proc.stdout
-    assert "merger: error:" in proc.stderr and missing.name in proc.stderr, proc.stderr
+    assert "merger: error:" in proc.stderr and missing in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -79,3 +86,11 @@ def test_launcher_local_merges_as_a_gloo_group(fsdp_checkpoint, tmp_path):
     proc = launcher("local", "--nproc", 2, "--", *merge_args(actor, tmp_path / "out"))
     assert "2 merge ranks" in proc.stderr
     assert_same_weights(tmp_path / "out", reference, torch.bfloat16)
+
+
+def test_launcher_local_fails_when_the_merge_fails(broken_checkpoint, tmp_path):
+    broken, missing = broken_checkpoint
+    proc = launcher("local", "--nproc", 2, "--", *merge_args(broken, tmp_path / "out"), check=False)
+    assert proc.returncode == 1
+    assert "merger: error:" in proc.stderr and missing in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
