@@ -1,0 +1,52 @@
+"""Command line of the launcher: its own options before `--`, the merger's command line after it."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+USAGE_TAIL = "put the merger's arguments after `--`, e.g. `-- merge --local_dir CKPT --target_dir OUT`"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="launcher", description=__doc__, epilog=USAGE_TAIL)
+    sub = parser.add_subparsers(dest="mode", required=True)
+
+    slurm = sub.add_parser("slurm", help="submit one Slurm job with one task per rank (submitit)",
+                           epilog=USAGE_TAIL)
+    slurm.add_argument("--nodes", type=int, default=1)
+    slurm.add_argument("--tasks-per-node", type=int, default=1, help="merge ranks per node")
+    slurm.add_argument("--gpus-per-node", type=int, default=None,
+                       help="GPUs to ask for per node (default: one per task; none with --cpu)")
+    slurm.add_argument("--cpus-per-task", type=int, default=None)
+    slurm.add_argument("--mem", default=None, help="memory per node as sbatch spells it: 64G, 500M, 0 = all")
+    slurm.add_argument("--partition", default=None)
+    slurm.add_argument("--account", default=None)
+    slurm.add_argument("--time", type=int, default=120, help="time limit in minutes (default 120)")
+    slurm.add_argument("--cpu", action="store_true",
+                       help="no GPUs: ranks talk over gloo (the merger runs with --device cpu)")
+    slurm.add_argument("--folder", type=Path, default=Path("merger_slurm_logs/%j"),
+                       help="submitit's folder for the job's pickles and logs; %%j is the job id "
+                            "(default merger_slurm_logs/%%j); must be on a filesystem the nodes share")
+    slurm.add_argument("--no-wait", action="store_true", help="print the job id and log folder and return")
+
+    local = sub.add_parser("local", help="run N ranks on this machine as a gloo group (no torchrun needed)",
+                           epilog=USAGE_TAIL)
+    local.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, merger_args = parser.parse_args(argv[:cut]), argv[cut + 1:]  # parsed first, so --help works
+    if not merger_args:
+        parser.error(USAGE_TAIL)
+    if args.mode == "local":
+        from .local import run_local
+
+        return run_local(args.nproc, merger_args)
+    from .slurm import submit
+
+    return submit(args, merger_args)

@@ -1,0 +1,137 @@
+"""Slurm through submitit: one job, one task per merge rank. Each task turns Slurm's view of the job into
+torch.distributed's environment (submitit's TorchDistributedEnvironment) and runs `merger.cli.main`.
+
+The submitting process waits (unless --no-wait), prints the job's state as Slurm reports it, and on failure
+prints the log tail of a failing task (with its `merger: error:` line) and returns 1. States come from
+`scontrol show job` and, once Slurm has forgotten the job, `sacct`, so clusters without accounting work too.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+from .paths import ROOT
+
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
+          "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "PREEMPTED"}
+TAIL_LINES = 20
+SUBMITIT_FAILURE_MARK = "Submitted job triggered an exception"
+
+
+class MergeFailed(Exception):
+    """Raised in a task whose merge failed, so submitit records an error and the task exits non-zero."""
+
+
+def run_rank(merger_args: list[str], cwd: str) -> int:
+    """Body of every Slurm task (pickled by submitit): join the group Slurm describes, run the merger."""
+    import submitit
+
+    os.chdir(cwd)  # relative paths in the merger's arguments mean what they meant where the user typed them
+    # LOCAL_RANK picks the GPU (torchrun's convention), so every task keeps all of its node's devices visible.
+    env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    from merger.cli import main
+
+    status = main(merger_args)
+    if status:
+        raise MergeFailed(f"merger exited with status {status} on rank {env.rank} of {env.world_size}")
+    return status
+
+
+def job_state(job_id: str) -> str:
+    """The job's state as Slurm reports it now: PENDING, RUNNING, COMPLETED, FAILED, ... or UNKNOWN."""
+    queries = (["scontrol", "show", "job", "-o", job_id], ["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id])
+    for cmd in queries:
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        found = re.search(r"JobState=(\S+)", out) if cmd[0] == "scontrol" else re.match(r"\s*([A-Z_]+)", out)
+        if found:
+            return found.group(1)
+    return "UNKNOWN"
+
+
+def wait_for(job, unknown_limit_s: float = 120) -> str:
+    """Wait until the job ends; print each state change; return the last state.
+
+    Slurm is asked quickly at first, then every 10 s at most; between questions, the tasks' result files
+    (submitit writes one per task as it ends) say when to ask again at once, so short jobs return promptly.
+    """
+    results = [job.task(t).paths.result_pickle for t in range(job.num_tasks)]
+    last, interval, next_query, unknown_since = None, 0.5, 0.0, None
+    while True:
+        now = time.monotonic()
+        if now >= next_query or all(p.exists() for p in results):
+            state = job_state(job.job_id)
+            if state != last:
+                print(f"launcher: job {job.job_id} {state}", flush=True)
+                last = state
+            if state not in ACTIVE and state != "UNKNOWN":
+                return state
+            unknown_since = (unknown_since or now) if state == "UNKNOWN" else None
+            if unknown_since is not None and now - unknown_since > unknown_limit_s:
+                return state
+            interval = min(interval * 1.5, 10.0)
+            next_query = now + interval
+        time.sleep(0.25)
+
+
+def report_failure(job, state: str) -> None:
+    """Print the log tail of the first task that wrote a `merger: error:` line (else of task 0)."""
+    logs = [(task, task.stderr() or "") for task in (job.task(t) for t in range(job.num_tasks))]
+    task, text = next(((t, s) for t, s in logs if "merger: error:" in s), logs[0])
+    # What the merger said comes before submitit's traceback of MergeFailed, which says nothing more.
+    lines = text.rstrip().splitlines()
+    lines = lines[:next((i for i, line in enumerate(lines) if SUBMITIT_FAILURE_MARK in line), len(lines))]
+    print(f"launcher: job {job.job_id} ended {state}; last lines of {task.paths.stderr}:", file=sys.stderr)
+    for line in lines[-TAIL_LINES:]:
+        print(line, file=sys.stderr)
+
+
+def make_executor(args: argparse.Namespace):
+    import submitit
+
+    executor = submitit.AutoExecutor(folder=args.folder, cluster="slurm")
+    gpus = 0 if args.cpu else (args.gpus_per_node if args.gpus_per_node is not None else args.tasks_per_node)
+    params = dict(name="merger", nodes=args.nodes, tasks_per_node=args.tasks_per_node, gpus_per_node=gpus,
+                  cpus_per_task=args.cpus_per_task, timeout_min=args.time, slurm_partition=args.partition,
+                  slurm_account=args.account, slurm_mem=args.mem,
+                  # The job imports the same merger and launcher as this process, checkout or install.
+                  slurm_setup=[f"export PYTHONPATH={shlex.quote(str(ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}"])
+    executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
+    return executor
+
+
+def submit(args: argparse.Namespace, merger_args: list[str]) -> int:
+    from submitit.core.utils import FailedJobError
+
+    if not (shutil.which("sbatch") and shutil.which("srun")):
+        print("launcher: error: sbatch/srun not found: run this where Slurm's commands are (a login node)",
+              file=sys.stderr)
+        return 1
+    merger_args = merger_args + (["--device", "cpu"] if args.cpu else [])
+    try:
+        job = make_executor(args).submit(run_rank, merger_args, os.getcwd())
+    except FailedJobError as e:  # sbatch refused the job; its message's last line says why
+        print(f"launcher: error: could not submit the Slurm job: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+        return 1
+    ranks = args.nodes * args.tasks_per_node
+    print(f"launcher: submitted job {job.job_id}: {ranks} ranks on {args.nodes} node(s); logs in {job.paths.folder}",
+          flush=True)
+    if args.no_wait:
+        return 0
+    try:
+        state = wait_for(job)
+    except KeyboardInterrupt:
+        print(f"launcher: stopped waiting; job {job.job_id} goes on (scancel {job.job_id} stops it)", file=sys.stderr)
+        return 130
+    if state == "COMPLETED":
+        return 0
+    report_failure(job, state)
+    return 1
