@@ -98,14 +98,8 @@ def test_hostile_metadata_is_refused_without_running_code(dcp_root, tmp_path):
 def test_torchtitan_llama_to_hf(torchtitan_root, tmp_path):
     """Names and wq/wk permutation equal torchtitan's own to_hf of the unsharded model, bit for bit."""
     run_merger("merge", "--local_dir", torchtitan_root / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",
-               "--hf_model_config_path", torchtitan_root / "hf", "--dtype", "keep", "--device", "cpu", nproc=3)
+               "--hf_model_config_path", torchtitan_root / "hf", "--dtype", "keep")
     assert_same_weights(tmp_path / "out", torchtitan_root / "reference", None)
-
-
-def test_torchtitan_without_config_names_the_flag(torchtitan_root, tmp_path):
-    proc = run_merger("merge", "--local_dir", torchtitan_root / "checkpoint" / "step-1",
-                      "--target_dir", tmp_path / "out", check=False)
-    assert proc.returncode == 1 and "--hf_model_config_path" in proc.stderr
 
 
 def test_rotary_permute_matches_torchtitan_and_hf_rotary():
