@@ -1,13 +1,15 @@
 """Source names to output tensors: the steps a plan is built from.
 
-Checkpoints whose keys are already HF names (verl FSDP, HF-named DCP) map one to one with a cast. Tied
-output embeddings are written once, as save_pretrained does.
+Checkpoints whose keys are already HF names (verl FSDP, HF-named DCP) map one to one with a cast; torchtitan
+Llama names are renamed and rotary-permuted (torchtitan_llama.py). Tied output embeddings are written once,
+as save_pretrained does.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from . import torchtitan_llama
 from .catalog import Catalog
 from .errors import MergerError
 from .options import MergeOptions
@@ -46,4 +48,7 @@ def hf_steps(catalog: Catalog, config: dict, options: MergeOptions) -> list[Step
 
 
 def build_steps(catalog: Catalog, config: dict, options: MergeOptions) -> list[Step]:
+    if torchtitan_llama.wanted(catalog, options):
+        ties = options.tie_word_embedding or ties_embeddings(config)
+        return torchtitan_llama.torchtitan_steps(catalog, config, options, ties)
     return hf_steps(catalog, config, options)

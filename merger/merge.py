@@ -66,7 +66,7 @@ def resolve_hf_dir(catalog: Catalog, options: MergeOptions) -> Path:
 def prepare(options: MergeOptions, group: Group) -> Prepared:
     """Catalog and plan, identical on every rank, from metadata alone."""
     def build():
-        catalog = open_catalog(Path(options.local_dir), options.backend)
+        catalog = open_catalog(Path(options.local_dir), options.backend, options.prefix)
         hf_dir = resolve_hf_dir(catalog, options)
         config = read_config(hf_dir)
         steps = build_steps(catalog, config, options)

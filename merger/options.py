@@ -15,6 +15,8 @@ class MergeOptions:
     target_dir: Path | None = None
     backend: str = "auto"
     hf_model_config_path: Path | None = None
+    prefix: str | None = None  # DCP: the nesting prefix to take off names (None: detect)
+    model: str = "auto"  # source naming: auto (detect from names), hf, torchtitan-llama
     dtype: str = "bfloat16"
     max_shard_size: int = 5_000_000_000
     max_inflight: int = 1 << 30

@@ -14,7 +14,10 @@ from ..errors import MergerError
 # name -> module under merger.sources; order matters for auto-detection (most specific first).
 BACKENDS = {
     "fsdp": "fsdp",
+    "dcp": "dcp",  # after formats that wrap a DCP folder in their own layout (Megatron torch_dist)
 }
+# Backends whose tensor names can carry a nesting prefix that `--prefix` chooses.
+PREFIX_BACKENDS = {"dcp"}
 
 
 def _module(name: str):
@@ -28,7 +31,7 @@ def detect_backend(root: Path) -> str:
     raise MergerError(f"no known checkpoint layout (looked for: {', '.join(BACKENDS)}), {root}")
 
 
-def open_catalog(root: Path, backend: str = "auto") -> Catalog:
+def open_catalog(root: Path, backend: str = "auto", prefix: str | None = None) -> Catalog:
     if not root.exists():
         raise MergerError(f"checkpoint folder does not exist, {root}")
     if not root.is_dir():
@@ -39,4 +42,9 @@ def open_catalog(root: Path, backend: str = "auto") -> Catalog:
         raise MergerError(f"unknown backend {backend!r} (known: auto, {', '.join(BACKENDS)}), {root}")
     elif not _module(backend).detect(root):
         raise MergerError(f"folder is not a {backend} checkpoint, {root}")
-    return _module(backend).open_catalog(root)
+    if prefix is None:
+        return _module(backend).open_catalog(root)
+    if backend not in PREFIX_BACKENDS:
+        raise MergerError(f"--prefix applies to {', '.join(sorted(PREFIX_BACKENDS))} checkpoints, not {backend}, "
+                          f"{root}")
+    return _module(backend).open_catalog(root, prefix=prefix)

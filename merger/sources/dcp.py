@@ -1,0 +1,189 @@
+"""torch.distributed.checkpoint (DCP) folders: `.metadata` + `__{rank}_{k}.distcp`, as FSDP2 `dcp.save`,
+accelerate (SHARDED_STATE_DICT, `checkpoint-N/pytorch_model_fsdp_0/`) and torchtitan write them.
+
+The catalog comes from `.metadata` alone: every tensor's global shape and dtype, its chunks (N-dimensional
+boxes with offsets) and the byte range of each chunk in its .distcp file, where DCP's FileSystemWriter
+stores one `torch.save` blob per chunk. A merge rank reads exactly those byte ranges, nothing else.
+Optimizer state and non-tensor entries are skipped; the `model.` nesting accelerate adds is stripped.
+"""
+from __future__ import annotations
+
+import io
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
+from ..errors import MergerError
+from .dcp_metadata import METADATA_FILE, load_metadata
+
+CHUNK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
+ACCELERATE_DIR = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME + "_" + model index 0
+NESTING = "model"  # accelerate saves {"model": state_dict}; DCP flattens that to "model.<fqn>"
+OPTIMIZER_PREFIXES = ("optim", "optimizer")
+
+
+def _is_dcp_dir(folder: Path) -> bool:
+    return (folder / METADATA_FILE).is_file() and any(CHUNK_FILE.fullmatch(p.name) for p in folder.glob("__*.distcp"))
+
+
+def dcp_dir(root: Path) -> Path | None:
+    """The folder holding `.metadata`: root itself, or accelerate's `pytorch_model_fsdp_0/` inside checkpoint-N."""
+    for folder in (root, root / ACCELERATE_DIR):
+        if _is_dcp_dir(folder):
+            return folder
+    return None
+
+
+def detect(root: Path) -> bool:
+    return dcp_dir(root) is not None
+
+
+def _hf_dir(root: Path, folder: Path) -> Path | None:
+    """`huggingface/` inside the DCP folder or the given folder, or beside the DCP folder."""
+    for candidate in (folder / "huggingface", root / "huggingface", folder.parent / "huggingface"):
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def _is_optimizer(fqn: str, path: tuple | None) -> bool:
+    head = path[0] if path else fqn.split(".", 1)[0]
+    return isinstance(head, str) and head in OPTIMIZER_PREFIXES
+
+
+def _auto_prefix(fqns: list[str], planner_data: dict) -> str:
+    """`model.` when accelerate nested the state dict under "model", else nothing.
+
+    DCP's default planner records how it flattened nested dicts (fqn -> path of keys): a nested save has
+    path ("model", "<inner fqn>"), which tells it apart from a HF model whose own names start with
+    `model.`. Without that record, strip only when every key starts with `model.` (a HF causal LM always
+    has a top-level `lm_head`, so its plain state dict never does).
+    """
+    paths = [planner_data.get(f) for f in fqns]
+    if all(isinstance(p, tuple) and len(p) > 1 and p[0] == NESTING for p in paths):
+        return NESTING + "."
+    if all(p is None for p in paths) and all(f.startswith(NESTING + ".") for f in fqns):
+        return NESTING + "."
+    return ""
+
+
+def _select(tensor_fqns: list[str], planner_data: dict, prefix: str | None,
+            folder: Path) -> tuple[str, dict[str, str]]:
+    """The prefix taken off, and source name -> DCP fqn for the model's tensors."""
+    fqns = [f for f in tensor_fqns if not _is_optimizer(f, planner_data.get(f))]
+    if not fqns:
+        raise MergerError(f"checkpoint holds no model tensors (only optimizer or non-tensor entries), {folder}")
+    if prefix is None:
+        prefix = _auto_prefix(fqns, planner_data)
+    elif prefix and not prefix.endswith("."):
+        prefix += "."
+    chosen = {f[len(prefix):]: f for f in fqns if f.startswith(prefix)}
+    if not chosen:
+        raise MergerError(f"no tensor name starts with --prefix {prefix!r} (names look like {fqns[0]!r}), "
+                          f"{folder / METADATA_FILE}")
+    return prefix, chosen
+
+
+def _chunk_pieces(fqn: str, meta, storage: dict, folder: Path) -> tuple[ShardPiece, ...]:
+    pieces = []
+    for chunk in meta.chunks:
+        offsets, sizes = tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes)
+        if 0 in sizes and 0 not in meta.size:
+            continue  # FSDP2 saves an empty chunk for ranks past the end of a short dim: nothing to place
+        info = storage.get((fqn, offsets))
+        if info is None:
+            raise MergerError(f"tensor {fqn} chunk at {offsets} has no storage entry, {folder / METADATA_FILE}")
+        if getattr(info, "transform_descriptors", None):
+            raise MergerError(f"tensor {fqn} was saved with storage transforms {list(info.transform_descriptors)}, "
+                              f"which merger cannot read, {folder / METADATA_FILE}")
+        file = str(folder / info.relative_path)
+        pieces.append(ShardPiece(offsets, sizes, (PieceCopy(file, fqn, (int(info.offset), int(info.length))),)))
+    return tuple(pieces)
+
+
+def _file_order(path: str) -> tuple[int, int]:
+    m = CHUNK_FILE.fullmatch(Path(path).name)
+    return (int(m.group(1)), int(m.group(2))) if m else (1 << 62, 0)
+
+
+def open_catalog(root: Path, prefix: str | None = None) -> Catalog:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    folder = dcp_dir(root)
+    if folder is None:
+        raise MergerError(f"no DCP checkpoint (.metadata + __*_*.distcp) here or in {ACCELERATE_DIR}/, {root}")
+    metadata = load_metadata(folder)
+    planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    storage = {(idx.fqn, tuple(int(o) for o in idx.offset or ())): info
+               for idx, info in (metadata.storage_data or {}).items()}
+
+    tensor_fqns = [f for f, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)]
+    prefix, chosen = _select(tensor_fqns, planner_data, prefix, folder)
+    tensors = {}
+    for name, fqn in chosen.items():
+        meta = metadata.state_dict_metadata[fqn]
+        tensors[name] = SourceTensor(name, tuple(int(s) for s in meta.size), meta.properties.dtype,
+                                     _chunk_pieces(fqn, meta, storage, folder))
+    files = sorted({c.file for t in tensors.values() for p in t.pieces for c in p.copies}, key=_file_order)
+    skipped = sum(1 for m in metadata.state_dict_metadata.values() if isinstance(m, BytesStorageMetadata))
+    skipped += len(tensor_fqns) - len(chosen)
+    return Catalog(
+        format="dcp", root=folder, tensors=tensors, files=files, reader_factory=DcpReader,
+        hf_dir=_hf_dir(root, folder),
+        details={"saved_by_ranks": len({_file_order(f)[0] for f in files}),
+                 "chunks": sum(len(t.pieces) for t in tensors.values()),
+                 "stripped_prefix": prefix or "none", "skipped_entries": skipped},
+    )
+
+
+class DcpReader:
+    """Reads each chunk's byte range from its .distcp file and unpickles it with torch.load(weights_only=True)."""
+
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
+        self.fds: dict[str, int] = {}
+        self.dtypes = {c.key: t.dtype for t in catalog.tensors.values() for p in t.pieces for c in p.copies}
+
+    def _fd(self, file: str) -> int:
+        if file not in self.fds:
+            try:
+                self.fds[file] = os.open(file, os.O_RDONLY)
+            except FileNotFoundError as e:
+                raise MergerError(f"DCP chunk file is missing, {file}") from e
+        return self.fds[file]
+
+    def check_files(self, files: list[str]) -> None:
+        ends: dict[str, int] = {}
+        for t in self.catalog.tensors.values():
+            for piece in t.pieces:
+                for c in piece.copies:
+                    ends[c.file] = max(ends.get(c.file, 0), c.byte_range[0] + c.byte_range[1])
+        for file in files:
+            size = os.fstat(self._fd(file)).st_size
+            if size < ends.get(file, 0):
+                raise MergerError(f"DCP chunk file is {size} bytes but .metadata places data up to byte "
+                                  f"{ends[file]} (truncated?), {file}")
+
+    def read(self, copy: PieceCopy, piece: ShardPiece) -> torch.Tensor:
+        offset, length = copy.byte_range
+        dtype = self.dtypes[copy.key]
+        data = os.pread(self._fd(copy.file), length, offset)
+        if len(data) != length:
+            raise MergerError(f"tensor {copy.key}: read {len(data)} of {length} bytes at {offset}, {copy.file}")
+        try:
+            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises RuntimeError/UnpicklingError for bytes that are no torch.save blob
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise MergerError(f"tensor {copy.key}: chunk at byte {offset} is not a torch.save blob "
+                              f"({first_line}), {copy.file}") from e
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != piece.sizes or value.dtype != dtype:
+            got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise MergerError(f"tensor {copy.key}: chunk at byte {offset} holds {got}, .metadata says "
+                              f"{piece.sizes} {dtype}, {copy.file}")
+        return value
+
+    def release(self) -> None:
+        """Nothing stays mapped: each chunk is read into its own buffer, which dies with its step."""

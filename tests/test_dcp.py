@@ -1,0 +1,136 @@
+"""torch.distributed.checkpoint input: FSDP2 dcp.save, accelerate's nested HSDP form, torchtitan Llama.
+
+Checkpoints are written by the real libraries under torchrun/gloo (tests/writers/dcp_checkpoint.py and
+torchtitan_checkpoint.py), once per session. Oracles: the model's own save_pretrained output (bit-exact)
+and, for torchtitan, torchtitan's own Llama3StateDictAdapter.to_hf (bit-exact) plus the rotary maths of
+torchtitan and transformers for the permutation alone.
+"""
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_same_weights, run_merger, run_writer
+
+
+def _need_torchtitan():
+    try:
+        import torchtitan.models.llama3  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != "triton":
+            raise
+        pytest.skip("torchtitan 0.3.0 imports triton at import time and triton is not installed (pip install triton)")
+
+
+@pytest.fixture(scope="session")
+def dcp_root(tmp_path_factory) -> Path:
+    """plain/ (FSDP2 over 4 ranks, vocab 101), checkpoint-1/pytorch_model_fsdp_0 (HSDP 2x2, nested, with
+    optimizer), hf/, reference/."""
+    root = tmp_path_factory.mktemp("dcp")
+    run_writer("dcp_checkpoint.py", "--out", root, "--hsdp", "2,2", nproc=4)
+    return root
+
+
+@pytest.fixture(scope="session")
+def torchtitan_root(tmp_path_factory) -> Path:
+    _need_torchtitan()
+    root = tmp_path_factory.mktemp("torchtitan")
+    run_writer("torchtitan_checkpoint.py", "--out", root / "checkpoint" / "step-1", "--hf", root / "hf",
+               "--reference", root / "reference", nproc=2)
+    return root
+
+
+def test_fsdp2_dcp_save_one_process(dcp_root, tmp_path):
+    run_merger("merge", "--local_dir", dcp_root / "plain", "--target_dir", tmp_path / "out")
+    assert_same_weights(tmp_path / "out", dcp_root / "reference", torch.bfloat16)
+    # the config and tokenizer came from huggingface/ inside the DCP folder
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_accelerate_hsdp_torchrun_other_world_size(dcp_root, tmp_path):
+    """checkpoint-N given: pytorch_model_fsdp_0/ found, `model.` nesting and the optimizer dropped, 3 ranks."""
+    run_merger("merge", "--local_dir", dcp_root / "checkpoint-1", "--target_dir", tmp_path / "out",
+               "--hf_model_config_path", dcp_root / "hf", "--dtype", "keep", "--device", "cpu", nproc=3)
+    assert_same_weights(tmp_path / "out", dcp_root / "reference", None)
+
+
+def test_accelerate_model_folder_with_prefix_flag(dcp_root, tmp_path):
+    run_merger("merge", "--local_dir", dcp_root / "checkpoint-1" / "pytorch_model_fsdp_0", "--prefix", "model",
+               "--target_dir", tmp_path / "out", "--hf_model_config_path", dcp_root / "hf", "--dtype", "keep")
+    assert_same_weights(tmp_path / "out", dcp_root / "reference", None)
+
+
+def test_accelerate_without_config_names_the_flag(dcp_root, tmp_path):
+    proc = run_merger("merge", "--local_dir", dcp_root / "checkpoint-1", "--target_dir", tmp_path / "out",
+                      check=False)
+    assert proc.returncode == 1
+    assert "merger: error:" in proc.stderr and "--hf_model_config_path" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+class _Payload:
+    """Unpickling this calls os.mkdir(marker): what a hostile .metadata could do with torch's own reader."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return os.mkdir, (self.marker,)
+
+
+def test_hostile_metadata_is_refused_without_running_code(dcp_root, tmp_path):
+    folder = tmp_path / "hostile"
+    shutil.copytree(dcp_root / "plain", folder)
+    marker = tmp_path / "pwned"
+    (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    proc = run_merger("inspect", "--local_dir", folder, check=False)
+    assert proc.returncode == 1
+    assert "refusing to load global" in proc.stderr and "mkdir" in proc.stderr, proc.stderr
+    assert not marker.exists()
+
+
+def test_torchtitan_llama_to_hf(torchtitan_root, tmp_path):
+    """Names and wq/wk permutation equal torchtitan's own to_hf of the unsharded model, bit for bit."""
+    run_merger("merge", "--local_dir", torchtitan_root / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",
+               "--hf_model_config_path", torchtitan_root / "hf", "--dtype", "keep")
+    assert_same_weights(tmp_path / "out", torchtitan_root / "reference", None)
+
+
+def test_rotary_permute_matches_torchtitan_and_hf_rotary():
+    """Attention scores of torchtitan's complex RoPE on the original wq/wk equal those of HF's rotate-half RoPE
+    on the permuted weights, for query and grouped kv heads."""
+    _need_torchtitan()
+    import transformers
+    from torchtitan.models.common import ComplexRoPE
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from merger.torchtitan_llama import rotary_permute
+
+    heads, kv_heads, head_dim, dim, seq = 4, 2, 8, 32, 6
+    torch.manual_seed(0)
+    wq, wk = torch.randn(heads * head_dim, dim) * 0.1, torch.randn(kv_heads * head_dim, dim) * 0.1
+    x = torch.randn(1, seq, dim)
+
+    q, k = (x @ wq.T).view(1, seq, heads, head_dim), (x @ wk.T).view(1, seq, kv_heads, head_dim)
+    rope = ComplexRoPE.Config(dim=head_dim, max_seq_len=16, theta=10000.0, scaling="none").build()
+    tq, tk = ComplexRoPE.apply_rotary_emb(q, k, rope._reshape_cache(q))
+    titan = torch.einsum("bshd,bthd->bhst", tq, tk.repeat_interleave(heads // kv_heads, 2))
+
+    config = transformers.LlamaConfig(hidden_size=dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                      rope_theta=10000.0)
+    hq = (x @ rotary_permute(wq, heads).T).view(1, seq, heads, head_dim).transpose(1, 2)
+    hk = (x @ rotary_permute(wk, kv_heads).T).view(1, seq, kv_heads, head_dim).transpose(1, 2)
+    cos, sin = LlamaRotaryEmbedding(config)(x, torch.arange(seq)[None])
+    hq, hk = apply_rotary_pos_emb(hq, hk, cos, sin)
+    hf = torch.einsum("bhsd,bhtd->bhst", hq, hk.repeat_interleave(heads // kv_heads, 1))
+
+    torch.testing.assert_close(hf, titan, atol=1e-5, rtol=1e-5)
+    unpermuted = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    wrong = torch.einsum("bhsd,bhtd->bhst", unpermuted[0], unpermuted[1].repeat_interleave(heads // kv_heads, 1))
+    assert not torch.allclose(wrong, titan, atol=1e-3)  # the permutation is what makes them agree
