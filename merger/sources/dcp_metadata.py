@@ -52,7 +52,7 @@ def load_metadata(folder: Path):
         raise MergerError(f"no .metadata file, {path}") from e
     except pickle.UnpicklingError as e:
         raise MergerError(f"not a DCP metadata file ({e}), {path}") from e
-    except (EOFError, AttributeError, TypeError, ValueError, IndexError) as e:
+    except Exception as e:  # noqa: BLE001 - a truncated or garbled pickle fails in many ways; all mean "damaged"
         raise MergerError(f"damaged DCP metadata file ({type(e).__name__}: {e}), {path}") from e
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise MergerError(f"not a DCP metadata file (holds a {type(metadata).__name__}), {path}")
