@@ -14,6 +14,7 @@ import torch
 
 from .errors import MergerError
 from .plan import OutputSpec, Plan
+from .units import format_size
 
 # Weight files of the source's HF folder are never copied: the merge writes the weights.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -40,23 +41,47 @@ def check_target(target: Path, overwrite: bool) -> None:
         raise MergerError(f"target's parent folder is not writable, {parent}")
 
 
-def prepare_files(stage: Path, plan: Plan) -> None:
-    """Create every output file at its final size with its header in place (rank 0, before streaming)."""
-    if stage.exists():
+def check_free_space(folder: Path, needed: int) -> None:
+    """Refuse to start a merge that cannot fit: cheaper than failing with ENOSPC after minutes of streaming."""
+    try:
+        st = os.statvfs(folder)
+    except OSError as e:
+        raise MergerError(f"cannot check free space ({e.strerror}), {folder}") from e
+    free = st.f_bavail * st.f_frsize
+    if free < needed:
+        raise MergerError(f"not enough free space for the merged model: it needs {format_size(needed)}, "
+                          f"{format_size(free)} are free, {folder}")
+
+
+def prepare_files(stage: Path, plan: Plan, keep: frozenset[str] = frozenset()) -> None:
+    """Create every output file at its final size with its header in place (rank 0, before streaming).
+
+    Files named in `keep` are finished files a resumed merge reuses: they are left exactly as they are.
+    Growing each file to its final size up front also meets a file size limit (EFBIG) before any streaming.
+    """
+    if stage.exists() and not keep:
         shutil.rmtree(stage)
-    stage.mkdir(parents=True)
+    stage.mkdir(parents=True, exist_ok=True)
     for f in plan.files:
-        with open(stage / f.name, "wb") as out:
-            out.write(f.prefix)
-            out.truncate(f.size)
+        if f.name in keep:
+            continue
+        path = stage / f.name
+        try:
+            with open(path, "wb") as out:
+                out.write(f.prefix)
+                out.truncate(f.size)
+        except OSError as e:
+            raise MergerError(f"cannot write the merged model ({e.strerror}), {path}") from e
 
 
 class FileSink:
     """Writes each output tensor's bytes at its planned offset; several ranks write one file side by side."""
 
-    def __init__(self, stage: Path, plan: Plan):
+    def __init__(self, stage: Path, plan: Plan, skip: frozenset[str] = frozenset()):
         self.stage, self.plan = stage, plan
         self.fds: dict[int, int] = {}
+        # Files a resumed merge reuses: their bytes are already right, so outputs landing there are dropped.
+        self.skip = {i for i, f in enumerate(plan.files) if f.name in skip}
 
     def _fd(self, index: int) -> int:
         if index not in self.fds:
@@ -65,6 +90,8 @@ class FileSink:
 
     def put(self, spec: OutputSpec, tensor: torch.Tensor) -> None:
         index, entry = self.plan.location[spec.name]
+        if index in self.skip:
+            return
         data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
         if len(data) != entry.end - entry.begin:
             raise MergerError(f"output {spec.name} has {len(data)} bytes, planned {entry.end - entry.begin}")
@@ -74,24 +101,54 @@ class FileSink:
             try:
                 n = os.pwrite(fd, data, at)
             except OSError as e:
-                raise MergerError(f"cannot write ({e.strerror}), {path}") from e
+                raise MergerError(f"cannot write the merged model ({e.strerror}), {path}") from e
             data, at = data[n:], at + n
 
+    def sync(self, indices) -> None:
+        """Flush and close the files this rank wrote among `indices` (they are complete: none writes them again)."""
+        for index in indices:
+            fd = self.fds.pop(index, None)
+            if fd is None:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                raise MergerError(f"cannot write the merged model ({e.strerror}), "
+                                  f"{self.stage / self.plan.files[index].name}") from e
+            finally:
+                os.close(fd)
+
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.fsync(fd)
-            os.close(fd)
-        self.fds.clear()
+        self.sync(list(self.fds))
+
+
+def _inside(path: Path, roots: list[Path]) -> bool:
+    return any(path == root or root in path.parents for root in roots)
+
+
+def hf_files_to_copy(hf_dir: Path) -> list[Path]:
+    """Config, tokenizer, processor, chat template and remote-code files: regular files inside hf_dir only.
+
+    A symlink is followed only when it stays inside the folder (or, for a Hub cache snapshot, inside that
+    repo's blobs/): a link pointing elsewhere could copy any file of the machine into a model meant for upload.
+    """
+    roots = [hf_dir.resolve()]
+    if hf_dir.parent.name == "snapshots":
+        roots.append((hf_dir.parent.parent / "blobs").resolve())
+    files = []
+    for src in sorted(hf_dir.iterdir()):
+        if src.name.endswith(_WEIGHT_SUFFIXES) or src.name in _WEIGHT_INDEXES:
+            continue
+        real = src.resolve()
+        if not real.is_file() or not _inside(real, roots):
+            continue  # folders hold no loadable config; a link out of the folder is never followed
+        files.append(src)
+    return files
 
 
 def _copy_hf_files(hf_dir: Path, stage: Path) -> list[str]:
-    """Copy config, tokenizer, processor, chat template and remote-code files: regular files inside hf_dir only."""
     copied = []
-    for src in sorted(hf_dir.iterdir()):
-        if src.is_symlink() or not src.is_file():
-            continue  # a link could point anywhere on the machine; folders hold no loadable config
-        if src.name.endswith(_WEIGHT_SUFFIXES) or src.name in _WEIGHT_INDEXES:
-            continue
+    for src in hf_files_to_copy(hf_dir):
         shutil.copyfile(src, stage / src.name)
         copied.append(src.name)
     return copied
@@ -119,9 +176,17 @@ def finish(stage: Path, target: Path, plan: Plan, hf_dir: Path, out_dtype: torch
         raise MergerError(f"no config.json to copy (pass --hf_model_config_path), {hf_dir}")
     dtype_name = str(out_dtype).removeprefix("torch.") if out_dtype is not None else None
     _write_config(stage, dtype_name, config_updates or {})
-    manifest = dict(manifest, output_files={f.name: f.size for f in plan.files}, copied_files=copied)
-    (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    manifest = dict(manifest, copied_files=copied, complete=True)
+    manifest.setdefault("output_files", {f.name: {"size": f.size} for f in plan.files})
+    write_manifest(stage, manifest)
     _swap_into_place(stage, target, overwrite)
+
+
+def write_manifest(stage: Path, manifest: dict) -> None:
+    """Replace the manifest atomically: a crash leaves the old one or the new one, never half of one."""
+    tmp = stage / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, stage / MANIFEST)
 
 
 def _swap_into_place(stage: Path, target: Path, overwrite: bool) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import pickle
 import re
 from pathlib import Path
 
@@ -53,6 +54,12 @@ def load_rank_file(path: str) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError as e:
         raise MergerError(f"rank file is missing, {path}") from e
+    except pickle.UnpicklingError as e:
+        # weights_only refuses any global it does not know before calling it: a payload never runs.
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        what = f"calls {found.group(1)}" if found else "uses objects other than tensors"
+        raise MergerError(f"refusing to load rank file: its pickle {what}, which a weights-only load does not "
+                          f"allow (the file is damaged or not a checkpoint), {path}") from e
     except Exception as e:  # torch raises RuntimeError/UnpicklingError/zip errors for damaged files
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MergerError(f"cannot load rank file ({first_line}), {path}") from e
@@ -115,7 +122,7 @@ def open_catalog(root: Path) -> Catalog:
 
     world = _world_size(root)
     files = [str(root / f"model_world_size_{world}_rank_{r}.pt") for r in range(world)]
-    missing = [f for f in files if not Path(f).is_file()]
+    missing = [f for f in files if not Path(f).exists()]
     if missing:
         raise MergerError(f"{len(missing)} of {world} rank files are missing, {missing[0]}")
     state = load_rank_file(files[0])
