@@ -32,6 +32,8 @@ def check_target(target: Path, overwrite: bool) -> None:
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise MergerError(f"target folder is not empty (pass --overwrite to replace it), {target}")
     parent = target.parent
+    if parent.exists() and not parent.is_dir():
+        raise MergerError(f"target's parent is not a folder, {parent}")
     if not parent.exists():
         try:
             parent.mkdir(parents=True, exist_ok=True)
@@ -62,6 +64,7 @@ def prepare_files(stage: Path, plan: Plan, keep: frozenset[str] = frozenset()) -
     if stage.exists() and not keep:
         shutil.rmtree(stage)
     stage.mkdir(parents=True, exist_ok=True)
+    check_free_space(stage, sum(f.size for f in plan.files if f.name not in keep))
     for f in plan.files:
         if f.name in keep:
             continue
@@ -146,10 +149,22 @@ def hf_files_to_copy(hf_dir: Path) -> list[Path]:
     return files
 
 
+def _write_into(stage: Path, name: str, data: bytes) -> None:
+    """A write into the staging folder; a failure (ENOSPC, EFBIG, EDQUOT...) names the file being written."""
+    try:
+        (stage / name).write_bytes(data)
+    except OSError as e:
+        raise MergerError(f"cannot write the merged model ({e.strerror}), {stage / name}") from e
+
+
 def _copy_hf_files(hf_dir: Path, stage: Path) -> list[str]:
     copied = []
     for src in hf_files_to_copy(hf_dir):
-        shutil.copyfile(src, stage / src.name)
+        try:
+            data = src.read_bytes()  # config and tokenizer files: small
+        except OSError as e:
+            raise MergerError(f"cannot read ({e.strerror}), {src}") from e
+        _write_into(stage, src.name, data)
         copied.append(src.name)
     return copied
 
@@ -162,7 +177,7 @@ def _write_config(stage: Path, dtype_name: str | None, config_updates: dict) -> 
         if "torch_dtype" in config:
             config["torch_dtype"] = dtype_name
     config.update(config_updates)
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_into(stage, "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
 def finish(stage: Path, target: Path, plan: Plan, hf_dir: Path, out_dtype: torch.dtype | None,
@@ -170,7 +185,7 @@ def finish(stage: Path, target: Path, plan: Plan, hf_dir: Path, out_dtype: torch
     """Rank 0, after every rank wrote its bytes: index, config, tokenizer files, manifest, then the rename."""
     if len(plan.files) > 1:
         index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map}
-        (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        _write_into(stage, "model.safetensors.index.json", (json.dumps(index, indent=2) + "\n").encode())
     copied = _copy_hf_files(hf_dir, stage)
     if "config.json" not in copied:
         raise MergerError(f"no config.json to copy (pass --hf_model_config_path), {hf_dir}")
@@ -185,8 +200,11 @@ def finish(stage: Path, target: Path, plan: Plan, hf_dir: Path, out_dtype: torch
 def write_manifest(stage: Path, manifest: dict) -> None:
     """Replace the manifest atomically: a crash leaves the old one or the new one, never half of one."""
     tmp = stage / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, stage / MANIFEST)
+    try:
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, stage / MANIFEST)
+    except OSError as e:
+        raise MergerError(f"cannot write the merge manifest ({e.strerror}), {tmp}") from e
 
 
 def _swap_into_place(stage: Path, target: Path, overwrite: bool) -> None:

@@ -168,8 +168,8 @@ class FileTracker:
         for future in self.futures:
             try:
                 future.result()
-            except OSError as e:
-                raise MergerError(f"cannot checksum the merged model ({e.strerror}), {e.filename}") from e
+            except OSError as e:  # reading back a file rank 0 did not create: vanished or unreadable
+                raise MergerError(f"cannot read back the merged model ({e.strerror}), {e.filename}") from e
         return self.manifest
 
     def _pause(self) -> None:

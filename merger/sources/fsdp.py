@@ -56,7 +56,7 @@ def load_rank_file(path: str) -> dict:
         raise MergerError(f"rank file is missing, {path}") from e
     except pickle.UnpicklingError as e:
         # weights_only refuses any global it does not know before calling it: a payload never runs.
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f"calls {found.group(1)}" if found else "uses objects other than tensors"
         raise MergerError(f"refusing to load rank file: its pickle {what}, which a weights-only load does not "
                           f"allow (the file is damaged or not a checkpoint), {path}") from e
