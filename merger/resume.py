@@ -10,7 +10,8 @@ Checksums cost one read of the output on rank 0, done in a background thread whi
 
 Test hook, read only here: with MERGER_TEST_PAUSE_AFTER_BATCH=N and MERGER_TEST_PAUSE_FILE=P, once batches
 0..N are written on every rank (and rank 0 has checksummed the files they completed) each rank writes its
-pid to `P.<rank>` and sleeps, so tests can kill a real merge at a known point.
+pid to `P.<rank>` and sleeps, so tests can kill a real merge at a known point. MERGER_TEST_PAUSE_RANK=r
+pauses only rank r: the others go on into the next collective and wait there for it.
 """
 from __future__ import annotations
 
@@ -141,8 +142,8 @@ class FileTracker:
                         if manifest["output_files"][f.name]["sha256"] is None} if self.pool else set()
         self.futures: list[Future] = []
         self.lock = threading.Lock()
-        pause = os.environ.get("MERGER_TEST_PAUSE_AFTER_BATCH")
-        self.pause_at = int(pause) + 1 if pause else None
+        pause, only = os.environ.get("MERGER_TEST_PAUSE_AFTER_BATCH"), os.environ.get("MERGER_TEST_PAUSE_RANK")
+        self.pause_at = int(pause) + 1 if pause and (only is None or int(only) == group.rank) else None
 
     def written(self, index: int) -> None:
         self.sink.sync([i for i, last in self.last_batch.items() if last == index])

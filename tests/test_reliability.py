@@ -299,36 +299,49 @@ def _alive(pid: int) -> bool:
 
 
 def _kill_rank_mid_merge(ckpt: Path, out: Path, tmp_path: Path, *extra, nproc: int = 2, victim: int = 1,
-                         after_batch: int = 12) -> tuple[subprocess.CompletedProcess, list[int]]:
-    """Start a real merge, let it pause after `after_batch` (test hook), SIGKILL one rank, wait for the end."""
+                         after_batch: int = 12, pause_all: bool = True) -> subprocess.CompletedProcess:
+    """Start a real merge, let it pause after `after_batch` (test hook), SIGKILL one rank, wait for the end.
+
+    With pause_all=False only the victim pauses: the other ranks are inside a collective when it dies.
+    """
     pause = tmp_path / "paused"
-    proc = start_merger("merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, *extra, nproc=nproc,
-                        env={"MERGER_TEST_PAUSE_AFTER_BATCH": str(after_batch), "MERGER_TEST_PAUSE_FILE": str(pause)})
-    files = [Path(f"{pause}.{r}") for r in range(nproc)]
+    env = {"MERGER_TEST_PAUSE_AFTER_BATCH": str(after_batch), "MERGER_TEST_PAUSE_FILE": str(pause)}
+    if not pause_all:
+        env["MERGER_TEST_PAUSE_RANK"] = str(victim)
+    proc = start_merger("merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, *extra, nproc=nproc, env=env)
+    files = [Path(f"{pause}.{r}") for r in (range(nproc) if pause_all else [victim])]
     deadline = time.monotonic() + 120
     while not all(f.exists() and f.read_text() for f in files):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.2)
-    pids = [int(f.read_text()) for f in files]
-    os.kill(pids[victim], signal.SIGKILL)
+    workers = _children(proc.pid)
+    os.kill(int(Path(f"{pause}.{victim}").read_text()), signal.SIGKILL)
     started = time.monotonic()
     stdout, stderr = proc.communicate(timeout=120)
     assert time.monotonic() - started < 60  # torchrun stops the other ranks; nothing waits for the dead one
-    assert not any(_alive(p) for p in pids)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), pids
+    assert not any(_alive(p) for p in workers)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-def test_killed_rank_ends_the_job_and_cleans_up(ckpt, tmp_path):
+def _children(pid: int) -> list[int]:
+    """The worker processes torchrun started (or the merge process itself, without torchrun)."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(k) for k in kids] or [pid]
+
+
+@pytest.mark.parametrize("pause_all", [True, False], ids=["peers asleep", "peers in a collective"])
+def test_killed_rank_ends_the_job_and_cleans_up(pause_all, ckpt, tmp_path):
     out = tmp_path / "out"
-    proc, _ = _kill_rank_mid_merge(ckpt, out, tmp_path, after_batch=3)
+    proc = _kill_rank_mid_merge(ckpt, out, tmp_path, after_batch=3, pause_all=pause_all)
     assert proc.returncode != 0
+    assert "merger: error:" in proc.stderr and "SIGKILL" in proc.stderr  # ours, and torchrun's root cause
     assert not out.exists() and not (tmp_path / ".out.merger-partial").exists(), proc.stderr
 
 
 def test_resume_after_a_killed_rank_reuses_finished_files(ckpt, reference, tmp_path):
     out = tmp_path / "out"
     stage = tmp_path / ".out.merger-partial"
-    proc, _ = _kill_rank_mid_merge(ckpt, out, tmp_path, "--keep-partial")
+    proc = _kill_rank_mid_merge(ckpt, out, tmp_path, "--keep-partial")
     assert proc.returncode != 0 and not out.exists() and stage.is_dir(), proc.stderr
     manifest = json.loads((stage / "merge_manifest.json").read_text())
     finished = {n for n, f in manifest["output_files"].items() if f["sha256"]}
