@@ -107,14 +107,20 @@ def run_merge(options: MergeOptions, group: Group) -> Path:
 
     def setup():
         check_target(target, options.overwrite)
-        reused = reusable_files(stage, start_manifest(prepared.catalog, options, plan, group.world, {})) \
-            if options.resume else {}
-        manifest.update(start_manifest(prepared.catalog, options, plan, group.world, reused))
+        manifest.update(start_manifest(prepared.catalog, options, plan, group.world))
+        if options.resume:
+            reused = reusable_files(stage, manifest)
+        else:
+            reused = {}
+            if stage.exists():
+                log.info("merger: removing the partial merge left in %s (--resume would reuse it)", stage)
+        for name, sha in reused.items():
+            manifest["output_files"][name]["sha256"] = sha
         prepare_files(stage, plan, keep=frozenset(reused))
         write_manifest(stage, manifest)
         return reused
 
-    sink = None
+    sink = tracker = None
     try:
         reused = group.broadcast(on_every_rank(group, setup if group.rank == 0 else (lambda: None), options.debug))
         todo = skip_finished(plan, set(reused))
@@ -130,6 +136,8 @@ def run_merge(options: MergeOptions, group: Group) -> Path:
 
         on_rank_zero(group, complete, options.debug)
     except BaseException:
+        if tracker is not None:
+            tracker.stop()  # no checksum thread may write into the staging folder while it is removed
         if sink is not None:
             with contextlib.suppress(Exception):
                 sink.close()

@@ -58,16 +58,15 @@ def source_fingerprint(catalog: Catalog) -> dict[str, dict[str, int]]:
     return out
 
 
-def start_manifest(catalog: Catalog, options: MergeOptions, plan: Plan, world: int,
-                   reused: dict[str, str]) -> dict:
-    """What a staging folder is the start of; everything but `sha256` values is known before streaming."""
+def start_manifest(catalog: Catalog, options: MergeOptions, plan: Plan, world: int) -> dict:
+    """What a staging folder is the start of; everything but the `sha256` values is known before streaming."""
     shaping = {k: v for k, v in dataclasses.asdict(options).items() if k not in _RUNTIME_OPTIONS}
     return {
         "merger_version": __version__, "source_format": catalog.format,
         "source_dir": str(Path(catalog.root).absolute()), "source_files": source_fingerprint(catalog),
         "options": json.loads(json.dumps(shaping, default=str)), "dtype": options.dtype, "merge_ranks": world,
         "output_files": {f.name: {"size": f.size, "header_sha256": hashlib.sha256(f.prefix).hexdigest(),
-                                  "sha256": reused.get(f.name)} for f in plan.files},
+                                  "sha256": None} for f in plan.files},
         "complete": False,
     }
 
@@ -172,6 +171,11 @@ class FileTracker:
             except OSError as e:  # reading back a file rank 0 did not create: vanished or unreadable
                 raise MergerError(f"cannot read back the merged model ({e.strerror}), {e.filename}") from e
         return self.manifest
+
+    def stop(self) -> None:
+        """On failure: drop queued checksums and wait for the one running."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
     def _pause(self) -> None:
         if self.pool is not None:
