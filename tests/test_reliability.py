@@ -224,18 +224,26 @@ def test_hub_token_is_never_printed(ckpt, tmp_path, monkeypatch, capsys, caplog)
     assert "merger: error:" in captured.err and token not in captured.out + captured.err + caplog.text
 
 
-def _no_space(capsys, tmp_path, size: str, *extra) -> tuple[int, list[str], Path, list[str]]:
-    """Merge into a freshly mounted tmpfs of `size`; returns the exit code, error lines, mount, what was left."""
-    mnt = tmp_path / "small"
+def _merge_into_tmpfs(capsys, tmp_path, mount_options: str, *args) -> tuple[int, list[str], Path, list[str]]:
+    """Merge into `model` on a fresh tmpfs mounted with `mount_options`; returns the exit code, the error lines,
+    the mount point and what the merge left there."""
+    mnt = tmp_path / "mnt"
     mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", mount_options, "tmpfs", str(mnt)], capture_output=True)
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
     try:
-        code, errors = merge_here(capsys, *extra, "--target_dir", mnt / "model")
+        code, errors = merge_here(capsys, *args, "--target_dir", mnt / "model")
         return code, errors, mnt, sorted(p.name for p in mnt.iterdir())
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_read_only_target(ckpt, tmp_path, capsys):
+    # A read-only filesystem refuses even root, unlike file permissions.
+    code, errors, mnt, left = _merge_into_tmpfs(capsys, tmp_path, "ro,size=1m", "--local_dir", ckpt)
+    assert code == 1 and errors == [f"merger: error: target's parent folder is not writable, {mnt}"]
+    assert left == []
 
 
 @pytest.mark.parametrize("keep", [False, True])
@@ -243,8 +251,8 @@ def test_disk_full_while_writing(keep, ckpt, tmp_path, capsys, caplog):
     # 64 KiB holds the 54 KiB of weights (the free-space check passes) but not the config and tokenizer too.
     caplog.set_level(logging.INFO, logger="merger")
     source = snapshot(ckpt)
-    code, errors, mnt, left = _no_space(capsys, tmp_path, "64k", "--local_dir", ckpt,
-                                        *(["--keep-partial"] if keep else []))
+    code, errors, mnt, left = _merge_into_tmpfs(capsys, tmp_path, "size=64k", "--local_dir", ckpt,
+                                                *(["--keep-partial"] if keep else []))
     assert code == 1 and len(errors) == 1 and "no space left on device" in errors[0].lower(), errors
     assert str(mnt / ".model.merger-partial") in errors[0]
     assert left == ([".model.merger-partial"] if keep else [])  # never a `model` folder
@@ -253,7 +261,7 @@ def test_disk_full_while_writing(keep, ckpt, tmp_path, capsys, caplog):
 
 
 def test_not_enough_free_space_is_refused_up_front(ckpt, tmp_path, capsys):
-    code, errors, mnt, left = _no_space(capsys, tmp_path, "16k", "--local_dir", ckpt)
+    code, errors, mnt, left = _merge_into_tmpfs(capsys, tmp_path, "size=16k", "--local_dir", ckpt)
     assert code == 1 and len(errors) == 1 and "not enough free space" in errors[0], errors
     assert left == []
 
