@@ -67,16 +67,16 @@ class Group:
                 # The same line on every rank, naming the rank that failed; only rank 0 prints it.
                 raise AgreedError(f"rank {rank}: {message}")
 
-    def broadcast(self, value: object) -> object:
-        """Rank 0's value, on every rank (small picklable objects, over the control group)."""
+    def all_gather(self, value: object) -> list:
+        """Every rank's value, in rank order, on every rank (small picklable objects, over the control group)."""
         if not self.distributed:
-            return value
+            return [value]
         import torch.distributed as dist
 
-        box = [value]
+        values: list = [None] * self.world
         with _collective(self.rank):
-            dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+            dist.all_gather_object(values, value, group=self.control)
+        return values
 
     def barrier(self) -> None:
         if self.distributed:

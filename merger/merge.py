@@ -22,7 +22,7 @@ from .options import MergeOptions
 from .output import FileSink, check_target, finish, hf_files_to_copy, prepare_files, staging_dir, write_manifest
 from .plan import Plan, plan_layout
 from .progress import Progress
-from .resume import FileTracker, reusable_files, skip_finished, start_manifest
+from .resume import FileTracker, resume_candidates, skip_finished, start_manifest, verify_share
 from .sources import open_catalog
 from .stream import run_plan
 from .units import format_size
@@ -108,21 +108,27 @@ def run_merge(options: MergeOptions, group: Group) -> Path:
     def setup():
         check_target(target, options.overwrite)
         manifest.update(start_manifest(prepared.catalog, options, plan, group.world))
+        if stage.exists() and not options.resume:
+            log.info("merger: removing the partial merge left in %s (--resume would reuse it)", stage)
+        return resume_candidates(stage, manifest) if options.resume else {}
+
+    def create_files():
+        for name in reused:
+            manifest["output_files"][name]["sha256"] = reused[name]
         if options.resume:
-            reused = reusable_files(stage, manifest)
-        else:
-            reused = {}
-            if stage.exists():
-                log.info("merger: removing the partial merge left in %s (--resume would reuse it)", stage)
-        for name, sha in reused.items():
-            manifest["output_files"][name]["sha256"] = sha
+            log.info("merger: --resume: reusing %d of %d output files (checksums verified) from %s", len(reused),
+                     len(plan.files), stage)
         prepare_files(stage, plan, keep=frozenset(reused))
         write_manifest(stage, manifest)
-        return reused
 
     sink = tracker = None
     try:
-        reused = group.broadcast(on_every_rank(group, setup if group.rank == 0 else (lambda: None), options.debug))
+        candidates = group.all_gather(on_every_rank(group, setup if group.rank == 0 else dict, options.debug))[0]
+        # Every rank checks a share of the files to reuse: one read of them in all, spread over the ranks.
+        shares = group.all_gather(on_every_rank(
+            group, lambda: verify_share(stage, candidates, group.rank, group.world), options.debug))
+        reused = {name: candidates[name] for share in shares for name in share}
+        on_rank_zero(group, create_files, options.debug)
         todo = skip_finished(plan, set(reused))
         sink = FileSink(stage, plan, skip=frozenset(reused))
         tracker = FileTracker(todo, sink, group, stage, manifest)

@@ -6,7 +6,8 @@ and each output file's sha256 as soon as every rank has written and flushed all 
 files whose bytes still hash to the recorded value when source, options and layout are unchanged, and
 skips the steps whose outputs all live in reused files. The finished model keeps the manifest, complete.
 
-Checksums cost one read of the output on rank 0, done in a background thread while later batches stream.
+Checksums cost one read of the output on rank 0, done in a background thread while later batches stream;
+verifying reused files on resume costs one read of them, shared among the ranks.
 
 Test hook, read only here: with MERGER_TEST_PAUSE_AFTER_BATCH=N and MERGER_TEST_PAUSE_FILE=P, once batches
 0..N are written on every rank (and rank 0 has checksummed the files they completed) each rank writes its
@@ -84,8 +85,11 @@ def _mismatch(old: dict, new: dict) -> str | None:
     return None if before == layout else "the output layout changed"
 
 
-def reusable_files(stage: Path, manifest: dict) -> dict[str, str]:
-    """Output files in `stage` that a resumed merge can keep: name -> sha256. Logs why when there are none."""
+def resume_candidates(stage: Path, manifest: dict) -> dict[str, str]:
+    """Rank 0: files of `stage` that a resumed merge may keep if their bytes still hash right: name -> sha256.
+
+    None when the old manifest is missing or describes another merge (logged with the reason).
+    """
     path = stage / MANIFEST
     if not path.is_file():
         log.info("merger: --resume: no partial merge at %s, starting from scratch", stage)
@@ -98,15 +102,24 @@ def reusable_files(stage: Path, manifest: dict) -> dict[str, str]:
     if reason:
         log.info("merger: --resume: not reusing %s: %s", stage, reason)
         return {}
-    reused = {}
+    candidates = {}
     for name, info in manifest["output_files"].items():
         want, file = old["output_files"][name].get("sha256"), stage / name
-        if isinstance(want, str) and file.is_file() and file.stat().st_size == info["size"] \
-                and sha256_file(file) == want:
-            reused[name] = want
-    log.info("merger: --resume: reusing %d of %d output files from %s", len(reused), len(manifest["output_files"]),
-             stage)
-    return reused
+        if isinstance(want, str) and file.is_file() and file.stat().st_size == info["size"]:
+            candidates[name] = want
+    return candidates
+
+
+def verify_share(stage: Path, candidates: dict[str, str], rank: int, world: int) -> list[str]:
+    """This rank's share of the candidates (every world-th file), hashed: the names whose bytes match."""
+    good = []
+    for name in sorted(candidates)[rank::world]:
+        try:
+            if sha256_file(stage / name) == candidates[name]:
+                good.append(name)
+        except OSError:
+            pass  # vanished or unreadable: written again
+    return good
 
 
 def skip_finished(plan: Plan, reused: set[str]) -> Plan:
