@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from .dist import init_group
@@ -150,7 +151,8 @@ def _terminated(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(message)s", stream=sys.stderr)
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only there can handlers be set
+    previous = signal.signal(signal.SIGTERM, _terminated) if in_main_thread else None
     try:
         return _run(args)
     except AgreedError as e:
@@ -172,4 +174,5 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)

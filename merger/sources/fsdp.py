@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import pickle
 import re
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from ..memory import release_pages
+from ..safe_load import torch_load
 
 RANK_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
 
@@ -50,19 +50,7 @@ def load_rank_file(path: str) -> dict:
     # Unpickling a DeviceMesh outside its process group warns about torch.compile; we only read its layout.
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
 
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except FileNotFoundError as e:
-        raise MergerError(f"rank file is missing, {path}") from e
-    except pickle.UnpicklingError as e:
-        # weights_only refuses any global it does not know before calling it: a payload never runs.
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        what = f"calls {found.group(1)}" if found else "uses objects other than tensors"
-        raise MergerError(f"refusing to load rank file: its pickle {what}, which a weights-only load does not "
-                          f"allow (the file is damaged or not a checkpoint), {path}") from e
-    except Exception as e:  # torch raises RuntimeError/UnpicklingError/zip errors for damaged files
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise MergerError(f"cannot load rank file ({first_line}), {path}") from e
+    state = torch_load(path, "rank file")
     if not isinstance(state, dict):
         raise MergerError(f"rank file holds a {type(state).__name__}, not a state dict, {path}")
     return state
