@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import resource
 import shutil
 import signal
@@ -295,7 +294,8 @@ def test_error_on_one_rank_stops_every_rank(ckpt, tmp_path):
     # One line (rank 0 prints it for the whole job), naming the failing rank and its file.
     assert len(errors) == 1, proc.stderr
     assert errors[0].startswith("merger: error: rank 1: cannot load rank file") and errors[0].endswith(str(ckpt / RANK1))
-    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.merger-partial").exists()
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / ".out.merger-partial").exists()
 
 
 def _alive(pid: int) -> bool:
