@@ -8,11 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .dist import init_group
-from .errors import MergerError
+from .errors import AgreedError, MergerError
 from .options import DTYPES, MergeOptions
 from .units import format_size, parse_size
 
@@ -66,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
                        help="largest output safetensors file (default 5GB; 200KB, 2GB or bytes)")
     merge.add_argument("--overwrite", action="store_true", help="replace a non-empty target folder")
+    merge.add_argument(*_flag("--keep_partial"), dest="keep_partial", action="store_true",
+                       help="on failure keep the staging folder .<target>.merger-partial (default: remove it)")
+    merge.add_argument("--resume", action="store_true",
+                       help="reuse the output files an interrupted merge finished (checksums in its manifest); "
+                            "implies --keep-partial")
     _add_run_args(merge)
 
     test = sub.add_parser("test", help="merge in memory and compare with a reference HF folder")
@@ -127,29 +135,43 @@ def _run(args: argparse.Namespace) -> int:
             run_merge(options, group)
             return 0
         from .compare import CompareSink, ReferenceModel, report
-        from .merge import on_every_rank, prepare
+        from .merge import on_every_rank, open_checked_reader, prepare
         from .stream import run_plan
 
         options.dtype = "keep"  # compare in the reference's own dtype: CompareSink casts each tensor to it
         prepared = prepare(options, group)
+        reader = open_checked_reader(prepared, group, options.debug)
         reference = on_every_rank(group, lambda: ReferenceModel(args.test_hf_dir), options.debug)
         sink = CompareSink(reference, args.atol, args.rtol)
-        run_plan(prepared.plan, prepared.catalog, group, sink, None, options.debug)
+        run_plan(prepared.plan, prepared.catalog, group, sink, None, options.debug, reader=reader)
         return 0 if report(group, sink, set(prepared.plan.location), reference) else 1
     finally:
         group.close()
 
 
+def _terminated(signum, frame):
+    # torchrun and Slurm stop a job with SIGTERM: unwind like Ctrl-C, so the staging folder is cleaned up.
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(message)s", stream=sys.stderr)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only there can handlers be set
+    previous = signal.signal(signal.SIGTERM, _terminated) if in_main_thread else None
     try:
         return _run(args)
+    except AgreedError as e:
+        # Every rank raised the same line at a sync point: print it once, from rank 0.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"merger: error: {e}", file=sys.stderr)
+        return 1
     except MergerError as e:
         print(f"merger: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("merger: error: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
+        print(f"merger: error: interrupted by {e or 'SIGINT'}{rank}", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - a bug still gets one line unless --debug
         if args.debug:
@@ -157,3 +179,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"merger: error: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
               file=sys.stderr)
         return 1
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)

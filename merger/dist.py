@@ -6,13 +6,25 @@ is noticed at the next sync point and every rank stops within the collective tim
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
 
 import torch
 
-from .errors import MergerError
+from .errors import AgreedError, MergerError
+
+
+@contextlib.contextmanager
+def _collective(rank: int):
+    """A peer that crashed, was killed or stopped answering makes gloo/NCCL raise: say so in one line."""
+    try:
+        yield
+    except RuntimeError as e:  # DistBackendError and gloo's connection errors are RuntimeErrors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MergerError(f"rank {rank}: lost contact with the other ranks: one crashed, was killed or timed "
+                          f"out ({first})") from e
 
 
 @dataclass
@@ -34,7 +46,8 @@ class Group:
         send_split = [sum(t.numel() * t.element_size() for t in ts) for ts in sends]
         send_buf = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
         recv_buf = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=self.device)
-        dist.all_to_all_single(recv_buf, send_buf.to(self.device), recv_bytes, send_split)
+        with _collective(self.rank):
+            dist.all_to_all_single(recv_buf, send_buf.to(self.device), recv_bytes, send_split)
         recv_buf = recv_buf.cpu()
         return list(recv_buf.split(recv_bytes))
 
@@ -47,16 +60,30 @@ class Group:
         import torch.distributed as dist
 
         errors: list = [None] * self.world
-        dist.all_gather_object(errors, error, group=self.control)
+        with _collective(self.rank):
+            dist.all_gather_object(errors, error, group=self.control)
         for rank, message in enumerate(errors):
             if message:
-                raise MergerError(message if rank == self.rank else f"rank {rank} failed: {message}")
+                # The same line on every rank, naming the rank that failed; only rank 0 prints it.
+                raise AgreedError(f"rank {rank}: {message}")
+
+    def all_gather(self, value: object) -> list:
+        """Every rank's value, in rank order, on every rank (small picklable objects, over the control group)."""
+        if not self.distributed:
+            return [value]
+        import torch.distributed as dist
+
+        values: list = [None] * self.world
+        with _collective(self.rank):
+            dist.all_gather_object(values, value, group=self.control)
+        return values
 
     def barrier(self) -> None:
         if self.distributed:
             import torch.distributed as dist
 
-            dist.barrier(group=self.control)
+            with _collective(self.rank):
+                dist.barrier(group=self.control)
 
     def close(self) -> None:
         if self.distributed:

@@ -10,6 +10,10 @@ class MergerError(Exception):
     """
 
 
+class AgreedError(MergerError):
+    """A failure every rank of a group learned at a sync point: every rank raises it, rank 0 prints it."""
+
+
 def describe_error(e: BaseException, rank: int, debug: bool) -> str:
     """One line for any failure on a rank: user errors as they are, OS errors with their file, bugs labelled."""
     if isinstance(e, MergerError):

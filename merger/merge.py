@@ -5,24 +5,24 @@ stops all of them with the same message and no rank is left waiting in a collect
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import __version__
 from .catalog import Catalog
 from .dist import Group
 from .errors import MergerError, describe_error
 from .mapping import build_steps, read_config
 from .memory import peak_rss_bytes
 from .options import MergeOptions
-from .output import FileSink, check_target, finish, prepare_files, staging_dir
+from .output import FileSink, check_target, finish, hf_files_to_copy, prepare_files, staging_dir, write_manifest
 from .plan import Plan, plan_layout
 from .progress import Progress
+from .resume import FileTracker, resume_candidates, skip_finished, start_manifest, verify_share
 from .sources import open_catalog
 from .stream import run_plan
 from .units import format_size
@@ -60,6 +60,10 @@ def resolve_hf_dir(catalog: Catalog, options: MergeOptions) -> Path:
                           f"{catalog.root}")
     if not Path(hf_dir).is_dir():
         raise MergerError(f"HF config folder does not exist, {hf_dir}")
+    # Checked now, not at the end: only a regular config.json inside the folder is ever copied.
+    if not any(f.name == "config.json" for f in hf_files_to_copy(Path(hf_dir))):
+        raise MergerError(f"no config.json (a regular file inside the folder; pass --hf_model_config_path), "
+                          f"{hf_dir}")
     return Path(hf_dir)
 
 
@@ -82,12 +86,14 @@ def prepare(options: MergeOptions, group: Group) -> Prepared:
     return prepared
 
 
-def source_fingerprint(catalog: Catalog) -> dict[str, dict[str, float]]:
-    out = {}
-    for f in catalog.files:
-        st = os.stat(f)
-        out[f] = {"size": st.st_size, "mtime": st.st_mtime}
-    return out
+def open_checked_reader(prepared: Prepared, group: Group, debug: bool = False):
+    """Every rank opens its source files and checks them against the catalog, before any output exists."""
+    def check():
+        reader = prepared.catalog.open_reader()
+        reader.check_files(prepared.catalog.files_of_rank(group.rank, group.world))
+        return reader
+
+    return on_every_rank(group, check, debug)
 
 
 def run_merge(options: MergeOptions, group: Group) -> Path:
@@ -96,34 +102,56 @@ def run_merge(options: MergeOptions, group: Group) -> Path:
     stage = staging_dir(target)
     prepared = prepare(options, group)
     plan = prepared.plan
+    reader = open_checked_reader(prepared, group, options.debug)
+    manifest: dict = {}
 
     def setup():
         check_target(target, options.overwrite)
-        prepare_files(stage, plan)
+        manifest.update(start_manifest(prepared.catalog, options, plan, group.world))
+        if stage.exists() and not options.resume:
+            log.info("merger: removing the partial merge left in %s (--resume would reuse it)", stage)
+        return resume_candidates(stage, manifest) if options.resume else {}
 
-    on_rank_zero(group, setup, options.debug)
-    sink = FileSink(stage, plan)
-    progress = Progress(plan.total_bytes) if group.rank == 0 else None
+    def create_files():
+        for name in reused:
+            manifest["output_files"][name]["sha256"] = reused[name]
+        if options.resume:
+            log.info("merger: --resume: reusing %d of %d output files (checksums verified) from %s", len(reused),
+                     len(plan.files), stage)
+        prepare_files(stage, plan, keep=frozenset(reused))
+        write_manifest(stage, manifest)
+
+    sink = tracker = None
     try:
-        try:
-            run_plan(plan, prepared.catalog, group, sink, progress, options.debug)
-        finally:
-            sink.close()
-        group.barrier()
+        candidates = group.all_gather(on_every_rank(group, setup if group.rank == 0 else dict, options.debug))[0]
+        # Every rank checks a share of the files to reuse: one read of them in all, spread over the ranks.
+        shares = group.all_gather(on_every_rank(
+            group, lambda: verify_share(stage, candidates, group.rank, group.world), options.debug))
+        reused = {name: candidates[name] for share in shares for name in share}
+        on_rank_zero(group, create_files, options.debug)
+        todo = skip_finished(plan, set(reused))
+        sink = FileSink(stage, plan, skip=frozenset(reused))
+        tracker = FileTracker(todo, sink, group, stage, manifest)
+        progress = Progress(sum(b.out_bytes for b in todo.batches)) if group.rank == 0 else None
+        run_plan(todo, prepared.catalog, group, sink, progress, options.debug, reader=reader, observer=tracker)
+        on_every_rank(group, sink.close, options.debug)  # a sync point: every rank's bytes are on disk
 
         def complete():
-            manifest = {
-                "merger_version": __version__, "source_format": prepared.catalog.format,
-                "source_dir": str(Path(options.local_dir).absolute()),
-                "source_files": source_fingerprint(prepared.catalog),
-                "dtype": options.dtype, "merge_ranks": group.world,
-            }
-            finish(stage, target, plan, prepared.hf_dir, options.torch_dtype, manifest, options.overwrite)
+            finish(stage, target, plan, prepared.hf_dir, options.torch_dtype, tracker.final_manifest(),
+                   options.overwrite)
 
         on_rank_zero(group, complete, options.debug)
     except BaseException:
-        if group.rank == 0:
-            shutil.rmtree(stage, ignore_errors=True)
+        if tracker is not None:
+            tracker.stop()  # no checksum thread may write into the staging folder while it is removed
+        if sink is not None:
+            with contextlib.suppress(Exception):
+                sink.close()
+        if group.rank == 0 and stage.exists():
+            if options.keep_partial or options.resume:
+                log.info("merger: kept the partial merge in %s (rerun with --resume to continue from it)", stage)
+            else:
+                shutil.rmtree(stage, ignore_errors=True)
         raise
     if group.rank == 0:
         log.info("merger: wrote %s to %s in %.1fs (peak RSS rank 0: %s)", format_size(plan.total_bytes), target,

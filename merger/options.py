@@ -26,6 +26,8 @@ class MergeOptions:
     trust_remote_code: bool = False
     dist_timeout: float = 600.0
     debug: bool = False
+    keep_partial: bool = False  # keep the staging folder when a merge fails
+    resume: bool = False  # reuse the finished files of an interrupted merge (implies keep_partial)
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -14,6 +14,7 @@ import torch
 
 from .errors import MergerError
 from .plan import OutputSpec, Plan
+from .units import format_size
 
 # Weight files of the source's HF folder are never copied: the merge writes the weights.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -31,6 +32,8 @@ def check_target(target: Path, overwrite: bool) -> None:
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise MergerError(f"target folder is not empty (pass --overwrite to replace it), {target}")
     parent = target.parent
+    if parent.exists() and not parent.is_dir():
+        raise MergerError(f"target's parent is not a folder, {parent}")
     if not parent.exists():
         try:
             parent.mkdir(parents=True, exist_ok=True)
@@ -40,23 +43,48 @@ def check_target(target: Path, overwrite: bool) -> None:
         raise MergerError(f"target's parent folder is not writable, {parent}")
 
 
-def prepare_files(stage: Path, plan: Plan) -> None:
-    """Create every output file at its final size with its header in place (rank 0, before streaming)."""
-    if stage.exists():
+def check_free_space(folder: Path, needed: int) -> None:
+    """Refuse to start a merge that cannot fit: cheaper than failing with ENOSPC after minutes of streaming."""
+    try:
+        st = os.statvfs(folder)
+    except OSError as e:
+        raise MergerError(f"cannot check free space ({e.strerror}), {folder}") from e
+    free = st.f_bavail * st.f_frsize
+    if free < needed:
+        raise MergerError(f"not enough free space for the merged model: it needs {format_size(needed)}, "
+                          f"{format_size(free)} are free, {folder}")
+
+
+def prepare_files(stage: Path, plan: Plan, keep: frozenset[str] = frozenset()) -> None:
+    """Create every output file at its final size with its header in place (rank 0, before streaming).
+
+    Files named in `keep` are finished files a resumed merge reuses: they are left exactly as they are.
+    Growing each file to its final size up front also meets a file size limit (EFBIG) before any streaming.
+    """
+    if stage.exists() and not keep:
         shutil.rmtree(stage)
-    stage.mkdir(parents=True)
+    stage.mkdir(parents=True, exist_ok=True)
+    check_free_space(stage, sum(f.size for f in plan.files if f.name not in keep))
     for f in plan.files:
-        with open(stage / f.name, "wb") as out:
-            out.write(f.prefix)
-            out.truncate(f.size)
+        if f.name in keep:
+            continue
+        path = stage / f.name
+        try:
+            with open(path, "wb") as out:
+                out.write(f.prefix)
+                out.truncate(f.size)
+        except OSError as e:
+            raise MergerError(f"cannot write the merged model ({e.strerror}), {path}") from e
 
 
 class FileSink:
     """Writes each output tensor's bytes at its planned offset; several ranks write one file side by side."""
 
-    def __init__(self, stage: Path, plan: Plan):
+    def __init__(self, stage: Path, plan: Plan, skip: frozenset[str] = frozenset()):
         self.stage, self.plan = stage, plan
         self.fds: dict[int, int] = {}
+        # Files a resumed merge reuses: their bytes are already right, so outputs landing there are dropped.
+        self.skip = {i for i, f in enumerate(plan.files) if f.name in skip}
 
     def _fd(self, index: int) -> int:
         if index not in self.fds:
@@ -65,6 +93,8 @@ class FileSink:
 
     def put(self, spec: OutputSpec, tensor: torch.Tensor) -> None:
         index, entry = self.plan.location[spec.name]
+        if index in self.skip:
+            return
         data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
         if len(data) != entry.end - entry.begin:
             raise MergerError(f"output {spec.name} has {len(data)} bytes, planned {entry.end - entry.begin}")
@@ -74,25 +104,67 @@ class FileSink:
             try:
                 n = os.pwrite(fd, data, at)
             except OSError as e:
-                raise MergerError(f"cannot write ({e.strerror}), {path}") from e
+                raise MergerError(f"cannot write the merged model ({e.strerror}), {path}") from e
             data, at = data[n:], at + n
 
+    def sync(self, indices) -> None:
+        """Flush and close the files this rank wrote among `indices` (they are complete: none writes them again)."""
+        for index in indices:
+            fd = self.fds.pop(index, None)
+            if fd is None:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                raise MergerError(f"cannot write the merged model ({e.strerror}), "
+                                  f"{self.stage / self.plan.files[index].name}") from e
+            finally:
+                os.close(fd)
+
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.fsync(fd)
-            os.close(fd)
-        self.fds.clear()
+        self.sync(list(self.fds))
+
+
+def _inside(path: Path, roots: list[Path]) -> bool:
+    return any(path == root or root in path.parents for root in roots)
+
+
+def hf_files_to_copy(hf_dir: Path) -> list[Path]:
+    """Config, tokenizer, processor, chat template and remote-code files: regular files inside hf_dir only.
+
+    A symlink is followed only when it stays inside the folder (or, for a Hub cache snapshot, inside that
+    repo's blobs/): a link pointing elsewhere could copy any file of the machine into a model meant for upload.
+    """
+    roots = [hf_dir.resolve()]
+    if hf_dir.parent.name == "snapshots":
+        roots.append((hf_dir.parent.parent / "blobs").resolve())
+    files = []
+    for src in sorted(hf_dir.iterdir()):
+        if src.name.endswith(_WEIGHT_SUFFIXES) or src.name in _WEIGHT_INDEXES:
+            continue
+        real = src.resolve()
+        if not real.is_file() or not _inside(real, roots):
+            continue  # folders hold no loadable config; a link out of the folder is never followed
+        files.append(src)
+    return files
+
+
+def _write_into(stage: Path, name: str, data: bytes) -> None:
+    """A write into the staging folder; a failure (ENOSPC, EFBIG, EDQUOT...) names the file being written."""
+    try:
+        (stage / name).write_bytes(data)
+    except OSError as e:
+        raise MergerError(f"cannot write the merged model ({e.strerror}), {stage / name}") from e
 
 
 def _copy_hf_files(hf_dir: Path, stage: Path) -> list[str]:
-    """Copy config, tokenizer, processor, chat template and remote-code files: regular files inside hf_dir only."""
     copied = []
-    for src in sorted(hf_dir.iterdir()):
-        if src.is_symlink() or not src.is_file():
-            continue  # a link could point anywhere on the machine; folders hold no loadable config
-        if src.name.endswith(_WEIGHT_SUFFIXES) or src.name in _WEIGHT_INDEXES:
-            continue
-        shutil.copyfile(src, stage / src.name)
+    for src in hf_files_to_copy(hf_dir):
+        try:
+            data = src.read_bytes()  # config and tokenizer files: small
+        except OSError as e:
+            raise MergerError(f"cannot read ({e.strerror}), {src}") from e
+        _write_into(stage, src.name, data)
         copied.append(src.name)
     return copied
 
@@ -105,7 +177,7 @@ def _write_config(stage: Path, dtype_name: str | None, config_updates: dict) -> 
         if "torch_dtype" in config:
             config["torch_dtype"] = dtype_name
     config.update(config_updates)
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_into(stage, "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
 def finish(stage: Path, target: Path, plan: Plan, hf_dir: Path, out_dtype: torch.dtype | None,
@@ -113,15 +185,26 @@ def finish(stage: Path, target: Path, plan: Plan, hf_dir: Path, out_dtype: torch
     """Rank 0, after every rank wrote its bytes: index, config, tokenizer files, manifest, then the rename."""
     if len(plan.files) > 1:
         index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map}
-        (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        _write_into(stage, "model.safetensors.index.json", (json.dumps(index, indent=2) + "\n").encode())
     copied = _copy_hf_files(hf_dir, stage)
     if "config.json" not in copied:
         raise MergerError(f"no config.json to copy (pass --hf_model_config_path), {hf_dir}")
     dtype_name = str(out_dtype).removeprefix("torch.") if out_dtype is not None else None
     _write_config(stage, dtype_name, config_updates or {})
-    manifest = dict(manifest, output_files={f.name: f.size for f in plan.files}, copied_files=copied)
-    (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    manifest = dict(manifest, copied_files=copied, complete=True)
+    manifest.setdefault("output_files", {f.name: {"size": f.size} for f in plan.files})
+    write_manifest(stage, manifest)
     _swap_into_place(stage, target, overwrite)
+
+
+def write_manifest(stage: Path, manifest: dict) -> None:
+    """Replace the manifest atomically: a crash leaves the old one or the new one, never half of one."""
+    tmp = stage / (MANIFEST + ".tmp")
+    try:
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, stage / MANIFEST)
+    except OSError as e:
+        raise MergerError(f"cannot write the merge manifest ({e.strerror}), {tmp}") from e
 
 
 def _swap_into_place(stage: Path, target: Path, overwrite: bool) -> None:

@@ -58,6 +58,13 @@ def build_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
     return struct.pack("<Q", len(text)) + text, placed
 
 
+def _strict_int(value: object) -> int:
+    """JSON integers only: not true/false, not 1.5 or 1e400 (int() would round them or overflow)."""
+    if type(value) is not int:
+        raise TypeError(f"{value!r} is not an integer")
+    return value
+
+
 def read_header(path: str) -> tuple[int, dict[str, TensorEntry], dict[str, str]]:
     """Parse and validate a safetensors header: (data_start, entries by name, metadata).
 
@@ -78,8 +85,8 @@ def read_header(path: str) -> tuple[int, dict[str, TensorEntry], dict[str, str]]
         raise MergerError(f"cannot read {e.strerror.lower() if e.strerror else e}, {path}") from e
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MergerError(f"safetensors header is not valid JSON ({e}), {path}") from e
+    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, 5000-digit numbers, deep nesting
+        raise MergerError(f"safetensors header is not valid JSON ({type(e).__name__}), {path}") from e
     if not isinstance(header, dict):
         raise MergerError(f"safetensors header is not a JSON object, {path}")
     metadata = header.pop("__metadata__", None) or {}
@@ -89,8 +96,8 @@ def read_header(path: str) -> tuple[int, dict[str, TensorEntry], dict[str, str]]
     for name, info in header.items():
         try:
             dtype = DTYPES_BY_NAME[info["dtype"]]
-            shape = tuple(int(s) for s in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(_strict_int(s) for s in info["shape"])
+            begin, end = (_strict_int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
             raise MergerError(f"safetensors entry {name!r} is malformed, {path}") from e
         if any(s < 0 for s in shape) or not 0 <= begin <= end:

@@ -102,20 +102,32 @@ def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int, local: dic
             _run_step(plan, catalog, si, by_step.pop(si, []), sink)  # pop: each step's pieces die with it
 
 
+class BatchObserver(Protocol):
+    """Optional hooks around batches (the merge uses them to fsync and checksum files as they complete)."""
+
+    def written(self, index: int) -> None:
+        """This rank has handed its outputs of batch `index` to the sink (a failure here counts as a write error)."""
+
+    def confirmed(self, count: int) -> None:
+        """A sync point has shown that every rank wrote batches [0, count) without error."""
+
+
 def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: Progress | None = None,
-             debug: bool = False) -> None:
+             debug: bool = False, reader=None, observer: BatchObserver | None = None) -> None:
     """Stream the whole plan through `sink`. Raises MergerError on every rank if any rank fails.
 
     Each batch has two sync points: after reading (so no rank enters the exchange when a peer could not
     read its pieces) and the exchange itself; a write failure is reported at the next batch's first one.
+    `reader`, when given, was opened and checked already (the merge checks files before creating output).
     """
-    reader = catalog.open_reader()
     error = None
-    try:
-        reader.check_files(catalog.files_of_rank(group.rank, group.world))
-    except Exception as e:  # noqa: BLE001 - every failure must reach the sync point, or peers would hang
-        error = describe_error(e, group.rank, debug)
-    for batch in plan.batches:
+    if reader is None:
+        reader = catalog.open_reader()
+        try:
+            reader.check_files(catalog.files_of_rank(group.rank, group.world))
+        except Exception as e:  # noqa: BLE001 - every failure must reach the sync point, or peers would hang
+            error = describe_error(e, group.rank, debug)
+    for index, batch in enumerate(plan.batches):
         local, sends = {}, []
         if error is None:
             try:
@@ -123,14 +135,20 @@ def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: P
             except Exception as e:  # noqa: BLE001
                 error = describe_error(e, group.rank, debug)
         group.agree(error)
+        if observer:
+            observer.confirmed(index)
         if group.distributed:
             _receive(batch, group, local, sends)
         del sends
         try:
             _write_batch(plan, catalog, batch, group.rank, local, sink)
+            if observer:
+                observer.written(index)
         except Exception as e:  # noqa: BLE001
             error = describe_error(e, group.rank, debug)
         del local
         if progress and error is None:
             progress.advance(batch.out_bytes)
     group.agree(error)
+    if observer:
+        observer.confirmed(len(plan.batches))

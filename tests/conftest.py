@@ -35,18 +35,27 @@ def torchrun_cmd(nproc: int) -> list[str]:
             "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
 
 
-def run(cmd: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+def run(cmd: list[str], timeout: float = 300, check: bool = True, preexec_fn=None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=preexec_fn)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n--- stdout\n{proc.stdout}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
 
 
-def run_merger(*args, nproc: int = 1, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_merger(*args, nproc: int = 1, check: bool = True, timeout: float = 300,
+               preexec_fn=None) -> subprocess.CompletedProcess:
     """`python -m merger ARGS` as one process, or under torchrun with `nproc` gloo ranks."""
     prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
-    return run(prefix + ["-m", "merger", *map(str, args)], timeout=timeout, check=check)
+    return run(prefix + ["-m", "merger", *map(str, args)], timeout=timeout, check=check, preexec_fn=preexec_fn)
+
+
+def start_merger(*args, nproc: int = 1, env: dict | None = None) -> subprocess.Popen:
+    """Like run_merger, but returns the running process (for tests that interrupt a merge)."""
+    prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
+    return subprocess.Popen(prefix + ["-m", "merger", *map(str, args)], cwd=ROOT, env={**_env(), **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def run_writer(script: str, *args, nproc: int = 1) -> subprocess.CompletedProcess:

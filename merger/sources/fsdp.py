@@ -18,6 +18,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from ..memory import release_pages
+from ..safe_load import torch_load
 
 RANK_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
 
@@ -50,13 +51,7 @@ def load_rank_file(path: str) -> dict:
     # Unpickling a DeviceMesh outside its process group warns about torch.compile; we only read its layout.
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
 
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except FileNotFoundError as e:
-        raise MergerError(f"rank file is missing, {path}") from e
-    except Exception as e:  # torch raises RuntimeError/UnpicklingError/zip errors for damaged files
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise MergerError(f"cannot load rank file ({first_line}), {path}") from e
+    state = torch_load(path, "rank file")
     if not isinstance(state, dict):
         raise MergerError(f"rank file holds a {type(state).__name__}, not a state dict, {path}")
     return state
@@ -129,7 +124,7 @@ def open_catalog(root: Path) -> Catalog:
 
     world = _world_size(root)
     files = [str(root / f"model_world_size_{world}_rank_{r}.pt") for r in range(world)]
-    missing = [f for f in files if not Path(f).is_file()]
+    missing = [f for f in files if not Path(f).exists()]
     if missing:
         raise MergerError(f"{len(missing)} of {world} rank files are missing, {missing[0]}")
     state = load_rank_file(files[0])

@@ -1,0 +1,386 @@
+"""Failure behaviour: bad input, failing and killed ranks, full disks, --resume and hostile files.
+
+Every case starts from a real FSDP2 checkpoint (conftest's fsdp_checkpoint: fully_shard + torch.save under
+gloo) copied into the test's folder and then damaged there: truncated, overwritten, deleted, replaced.
+The oracles are the model's own weights (save_pretrained), hashes of the files before and after, and the
+processes' exit codes; single-process cases call the CLI in this process to stay fast.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_same_weights, run_merger, start_merger
+from merger.cli import main
+
+WORLD = 2
+RANK0, RANK1 = (f"model_world_size_{WORLD}_rank_{r}.pt" for r in range(WORLD))
+# Several output files and one step per batch, so a merge can be stopped between finished files.
+SMALL = ["--max_shard_size", "20KB", "--max_inflight", "1"]
+
+
+@pytest.fixture(scope="module")
+def pristine(fsdp_checkpoint):
+    return fsdp_checkpoint("llama", WORLD)
+
+
+@pytest.fixture
+def ckpt(pristine, tmp_path) -> Path:
+    """A private copy of the real checkpoint, for the test to damage."""
+    return Path(shutil.copytree(pristine[0], tmp_path / "src" / "actor"))
+
+
+@pytest.fixture
+def reference(pristine) -> Path:
+    return pristine[1]
+
+
+def snapshot(folder: Path) -> dict[str, tuple]:
+    """Every file under `folder` with its content hash, size and mtime: to prove nothing was written there."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            st = p.stat()
+            out[str(p.relative_to(folder))] = (hashlib.sha256(p.read_bytes()).hexdigest(), st.st_size, st.st_mtime_ns)
+    return out
+
+
+def merge_here(capsys, *args) -> tuple[int, list[str]]:
+    """Run `merger merge ARGS` in this process; returns the exit code and the `merger: error:` lines."""
+    code = main(["merge", *map(str, args)])
+    err = capsys.readouterr().err
+    return code, [line for line in err.splitlines() if line.startswith("merger: error:")]
+
+
+def assert_nothing_written(parent: Path, before: set[str]) -> None:
+    """No model, no staging folder, nothing new beside the target."""
+    assert {p.name for p in parent.iterdir()} == before
+
+
+def _delete_rank1(c):
+    (c / RANK1).unlink()
+
+
+def _truncate(name):
+    def damage(c):
+        data = (c / name).read_bytes()
+        (c / name).write_bytes(data[: len(data) // 2])
+    return damage
+
+
+def _random_bytes(c):
+    (c / RANK1).write_bytes(os.urandom((c / RANK1).stat().st_size))
+
+
+def _world_size_lie(c):
+    (c / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 4}))
+
+
+def _rank0_as_rank1(c):
+    # Both files are real; rank 0's shards of the 101-row embedding have 51 rows, rank 1's should have 50.
+    shutil.copyfile(c / RANK0, c / RANK1)
+
+
+def _no_rank_files(c):
+    for f in c.glob("model_world_size_*"):
+        f.unlink()
+
+
+def _no_config(c):
+    (c / "huggingface" / "config.json").unlink()
+
+
+def _no_hf_dir(c):
+    shutil.rmtree(c / "huggingface")
+
+
+def _rank1_unreadable(c):
+    (c / RANK1).unlink()
+    (c / RANK1).mkdir()  # root reads any file, so "unreadable" is a path that cannot be read as a file
+
+
+def _config_links_out(c):
+    secret = c.parent / "config.json"
+    shutil.move(c / "huggingface" / "config.json", secret)
+    (c / "huggingface" / "config.json").symlink_to(secret)
+
+
+BAD_INPUT = {
+    "missing rank file": (_delete_rank1, "missing", RANK1),
+    "truncated rank 0": (_truncate(RANK0), "cannot load rank file", RANK0),
+    "truncated rank 1": (_truncate(RANK1), "cannot load rank file", RANK1),
+    "random bytes": (_random_bytes, "cannot load rank file", RANK1),
+    "world size contradicted": (_world_size_lie, "world_size 4", "fsdp_config.json"),
+    "shards disagree across ranks": (_rank0_as_rank1, "local shape", RANK1),
+    "unknown layout": (_no_rank_files, "no known checkpoint layout", "actor"),
+    "missing config": (_no_config, "no config.json", "huggingface"),
+    "missing HF folder": (_no_hf_dir, "no HF config folder", "actor"),
+    "unreadable rank file": (_rank1_unreadable, "cannot load rank file", RANK1),
+    "config.json links out of the folder": (_config_links_out, "no config.json", "huggingface"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_fails_before_any_output(case, ckpt, tmp_path, capsys):
+    damage, what, file = BAD_INPUT[case]
+    damage(ckpt)
+    source = snapshot(ckpt)
+    out = tmp_path / "out"
+    code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", out / "model")
+    assert code == 1
+    assert len(errors) == 1 and what in errors[0] and file in errors[0].rsplit(", ", 1)[1], errors
+    assert not out.exists()  # not even the target's parent: every check ran before anything was created
+    assert snapshot(ckpt) == source
+
+
+def test_source_that_is_not_a_folder(ckpt, tmp_path, capsys):
+    code, errors = merge_here(capsys, "--local_dir", ckpt / RANK0, "--target_dir", tmp_path / "out")
+    assert code == 1 and errors == [f"merger: error: checkpoint path is not a folder, {ckpt / RANK0}"]
+
+
+@pytest.mark.parametrize("target", ["parent is a file", "target is a file", "target not empty"])
+def test_target_that_cannot_be_written(target, ckpt, tmp_path, capsys):
+    blocker = tmp_path / "blocker"
+    if target == "parent is a file":
+        blocker.write_text("x")
+        out, named = blocker / "model", blocker
+    elif target == "target is a file":
+        blocker.write_text("x")
+        out = named = blocker
+    else:
+        blocker.mkdir()
+        (blocker / "keep.txt").write_text("user data")
+        out = named = blocker
+    before, source = {p.name for p in tmp_path.iterdir()}, snapshot(ckpt)
+    code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", out)
+    assert code == 1 and len(errors) == 1 and errors[0].endswith(f", {named}"), errors
+    assert_nothing_written(tmp_path, before)
+    assert snapshot(ckpt) == source
+    assert target != "target not empty" or (blocker / "keep.txt").read_text() == "user data"
+
+
+def test_code_running_pickle_is_refused(ckpt, tmp_path, capsys):
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    for victim in (RANK0, RANK1):  # rank 0 is read for the catalog, rank 1 only by the file check
+        original = (ckpt / victim).read_bytes()
+        torch.save({"model.embed_tokens.weight": Payload()}, ckpt / victim)
+        code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", tmp_path / "out")
+        assert code == 1 and len(errors) == 1, errors
+        assert "refusing to load rank file" in errors[0] and "system" in errors[0] and errors[0].endswith(victim)
+        assert not marker.exists() and not (tmp_path / "out").exists()
+        if victim == RANK0:
+            (ckpt / victim).write_bytes(original)
+    # The payload is live: an unrestricted unpickler runs it. Proves the assertion above means something.
+    torch.load(ckpt / RANK1, weights_only=False)
+    assert marker.exists()
+
+
+def test_links_out_of_the_hf_folder_are_not_copied(ckpt, reference, tmp_path, capsys):
+    hf = ckpt / "huggingface"
+    secret = tmp_path / "secret.txt"
+    secret.write_text("SECRET-CONTENT")
+    (hf / "special_tokens_map.json").symlink_to(secret)  # a link out: never followed
+    (hf / "extra_dir").symlink_to(tmp_path)  # a link to a folder: never followed
+    (hf / "chat_template.jinja").symlink_to(hf / "tokenizer_config.json")  # a link inside the folder: fine
+    out = tmp_path / "out"
+    code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", out)
+    assert code == 0, errors
+    names = {p.name for p in out.iterdir()}
+    assert "special_tokens_map.json" not in names and "extra_dir" not in names
+    assert not (out / "chat_template.jinja").is_symlink()
+    assert (out / "chat_template.jinja").read_bytes() == (hf / "tokenizer_config.json").read_bytes()
+    assert not any(b"SECRET-CONTENT" in p.read_bytes() for p in out.iterdir())
+    assert_same_weights(out, reference, torch.bfloat16)
+
+
+def test_hub_token_is_never_printed(ckpt, tmp_path, monkeypatch, capsys, caplog):
+    token = "hf_FAKEtoken0123456789abcdefABCDEF"
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.setenv(var, token)
+    ok = run_merger("merge", "--local_dir", ckpt, "--target_dir", tmp_path / "out", "--debug", "--log_level", "DEBUG")
+    assert token not in ok.stdout + ok.stderr
+    assert not any(token.encode() in p.read_bytes() for p in (tmp_path / "out").iterdir())
+    caplog.set_level(logging.DEBUG)
+    (ckpt / RANK1).write_bytes(b"garbage")  # and a failure, with --debug's traceback
+    assert main(["merge", "--local_dir", str(ckpt), "--target_dir", str(tmp_path / "out2"), "--debug"]) == 1
+    captured = capsys.readouterr()
+    assert "merger: error:" in captured.err and token not in captured.out + captured.err + caplog.text
+
+
+def _merge_into_tmpfs(capsys, tmp_path, mount_options: str, *args) -> tuple[int, list[str], Path, list[str]]:
+    """Merge into `model` on a fresh tmpfs mounted with `mount_options`; returns the exit code, the error lines,
+    the mount point and what the merge left there."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", mount_options, "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        code, errors = merge_here(capsys, *args, "--target_dir", mnt / "model")
+        return code, errors, mnt, sorted(p.name for p in mnt.iterdir())
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_read_only_target(ckpt, tmp_path, capsys):
+    # A read-only filesystem refuses even root, unlike file permissions.
+    code, errors, mnt, left = _merge_into_tmpfs(capsys, tmp_path, "ro,size=1m", "--local_dir", ckpt)
+    assert code == 1 and errors == [f"merger: error: target's parent folder is not writable, {mnt}"]
+    assert left == []
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_disk_full_while_writing(keep, ckpt, tmp_path, capsys, caplog):
+    # 64 KiB holds the 54 KiB of weights (the free-space check passes) but not the config and tokenizer too.
+    caplog.set_level(logging.INFO, logger="merger")
+    source = snapshot(ckpt)
+    code, errors, mnt, left = _merge_into_tmpfs(capsys, tmp_path, "size=64k", "--local_dir", ckpt,
+                                                *(["--keep-partial"] if keep else []))
+    assert code == 1 and len(errors) == 1 and "no space left on device" in errors[0].lower(), errors
+    assert str(mnt / ".model.merger-partial") in errors[0]
+    assert left == ([".model.merger-partial"] if keep else [])  # never a `model` folder
+    assert ("kept the partial merge" in caplog.text) == keep
+    assert snapshot(ckpt) == source
+
+
+def test_not_enough_free_space_is_refused_up_front(ckpt, tmp_path, capsys):
+    code, errors, mnt, left = _merge_into_tmpfs(capsys, tmp_path, "size=16k", "--local_dir", ckpt)
+    assert code == 1 and len(errors) == 1 and "not enough free space" in errors[0], errors
+    assert left == []
+
+
+def _file_size_limit():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, 16 << 10))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so the write returns EFBIG instead of killing the process
+
+
+def test_file_size_limit(ckpt, tmp_path):
+    source = snapshot(ckpt)
+    out = tmp_path / "out"
+    proc = run_merger("merge", "--local_dir", ckpt, "--target_dir", out / "model", check=False,
+                      preexec_fn=_file_size_limit)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr
+    assert "file too large" in errors[0].lower() and str(out / ".model.merger-partial") in errors[0]
+    assert list(out.iterdir()) == []
+    assert snapshot(ckpt) == source
+
+
+def test_error_on_one_rank_stops_every_rank(ckpt, tmp_path):
+    # Only merge rank 1 of 2 opens rank file 1; rank 0 must not wait for it forever.
+    (ckpt / RANK1).write_bytes(os.urandom(4096))
+    started = time.monotonic()
+    proc = run_merger("merge", "--local_dir", ckpt, "--target_dir", tmp_path / "out", "--dist_timeout", "60",
+                      nproc=2, check=False, timeout=120)
+    assert time.monotonic() - started < 90
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
+    assert proc.returncode != 0
+    # One line (rank 0 prints it for the whole job), naming the failing rank and its file.
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith("merger: error: rank 1: cannot load rank file") and errors[0].endswith(str(ckpt / RANK1))
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / ".out.merger-partial").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _kill_rank_mid_merge(ckpt: Path, out: Path, tmp_path: Path, *extra, nproc: int = 2, victim: int = 1,
+                         after_batch: int = 12, pause_all: bool = True) -> subprocess.CompletedProcess:
+    """Start a real merge, let it pause after `after_batch` (test hook), SIGKILL one rank, wait for the end.
+
+    With pause_all=False only the victim pauses: the other ranks are inside a collective when it dies.
+    """
+    pause = tmp_path / "paused"
+    env = {"MERGER_TEST_PAUSE_AFTER_BATCH": str(after_batch), "MERGER_TEST_PAUSE_FILE": str(pause)}
+    if not pause_all:
+        env["MERGER_TEST_PAUSE_RANK"] = str(victim)
+    proc = start_merger("merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, *extra, nproc=nproc, env=env)
+    files = [Path(f"{pause}.{r}") for r in (range(nproc) if pause_all else [victim])]
+    deadline = time.monotonic() + 120
+    while not all(f.exists() and f.read_text() for f in files):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    workers = _children(proc.pid)
+    os.kill(int(Path(f"{pause}.{victim}").read_text()), signal.SIGKILL)
+    started = time.monotonic()
+    stdout, stderr = proc.communicate(timeout=120)
+    assert time.monotonic() - started < 60  # torchrun stops the other ranks; nothing waits for the dead one
+    assert not any(_alive(p) for p in workers)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _children(pid: int) -> list[int]:
+    """The worker processes torchrun started (or the merge process itself, without torchrun)."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(k) for k in kids] or [pid]
+
+
+@pytest.mark.parametrize("pause_all", [True, False], ids=["peers asleep", "peers in a collective"])
+def test_killed_rank_ends_the_job_and_cleans_up(pause_all, ckpt, tmp_path):
+    out = tmp_path / "out"
+    proc = _kill_rank_mid_merge(ckpt, out, tmp_path, after_batch=3, pause_all=pause_all)
+    assert proc.returncode != 0
+    assert "merger: error:" in proc.stderr and "SIGKILL" in proc.stderr  # ours, and torchrun's root cause
+    assert not out.exists() and not (tmp_path / ".out.merger-partial").exists(), proc.stderr
+
+
+def test_resume_after_a_killed_rank_reuses_finished_files(ckpt, reference, tmp_path):
+    out = tmp_path / "out"
+    stage = tmp_path / ".out.merger-partial"
+    proc = _kill_rank_mid_merge(ckpt, out, tmp_path, "--keep-partial")
+    assert proc.returncode != 0 and not out.exists() and stage.is_dir(), proc.stderr
+    manifest = json.loads((stage / "merge_manifest.json").read_text())
+    finished = {n for n, f in manifest["output_files"].items() if f["sha256"]}
+    assert finished and finished != set(manifest["output_files"]), manifest  # some files done, not all
+    before = {n: (os.stat(stage / n).st_ino, os.stat(stage / n).st_mtime_ns) for n in finished}
+
+    # Resumed by 3 ranks, not 2: they verify the finished files between them, and the bytes do not depend on M.
+    resumed = run_merger("merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, "--resume", nproc=3)
+    assert f"reusing {len(finished)} of {len(manifest['output_files'])} output files" in resumed.stderr
+    assert_same_weights(out, reference, torch.bfloat16)
+    assert {n: (os.stat(out / n).st_ino, os.stat(out / n).st_mtime_ns) for n in finished} == before
+    final = json.loads((out / "merge_manifest.json").read_text())
+    assert final["complete"] is True
+    for name, info in final["output_files"].items():
+        assert info["sha256"] == hashlib.sha256((out / name).read_bytes()).hexdigest()
+
+
+def test_changed_source_invalidates_resume(ckpt, reference, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="merger")
+    out = tmp_path / "out"
+    stage = tmp_path / ".out.merger-partial"
+    _kill_rank_mid_merge(ckpt, out, tmp_path, nproc=1, victim=0)  # SIGKILL leaves the staging folder behind
+    manifest = json.loads((stage / "merge_manifest.json").read_text())
+    finished = {n for n, f in manifest["output_files"].items() if f["sha256"]}
+    assert finished
+    before = {n: (os.stat(stage / n).st_ino, os.stat(stage / n).st_mtime_ns) for n in finished}
+    st = os.stat(ckpt / RANK0)
+    os.utime(ckpt / RANK0, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # "retrained": newer file
+
+    assert main(["merge", "--local_dir", str(ckpt), "--target_dir", str(out), *SMALL, "--resume"]) == 0
+    assert "source files changed" in caplog.text
+    assert_same_weights(out, reference, torch.bfloat16)
+    after = {n: (os.stat(out / n).st_ino, os.stat(out / n).st_mtime_ns) for n in finished}
+    assert all(after[n] != before[n] for n in finished)  # every file written again
