@@ -52,6 +52,16 @@ class Group:
             if message:
                 raise MergerError(message if rank == self.rank else f"rank {rank} failed: {message}")
 
+    def gather_object(self, obj) -> list:
+        """Every rank's `obj` (picklable, small), in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, obj, group=self.control)
+        return gathered
+
     def barrier(self) -> None:
         if self.distributed:
             import torch.distributed as dist

@@ -24,6 +24,11 @@ class MergeOptions:
     trust_remote_code: bool = False
     dist_timeout: float = 600.0
     debug: bool = False
+    is_value_model: bool = False  # a critic: token-classification head with one label (`score.weight`)
+    verify: bool = False  # re-read the written output and compare it with the source before the rename
+    hf_upload_path: str | None = None  # "user/name": publish the finished folder to the Hugging Face Hub
+    private: bool = False
+    summary_json: Path | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -108,9 +108,12 @@ def _write_config(stage: Path, dtype_name: str | None, config_updates: dict) -> 
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def finish(stage: Path, target: Path, plan: Plan, hf_dir: Path, out_dtype: torch.dtype | None,
-           manifest: dict, overwrite: bool, config_updates: dict | None = None) -> None:
-    """Rank 0, after every rank wrote its bytes: index, config, tokenizer files, manifest, then the rename."""
+def finish(stage: Path, plan: Plan, hf_dir: Path, out_dtype: torch.dtype | None, manifest: dict,
+           config_updates: dict | None = None) -> None:
+    """Rank 0, after every rank wrote its bytes: index, config, tokenizer files, manifest, in the staging folder.
+
+    The rename into place (`swap_into_place`) is separate so `--verify` can check the complete folder first.
+    """
     if len(plan.files) > 1:
         index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map}
         (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -121,10 +124,9 @@ def finish(stage: Path, target: Path, plan: Plan, hf_dir: Path, out_dtype: torch
     _write_config(stage, dtype_name, config_updates or {})
     manifest = dict(manifest, output_files={f.name: f.size for f in plan.files}, copied_files=copied)
     (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    _swap_into_place(stage, target, overwrite)
 
 
-def _swap_into_place(stage: Path, target: Path, overwrite: bool) -> None:
+def swap_into_place(stage: Path, target: Path, overwrite: bool) -> None:
     old = target.parent / f".{target.name}.merger-old"
     if target.exists():
         if any(target.iterdir()) and not overwrite:
