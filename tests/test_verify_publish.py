@@ -38,6 +38,13 @@ def merged(checkpoint, tmp_path_factory):
     return root / "out", json.loads((root / "summary.json").read_text()), proc
 
 
+def merger_test(capsys, *args) -> tuple[int, str]:
+    """`merger test ARGS` in this process (one rank): its exit code and what it printed."""
+    capsys.readouterr()
+    code = cli.main(["test", *map(str, args)])
+    return code, capsys.readouterr().out
+
+
 def _flip_byte(folder: Path, tensor: str) -> None:
     """Flip one bit in the middle of `tensor`'s bytes in a finished output, found through the index."""
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -71,7 +78,7 @@ def test_verify_passes_and_summary_describes_the_merge(merged, checkpoint):
     assert summary["verify"]["bytes"] == nbytes and summary["uploaded_to"] is None
 
 
-def test_flipped_byte_is_caught_by_verify_and_test(merged, checkpoint, tmp_path):
+def test_flipped_byte_is_caught_by_verify_and_test(merged, checkpoint, tmp_path, capsys):
     out, _, _ = merged
     actor, _ = checkpoint
     broken = tmp_path / "broken"
@@ -85,14 +92,14 @@ def test_flipped_byte_is_caught_by_verify_and_test(merged, checkpoint, tmp_path)
         verify_staged(broken, prepare(options, Group()), Group(), options)
 
     # `merger test` shares the comparison and prints the table of the worst mismatches
-    proc = run_merger("test", "--local_dir", actor, "--test_hf_dir", broken, check=False)
-    assert proc.returncode == 1
-    assert "1 differ" in proc.stdout and "merger test: FAILED" in proc.stdout
-    row = next(line for line in proc.stdout.splitlines() if line.strip().startswith(victim))
+    code, out = merger_test(capsys, "--local_dir", actor, "--test_hf_dir", broken)
+    assert code == 1
+    assert "1 differ" in out and "merger test: FAILED" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith(victim))
     assert "1/" in row and "values differ" in row
 
 
-def test_broken_index_is_reported(merged, checkpoint, tmp_path):
+def test_broken_index_is_reported(merged, checkpoint, tmp_path, capsys):
     out, _, _ = merged
     actor, _ = checkpoint
     broken = tmp_path / "broken"
@@ -105,15 +112,15 @@ def test_broken_index_is_reported(merged, checkpoint, tmp_path):
     index["metadata"]["total_size"] += 2
     index_path.write_text(json.dumps(index))
 
-    proc = run_merger("test", "--local_dir", actor, "--test_hf_dir", broken, check=False)
-    assert proc.returncode == 1
-    assert f"index puts {name} in {wrong}, which does not hold it" in proc.stdout
-    assert "index total_size is" in proc.stdout and "merger test: FAILED" in proc.stdout
+    code, out = merger_test(capsys, "--local_dir", actor, "--test_hf_dir", broken)
+    assert code == 1
+    assert f"index puts {name} in {wrong}, which does not hold it" in out
+    assert "index total_size is" in out and "merger test: FAILED" in out
 
 
-def test_tolerances_pass_the_right_reference_and_fail_a_wrong_one(checkpoint, tmp_path):
+def test_tolerances_pass_the_right_reference_and_fail_a_wrong_one(checkpoint, tmp_path, capsys):
     actor, reference = checkpoint
-    assert run_merger("test", "--local_dir", actor, "--test_hf_dir", reference).returncode == 0
+    assert merger_test(capsys, "--local_dir", actor, "--test_hf_dir", reference)[0] == 0
 
     # The q projections scaled by 1 + 1e-4 (near) or shifted by 0.1 (far), written by the safetensors library.
     weights = load_file(reference / "model.safetensors")
@@ -124,15 +131,15 @@ def test_tolerances_pass_the_right_reference_and_fail_a_wrong_one(checkpoint, tm
         changed = {k: change(v) if k.endswith("q_proj.weight") else v for k, v in weights.items()}
         save_file(changed, folder / "model.safetensors", metadata={"format": "pt"})
 
-    exact = run_merger("test", "--local_dir", actor, "--test_hf_dir", near, check=False)
-    assert exact.returncode == 1 and "2 differ" in exact.stdout
-    assert "model.layers.0.self_attn.q_proj.weight" in exact.stdout and "max abs diff" in exact.stdout
-    assert run_merger("test", "--local_dir", actor, "--test_hf_dir", near, "--atol", "1e-3").returncode == 0
-    assert run_merger("test", "--local_dir", actor, "--test_hf_dir", near, "--rtol", "1e-3").returncode == 0
+    code, out = merger_test(capsys, "--local_dir", actor, "--test_hf_dir", near)
+    assert code == 1 and "2 differ" in out
+    assert "model.layers.0.self_attn.q_proj.weight" in out and "max abs diff" in out
+    assert merger_test(capsys, "--local_dir", actor, "--test_hf_dir", near, "--atol", "1e-3")[0] == 0
+    assert merger_test(capsys, "--local_dir", actor, "--test_hf_dir", near, "--rtol", "1e-3")[0] == 0
 
-    wrong = run_merger("test", "--local_dir", actor, "--test_hf_dir", far, "--atol", "1e-3", check=False)
-    assert wrong.returncode == 1 and "merger test: FAILED" in wrong.stdout
-    rows = [line for line in wrong.stdout.splitlines() if "values differ" in line]
+    code, out = merger_test(capsys, "--local_dir", actor, "--test_hf_dir", far, "--atol", "1e-3")
+    assert code == 1 and "merger test: FAILED" in out
+    rows = [line for line in out.splitlines() if "values differ" in line]
     assert len(rows) == 2 and all("q_proj.weight" in r for r in rows)
 
 
