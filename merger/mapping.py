@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .catalog import Catalog
 from .errors import MergerError
+from .hf_names import rename_outputs, saved_names
 from .options import MergeOptions
 from .plan import OutputSpec, Step, output_dtype
 
@@ -45,5 +46,7 @@ def hf_steps(catalog: Catalog, config: dict, options: MergeOptions) -> list[Step
     return steps
 
 
-def build_steps(catalog: Catalog, config: dict, options: MergeOptions) -> list[Step]:
-    return hf_steps(catalog, config, options)
+def build_steps(catalog: Catalog, config: dict, options: MergeOptions, hf_dir: Path) -> list[Step]:
+    steps = hf_steps(catalog, config, options)
+    names = [o.name for s in steps for o in s.outputs]
+    return rename_outputs(steps, saved_names(hf_dir, config, names, options.trust_remote_code))

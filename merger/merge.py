@@ -73,7 +73,7 @@ def prepare(options: MergeOptions, group: Group) -> Prepared:
         catalog = open_catalog(Path(options.local_dir), options.backend)
         hf_dir = resolve_hf_dir(catalog, options)
         config = read_config(hf_dir)
-        steps = build_steps(catalog, config, options)
+        steps = build_steps(catalog, config, options, hf_dir)
         plan = plan_layout(catalog, steps, group.world, options.max_shard_size, options.max_inflight)
         outputs = {s.name: s.shape for step in plan.steps for s in step.outputs}
         return Prepared(catalog, hf_dir, config, plan,
