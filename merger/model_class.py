@@ -29,9 +29,21 @@ def _labels(n: int) -> dict:
     return {"id2label": {str(i): f"LABEL_{i}" for i in range(n)}, "label2id": {f"LABEL_{i}": i for i in range(n)}}
 
 
+def check_remote_code(config: dict, hf_dir: Path) -> None:
+    """Every module config.json's auto_map names must be a .py file beside it: the output gets a copy of each."""
+    for value in (config.get("auto_map") or {}).values():
+        for ref in value if isinstance(value, list) else [value]:
+            if ref and "--" not in ref:  # "repo--module.Class" lives in another Hub repo, loaded from there
+                module = ref.rsplit(".", 1)[0]
+                if not (hf_dir / f"{module}.py").is_file():
+                    raise MergerError(f"config.json's auto_map names {ref} but {module}.py is not in the config "
+                                      f"folder, {hf_dir}")
+
+
 def config_updates(config: dict, outputs: dict[str, tuple[int, ...]], is_value_model: bool,
                    hf_dir: Path) -> dict:
     """Changes to config.json for the output; `outputs` maps output names to shapes."""
+    check_remote_code(config, hf_dir)
     archs = config.get("architectures") or []
     if is_value_model:
         if HEAD not in outputs:
