@@ -35,18 +35,23 @@ def torchrun_cmd(nproc: int) -> list[str]:
             "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
 
 
-def run(cmd: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+def run(cmd: list[str], timeout: float = 300, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`env` adds variables; a PYTHONPATH given there goes in front of the test one."""
+    full = _env()
+    for key, value in (env or {}).items():
+        full[key] = value + os.pathsep + full[key] if key == "PYTHONPATH" else value
+    proc = subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n--- stdout\n{proc.stdout}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
 
 
-def run_merger(*args, nproc: int = 1, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_merger(*args, nproc: int = 1, check: bool = True, timeout: float = 300,
+               env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m merger ARGS` as one process, or under torchrun with `nproc` gloo ranks."""
     prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
-    return run(prefix + ["-m", "merger", *map(str, args)], timeout=timeout, check=check)
+    return run(prefix + ["-m", "merger", *map(str, args)], timeout=timeout, check=check, env=env)
 
 
 def run_writer(script: str, *args, nproc: int = 1) -> subprocess.CompletedProcess:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,7 @@ def test_verify_passes_and_summary_describes_the_merge(merged, checkpoint):
     assert summary["verify"]["bytes"] == nbytes and summary["uploaded_to"] is None
 
 
-def test_flipped_byte_is_caught_by_verify_and_test(merged, checkpoint, tmp_path, capsys):
+def test_flipped_byte_is_caught_by_verify_and_test(merged, checkpoint, tmp_path):
     out, _, _ = merged
     actor, _ = checkpoint
     broken = tmp_path / "broken"
@@ -91,11 +92,11 @@ def test_flipped_byte_is_caught_by_verify_and_test(merged, checkpoint, tmp_path,
     with pytest.raises(MergerError, match="1 tensors differ"):
         verify_staged(broken, prepare(options, Group()), Group(), options)
 
-    # `merger test` shares the comparison and prints the table of the worst mismatches
-    code, out = merger_test(capsys, "--local_dir", actor, "--test_hf_dir", broken)
-    assert code == 1
-    assert "1 differ" in out and "merger test: FAILED" in out
-    row = next(line for line in out.splitlines() if line.strip().startswith(victim))
+    # `merger test` shares the comparison and prints the table of the worst mismatches, here on 2 ranks
+    proc = run_merger("test", "--local_dir", actor, "--test_hf_dir", broken, nproc=2, check=False)
+    assert proc.returncode == 1
+    assert "1 differ" in proc.stdout and "merger test: FAILED" in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if line.strip().startswith(victim))
     assert "1/" in row and "values differ" in row
 
 
@@ -143,28 +144,18 @@ def test_tolerances_pass_the_right_reference_and_fail_a_wrong_one(checkpoint, tm
     assert len(rows) == 2 and all("q_proj.weight" in r for r in rows)
 
 
-class RecordingHfApi:
-    """Stands in for huggingface_hub.HfApi: records each call, in order, and touches no network."""
-
-    calls: list = []
-
-    def create_repo(self, **kwargs):
-        self.calls.append(("create_repo", kwargs))
-        return f"https://huggingface.co/{kwargs['repo_id']}"
-
-    def upload_folder(self, **kwargs):
-        self.calls.append(("upload_folder", kwargs))
-
-    def upload_large_folder(self, **kwargs):
-        self.calls.append(("upload_large_folder", kwargs))
+HUB_RECORDER = Path(__file__).parent / "hub_recorder"
+sys.path.insert(0, str(HUB_RECORDER))
+from sitecustomize import RecordingHfApi, calls  # noqa: E402  (the recorder: inert unless its log is set)
 
 
 @pytest.fixture
-def hub(monkeypatch):
-    RecordingHfApi.calls = []
-    monkeypatch.setattr(publish, "HfApi", RecordingHfApi)
+def hub(monkeypatch, tmp_path):
+    """HfApi, as merger looks it up, replaced by the recorder; returns the log the calls go to."""
+    log = tmp_path / "hub_calls.jsonl"
+    monkeypatch.setattr(publish, "HfApi", lambda: RecordingHfApi(str(log)))
     monkeypatch.setenv("HF_TOKEN", "hf_secret_sentinel_token")
-    return RecordingHfApi.calls
+    return log
 
 
 @pytest.mark.parametrize("large", [False, True])
@@ -178,9 +169,11 @@ def test_upload_after_a_successful_merge(checkpoint, tmp_path, hub, monkeypatch,
                      str(tmp_path / "s.json")])
     assert code == 0
     assert_same_weights(target, reference, torch.bfloat16)
-    assert [name for name, _ in hub] == ["create_repo", "upload_large_folder" if large else "upload_folder"]
-    assert hub[0][1] == {"repo_id": "someone/tiny-merged", "repo_type": "model", "private": True, "exist_ok": True}
-    upload = hub[1][1]
+    recorded = calls(hub)
+    assert [c["method"] for c in recorded] == ["create_repo", "upload_large_folder" if large else "upload_folder"]
+    assert recorded[0]["kwargs"] == {"repo_id": "someone/tiny-merged", "repo_type": "model", "private": True,
+                                     "exist_ok": True}
+    upload = recorded[1]["kwargs"]
     assert upload["repo_id"] == "someone/tiny-merged" and Path(upload["folder_path"]) == target
     assert "merge_manifest.json" in upload["ignore_patterns"]
     summary = json.loads((tmp_path / "s.json").read_text())
@@ -196,7 +189,18 @@ def test_no_upload_when_the_merge_fails(checkpoint, tmp_path, hub, capsys):
     (target / "precious.txt").write_text("not to be replaced")
     code = cli.main(["merge", "--local_dir", str(actor), "--target_dir", str(target),
                      "--hf_upload_path", "someone/tiny-merged", "--summary-json", str(tmp_path / "s.json")])
-    assert code == 1 and hub == []
+    assert code == 1 and calls(hub) == []
     assert "target folder is not empty" in capsys.readouterr().err
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["status"] == "failed" and "not empty" in summary["error"] and summary["uploaded_to"] is None
+
+
+def test_only_rank_zero_uploads(checkpoint, tmp_path):
+    """Two ranks, each with the recorder in place of huggingface_hub.HfApi: one create, one upload, from rank 0."""
+    actor, _ = checkpoint
+    log = tmp_path / "hub_calls.jsonl"
+    run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", "--hf_upload_path", "someone/m",
+               nproc=2, env={"PYTHONPATH": str(HUB_RECORDER), "MERGER_TEST_HUB_LOG": str(log)})
+    recorded = calls(log)
+    assert [(c["rank"], c["method"]) for c in recorded] == [(0, "create_repo"), (0, "upload_folder")]
+    assert recorded[0]["kwargs"]["private"] is False
