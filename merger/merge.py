@@ -16,9 +16,9 @@ from typing import Callable
 
 from . import __version__
 from .catalog import Catalog
+from .compare import CompareResult, compare_with_folder
 from .dist import Group
 from .errors import MergerError, describe_error
-from .compare import CompareResult, compare_with_folder
 from .mapping import build_steps, read_config
 from .memory import peak_rss_bytes
 from .model_class import config_updates
