@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import assert_same_weights, load_safetensors_folder, run_merger
 from merger import cli, publish
+from merger.compare import _differences
 from merger.dist import Group
 from merger.errors import MergerError
 from merger.merge import prepare, verify_staged
@@ -55,6 +56,24 @@ def _flip_byte(folder: Path, tensor: str) -> None:
     begin, end = json.loads(raw[8:8 + n])[tensor]["data_offsets"]
     raw[8 + n + (begin + end) // 2] ^= 0x01
     path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("atol,rtol", [(0.0, 0.0), (1e-3, 0.0), (0.0, 1e-2), (1e-4, 1e-3)])
+def test_tolerance_rule_is_torch_isclose(atol, rtol):
+    """Against torch.isclose(equal_nan=True); exact mode (both 0) compares bytes, so -0.0 differs from 0.0."""
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(64, 32, generator=gen)
+    ours = ref + torch.randn(64, 32, generator=gen) * torch.rand(64, 32, generator=gen) * 1e-3
+    ours[0, :4] = ref[0, :4]
+    ref[1, 0], ours[1, 0] = float("nan"), float("nan")
+    ref[2, 0], ours[2, 0] = 0.0, -0.0
+    close = torch.isclose(ours.double(), ref.double(), atol=atol, rtol=rtol, equal_nan=True)
+    if atol == rtol == 0:
+        close[2, 0] = False  # the same value, other bytes
+    found = _differences("w", ours, ref, atol, rtol)
+    assert found is not None and found.bad == int((~close).sum()) and found.numel == ref.numel()
+    assert found.max_abs_diff == (ours.double() - ref.double()).abs()[~close].max().item()
+    assert _differences("w", ref.clone(), ref, atol, rtol) is None
 
 
 def test_verify_passes_and_summary_describes_the_merge(merged, checkpoint):
