@@ -44,7 +44,11 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                    help="output dtype of floating tensors (default bfloat16, as verl); keep = source dtype")
     p.add_argument(*_flag("--tie_word_embedding"), dest="tie_word_embedding", action="store_true",
                    help="write lm_head once, tied to the input embedding, whatever config.json says")
-    p.add_argument(*_flag("--trust_remote_code"), dest="trust_remote_code", action="store_true")
+    p.add_argument(*_flag("--trust_remote_code"), dest="trust_remote_code", action="store_true",
+                   help="accepted for verl's command line: remote-code files are always copied; pass "
+                        "trust_remote_code=True when loading the output")
+    p.add_argument(*_flag("--is_value_model"), dest="is_value_model", action="store_true",
+                   help="a critic: write a token-classification model (score.weight, one label)")
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -74,13 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--resume", action="store_true",
                        help="reuse the output files an interrupted merge finished (checksums in its manifest); "
                             "implies --keep-partial")
+    merge.add_argument("--verify", action="store_true",
+                       help="before the final rename, re-read every written tensor and compare it with its source")
+    merge.add_argument(*_flag("--hf_upload_path"), dest="hf_upload_path", default=None, metavar="USER/NAME",
+                       help="after a successful merge, create this Hugging Face Hub repo and upload the model")
+    merge.add_argument("--private", action="store_true", help="with --hf_upload_path: create a private repo")
+    merge.add_argument(*_flag("--summary_json"), dest="summary_json", type=Path, default=None, metavar="PATH",
+                       help="write a JSON summary: sizes, ranks, files, time, peak memory per rank, verify result")
     _add_run_args(merge)
 
     test = sub.add_parser("test", help="merge in memory and compare with a reference HF folder")
     _add_source_args(test)
     test.add_argument(*_flag("--test_hf_dir"), dest="test_hf_dir", type=Path, required=True)
-    test.add_argument("--atol", type=float, default=0.0)
-    test.add_argument("--rtol", type=float, default=0.0)
+    test.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bytes must match)")
+    test.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     _add_run_args(test)
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint and the planned output, reading no tensor data")
@@ -134,17 +145,14 @@ def _run(args: argparse.Namespace) -> int:
 
             run_merge(options, group)
             return 0
-        from .compare import CompareSink, ReferenceModel, report
-        from .merge import on_every_rank, open_checked_reader, prepare
-        from .stream import run_plan
+        from .compare import compare_with_folder
+        from .merge import prepare
 
-        options.dtype = "keep"  # compare in the reference's own dtype: CompareSink casts each tensor to it
+        options.dtype = "keep"  # compare in the reference's own dtype: each tensor is cast to it
         prepared = prepare(options, group)
-        reader = open_checked_reader(prepared, group, options.debug)
-        reference = on_every_rank(group, lambda: ReferenceModel(args.test_hf_dir), options.debug)
-        sink = CompareSink(reference, args.atol, args.rtol)
-        run_plan(prepared.plan, prepared.catalog, group, sink, None, options.debug, reader=reader)
-        return 0 if report(group, sink, set(prepared.plan.location), reference) else 1
+        result = compare_with_folder(prepared.plan, prepared.catalog, group, args.test_hf_dir, atol=args.atol,
+                                     rtol=args.rtol, debug=options.debug)
+        return 0 if result.ok else 1
     finally:
         group.close()
 

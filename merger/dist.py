@@ -57,12 +57,7 @@ class Group:
             if error:
                 raise MergerError(error)
             return
-        import torch.distributed as dist
-
-        errors: list = [None] * self.world
-        with _collective(self.rank):
-            dist.all_gather_object(errors, error, group=self.control)
-        for rank, message in enumerate(errors):
+        for rank, message in enumerate(self.all_gather(error)):
             if message:
                 # The same line on every rank, naming the rank that failed; only rank 0 prints it.
                 raise AgreedError(f"rank {rank}: {message}")

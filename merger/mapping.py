@@ -12,6 +12,7 @@ from pathlib import Path
 from . import torchtitan_llama
 from .catalog import Catalog
 from .errors import MergerError
+from .hf_names import rename_outputs, saved_names
 from .options import MergeOptions
 from .plan import OutputSpec, Step, output_dtype
 
@@ -47,8 +48,10 @@ def hf_steps(catalog: Catalog, config: dict, options: MergeOptions) -> list[Step
     return steps
 
 
-def build_steps(catalog: Catalog, config: dict, options: MergeOptions) -> list[Step]:
+def build_steps(catalog: Catalog, config: dict, options: MergeOptions, hf_dir: Path) -> list[Step]:
     if torchtitan_llama.wanted(catalog, options):
         ties = options.tie_word_embedding or ties_embeddings(config)
         return torchtitan_llama.torchtitan_steps(catalog, config, options, ties)
-    return hf_steps(catalog, config, options)
+    steps = hf_steps(catalog, config, options)
+    names = [o.name for s in steps for o in s.outputs]
+    return rename_outputs(steps, saved_names(hf_dir, config, names, options.trust_remote_code))

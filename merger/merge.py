@@ -6,6 +6,7 @@ stops all of them with the same message and no rank is left waiting in a collect
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import shutil
 import time
@@ -14,12 +15,15 @@ from pathlib import Path
 from typing import Callable
 
 from .catalog import Catalog
+from .compare import CompareResult, compare_with_folder
 from .dist import Group
 from .errors import MergerError, describe_error
 from .mapping import build_steps, read_config
 from .memory import peak_rss_bytes
+from .model_class import config_updates
 from .options import MergeOptions
-from .output import FileSink, check_target, finish, hf_files_to_copy, prepare_files, staging_dir, write_manifest
+from .output import (FileSink, check_target, finish, hf_files_to_copy, prepare_files, staging_dir, swap_into_place,
+                     write_manifest)
 from .plan import Plan, plan_layout
 from .progress import Progress
 from .resume import FileTracker, resume_candidates, skip_finished, start_manifest, verify_share
@@ -51,6 +55,7 @@ class Prepared:
     hf_dir: Path
     config: dict
     plan: Plan
+    config_updates: dict
 
 
 def resolve_hf_dir(catalog: Catalog, options: MergeOptions) -> Path:
@@ -73,9 +78,11 @@ def prepare(options: MergeOptions, group: Group) -> Prepared:
         catalog = open_catalog(Path(options.local_dir), options.backend, options.prefix)
         hf_dir = resolve_hf_dir(catalog, options)
         config = read_config(hf_dir)
-        steps = build_steps(catalog, config, options)
+        steps = build_steps(catalog, config, options, hf_dir)
         plan = plan_layout(catalog, steps, group.world, options.max_shard_size, options.max_inflight)
-        return Prepared(catalog, hf_dir, config, plan)
+        outputs = {s.name: s.shape for step in plan.steps for s in step.outputs}
+        return Prepared(catalog, hf_dir, config, plan,
+                        config_updates(config, outputs, options.is_value_model, hf_dir))
 
     prepared = on_every_rank(group, build, options.debug)
     if group.rank == 0:
@@ -96,12 +103,46 @@ def open_checked_reader(prepared: Prepared, group: Group, debug: bool = False):
     return on_every_rank(group, check, debug)
 
 
-def run_merge(options: MergeOptions, group: Group) -> Path:
-    started = time.monotonic()
-    target = Path(options.target_dir).absolute()
-    stage = staging_dir(target)
-    prepared = prepare(options, group)
-    plan = prepared.plan
+def verify_staged(stage: Path, prepared: Prepared, group: Group, options: MergeOptions) -> CompareResult:
+    """Re-run the plan against what was written: every tensor byte-equal to its source after the same cast,
+    the files' headers and index sound. Raises on every rank when anything is off."""
+    result = compare_with_folder(prepared.plan, prepared.catalog, group, stage, cast=False, label="verify",
+                                 debug=options.debug)
+    if not result.ok:
+        raise MergerError(f"the written output failed verification ({result.differ} tensors differ, "
+                          f"{result.missing + result.extra} names disagree, {len(result.problems)} index "
+                          f"problems); nothing was moved to the target, {stage}")
+    return result
+
+
+def write_summary(path: Path, prepared: Prepared, options: MergeOptions, group: Group, started: float,
+                  verify: CompareResult | None, uploaded: str | None, error: str | None) -> None:
+    """`--summary-json`: what was merged, by how many ranks, into what, how fast, how much memory, verified."""
+    peaks = group.all_gather(peak_rss_bytes())
+    if group.rank != 0:
+        return
+    c, plan = prepared.catalog, prepared.plan
+    summary = {
+        "status": "failed" if error else "ok", "error": error,
+        "source_format": c.format, "source_dir": str(Path(options.local_dir).absolute()),
+        "checkpoint_world_size": c.details.get("world_size"), "merge_world_size": group.world,
+        "target_dir": str(Path(options.target_dir).absolute()), "dtype": options.dtype,
+        "tensors": len(plan.location), "bytes": plan.total_bytes,
+        "output_files": [{"name": f.name, "bytes": f.size, "tensors": len(f.entries)} for f in plan.files],
+        "wall_time_s": round(time.monotonic() - started, 3), "peak_rss_bytes_per_rank": peaks,
+        "verify": verify.as_dict() if verify else None, "uploaded_to": uploaded,
+    }
+    Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, target: Path,
+                     started: float) -> CompareResult | None:
+    """Stream into the staging folder, finish it, verify it when asked, rename it into place.
+
+    On failure the staging folder is removed (or kept for --keep-partial / --resume): the target only
+    ever holds a complete model.
+    """
+    plan, stage = prepared.plan, staging_dir(target)
     reader = open_checked_reader(prepared, group, options.debug)
     manifest: dict = {}
 
@@ -137,10 +178,12 @@ def run_merge(options: MergeOptions, group: Group) -> Path:
         on_every_rank(group, sink.close, options.debug)  # a sync point: every rank's bytes are on disk
 
         def complete():
-            finish(stage, target, plan, prepared.hf_dir, options.torch_dtype, tracker.final_manifest(),
-                   options.overwrite)
+            finish(stage, plan, prepared.hf_dir, options.torch_dtype, tracker.final_manifest(),
+                   prepared.config_updates)
 
         on_rank_zero(group, complete, options.debug)
+        verified = verify_staged(stage, prepared, group, options) if options.verify else None
+        on_rank_zero(group, lambda: swap_into_place(stage, target, options.overwrite), options.debug)
     except BaseException:
         if tracker is not None:
             tracker.stop()  # no checksum thread may write into the staging folder while it is removed
@@ -156,4 +199,28 @@ def run_merge(options: MergeOptions, group: Group) -> Path:
     if group.rank == 0:
         log.info("merger: wrote %s to %s in %.1fs (peak RSS rank 0: %s)", format_size(plan.total_bytes), target,
                  time.monotonic() - started, format_size(peak_rss_bytes()))
+    return verified
+
+
+def run_merge(options: MergeOptions, group: Group) -> Path:
+    started = time.monotonic()
+    target = Path(options.target_dir).absolute()
+    prepared = prepare(options, group)
+    verified, uploaded = None, None
+    try:
+        verified = _stage_and_place(options, group, prepared, target, started)
+        if options.hf_upload_path:
+            from .publish import upload
+
+            def publish():
+                nonlocal uploaded
+                uploaded = upload(target, options.hf_upload_path, options.private)
+
+            on_rank_zero(group, publish, options.debug)  # one rank uploads; every rank learns if it failed
+    except MergerError as e:
+        if options.summary_json:
+            write_summary(options.summary_json, prepared, options, group, started, verified, uploaded, str(e))
+        raise
+    if options.summary_json:
+        write_summary(options.summary_json, prepared, options, group, started, verified, uploaded, None)
     return target

@@ -28,6 +28,11 @@ class MergeOptions:
     debug: bool = False
     keep_partial: bool = False  # keep the staging folder when a merge fails
     resume: bool = False  # reuse the finished files of an interrupted merge (implies keep_partial)
+    is_value_model: bool = False  # a critic: token-classification head with one label (`score.weight`)
+    verify: bool = False  # re-read the written output and compare it with the source before the rename
+    hf_upload_path: str | None = None  # "user/name": publish the finished folder to the Hugging Face Hub
+    private: bool = False
+    summary_json: Path | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -180,9 +180,12 @@ def _write_config(stage: Path, dtype_name: str | None, config_updates: dict) -> 
     _write_into(stage, "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
-def finish(stage: Path, target: Path, plan: Plan, hf_dir: Path, out_dtype: torch.dtype | None,
-           manifest: dict, overwrite: bool, config_updates: dict | None = None) -> None:
-    """Rank 0, after every rank wrote its bytes: index, config, tokenizer files, manifest, then the rename."""
+def finish(stage: Path, plan: Plan, hf_dir: Path, out_dtype: torch.dtype | None, manifest: dict,
+           config_updates: dict | None = None) -> None:
+    """Rank 0, after every rank wrote its bytes: index, config, tokenizer files, manifest, in the staging folder.
+
+    The rename into place (`swap_into_place`) is separate so `--verify` can check the complete folder first.
+    """
     if len(plan.files) > 1:
         index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map}
         _write_into(stage, "model.safetensors.index.json", (json.dumps(index, indent=2) + "\n").encode())
@@ -194,7 +197,6 @@ def finish(stage: Path, target: Path, plan: Plan, hf_dir: Path, out_dtype: torch
     manifest = dict(manifest, copied_files=copied, complete=True)
     manifest.setdefault("output_files", {f.name: {"size": f.size} for f in plan.files})
     write_manifest(stage, manifest)
-    _swap_into_place(stage, target, overwrite)
 
 
 def write_manifest(stage: Path, manifest: dict) -> None:
@@ -207,7 +209,7 @@ def write_manifest(stage: Path, manifest: dict) -> None:
         raise MergerError(f"cannot write the merge manifest ({e.strerror}), {tmp}") from e
 
 
-def _swap_into_place(stage: Path, target: Path, overwrite: bool) -> None:
+def swap_into_place(stage: Path, target: Path, overwrite: bool) -> None:
     old = target.parent / f".{target.name}.merger-old"
     if target.exists():
         if any(target.iterdir()) and not overwrite:

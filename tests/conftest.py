@@ -22,11 +22,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict:
+def _env(extra: dict | None = None) -> dict:
+    """The test environment plus `extra`; a PYTHONPATH given there goes in front of the test one."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(WRITERS), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONWARNINGS"] = "ignore"
+    for key, value in (extra or {}).items():
+        env[key] = value + os.pathsep + env[key] if key == "PYTHONPATH" else value
     return env
 
 
@@ -35,8 +38,9 @@ def torchrun_cmd(nproc: int) -> list[str]:
             "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
 
 
-def run(cmd: list[str], timeout: float = 300, check: bool = True, preexec_fn=None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout,
+def run(cmd: list[str], timeout: float = 300, check: bool = True, env: dict | None = None,
+        preexec_fn=None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout,
                           preexec_fn=preexec_fn)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n--- stdout\n{proc.stdout}"
@@ -45,16 +49,17 @@ def run(cmd: list[str], timeout: float = 300, check: bool = True, preexec_fn=Non
 
 
 def run_merger(*args, nproc: int = 1, check: bool = True, timeout: float = 300,
-               preexec_fn=None) -> subprocess.CompletedProcess:
+               env: dict | None = None, preexec_fn=None) -> subprocess.CompletedProcess:
     """`python -m merger ARGS` as one process, or under torchrun with `nproc` gloo ranks."""
     prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
-    return run(prefix + ["-m", "merger", *map(str, args)], timeout=timeout, check=check, preexec_fn=preexec_fn)
+    return run(prefix + ["-m", "merger", *map(str, args)], timeout=timeout, check=check, env=env,
+               preexec_fn=preexec_fn)
 
 
 def start_merger(*args, nproc: int = 1, env: dict | None = None) -> subprocess.Popen:
     """Like run_merger, but returns the running process (for tests that interrupt a merge)."""
     prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
-    return subprocess.Popen(prefix + ["-m", "merger", *map(str, args)], cwd=ROOT, env={**_env(), **(env or {})},
+    return subprocess.Popen(prefix + ["-m", "merger", *map(str, args)], cwd=ROOT, env=_env(env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -18,14 +18,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tiny_models import build_model, save_hf_folder
+from tiny_models import HEADS, build_model, save_hf_folder
+
+REMOTE_CODE = Path(__file__).parent / "remote_code"
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True, help="checkpoint folder (global_step_N/actor)")
     p.add_argument("--reference", type=Path, default=None, help="where the oracle goes (default OUT/../reference)")
-    p.add_argument("--arch", default="llama")
+    p.add_argument("--arch", default="llama", help="llama, qwen2, gpt2, qwen2_vl, or remote (remote-code Llama)")
+    p.add_argument("--head", default="causal-lm", choices=list(HEADS),
+                   help="token-cls is a verl critic: its huggingface/ config still names the causal LM, as verl's does")
+    p.add_argument("--num-labels", type=int, default=1)
     p.add_argument("--mesh", default=None, help="'W' (fsdp) or 'R,S' (HSDP: R replicas of S shards)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tied", action="store_true")
@@ -41,13 +46,15 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     model = build_model(args.arch, tied=args.tied, vocab=args.vocab, hidden=args.hidden, layers=args.layers,
-                        dtype=getattr(torch, args.dtype), seed=args.seed)
+                        dtype=getattr(torch, args.dtype), seed=args.seed, head=args.head, num_labels=args.num_labels)
     if args.buffer:
         model.model.register_buffer("scale_table", torch.arange(7, dtype=torch.float32) / 7, persistent=True)
     reference = args.reference or args.out.parent / "reference"
     args.out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        save_hf_folder(model, args.out / "huggingface")
+        if args.head == "token-cls":  # verl saves the config it loaded: the critic's says ...ForCausalLM
+            model.config.architectures = [type(model).__name__.replace("ForTokenClassification", "ForCausalLM")]
+        save_hf_folder(model, args.out / "huggingface", REMOTE_CODE if args.arch == "remote" else None)
         reference.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(reference)  # the oracle: the model's own weights, by transformers' own writer
         if not args.no_fsdp_config:
@@ -66,8 +73,10 @@ def main() -> None:
         mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("ddp", "fsdp"))
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    for layer in model.base_model.layers if hasattr(model.base_model, "layers") else model.base_model.h:
-        fully_shard(layer, mesh=mesh)
+    for name, blocks in model.named_modules():  # decoder layers, and a VLM's vision blocks too
+        if isinstance(blocks, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "blocks", "h"):
+            for layer in blocks:
+                fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     torch.save(model.state_dict(), args.out / f"model_world_size_{world}_rank_{rank}.pt")
     dist.barrier()

@@ -1,0 +1,45 @@
+"""A stand-in for the Hugging Face Hub API in tests (there is no network here).
+
+`RecordingHfApi` has the HfApi methods merger calls, checks each call's arguments against the real method's
+signature, and appends each call, with the calling process's RANK, as
+one JSON line to a log file. In-process tests patch it in directly; for torchrun tests this folder goes first
+on PYTHONPATH with MERGER_TEST_HUB_LOG set, and Python's startup import of `sitecustomize` puts the recorder in
+place of huggingface_hub.HfApi in every rank before merger imports it.
+"""
+import inspect
+import json
+import os
+
+
+class RecordingHfApi:
+    def __init__(self, log: str | None = None):
+        self.log = log or os.environ["MERGER_TEST_HUB_LOG"]
+
+    def _record(self, method: str, kwargs: dict) -> None:
+        from huggingface_hub.hf_api import HfApi  # the real class: every call must fit its signature
+
+        inspect.signature(getattr(HfApi, method)).bind(None, **kwargs)
+        with open(self.log, "a") as f:
+            f.write(json.dumps({"rank": int(os.environ.get("RANK", "0")), "method": method, "kwargs": kwargs},
+                               default=str) + "\n")
+
+    def create_repo(self, **kwargs):
+        self._record("create_repo", kwargs)
+        return f"https://huggingface.co/{kwargs['repo_id']}"
+
+    def upload_folder(self, **kwargs):
+        self._record("upload_folder", kwargs)
+
+    def upload_large_folder(self, **kwargs):
+        self._record("upload_large_folder", kwargs)
+
+
+def calls(log) -> list[dict]:
+    """The recorded calls, in order."""
+    return [json.loads(line) for line in open(log)] if os.path.exists(log) else []
+
+
+if os.environ.get("MERGER_TEST_HUB_LOG"):
+    import huggingface_hub
+
+    huggingface_hub.HfApi = RecordingHfApi

@@ -1,0 +1,225 @@
+"""`merge --verify`, `merger test` with tolerances and its mismatch table, `--summary-json`, and publishing to the
+Hub (huggingface_hub's HfApi replaced by a recorder: there is no network here).
+
+One real FSDP2 checkpoint (2 ranks, fully_shard + torch.save) serves every test; the oracle is the model's own
+save_pretrained output and the safetensors library's reading of our files.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import assert_same_weights, load_safetensors_folder, run_merger
+from merger import cli, publish
+from merger.compare import _differences
+from merger.dist import Group
+from merger.errors import MergerError
+from merger.merge import prepare, verify_staged
+from merger.options import MergeOptions
+
+
+@pytest.fixture(scope="module")
+def checkpoint(fsdp_checkpoint):
+    return fsdp_checkpoint("llama", world=2)
+
+
+@pytest.fixture(scope="module")
+def merged(checkpoint, tmp_path_factory):
+    """A 2-rank merge with --verify into several files, with its summary."""
+    actor, _ = checkpoint
+    root = tmp_path_factory.mktemp("verified")
+    proc = run_merger("merge", "--local_dir", actor, "--target_dir", root / "out", "--verify",
+                      "--max_shard_size", "20KB", "--summary-json", root / "summary.json", nproc=2)
+    return root / "out", json.loads((root / "summary.json").read_text()), proc
+
+
+def merger_test(capsys, *args) -> tuple[int, str]:
+    """`merger test ARGS` in this process (one rank): its exit code and what it printed."""
+    capsys.readouterr()
+    code = cli.main(["test", *map(str, args)])
+    return code, capsys.readouterr().out
+
+
+def _flip_byte(folder: Path, tensor: str) -> None:
+    """Flip one bit in the middle of `tensor`'s bytes in a finished output, found through the index."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    path = folder / index["weight_map"][tensor]
+    raw = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    begin, end = json.loads(raw[8:8 + n])[tensor]["data_offsets"]
+    raw[8 + n + (begin + end) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("atol,rtol", [(0.0, 0.0), (1e-3, 0.0), (0.0, 1e-2), (1e-4, 1e-3)])
+def test_tolerance_rule_is_torch_isclose(atol, rtol):
+    """Against torch.isclose(equal_nan=True); exact mode (both 0) compares bytes, so -0.0 differs from 0.0."""
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(64, 32, generator=gen)
+    ours = ref + torch.randn(64, 32, generator=gen) * torch.rand(64, 32, generator=gen) * 1e-3
+    ours[0, :4] = ref[0, :4]
+    ref[1, 0], ours[1, 0] = float("nan"), float("nan")
+    ref[2, 0], ours[2, 0] = 0.0, -0.0
+    close = torch.isclose(ours.double(), ref.double(), atol=atol, rtol=rtol, equal_nan=True)
+    if atol == rtol == 0:
+        close[2, 0] = False  # the same value, other bytes
+    found = _differences("w", ours, ref, atol, rtol)
+    assert found is not None and found.bad == int((~close).sum()) and found.numel == ref.numel()
+    assert found.max_abs_diff == (ours.double() - ref.double()).abs()[~close].max().item()
+    assert _differences("w", ref.clone(), ref, atol, rtol) is None
+
+
+def test_verify_passes_and_summary_describes_the_merge(merged, checkpoint):
+    out, summary, proc = merged
+    _, reference = checkpoint
+    assert_same_weights(out, reference, torch.bfloat16)
+    tensors = load_safetensors_folder(out)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert f"merger verify: {len(tensors)} tensors ({nbytes} bytes) compared, 0 differ" in proc.stdout
+    assert "merger verify: PASSED" in proc.stdout
+
+    files = sorted(out.glob("*.safetensors"))
+    assert len(files) > 1
+    assert summary["status"] == "ok" and summary["error"] is None
+    assert summary["source_format"] == "fsdp"
+    assert summary["checkpoint_world_size"] == 2 and summary["merge_world_size"] == 2
+    assert summary["tensors"] == len(tensors) and summary["bytes"] == nbytes
+    assert {f["name"]: f["bytes"] for f in summary["output_files"]} == {f.name: f.stat().st_size for f in files}
+    assert len(summary["peak_rss_bytes_per_rank"]) == 2 and all(b > 0 for b in summary["peak_rss_bytes_per_rank"])
+    assert summary["wall_time_s"] > 0
+    assert summary["verify"]["ok"] and summary["verify"]["tensors"] == len(tensors)
+    assert summary["verify"]["bytes"] == nbytes and summary["uploaded_to"] is None
+
+
+def test_flipped_byte_is_caught_by_verify_and_test(merged, checkpoint, tmp_path):
+    out, _, _ = merged
+    actor, _ = checkpoint
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    victim = "model.layers.1.mlp.up_proj.weight"
+    _flip_byte(broken, victim)
+
+    # merge --verify's own check, run on the damaged folder (the same function, given the merge's plan)
+    options = MergeOptions(local_dir=actor, target_dir=broken, max_shard_size=20_000)
+    with pytest.raises(MergerError, match="1 tensors differ"):
+        verify_staged(broken, prepare(options, Group()), Group(), options)
+
+    # `merger test` shares the comparison and prints the table of the worst mismatches, here on 2 ranks
+    proc = run_merger("test", "--local_dir", actor, "--test_hf_dir", broken, nproc=2, check=False)
+    assert proc.returncode == 1
+    assert "1 differ" in proc.stdout and "merger test: FAILED" in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if line.strip().startswith(victim))
+    assert "1/" in row and "values differ" in row
+
+
+def test_broken_index_is_reported(merged, checkpoint, tmp_path, capsys):
+    out, _, _ = merged
+    actor, _ = checkpoint
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    index_path = broken / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = "model.norm.weight"
+    wrong = next(f for f in sorted(set(index["weight_map"].values())) if f != index["weight_map"][name])
+    index["weight_map"][name] = wrong
+    index["metadata"]["total_size"] += 2
+    index_path.write_text(json.dumps(index))
+
+    code, out = merger_test(capsys, "--local_dir", actor, "--test_hf_dir", broken)
+    assert code == 1
+    assert f"index puts {name} in {wrong}, which does not hold it" in out
+    assert "index total_size is" in out and "merger test: FAILED" in out
+
+
+def test_tolerances_pass_the_right_reference_and_fail_a_wrong_one(checkpoint, tmp_path, capsys):
+    actor, reference = checkpoint
+    assert merger_test(capsys, "--local_dir", actor, "--test_hf_dir", reference)[0] == 0
+
+    # The q projections scaled by 1 + 1e-4 (near) or shifted by 0.1 (far), written by the safetensors library.
+    weights = load_file(reference / "model.safetensors")
+    near, far = tmp_path / "near", tmp_path / "far"
+    for folder, change in ((near, lambda v: v * (1 + 1e-4)), (far, lambda v: v + 0.1)):
+        folder.mkdir()
+        shutil.copy(reference / "config.json", folder)
+        changed = {k: change(v) if k.endswith("q_proj.weight") else v for k, v in weights.items()}
+        save_file(changed, folder / "model.safetensors", metadata={"format": "pt"})
+
+    code, out = merger_test(capsys, "--local_dir", actor, "--test_hf_dir", near)
+    assert code == 1 and "2 differ" in out
+    assert "model.layers.0.self_attn.q_proj.weight" in out and "max abs diff" in out
+    assert merger_test(capsys, "--local_dir", actor, "--test_hf_dir", near, "--atol", "1e-3")[0] == 0
+    assert merger_test(capsys, "--local_dir", actor, "--test_hf_dir", near, "--rtol", "1e-3")[0] == 0
+
+    code, out = merger_test(capsys, "--local_dir", actor, "--test_hf_dir", far, "--atol", "1e-3")
+    assert code == 1 and "merger test: FAILED" in out
+    rows = [line for line in out.splitlines() if "values differ" in line]
+    assert len(rows) == 2 and all("q_proj.weight" in r for r in rows)
+
+
+HUB_RECORDER = Path(__file__).parent / "hub_recorder"
+sys.path.insert(0, str(HUB_RECORDER))
+from sitecustomize import RecordingHfApi, calls  # noqa: E402  (the recorder: inert unless its log is set)
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """HfApi, as merger looks it up, replaced by the recorder; returns the log the calls go to."""
+    log = tmp_path / "hub_calls.jsonl"
+    monkeypatch.setattr(publish, "HfApi", lambda: RecordingHfApi(str(log)))
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_sentinel_token")
+    return log
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_upload_after_a_successful_merge(checkpoint, tmp_path, hub, monkeypatch, capsys, large):
+    actor, reference = checkpoint
+    if large:  # every folder counts as large: the resumable large-folder upload is used
+        monkeypatch.setattr(publish, "LARGE_FOLDER_BYTES", 0)
+    target = tmp_path / "out"
+    code = cli.main(["merge", "--local_dir", str(actor), "--target_dir", str(target), "--verify",
+                     "--hf_upload_path", "someone/tiny-merged", "--private", "--summary_json",
+                     str(tmp_path / "s.json")])
+    assert code == 0
+    assert_same_weights(target, reference, torch.bfloat16)
+    recorded = calls(hub)
+    assert [c["method"] for c in recorded] == ["create_repo", "upload_large_folder" if large else "upload_folder"]
+    assert recorded[0]["kwargs"] == {"repo_id": "someone/tiny-merged", "repo_type": "model", "private": True,
+                                     "exist_ok": True}
+    upload = recorded[1]["kwargs"]
+    assert upload["repo_id"] == "someone/tiny-merged" and Path(upload["folder_path"]) == target
+    assert "merge_manifest.json" in upload["ignore_patterns"]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["uploaded_to"] == "https://huggingface.co/someone/tiny-merged" and summary["verify"]["ok"]
+    captured = capsys.readouterr()
+    assert "hf_secret_sentinel_token" not in captured.out + captured.err
+
+
+def test_no_upload_when_the_merge_fails(checkpoint, tmp_path, hub, capsys):
+    actor, _ = checkpoint
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "precious.txt").write_text("not to be replaced")
+    code = cli.main(["merge", "--local_dir", str(actor), "--target_dir", str(target),
+                     "--hf_upload_path", "someone/tiny-merged", "--summary-json", str(tmp_path / "s.json")])
+    assert code == 1 and calls(hub) == []
+    assert "target folder is not empty" in capsys.readouterr().err
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["status"] == "failed" and "not empty" in summary["error"] and summary["uploaded_to"] is None
+
+
+def test_only_rank_zero_uploads(checkpoint, tmp_path):
+    """Two ranks, each with the recorder in place of huggingface_hub.HfApi: one create, one upload, from rank 0."""
+    actor, _ = checkpoint
+    log = tmp_path / "hub_calls.jsonl"
+    run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", "--hf_upload_path", "someone/m",
+               nproc=2, env={"PYTHONPATH": str(HUB_RECORDER), "MERGER_TEST_HUB_LOG": str(log)})
+    recorded = calls(log)
+    assert [(c["rank"], c["method"]) for c in recorded] == [(0, "create_repo"), (0, "upload_folder")]
+    assert recorded[0]["kwargs"]["private"] is False
