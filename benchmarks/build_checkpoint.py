@@ -1,7 +1,11 @@
-"""Write a multi-GB fp32 verl-layout FSDP2 checkpoint without ever holding the model. Run under torchrun.
+"""Write a multi-GB fp32 FSDP2 checkpoint without ever holding the model. Run under torchrun.
 
 The model is built on the meta device and sharded with fully_shard; `to_empty` then allocates only this
-rank's shard, which is filled with random values and saved as `model_world_size_{W}_rank_{r}.pt`.
+rank's shard, which is filled with random values and saved, with the HF config in `huggingface/`:
+- `--format fsdp` (verl's layout): `torch.save(model.state_dict())` as `model_world_size_{W}_rank_{r}.pt`
+  plus `fsdp_config.json`;
+- `--format dcp`: `dcp.save(model.state_dict())` into the folder (`.metadata` + `__{r}_0.distcp`), with
+  `huggingface/` inside it, where merger's dcp backend looks for the config.
 """
 from __future__ import annotations
 
@@ -12,26 +16,30 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import transformers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 
-def bench_config(layers: int) -> transformers.LlamaConfig:
-    # ~51M parameters a layer plus 131M of embeddings: 7 layers ~ 2 GB fp32, 19 layers ~ 4.5 GB fp32.
-    return transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                                    num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16,
-                                    tie_word_embeddings=False)
+def bench_config(layers: int, hidden: int) -> transformers.LlamaConfig:
+    # At hidden 2048: ~51M parameters a layer plus 131M of embeddings, so 7 layers ~ 2 GB fp32 and
+    # 19 layers ~ 4.5 GB fp32. Smaller hidden sizes keep the same shape ratios (for quick validation runs).
+    return transformers.LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                                    num_hidden_layers=layers, num_attention_heads=hidden // 128,
+                                    num_key_value_heads=hidden // 128, tie_word_embeddings=False)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size, a multiple of 128")
+    p.add_argument("--format", choices=("fsdp", "dcp"), default="fsdp")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = bench_config(args.layers)
+    config = bench_config(args.layers, args.hidden)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
@@ -44,12 +52,16 @@ def main() -> None:
         for param in model.parameters():
             param.to_local().normal_(0, 0.02)
     args.out.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), args.out / f"model_world_size_{world}_rank_{rank}.pt")
+    if args.format == "dcp":
+        dcp.save(model.state_dict(), checkpoint_id=args.out)
+    else:
+        torch.save(model.state_dict(), args.out / f"model_world_size_{world}_rank_{rank}.pt")
     if rank == 0:
         hf = args.out / "huggingface"
         hf.mkdir(exist_ok=True)
         config.save_pretrained(hf)
-        (args.out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))
+        if args.format == "fsdp":
+            (args.out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))
     dist.barrier()
     dist.destroy_process_group()
 

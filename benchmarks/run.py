@@ -1,12 +1,16 @@
-"""Speed and memory of `merger merge` side by side with the naive in-memory merge and the copy floor, in one run.
+"""Speed and memory of `merger merge` side by side with the usual ways to merge and the copy floor, in one run.
 
-    python benchmarks/run.py [--sizes 7,19] [--repeats 3] [--cap 2GiB]
+    python benchmarks/run.py [--formats fsdp,dcp] [--sizes 7,19] [--repeats 3] [--cap 2GiB] [--hidden 2048]
 
-For each checkpoint size (fp32 FSDP2, 2 rank files, built once under bench_out/ on the meta device) it
-times, with warm page cache, alternating and repeated: `cp` of the rank files (the floor: bytes read and
-written once), the naive merge (benchmarks/naive_merge.py), and merger with 1 and 2 ranks. Wall times are
-medians; peak RSS is the largest resident set of any single process of the run (i.e. per rank). With
---cap, each merge also runs under a hard cgroup-v1 memory limit to show which ones fit.
+For each format and checkpoint size (fp32 FSDP2 on 2 ranks, built once under bench_out/ on the meta device
+by benchmarks/build_checkpoint.py) it times, with warm page cache, alternating and repeated: `cp` of the
+data files (the floor: bytes read and written once), the baselines, and merger with 1 and 2 ranks.
+- fsdp (verl's `model_world_size_W_rank_r.pt`): baseline the naive merge (benchmarks/naive_merge.py).
+- dcp (`dcp.save` folder): baselines torch's `dcp_to_torch_save` + `save_file` and accelerate's
+  `merge_fsdp_weights` (benchmarks/dcp_baselines.py); both keep fp32, so merger runs with `--dtype keep`.
+Wall times are medians; peak RSS is the largest resident set of any single process of the run (i.e. per
+rank); ratios are against the cp floor and the format's first baseline. With --cap, each merge also runs
+under a hard cgroup-v1 memory limit to show which ones fit.
 """
 from __future__ import annotations
 
@@ -25,6 +29,10 @@ from merger.units import format_size, parse_size  # noqa: E402
 OUT = ROOT / "bench_out"
 PY = sys.executable
 CGROUP = Path("/sys/fs/cgroup/memory/merger_bench")
+FORMATS = ("fsdp", "dcp")
+FLOOR = "cp (floor)"
+# Written last by build_checkpoint.py: its presence means the checkpoint is complete.
+DONE = {"fsdp": "fsdp_config.json", "dcp": "huggingface/config.json"}
 
 # Runs `cmd`, then prints wall seconds, the max RSS (KiB) over every descendant process, and the exit code.
 _MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
@@ -47,73 +55,114 @@ def measure(cmd: list[str], cap: int | None = None) -> tuple[float, int, int]:
     return float(wall), int(rss_kib) * 1024, int(rc)
 
 
-def build(layers: int) -> Path:
-    ckpt = OUT / f"llama_{layers}l" / "actor"
-    if not (ckpt / "fsdp_config.json").exists():
-        print(f"building the {layers}-layer checkpoint ...", flush=True)
-        subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        str(ROOT / "benchmarks" / "build_checkpoint.py"), "--out", str(ckpt), "--layers", str(layers)],
-                       check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True)
+def build(fmt: str, layers: int, hidden: int) -> Path:
+    ckpt = OUT / f"llama_{hidden}h_{layers}l" / ("actor" if fmt == "fsdp" else "dcp")
+    if not (ckpt / DONE[fmt]).exists():
+        print(f"building the {layers}-layer {fmt} checkpoint ...", flush=True)
+        proc = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               str(ROOT / "benchmarks" / "build_checkpoint.py"), "--out", str(ckpt),
+                               "--layers", str(layers), "--hidden", str(hidden), "--format", fmt],
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"building {ckpt} failed:\n{proc.stderr[-4000:]}")
     return ckpt
 
 
-def commands(ckpt: Path, dst: Path) -> dict[str, list[str]]:
-    files = [str(p) for p in sorted(ckpt.glob("model_world_size_*.pt"))]
+def data_files(fmt: str, ckpt: Path) -> list[Path]:
+    return sorted(ckpt.glob("model_world_size_*.pt" if fmt == "fsdp" else "*.distcp"))
+
+
+def commands(fmt: str, ckpt: Path, dst: Path) -> dict[str, list[str]]:
+    """Row name -> command line; the floor first, then the baselines (the first is the ratios' reference)."""
+    files = " ".join(str(p) for p in data_files(fmt, ckpt))
     merge = ["-m", "merger", "merge", "--local_dir", str(ckpt), "--target_dir", str(dst), "--overwrite",
              "--log_level", "WARNING"]
-    return {
-        "cp (floor)": ["bash", "-c", f"mkdir -p {dst} && cp {' '.join(files)} {dst}/"],
-        "naive merge": [PY, str(ROOT / "benchmarks" / "naive_merge.py"), str(ckpt), str(dst)],
-        "merger, 1 rank": [PY, *merge],
-        "merger, 2 ranks": [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", *merge],
-    }
+    if fmt == "fsdp":
+        baselines = {"naive merge": [PY, str(ROOT / "benchmarks" / "naive_merge.py"), str(ckpt), str(dst)]}
+    else:
+        merge += ["--dtype", "keep"]  # the DCP baselines write fp32: write the same bytes
+        baselines = {name: [PY, str(ROOT / "benchmarks" / "dcp_baselines.py"), name, str(ckpt), str(dst)]
+                     for name in ("dcp_to_torch_save", "accelerate")}
+    return {FLOOR: ["bash", "-c", f"mkdir -p {dst} && cp {files} {dst}/"], **baselines,
+            "merger, 1 rank": [PY, *merge],
+            "merger, 2 ranks": [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", *merge]}
+
+
+def time_all(cmds: dict[str, list[str]], dst: Path, repeats: int) -> dict[str, list[tuple[float, int, int]]]:
+    results: dict[str, list[tuple[float, int, int]]] = {k: [] for k in cmds}
+    for rep in range(repeats + 1):  # the first round warms the page cache and is dropped
+        for name, cmd in cmds.items():
+            shutil.rmtree(dst, ignore_errors=True)
+            r = measure(cmd)
+            if r[2] != 0:
+                raise SystemExit(f"{name} failed with exit code {r[2]}: {' '.join(cmd)}")
+            if rep:
+                results[name].append(r)
+    return results
+
+
+def fits_under(cmds: dict[str, list[str]], dst: Path, cap: int) -> dict[str, str]:
+    """Each merge (not the floor) once under the hard memory cap: "fits" or "killed"."""
+    verdicts = {}
+    for name, cmd in cmds.items():
+        if name != FLOOR:
+            shutil.rmtree(dst, ignore_errors=True)
+            verdicts[name] = "fits" if measure(cmd, cap)[2] == 0 else "killed"
+    return verdicts
+
+
+def rows_for(fmt: str, size: int, results: dict, capped: dict[str, str]) -> list[tuple]:
+    """One table row per run: wall median and peak RSS with their ratios to the floor and the baseline."""
+    baseline = list(results)[1]
+    floor = statistics.median(r[0] for r in results[FLOOR])
+    base = statistics.median(r[0] for r in results[baseline])
+    base_rss = max(r[1] for r in results[baseline])
+    rows = []
+    for name, rs in results.items():
+        wall = statistics.median(r[0] for r in rs)
+        rss = max(r[1] for r in rs)
+        rows.append((fmt, format_size(size), name, wall, wall / floor, wall / base, rss, rss / base_rss,
+                     capped.get(name, "")))
+    return rows
+
+
+def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
+    cap_col = f"under {format_size(cap)}" if cap else ""
+    header = (f"{'format':<6} | {'checkpoint':>10} | {'run':<17} | {'wall s':>6} | {'x cp':>6} | {'x base':>6} | "
+              f"{'peak RSS/rank':>13} | {'x base RSS':>10} | {cap_col}")
+    print("\n" + header)
+    print("-" * len(header))
+    for fmt, size, name, wall, vs_cp, vs_base, rss, vs_rss, capped in rows:
+        print(f"{fmt:<6} | {size:>10} | {name:<17} | {wall:6.2f} | {vs_cp:6.2f} | {vs_base:6.2f} | "
+              f"{format_size(rss):>13} | {vs_rss:10.2f} | {capped}")
+    print(f"\nmedians of {repeats} warm runs; {os.cpu_count()} cores; peak RSS = largest process of the run; "
+          "x base = against the naive merge (fsdp) or dcp_to_torch_save + save_file (dcp)")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--formats", default=",".join(FORMATS), help="checkpoint formats to run: fsdp, dcp or both")
     p.add_argument("--sizes", default="7,19", help="layer counts of the checkpoints (7 ~ 2 GB, 19 ~ 4.5 GB fp32)")
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size of the model (smaller for quick checks)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cap", type=parse_size, default=None, help="also run each merge under this hard memory cap")
     args = p.parse_args()
+    formats = args.formats.split(",")
+    if not set(formats) <= set(FORMATS):
+        p.error(f"--formats: choose from {', '.join(FORMATS)}")
 
     rows = []
-    for layers in (int(x) for x in args.sizes.split(",")):
-        ckpt = build(layers)
-        size = sum(f.stat().st_size for f in ckpt.glob("*.pt"))
-        dst = OUT / "target"
-        cmds = commands(ckpt, dst)
-        results: dict[str, list[tuple[float, int, int]]] = {k: [] for k in cmds}
-        for rep in range(args.repeats + 1):  # the first round warms the page cache and is dropped
-            for name, cmd in cmds.items():
-                shutil.rmtree(dst, ignore_errors=True)
-                r = measure(cmd)
-                if r[2] != 0:
-                    raise SystemExit(f"{name} failed with exit code {r[2]}: {' '.join(cmd)}")
-                if rep:
-                    results[name].append(r)
-        capped = {}
-        if args.cap:
-            for name in ("naive merge", "merger, 1 rank", "merger, 2 ranks"):
-                shutil.rmtree(dst, ignore_errors=True)
-                capped[name] = "fits" if measure(cmds[name], args.cap)[2] == 0 else "killed"
-        shutil.rmtree(dst, ignore_errors=True)
-        floor = statistics.median(r[0] for r in results["cp (floor)"])
-        naive = statistics.median(r[0] for r in results["naive merge"])
-        naive_rss = max(r[1] for r in results["naive merge"])
-        for name, rs in results.items():
-            wall = statistics.median(r[0] for r in rs)
-            rss = max(r[1] for r in rs)
-            rows.append((format_size(size), name, wall, wall / floor, wall / naive, rss, rss / naive_rss,
-                         capped.get(name, "")))
-
-    cap_col = f"under {format_size(args.cap)}" if args.cap else ""
-    print(f"\n{'checkpoint':>11} | {'run':<16} | {'wall s':>6} | {'x cp':>5} | {'x naive':>7} | "
-          f"{'peak RSS/rank':>13} | {'x naive RSS':>11} | {cap_col}")
-    print("-" * (100 if args.cap else 88))
-    for size, name, wall, vs_cp, vs_naive, rss, vs_rss, cap in rows:
-        print(f"{size:>11} | {name:<16} | {wall:6.2f} | {vs_cp:5.2f} | {vs_naive:7.2f} | {format_size(rss):>13} | "
-              f"{vs_rss:11.2f} | {cap}")
-    print(f"\nmedians of {args.repeats} warm runs; {os.cpu_count()} cores; peak RSS = largest process of the run")
+    dst = OUT / "target"
+    for fmt in formats:
+        for layers in (int(x) for x in args.sizes.split(",")):
+            ckpt = build(fmt, layers, args.hidden)
+            size = sum(f.stat().st_size for f in data_files(fmt, ckpt))
+            cmds = commands(fmt, ckpt, dst)
+            results = time_all(cmds, dst, args.repeats)
+            capped = fits_under(cmds, dst, args.cap) if args.cap else {}
+            shutil.rmtree(dst, ignore_errors=True)
+            rows += rows_for(fmt, size, results, capped)
+    print_table(rows, args.cap, args.repeats)
 
 
 if __name__ == "__main__":
