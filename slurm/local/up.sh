@@ -31,7 +31,7 @@ for tool in munged slurmctld slurmd sbatch; do
     command -v "$tool" >/dev/null || { echo "slurm: $tool not found: apt-get install -y slurm-wlm munge" >&2; exit 1; }
 done
 # Daemons left from another layout would keep serving the old nodes: start from scratch.
-"$(dirname "$0")/down.sh" >/dev/null
+bash "$(dirname "$0")/down.sh" >/dev/null
 
 # munge authenticates every Slurm message. As root, --force lets it start despite the ownership checks.
 mkdir -p /run/munge /var/lib/munge /var/log/munge /etc/munge
