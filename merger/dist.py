@@ -81,9 +81,12 @@ class Group:
                 dist.barrier(group=self.control)
 
     def close(self) -> None:
+        """Leave the group together: a rank tearing gloo down while a peer still talks to it can abort the peer."""
         if self.distributed:
             import torch.distributed as dist
 
+            with contextlib.suppress(Exception):  # peers already gone (a failed merge): nothing left to wait for
+                dist.barrier(group=self.control)
             dist.destroy_process_group()
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Take down the single-node cluster of slurm/local/up.sh: stop slurmd, slurmctld and munged by their pid
-# files and remove the config it wrote. Jobs still running are killed with the daemons. Idempotent.
+# Take down the cluster of slurm/local/up.sh: stop every slurmd, slurmctld and munged by their pid files,
+# and remove the config and the /etc/hosts line it wrote. Jobs still running die with the daemons. Idempotent.
 set -uo pipefail
 
 stop() {  # stop <pidfile>: TERM the daemon and wait until it is gone
@@ -14,8 +14,12 @@ stop() {  # stop <pidfile>: TERM the daemon and wait until it is gone
     rm -f "$1"
 }
 
-stop /run/slurmd.pid
+for pidfile in /run/slurmd-*.pid /run/slurmd.pid; do stop "$pidfile"; done
 stop /run/slurmctld.pid
 stop /run/munge/munged.pid
 rm -f /etc/slurm/slurm.conf
+if grep -q "# slurm/local nodes" /etc/hosts 2>/dev/null; then
+    grep -v "# slurm/local nodes" /etc/hosts > /etc/hosts.slurm-local && cat /etc/hosts.slurm-local > /etc/hosts
+    rm -f /etc/hosts.slurm-local
+fi
 echo "slurm: down"

@@ -1,26 +1,37 @@
 #!/usr/bin/env bash
-# Bring up a single-node Slurm cluster on this machine (as root), from Debian's slurm-wlm and munge:
-# munged, a slurm.conf describing this machine (CPUs and memory as `slurmd -C` reports them), slurmctld and
-# slurmd. Made for tests and laptops, not production: no cgroups (proctrack/linuxproc, task/none), so it runs
-# inside containers, and no accounting database (`sacct` is disabled; `scontrol show job` reports states).
-# Idempotent: a cluster that is already up is left as it is. Undo with slurm/local/down.sh.
+# Bring up a Slurm cluster on this one machine (as root), from Debian's slurm-wlm and munge: munged, a
+# slurm.conf, slurmctld, and one slurmd per emulated node. Each node gets this machine's CPUs and memory
+# (as `slurmd -C` reports them). SLURM_LOCAL_NODES (default 2) slurmds pose as that many nodes, named
+# merger-node1..N and resolved to 127.0.0.1 through /etc/hosts, so multi-node jobs (MASTER_ADDR on the first
+# node, one torchrun per node) really run; SLURM_LOCAL_NODES=1 gives one node named after this host.
+# Made for tests and laptops, not production: no cgroups (proctrack/linuxproc, task/none), so it runs inside
+# containers, and no accounting database (`sacct` is disabled; `scontrol show job` reports job states).
+# Idempotent: a cluster already up with these nodes is left as it is. Undo with slurm/local/down.sh.
 set -euo pipefail
 
+NODES=${SLURM_LOCAL_NODES:-2}
 CONF=/etc/slurm/slurm.conf   # where Debian's sbatch/srun/squeue look without SLURM_CONF
 LOGDIR=/var/log/slurm
+HOSTS_MARK="# slurm/local nodes"
+host=$(hostname -s)
+if [ "$NODES" -eq 1 ]; then names=("$host"); else names=($(seq -f "merger-node%g" 1 "$NODES")); fi
 
-cluster_up() {
-    scontrol ping 2>/dev/null | grep -q "is UP" &&
-        sinfo -h -N -o %T 2>/dev/null | grep -Eq '^(idle|mixed|allocated)'
+cluster_up() {  # the controller answers and every node of ours is ready for jobs
+    scontrol ping 2>/dev/null | grep -q "is UP" || return 1
+    local ready
+    ready=$(sinfo -h -N -o "%N %T" 2>/dev/null | awk '$2 ~ /^(idle|mixed|allocated)/ {print $1}' | sort -u)
+    [ "$ready" = "$(printf '%s\n' "${names[@]}" | sort -u)" ]
 }
 
 if cluster_up; then
-    echo "slurm: already up"
+    echo "slurm: already up (nodes ${names[*]})"
     exit 0
 fi
 for tool in munged slurmctld slurmd sbatch; do
     command -v "$tool" >/dev/null || { echo "slurm: $tool not found: apt-get install -y slurm-wlm munge" >&2; exit 1; }
 done
+# Daemons left from another layout would keep serving the old nodes: start from scratch.
+bash "$(dirname "$0")/down.sh" >/dev/null
 
 # munge authenticates every Slurm message. As root, --force lets it start despite the ownership checks.
 mkdir -p /run/munge /var/lib/munge /var/log/munge /etc/munge
@@ -28,17 +39,19 @@ if [ ! -s /etc/munge/munge.key ]; then
     dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=1024 status=none
     chmod 400 /etc/munge/munge.key
 fi
-if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-    munged --force
+munged --force
+
+if [ "$NODES" -gt 1 ]; then
+    echo "127.0.0.1 ${names[*]} $HOSTS_MARK" >> /etc/hosts
 fi
 
-node=$(hostname -s)
-mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd "$LOGDIR"
-# The node line is this machine's own hardware; NodeAddr keeps all traffic on the loopback interface.
-cat > "$CONF" <<CONF
-# Written by slurm/local/up.sh: a one-node test cluster.
+mkdir -p /etc/slurm /var/spool/slurmctld "$LOGDIR"
+hardware=$(slurmd -C | head -n1 | sed 's/^NodeName=[^ ]* //')
+{
+    cat <<CONF
+# Written by slurm/local/up.sh: a test cluster on one machine.
 ClusterName=merger-local
-SlurmctldHost=${node}(127.0.0.1)
+SlurmctldHost=${host}(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -53,25 +66,33 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 MinJobAge=600
 StateSaveLocation=/var/spool/slurmctld
-SlurmdSpoolDir=/var/spool/slurmd
+SlurmdSpoolDir=/var/spool/slurmd/%n
 SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
+SlurmdPidFile=/run/slurmd-%n.pid
 SlurmctldLogFile=${LOGDIR}/slurmctld.log
-SlurmdLogFile=${LOGDIR}/slurmd.log
-$(slurmd -C | head -n1) NodeAddr=127.0.0.1 State=UNKNOWN
+SlurmdLogFile=${LOGDIR}/slurmd-%n.log
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
+    # Each slurmd listens on its own port; all traffic stays on the loopback interface.
+    for i in "${!names[@]}"; do
+        echo "NodeName=${names[$i]} NodeHostname=$host NodeAddr=127.0.0.1 Port=$((17001 + i)) $hardware State=UNKNOWN"
+    done
+} > "$CONF"
 
-scontrol ping 2>/dev/null | grep -q "is UP" || slurmctld
-[ -f /run/slurmd.pid ] && kill -0 "$(cat /run/slurmd.pid)" 2>/dev/null || slurmd
+slurmctld
+for name in "${names[@]}"; do
+    mkdir -p "/var/spool/slurmd/$name"
+    slurmd -N "$name"
+done
 
 # A node left DOWN by an earlier run does not come back by itself: resume it.
 for _ in $(seq 60); do
-    cluster_up && { echo "slurm: up (node $node, partition debug)"; exit 0; }
-    state=$(sinfo -h -N -o %T 2>/dev/null || true)
-    case "$state" in down*|drain*) scontrol update nodename="$node" state=resume 2>/dev/null || true ;; esac
+    cluster_up && { echo "slurm: up (nodes ${names[*]}, partition debug)"; exit 0; }
+    for name in $(sinfo -h -N -t down,drain -o %N 2>/dev/null); do
+        scontrol update nodename="$name" state=resume 2>/dev/null || true
+    done
     sleep 0.5
 done
-echo "slurm: the node did not become idle; see $LOGDIR/slurmctld.log and $LOGDIR/slurmd.log" >&2
+echo "slurm: the nodes did not become idle; see $LOGDIR/slurmctld.log and $LOGDIR/slurmd-*.log" >&2
 sinfo -N >&2 || true
 exit 1
