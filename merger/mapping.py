@@ -46,4 +46,8 @@ def hf_steps(catalog: Catalog, config: dict, options: MergeOptions) -> list[Step
 
 
 def build_steps(catalog: Catalog, config: dict, options: MergeOptions) -> list[Step]:
+    if catalog.format.startswith("megatron"):
+        from .megatron.families import megatron_steps  # Megatron names need their family's table
+
+        return megatron_steps(catalog, config, options)
     return hf_steps(catalog, config, options)

@@ -14,6 +14,7 @@ from ..errors import MergerError
 # name -> module under merger.sources; order matters for auto-detection (most specific first).
 BACKENDS = {
     "fsdp": "fsdp",
+    "megatron": "megatron",
 }
 
 

@@ -1,0 +1,234 @@
+"""Write real Megatron checkpoints of a tiny GPT model with megatron-core, on CPU under gloo (torchrun).
+
+    torchrun --nproc_per_node 4 tests/writers/megatron_checkpoint.py --out DIR --arch qwen2 --tp 2 --pp 2
+
+Every rank builds its slice of one seeded megatron-core GPTModel (local spec, `use_cpu_initialization`,
+so the weights do not depend on the parallel layout), then saves it twice, as Megatron-LM does:
+- DIR/legacy/: `latest_checkpointed_iteration.txt` + `iter_0000001/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt`
+  holding `{"model" | "model0".., "args", "checkpoint_version", "iteration"}` (`--ckpt-format torch`);
+- DIR/dist/: the same with `iter_0000001/` written by `dist_checkpointing.save` (torch_dist).
+It also writes DIR/hf/ (the matching transformers config and a tokenizer, no weights) and the oracle
+DIR/logits.pt: `{"tokens", "logits"}` from Megatron's own forward pass (pipelined by hand over gloo),
+sliced to the HF vocab size.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import zlib
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tiny_models import build_tokenizer
+
+SEQ = 7
+
+
+def cpu_patches() -> None:
+    """What megatron-core 0.16.1 needs to save and run forward on a CPU-only torch (see shared/FORMATS.md)."""
+    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer.moe import moe_utils
+
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    mp_random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
+    moe_utils.te_general_gemm = None
+
+
+def parse() -> Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--arch", default="qwen2", choices=["llama", "qwen2", "qwen2_moe"])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--groups", type=int, default=2, help="query groups (1 = MQA, heads = MHA)")
+    p.add_argument("--vocab", type=int, default=101, help="HF vocab size; Megatron pads it to 128 x TP")
+    p.add_argument("--tied", action="store_true")
+    p.add_argument("--experts", type=int, default=4)
+    return p.parse_args()
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    multiple = 128 * tp  # Megatron-LM's make_vocab_size_divisible_by (128) times TP
+    return -(-vocab // multiple) * multiple
+
+
+def transformer_config(a: Namespace):
+    from megatron.core.transformer import TransformerConfig
+
+    moe = a.arch == "qwen2_moe"
+    kw = dict(
+        num_layers=a.layers, hidden_size=32, num_attention_heads=a.heads, num_query_groups=a.groups,
+        ffn_hidden_size=40, kv_channels=32 // a.heads, normalization="RMSNorm", layernorm_epsilon=1e-6,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=a.arch != "llama",
+        tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
+        virtual_pipeline_model_parallel_size=a.vpp, expert_model_parallel_size=a.ep,
+        use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, init_method_std=0.05,
+    )
+    if moe:
+        kw.update(num_moe_experts=a.experts, moe_router_topk=2, moe_ffn_hidden_size=24,
+                  moe_shared_expert_intermediate_size=36, moe_shared_expert_gate=True,
+                  moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
+                  moe_permute_fusion=False, moe_router_pre_softmax=False, moe_aux_loss_coeff=0.0)
+    return TransformerConfig(**kw)
+
+
+def hf_config(a: Namespace, config):
+    import transformers
+
+    common = dict(vocab_size=a.vocab, hidden_size=config.hidden_size, num_hidden_layers=a.layers,
+                  num_attention_heads=a.heads, num_key_value_heads=a.groups, rms_norm_eps=1e-6,
+                  max_position_embeddings=64, tie_word_embeddings=a.tied, rope_theta=10000.0)
+    if a.arch == "llama":
+        return transformers.LlamaConfig(intermediate_size=config.ffn_hidden_size, **common)
+    if a.arch == "qwen2":
+        return transformers.Qwen2Config(intermediate_size=config.ffn_hidden_size, **common)
+    return transformers.Qwen2MoeConfig(intermediate_size=config.ffn_hidden_size, num_experts=a.experts,
+                                       num_experts_per_tok=2, moe_intermediate_size=24,
+                                       shared_expert_intermediate_size=36, norm_topk_prob=False,
+                                       decoder_sparse_step=1, mlp_only_layers=[], **common)
+
+
+def build_chunks(a: Namespace, config) -> list:
+    """This rank's model chunks (one, or `vpp` with a virtual pipeline), built from one seed."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=a.experts if a.arch == "qwen2_moe" else None,
+                                    normalization="RMSNorm")
+    chunks = []
+    for vp in range(a.vpp or 1):
+        vp_stage = vp if a.vpp else None
+        torch.manual_seed(1234)  # CPU init draws each full weight from this seed, then keeps this rank's slice
+        chunks.append(GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=padded_vocab(a.vocab, a.tp),
+            max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=a.tied, position_embedding_type="rope", rotary_base=10000,
+            parallel_output=False, vp_stage=vp_stage).eval())
+    # Norms start at 1 and biases at 0: randomise them so a mix-up cannot go unnoticed. The seed names the
+    # stage and chunk, and the TP rank for TP-split tensors, so replicated copies stay equal.
+    with torch.no_grad():
+        for vp, chunk in enumerate(chunks):
+            for name, param in chunk.named_parameters():
+                if param.dim() == 1:
+                    tp = ps.get_tensor_model_parallel_rank() if getattr(param, "tensor_model_parallel", False) else -1
+                    seed = zlib.crc32(f"{ps.get_pipeline_model_parallel_rank()}.{vp}.{tp}.{name}".encode())
+                    param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.1)
+    return chunks
+
+
+def legacy_dir(tp: int, pp: int, ep: int, a: Namespace) -> str:
+    name = f"mp_rank_{tp:02d}"
+    if a.pp > 1:
+        name += f"_{pp:03d}"
+    if a.ep > 1:
+        name += f"_{ep:03d}"
+    return name
+
+
+def save_legacy(a: Namespace, chunks: list, root: Path) -> None:
+    from megatron.core import parallel_state as ps
+
+    tp, pp, ep = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    if ps.get_data_parallel_rank() != 0:
+        return
+    state = {"args": Namespace(tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
+                               virtual_pipeline_model_parallel_size=a.vpp, expert_model_parallel_size=a.ep,
+                               num_layers=a.layers, padded_vocab_size=padded_vocab(a.vocab, a.tp),
+                               untie_embeddings_and_output_weights=not a.tied),
+             "checkpoint_version": 3.0, "iteration": 1}
+    if len(chunks) == 1:
+        state["model"] = chunks[0].state_dict_for_save_checkpoint()
+    else:
+        for i, chunk in enumerate(chunks):
+            state[f"model{i}"] = chunk.state_dict_for_save_checkpoint()
+    path = root / "iter_0000001" / legacy_dir(tp, pp, ep, a) / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+
+
+def save_dist(a: Namespace, chunks: list, root: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    if len(chunks) == 1:
+        state = {"model": chunks[0].sharded_state_dict()}
+    else:
+        state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    path = root / "iter_0000001"
+    path.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(state, str(path))
+
+
+def forward_logits(a: Namespace, chunks: list, tokens: torch.Tensor):
+    """Megatron's own forward over the whole pipeline: stage by stage, hidden states sent over gloo."""
+    from megatron.core import parallel_state as ps
+
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    positions = torch.arange(SEQ)[None]
+    pp_rank, pp = ps.get_pipeline_model_parallel_rank(), a.pp
+    hidden_shape = (SEQ, 1, 32)
+    out = None
+    with torch.no_grad():
+        for vp, chunk in enumerate(chunks):
+            for stage in range(pp):
+                if stage != pp_rank:
+                    continue
+                first = vp == 0 and stage == 0
+                if not first:
+                    h = torch.empty(hidden_shape)
+                    src = ps.get_pipeline_model_parallel_prev_rank()
+                    dist.recv(h, src)
+                    chunk.set_input_tensor(h)
+                out = chunk(tokens, positions, mask)
+                last = vp == len(chunks) - 1 and stage == pp - 1
+                if not last:
+                    dist.send(out.contiguous(), ps.get_pipeline_model_parallel_next_rank())
+            # Stages run in order within a chunk pass; the ring send/recv above serialises them.
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        return out[..., :a.vocab]
+    return None
+
+
+def main() -> None:
+    a = parse()
+    cpu_patches()
+    from megatron.core import parallel_state as ps
+
+    dist.init_process_group("gloo")
+    ps.initialize_model_parallel(a.tp, a.pp, virtual_pipeline_model_parallel_size=a.vpp,
+                                 expert_model_parallel_size=a.ep)
+    config = transformer_config(a)
+    chunks = build_chunks(a, config)
+    save_legacy(a, chunks, a.out / "legacy")
+    save_dist(a, chunks, a.out / "dist")
+    tokens = torch.tensor([[3, 17, 42, 5, 99, 64, 8]])
+    logits = forward_logits(a, chunks, tokens)
+    rank = dist.get_rank()
+    if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+        torch.save({"tokens": tokens, "logits": logits}, a.out / "logits.pt")
+    if rank == 0:
+        for fmt in ("legacy", "dist"):
+            (a.out / fmt / "latest_checkpointed_iteration.txt").write_text("1")
+        folder = a.out / "hf"
+        folder.mkdir(parents=True, exist_ok=True)
+        hf_config(a, config).save_pretrained(folder)
+        build_tokenizer().save_pretrained(folder)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
