@@ -1,7 +1,8 @@
-"""A piece's locator may name a sub-box of a stored tensor along dim 0: `name`, `name[a:b]` or `name[i]`.
+"""A piece's locator may name a sub-box of a stored tensor: `name`, `name[a:b]` or `name[i,j,...]`.
 
-Legacy gated fc1 files hold [gate_r; up_r] per TP rank: each half is its own piece (`[0:f]`, `[f:2f]`).
-torch_dist stacks layers on axis 0: one layer of a stored chunk is `[i]` (that axis dropped).
+`[a:b]` narrows dim 0: legacy gated fc1 files hold [gate_r; up_r] per TP rank, each half its own piece.
+`[i,j]` selects along the leading dims, dropping them: torch_dist stacks layers (and SequentialMLP
+experts) on leading axes, and one layer's (expert's) part of a stored chunk is one such selection.
 """
 from __future__ import annotations
 
@@ -9,22 +10,27 @@ import re
 
 import torch
 
-_SLICE = re.compile(r"(.*)\[(\d+)(?::(\d+))?\]")
+_SLICE = re.compile(r"(.*)\[(\d+:\d+|\d+(?:,\d+)*)\]")
 
 
-def with_slice(name: str, start: int, stop: int | None = None) -> str:
-    return f"{name}[{start}]" if stop is None else f"{name}[{start}:{stop}]"
+def with_slice(name: str, start: int, stop: int) -> str:
+    return f"{name}[{start}:{stop}]"
 
 
-def split_key(key: str) -> tuple[str, tuple[int, int | None] | None]:
+def with_index(name: str, index: tuple[int, ...]) -> str:
+    return f"{name}[{','.join(map(str, index))}]" if index else name
+
+
+def split_key(key: str) -> tuple[str, slice | tuple[int, ...] | None]:
     m = _SLICE.fullmatch(key)
     if not m:
         return key, None
-    return m.group(1), (int(m.group(2)), int(m.group(3)) if m.group(3) is not None else None)
+    text = m.group(2)
+    if ":" in text:
+        start, stop = (int(x) for x in text.split(":"))
+        return m.group(1), slice(start, stop)
+    return m.group(1), tuple(int(x) for x in text.split(","))
 
 
-def take(tensor: torch.Tensor, sl: tuple[int, int | None] | None) -> torch.Tensor:
-    if sl is None:
-        return tensor
-    start, stop = sl
-    return tensor[start] if stop is None else tensor[start:stop]
+def take(tensor: torch.Tensor, sl: slice | tuple[int, ...] | None) -> torch.Tensor:
+    return tensor if sl is None else tensor[sl]

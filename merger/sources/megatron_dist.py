@@ -11,6 +11,7 @@ and slices the layer; megatron-core writes one chunk per layer, so this reads no
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import pickle
@@ -20,10 +21,11 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
-from ..megatron.keys import split_key, take, with_slice
+from ..megatron.keys import split_key, take, with_index
 from ..megatron.layout import checkpoint_dir
 
 STACKED = "decoder.layers."
+EXPERTS = "mlp.experts.experts."  # SequentialMLP experts, stacked on an expert axis
 _DCP = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
         "torch.distributed.checkpoint.filesystem")
 
@@ -65,6 +67,22 @@ def _skipped(fqn: str) -> bool:
     return fqn.startswith(("optimizer.", "optim.", "rng_state")) or "_extra_state" in fqn
 
 
+def _stacked_axes(fqn: str):
+    """How many leading axes of a stored tensor are stacked (layer, then expert), and the canonical name
+    of one (layer, expert) entry: `decoder.layers.{l}.mlp.experts.local_experts.{e}.<rest>`."""
+    layered = fqn.startswith(STACKED) and not fqn[len(STACKED):].split(".")[0].isdigit()
+    expert = EXPERTS in fqn
+
+    def name_of(index: tuple[int, ...]) -> str:
+        name = f"{STACKED}{index[0]}.{fqn[len(STACKED):]}" if layered else fqn
+        if expert:
+            head_l, _, tail_l = name.partition(EXPERTS)
+            name = f"{head_l}mlp.experts.local_experts.{index[-1]}.{tail_l}"
+        return name
+
+    return int(layered) + int(expert), name_of
+
+
 def open_catalog(root: Path) -> Catalog:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -77,24 +95,20 @@ def open_catalog(root: Path) -> Catalog:
     for fqn, md in meta.state_dict_metadata.items():
         if _skipped(fqn) or not isinstance(md, TensorStorageMetadata):
             continue
-        stacked = fqn.startswith(STACKED) and not fqn[len(STACKED):].split(".")[0].isdigit()
+        axes, name_of = _stacked_axes(fqn)
         for chunk in md.chunks:
             info = storage.get((fqn, tuple(chunk.offsets)))
             if info is None:
                 raise MergerError(f"tensor {fqn} chunk at {tuple(chunk.offsets)} has no storage entry, {ckpt}")
             file = str(ckpt / info.relative_path)
             key = f"{fqn}@{info.offset}:{info.length}"
-            if not stacked:
-                copy = PieceCopy(file, key, (info.offset, info.length))
-                pieces.setdefault(fqn, []).append(ShardPiece(tuple(chunk.offsets), tuple(chunk.sizes), (copy,)))
-                shapes[fqn], dtypes[fqn] = tuple(md.size), md.properties.dtype
-                continue
-            for j in range(chunk.sizes[0]):  # one piece per layer the chunk covers
-                name = f"{STACKED}{chunk.offsets[0] + j}.{fqn[len(STACKED):]}"
-                copy = PieceCopy(file, with_slice(key, j), (info.offset, info.length))
-                pieces.setdefault(name, []).append(ShardPiece(tuple(chunk.offsets[1:]), tuple(chunk.sizes[1:]),
-                                                              (copy,)))
-                shapes[name], dtypes[name] = tuple(md.size[1:]), md.properties.dtype
+            # One piece per (layer, expert) the chunk covers: its box without the stacked axes.
+            for local in itertools.product(*(range(chunk.sizes[k]) for k in range(axes))):
+                name = name_of(tuple(chunk.offsets[k] + i for k, i in enumerate(local)))
+                copy = PieceCopy(file, with_index(key, local), (info.offset, info.length))
+                pieces.setdefault(name, []).append(ShardPiece(tuple(chunk.offsets[axes:]),
+                                                              tuple(chunk.sizes[axes:]), (copy,)))
+                shapes[name], dtypes[name] = tuple(md.size[axes:]), md.properties.dtype
     if not any(n.startswith(("decoder.", "embedding.")) for n in pieces):
         raise MergerError(f"torch_dist checkpoint holds no model weights (decoder.*, embedding.*), {ckpt}")
     tensors = {n: SourceTensor(n, shapes[n], dtypes[n], tuple(p)) for n, p in pieces.items()}

@@ -72,7 +72,7 @@ def transformer_config(a: Namespace):
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=a.arch != "llama",
         tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
         virtual_pipeline_model_parallel_size=a.vpp, expert_model_parallel_size=a.ep,
-        use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, init_method_std=0.05,
     )
@@ -80,7 +80,7 @@ def transformer_config(a: Namespace):
         kw.update(num_moe_experts=a.experts, moe_router_topk=2, moe_ffn_hidden_size=24,
                   moe_shared_expert_intermediate_size=36, moe_shared_expert_gate=True,
                   moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
-                  moe_permute_fusion=False, moe_router_pre_softmax=False, moe_aux_loss_coeff=0.0)
+                  moe_permute_fusion=False, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.0)
     return TransformerConfig(**kw)
 
 
@@ -143,7 +143,8 @@ def save_legacy(a: Namespace, chunks: list, root: Path) -> None:
     from megatron.core import parallel_state as ps
 
     tp, pp, ep = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
-    if ps.get_data_parallel_rank() != 0:
+    # Megatron-LM: one file per (TP, PP, EP) slice, written by the first data-parallel replica of its experts.
+    if (ps.get_expert_data_parallel_rank() if a.ep > 1 else ps.get_data_parallel_rank()) != 0:
         return
     state = {"args": Namespace(tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
                                virtual_pipeline_model_parallel_size=a.vpp, expert_model_parallel_size=a.ep,
