@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import pickle
 import re
 import types
 from pathlib import Path
@@ -38,21 +39,29 @@ def detect(root: Path) -> bool:
     return ckpt.is_dir() and any((p / FILE).is_file() for p in ckpt.glob("mp_rank_*"))
 
 
-def _safe_globals() -> list:
-    """`args` is an argparse.Namespace; megatron-core lists the other classes its checkpoints may hold."""
-    allowed = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath]
+# `args` is an argparse.Namespace. Megatron-LM's args may also hold megatron-core enums and configs:
+# megatron-core lists those in SAFE_GLOBALS, imported (slow) only when a file needs them.
+_BASIC = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath]
+
+
+def _megatron_globals() -> list:
     try:
         from megatron.core.safe_globals import SAFE_GLOBALS
-        allowed += SAFE_GLOBALS
     except ImportError:
-        pass
-    return allowed
+        return []
+    return list(SAFE_GLOBALS)
 
 
 def load_file(path: str) -> dict:
     try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            with torch.serialization.safe_globals(_BASIC):
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as e:
+            if "megatron" not in str(e):
+                raise
+            with torch.serialization.safe_globals(_BASIC + _megatron_globals()):
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError as e:
         raise MergerError(f"rank file is missing, {path}") from e
     except Exception as e:  # noqa: BLE001 - torch raises several types for damaged or unsafe files
@@ -93,7 +102,9 @@ def _rank_files(ckpt: Path) -> dict[tuple[int, int, int], str]:
         else:
             pp, ep = 0, 0
         files[(tp, pp, ep)] = path
-    sizes = [1 + max(k[i] for k in files) for i in range(3)]
+    # The args name the layout when present, so a whole missing TP/PP/EP slice is caught too.
+    declared = [getattr(args, f"{n}_model_parallel_size", None) for n in ("tensor", "pipeline", "expert")]
+    sizes = [d or 1 + max(k[i] for k in files) for i, d in enumerate(declared)]
     for tp in range(sizes[0]):
         for pp in range(sizes[1]):
             for ep in range(sizes[2]):

@@ -1,14 +1,15 @@
 """Write real Megatron checkpoints of a tiny GPT model with megatron-core, on CPU under gloo (torchrun).
 
-    torchrun --nproc_per_node 4 tests/writers/megatron_checkpoint.py --out DIR --arch qwen2 --tp 2 --pp 2
+    torchrun --nproc_per_node 4 tests/writers/megatron_checkpoint.py --out ROOT \
+        --case tp2:arch=qwen2,tp=2 --case pp2:arch=llama,tp=2,pp=2,layers=4,tied=1
 
 Every rank builds its slice of one seeded megatron-core GPTModel (local spec, `use_cpu_initialization`,
-so the weights do not depend on the parallel layout), then saves it twice, as Megatron-LM does:
-- DIR/legacy/: `latest_checkpointed_iteration.txt` + `iter_0000001/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt`
+so the weights do not depend on the parallel layout), then saves it twice, as Megatron-LM does, into ROOT/NAME/ for each case:
+- ROOT/NAME/legacy/: `latest_checkpointed_iteration.txt` + `iter_0000001/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt`
   holding `{"model" | "model0".., "args", "checkpoint_version", "iteration"}` (`--ckpt-format torch`);
-- DIR/dist/: the same with `iter_0000001/` written by `dist_checkpointing.save` (torch_dist).
-It also writes DIR/hf/ (the matching transformers config and a tokenizer, no weights) and the oracle
-DIR/logits.pt: `{"tokens", "logits"}` from Megatron's own forward pass (pipelined by hand over gloo),
+- ROOT/NAME/dist/: the same with `iter_0000001/` written by `dist_checkpointing.save` (torch_dist).
+It also writes ROOT/NAME/hf/ (the matching transformers config and a tokenizer, no weights) and the oracle
+ROOT/NAME/logits.pt: `{"tokens", "logits"}` from Megatron's own forward pass (pipelined by hand over gloo),
 sliced to the HF vocab size.
 """
 from __future__ import annotations
@@ -40,21 +41,26 @@ def cpu_patches() -> None:
     moe_utils.te_general_gemm = None
 
 
-def parse() -> Namespace:
+DEFAULTS = dict(arch="qwen2", tp=1, pp=1, vpp=None, ep=1, layers=2, heads=4, groups=2, vocab=101, tied=False,
+                experts=4)
+
+
+def parse() -> tuple[Path, list[tuple[str, Namespace]]]:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--arch", default="qwen2", choices=["llama", "qwen2", "qwen2_moe"])
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
-    p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--groups", type=int, default=2, help="query groups (1 = MQA, heads = MHA)")
-    p.add_argument("--vocab", type=int, default=101, help="HF vocab size; Megatron pads it to 128 x TP")
-    p.add_argument("--tied", action="store_true")
-    p.add_argument("--experts", type=int, default=4)
-    return p.parse_args()
+    p.add_argument("--case", action="append", required=True,
+                   help="NAME:key=value,... over " + ", ".join(f"{k}={v}" for k, v in DEFAULTS.items()) +
+                        " (arch: llama, qwen2, qwen2_moe; groups 1 = MQA; vocab is HF's, padded to 128 x tp)")
+    args = p.parse_args()
+    cases = []
+    for spec in args.case:
+        name, _, pairs = spec.partition(":")
+        values = dict(DEFAULTS)
+        for pair in filter(None, pairs.split(",")):
+            key, _, value = pair.partition("=")
+            values[key] = value if key == "arch" else value == "1" if key == "tied" else int(value)
+        cases.append((name, Namespace(**values)))
+    return args.out, cases
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
@@ -203,31 +209,35 @@ def forward_logits(a: Namespace, chunks: list, tokens: torch.Tensor):
     return None
 
 
-def main() -> None:
-    a = parse()
-    cpu_patches()
+def write_case(a: Namespace, out: Path) -> None:
+    """One model in one parallel layout: both formats, the HF folder and the oracle logits."""
     from megatron.core import parallel_state as ps
 
-    dist.init_process_group("gloo")
     ps.initialize_model_parallel(a.tp, a.pp, virtual_pipeline_model_parallel_size=a.vpp,
                                  expert_model_parallel_size=a.ep)
     config = transformer_config(a)
     chunks = build_chunks(a, config)
-    save_legacy(a, chunks, a.out / "legacy")
-    save_dist(a, chunks, a.out / "dist")
+    save_legacy(a, chunks, out / "legacy")
+    save_dist(a, chunks, out / "dist")
     tokens = torch.tensor([[3, 17, 42, 5, 99, 64, 8]])
     logits = forward_logits(a, chunks, tokens)
-    rank = dist.get_rank()
     if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
-        torch.save({"tokens": tokens, "logits": logits}, a.out / "logits.pt")
-    if rank == 0:
+        torch.save({"tokens": tokens, "logits": logits}, out / "logits.pt")
+    if dist.get_rank() == 0:
         for fmt in ("legacy", "dist"):
-            (a.out / fmt / "latest_checkpointed_iteration.txt").write_text("1")
-        folder = a.out / "hf"
-        folder.mkdir(parents=True, exist_ok=True)
-        hf_config(a, config).save_pretrained(folder)
-        build_tokenizer().save_pretrained(folder)
+            (out / fmt / "latest_checkpointed_iteration.txt").write_text("1")
+        hf_config(a, config).save_pretrained(out / "hf")
+        build_tokenizer().save_pretrained(out / "hf")
     dist.barrier()
+    ps.destroy_model_parallel()
+
+
+def main() -> None:
+    out, cases = parse()
+    cpu_patches()
+    dist.init_process_group("gloo")
+    for name, a in cases:  # one process group for every case: imports and startup are paid once
+        write_case(a, out / name)
     dist.destroy_process_group()
 
 

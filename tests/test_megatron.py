@@ -1,0 +1,143 @@
+"""Megatron checkpoints (legacy and torch_dist) merged to HF, checked against Megatron's own forward pass.
+
+megatron-core writes every checkpoint (tests/writers/megatron_checkpoint.py, one torchrun launch of 4 gloo
+ranks for all cases). The oracle is Megatron's CPU forward logits on the same tokens: the merged HF model
+must reproduce them (fp32, max abs diff < 1e-4). Legacy and torch_dist saves of one model must merge to the
+same tensors, bit for bit.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_same_weights, run_merger, run_writer
+
+CASES = {
+    "tp2_gqa_bias": "arch=qwen2,tp=2",  # Qwen2: qkv bias, 4 heads in 2 groups, split over 2 TP ranks
+    "tp2_pp2_vpp2_tied": "arch=llama,tp=2,pp=2,vpp=2,layers=4,tied=1",  # vocab 101 padded to 256
+    "moe_tp2_ep2": "arch=qwen2_moe,tp=2,ep=2",  # 4 experts over 2 EP ranks, shared expert with its gate
+    "mqa_pp2": "arch=llama,pp=2,groups=1,layers=4",  # one query group (Megatron needs groups % TP == 0)
+}
+
+
+@pytest.fixture(scope="session")
+def megatron_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("megatron")
+    run_writer("megatron_checkpoint.py", "--out", root,
+               *[arg for name, spec in CASES.items() for arg in ("--case", f"{name}:{spec}")], nproc=4)
+    return root
+
+
+def merge(source: Path, target: Path, *extra) -> Path:
+    """One merge in this process (the CLI's own entry point): no interpreter start-up per merge."""
+    from merger.cli import main
+
+    assert main(["merge", "--local_dir", str(source), "--target_dir", str(target), *map(str, extra)]) == 0
+    return target
+
+
+@pytest.fixture(scope="session")
+def merged(megatron_root, tmp_path_factory):
+    """merged(case, fmt) -> fp32 HF folder merged from ROOT/case/fmt (a Megatron-LM save dir), built once."""
+    cache: dict = {}
+
+    def make(case: str, fmt: str) -> Path:
+        if (case, fmt) not in cache:
+            out = tmp_path_factory.mktemp(f"{case}_{fmt}") / "hf"
+            cache[(case, fmt)] = merge(megatron_root / case / fmt, out, "--hf_model_config_path",
+                                       megatron_root / case / "hf", "--dtype", "float32")
+        return cache[(case, fmt)]
+
+    return make
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_legacy_merge_reproduces_megatron_logits(case, megatron_root, merged):
+    oracle = torch.load(megatron_root / case / "logits.pt", weights_only=True)
+    logits = hf_logits(merged(case, "legacy"), oracle["tokens"])
+    assert logits.shape == oracle["logits"].shape
+    assert (logits - oracle["logits"]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_torch_dist_merge_equals_legacy_merge(case, merged):
+    assert_same_weights(merged(case, "dist"), merged(case, "legacy"), None)
+
+
+def test_tied_output_layer_is_dropped_and_vocab_unpadded(merged):
+    from conftest import load_safetensors_folder
+
+    weights = load_safetensors_folder(merged("tp2_pp2_vpp2_tied", "legacy"))
+    assert "lm_head.weight" not in weights
+    assert weights["model.embed_tokens.weight"].shape[0] == 101
+
+
+def test_moe_experts_are_numbered_globally(merged):
+    from conftest import load_safetensors_folder
+
+    names = load_safetensors_folder(merged("moe_tp2_ep2", "legacy"))
+    for layer in range(2):
+        for expert in range(4):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                assert f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight" in names
+        assert f"model.layers.{layer}.mlp.shared_expert_gate.weight" in names
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "dist"])
+def test_torchrun_merge_equals_single_process(fmt, megatron_root, merged, tmp_path):
+    case = "moe_tp2_ep2"
+    run_merger("merge", "--local_dir", megatron_root / case / fmt, "--target_dir", tmp_path / "out",
+               "--hf_model_config_path", megatron_root / case / "hf", "--dtype", "float32", nproc=2)
+    assert_same_weights(tmp_path / "out", merged(case, fmt), None)
+
+
+@pytest.mark.parametrize("layout", ["actor", "actor/model"])
+def test_verl_layout_finds_dist_ckpt_and_huggingface(layout, megatron_root, merged, tmp_path):
+    """verl: `actor/{huggingface,dist_ckpt}` (older) or `actor/model/{...}` (newer); config from huggingface/."""
+    case = "tp2_gqa_bias"
+    base = tmp_path / layout
+    shutil.copytree(megatron_root / case / "dist" / "iter_0000001", base / "dist_ckpt")
+    shutil.copytree(megatron_root / case / "hf", base / "huggingface")
+    out = merge(tmp_path / "actor", tmp_path / "out", "--dtype", "float32")
+    assert_same_weights(out, merged(case, "legacy"), None)
+
+
+def test_iteration_folder_and_default_bf16(megatron_root, merged, tmp_path):
+    case = "mqa_pp2"
+    out = merge(megatron_root / case / "legacy" / "iter_0000001", tmp_path / "out",
+                "--hf_model_config_path", megatron_root / case / "hf")
+    assert_same_weights(out, merged(case, "legacy"), torch.bfloat16)
+
+
+def test_missing_rank_file_is_reported(megatron_root, tmp_path):
+    src = tmp_path / "ckpt"
+    shutil.copytree(megatron_root / "tp2_gqa_bias" / "legacy", src)
+    shutil.rmtree(src / "iter_0000001" / "mp_rank_01")
+    proc = run_merger("merge", "--local_dir", src, "--target_dir", tmp_path / "out", "--hf_model_config_path",
+                      megatron_root / "tp2_gqa_bias" / "hf", check=False)
+    assert proc.returncode == 1
+    assert "merger: error: rank file for tp 1 pp 0 ep 0 is missing" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_family_is_reported(megatron_root, tmp_path, capsys):
+    from merger.cli import main
+
+    hf = tmp_path / "hf"
+    shutil.copytree(megatron_root / "tp2_gqa_bias" / "hf", hf)
+    config = (hf / "config.json").read_text().replace('"model_type": "qwen2"', '"model_type": "gpt2"')
+    (hf / "config.json").write_text(config)
+    assert main(["merge", "--local_dir", str(megatron_root / "tp2_gqa_bias" / "dist"), "--target_dir",
+                 str(tmp_path / "out"), "--hf_model_config_path", str(hf)]) == 1
+    assert "no Megatron mapping for model_type 'gpt2'" in capsys.readouterr().err
