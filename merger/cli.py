@@ -28,7 +28,7 @@ def _flag(*names: str) -> list[str]:
 def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(*_flag("--local_dir"), dest="local_dir", type=Path, required=True,
                    help="checkpoint folder (e.g. global_step_100/actor)")
-    p.add_argument("--backend", default="auto", help="checkpoint format: auto (default), fsdp, megatron")
+    p.add_argument("--backend", default="auto", help="checkpoint format: auto (default), fsdp, megatron, hf")
     p.add_argument(*_flag("--hf_model_config_path"), dest="hf_model_config_path", type=Path, default=None,
                    help="folder with config.json and tokenizer (default: huggingface/ inside the checkpoint)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",

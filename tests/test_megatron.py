@@ -7,6 +7,7 @@ same tensors, bit for bit.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -20,7 +21,9 @@ CASES = {
     "tp2_pp2_vpp2_tied": "arch=llama,tp=2,pp=2,vpp=2,layers=4,tied=1",  # vocab 101 padded to 256
     "moe_tp2_ep2": "arch=qwen2_moe,tp=2,ep=2",  # 4 experts over 2 EP ranks, shared expert with its gate
     "mqa_pp2": "arch=llama,pp=2,groups=1,layers=4",  # one query group (Megatron needs groups % TP == 0)
+    "optim_only": "optim_only=1",  # a torch_dist save holding no model tensors
 }
+MODELS = [c for c in CASES if c != "optim_only"]
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +65,7 @@ def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", MODELS)
 def test_legacy_merge_reproduces_megatron_logits(case, megatron_root, merged):
     oracle = torch.load(megatron_root / case / "logits.pt", weights_only=True)
     logits = hf_logits(merged(case, "legacy"), oracle["tokens"])
@@ -70,7 +73,7 @@ def test_legacy_merge_reproduces_megatron_logits(case, megatron_root, merged):
     assert (logits - oracle["logits"]).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", MODELS)
 def test_torch_dist_merge_equals_legacy_merge(case, merged):
     assert_same_weights(merged(case, "dist"), merged(case, "legacy"), None)
 
@@ -94,9 +97,9 @@ def test_moe_experts_are_numbered_globally(merged):
         assert f"model.layers.{layer}.mlp.shared_expert_gate.weight" in names
 
 
-@pytest.mark.parametrize("fmt", ["legacy", "dist"])
-def test_torchrun_merge_equals_single_process(fmt, megatron_root, merged, tmp_path):
-    case = "moe_tp2_ep2"
+def test_torchrun_merge_equals_single_process(megatron_root, merged, tmp_path):
+    """Two merge ranks split the 4 rank files: experts, gate/up halves and EP copies cross ranks."""
+    case, fmt = "moe_tp2_ep2", "legacy"
     run_merger("merge", "--local_dir", megatron_root / case / fmt, "--target_dir", tmp_path / "out",
                "--hf_model_config_path", megatron_root / case / "hf", "--dtype", "float32", nproc=2)
     assert_same_weights(tmp_path / "out", merged(case, fmt), None)
@@ -111,6 +114,20 @@ def test_verl_layout_finds_dist_ckpt_and_huggingface(layout, megatron_root, merg
     shutil.copytree(megatron_root / case / "hf", base / "huggingface")
     out = merge(tmp_path / "actor", tmp_path / "out", "--dtype", "float32")
     assert_same_weights(out, merged(case, "legacy"), None)
+
+
+def test_verl_hf_safetensors_beside_an_empty_dist_ckpt(megatron_root, merged, tmp_path):
+    """verl's newer default: weights as HF safetensors in huggingface/, dist_ckpt/ without model tensors."""
+    import transformers
+
+    actor = tmp_path / "actor"
+    shutil.copytree(megatron_root / "optim_only" / "dist" / "iter_0000001", actor / "dist_ckpt")
+    model = transformers.AutoModelForCausalLM.from_pretrained(merged("tp2_gqa_bias", "legacy"), dtype=torch.float32)
+    model.save_pretrained(actor / "huggingface", max_shard_size="40KB")  # several files, as large models are
+    out = merge(actor, tmp_path / "out", "--dtype", "bfloat16")
+    assert_same_weights(out, actor / "huggingface", torch.bfloat16)
+    sources = json.loads((out / "merge_manifest.json").read_text())["source_files"]
+    assert sources and all("/huggingface/" in f for f in sources)
 
 
 def test_iteration_folder_and_default_bf16(megatron_root, merged, tmp_path):

@@ -15,6 +15,7 @@ from ..errors import MergerError
 BACKENDS = {
     "fsdp": "fsdp",
     "megatron": "megatron",
+    "hf": "hf_safetensors",
 }
 
 

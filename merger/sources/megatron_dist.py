@@ -26,6 +26,7 @@ from ..megatron.layout import checkpoint_dir
 
 STACKED = "decoder.layers."
 EXPERTS = "mlp.experts.experts."  # SequentialMLP experts, stacked on an expert axis
+MODEL_PREFIXES = ("decoder.", "embedding.", "output_layer.")
 _DCP = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
         "torch.distributed.checkpoint.filesystem")
 
@@ -61,6 +62,12 @@ def read_metadata(ckpt: Path):
         raise MergerError(f"torch_dist checkpoint has no .metadata, {ckpt}") from e
     except Exception as e:  # noqa: BLE001 - damaged or hostile pickles raise many types
         raise MergerError(f"cannot read DCP metadata ({e}), {path}") from e
+
+
+def holds_model(ckpt: Path) -> bool:
+    """False when the checkpoint has no model tensors (verl then wrote HF safetensors beside it)."""
+    meta = read_metadata(ckpt)
+    return any(fqn.startswith(MODEL_PREFIXES) for fqn in meta.state_dict_metadata)
 
 
 def _skipped(fqn: str) -> bool:
@@ -109,7 +116,7 @@ def open_catalog(root: Path) -> Catalog:
                 pieces.setdefault(name, []).append(ShardPiece(tuple(chunk.offsets[axes:]),
                                                               tuple(chunk.sizes[axes:]), (copy,)))
                 shapes[name], dtypes[name] = tuple(md.size[axes:]), md.properties.dtype
-    if not any(n.startswith(("decoder.", "embedding.")) for n in pieces):
+    if not any(n.startswith(MODEL_PREFIXES) for n in pieces):
         raise MergerError(f"torch_dist checkpoint holds no model weights (decoder.*, embedding.*), {ckpt}")
     tensors = {n: SourceTensor(n, shapes[n], dtypes[n], tuple(p)) for n, p in pieces.items()}
     files = sorted({c.file for t in tensors.values() for p in t.pieces for c in p.copies})

@@ -42,7 +42,7 @@ def cpu_patches() -> None:
 
 
 DEFAULTS = dict(arch="qwen2", tp=1, pp=1, vpp=None, ep=1, layers=2, heads=4, groups=2, vocab=101, tied=False,
-                experts=4)
+                experts=4, optim_only=0)
 
 
 def parse() -> tuple[Path, list[tuple[str, Namespace]]]:
@@ -50,7 +50,8 @@ def parse() -> tuple[Path, list[tuple[str, Namespace]]]:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--case", action="append", required=True,
                    help="NAME:key=value,... over " + ", ".join(f"{k}={v}" for k, v in DEFAULTS.items()) +
-                        " (arch: llama, qwen2, qwen2_moe; groups 1 = MQA; vocab is HF's, padded to 128 x tp)")
+                        " (arch: llama, qwen2, qwen2_moe; groups 1 = MQA; vocab is HF's, padded to 128 x tp; optim_only:"
+                        " a torch_dist save without model tensors)")
     args = p.parse_args()
     cases = []
     for spec in args.case:
@@ -209,10 +210,26 @@ def forward_logits(a: Namespace, chunks: list, tokens: torch.Tensor):
     return None
 
 
+def save_optimizer_only(root: Path) -> None:
+    """A torch_dist checkpoint without model tensors, as verl leaves `dist_ckpt/` when it writes the weights
+    as HF safetensors into `huggingface/`."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    step = ShardedTensor.from_rank_offsets("optimizer.state.step", torch.tensor([1.0]), replica_id=dist.get_rank())
+    (root / "iter_0000001").mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save({"optimizer": {"step": step}}, str(root / "iter_0000001"))
+
+
 def write_case(a: Namespace, out: Path) -> None:
     """One model in one parallel layout: both formats, the HF folder and the oracle logits."""
     from megatron.core import parallel_state as ps
 
+    if a.optim_only:
+        ps.initialize_model_parallel()
+        save_optimizer_only(out / "dist")
+        ps.destroy_model_parallel()
+        return
     ps.initialize_model_parallel(a.tp, a.pp, virtual_pipeline_model_parallel_size=a.vpp,
                                  expert_model_parallel_size=a.ep)
     config = transformer_config(a)
