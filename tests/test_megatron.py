@@ -20,7 +20,9 @@ CASES = {
     "tp2_gqa_bias": "arch=qwen2,tp=2",  # Qwen2: qkv bias, 4 heads in 2 groups, split over 2 TP ranks
     "tp2_pp2_vpp2_tied": "arch=llama,tp=2,pp=2,vpp=2,layers=4,tied=1",  # vocab 101 padded to 256
     "moe_tp2_ep2": "arch=qwen2_moe,tp=2,ep=2",  # 4 experts over 2 EP ranks, shared expert with its gate
-    "mqa_pp2": "arch=llama,pp=2,groups=1,layers=4",  # one query group (Megatron needs groups % TP == 0)
+    "qwen3_mqa_pp2": "arch=qwen3,pp=2,groups=1,layers=4",  # q/k norms; one query group (groups % TP == 0)
+    "mixtral_ep2": "arch=mixtral,ep=2",  # `mp_rank_00_001` is EP here, not PP: the saved args decide
+    "qwen3_moe_tp2": "arch=qwen3_moe,tp=2",
     "optim_only": "optim_only=1",  # a torch_dist save holding no model tensors
 }
 MODELS = [c for c in CASES if c != "optim_only"]
@@ -131,7 +133,7 @@ def test_verl_hf_safetensors_beside_an_empty_dist_ckpt(megatron_root, merged, tm
 
 
 def test_iteration_folder_and_default_bf16(megatron_root, merged, tmp_path):
-    case = "mqa_pp2"
+    case = "qwen3_mqa_pp2"
     out = merge(megatron_root / case / "legacy" / "iter_0000001", tmp_path / "out",
                 "--hf_model_config_path", megatron_root / case / "hf")
     assert_same_weights(out, merged(case, "legacy"), torch.bfloat16)

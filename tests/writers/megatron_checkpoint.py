@@ -50,7 +50,7 @@ def parse() -> tuple[Path, list[tuple[str, Namespace]]]:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--case", action="append", required=True,
                    help="NAME:key=value,... over " + ", ".join(f"{k}={v}" for k, v in DEFAULTS.items()) +
-                        " (arch: llama, qwen2, qwen2_moe; groups 1 = MQA; vocab is HF's, padded to 128 x tp; optim_only:"
+                        " (arch: llama, qwen2, qwen3, qwen2_moe, mixtral, qwen3_moe; groups 1 = MQA; vocab is HF's, padded to 128 x tp; optim_only:"
                         " a torch_dist save without model tensors)")
     args = p.parse_args()
     cases = []
@@ -69,25 +69,32 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
+MOE = ("qwen2_moe", "mixtral", "qwen3_moe")
+QK_NORM = ("qwen3", "qwen3_moe")
+QKV_BIAS = ("qwen2", "qwen2_moe")
+
+
 def transformer_config(a: Namespace):
     from megatron.core.transformer import TransformerConfig
 
-    moe = a.arch == "qwen2_moe"
     kw = dict(
         num_layers=a.layers, hidden_size=32, num_attention_heads=a.heads, num_query_groups=a.groups,
         ffn_hidden_size=40, kv_channels=32 // a.heads, normalization="RMSNorm", layernorm_epsilon=1e-6,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=a.arch != "llama",
-        tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=a.arch in QKV_BIAS,
+        qk_layernorm=a.arch in QK_NORM, tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
         virtual_pipeline_model_parallel_size=a.vpp, expert_model_parallel_size=a.ep,
-        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, init_method_std=0.05,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False, bias_activation_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False, init_method_std=0.05,
     )
-    if moe:
+    if a.arch in MOE:
+        # Qwen2-MoE routes on softmax over all experts (pre-softmax, no renormalisation); Mixtral and
+        # Qwen3-MoE (norm_topk_prob) renormalise the top k, which is a softmax over the top-k logits.
         kw.update(num_moe_experts=a.experts, moe_router_topk=2, moe_ffn_hidden_size=24,
-                  moe_shared_expert_intermediate_size=36, moe_shared_expert_gate=True,
                   moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
-                  moe_permute_fusion=False, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.0)
+                  moe_permute_fusion=False, moe_router_pre_softmax=a.arch == "qwen2_moe", moe_aux_loss_coeff=0.0)
+    if a.arch == "qwen2_moe":
+        kw.update(moe_shared_expert_intermediate_size=36, moe_shared_expert_gate=True)
     return TransformerConfig(**kw)
 
 
@@ -97,14 +104,23 @@ def hf_config(a: Namespace, config):
     common = dict(vocab_size=a.vocab, hidden_size=config.hidden_size, num_hidden_layers=a.layers,
                   num_attention_heads=a.heads, num_key_value_heads=a.groups, rms_norm_eps=1e-6,
                   max_position_embeddings=64, tie_word_embeddings=a.tied, rope_theta=10000.0)
+    moe = dict(num_experts_per_tok=2, intermediate_size=config.ffn_hidden_size)
     if a.arch == "llama":
         return transformers.LlamaConfig(intermediate_size=config.ffn_hidden_size, **common)
     if a.arch == "qwen2":
         return transformers.Qwen2Config(intermediate_size=config.ffn_hidden_size, **common)
-    return transformers.Qwen2MoeConfig(intermediate_size=config.ffn_hidden_size, num_experts=a.experts,
-                                       num_experts_per_tok=2, moe_intermediate_size=24,
+    if a.arch == "qwen3":
+        return transformers.Qwen3Config(intermediate_size=config.ffn_hidden_size, head_dim=config.kv_channels,
+                                        attention_bias=False, **common)
+    if a.arch == "mixtral":
+        return transformers.MixtralConfig(num_local_experts=a.experts, **dict(moe, intermediate_size=24), **common)
+    if a.arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(num_experts=a.experts, moe_intermediate_size=24, norm_topk_prob=True,
+                                           head_dim=config.kv_channels, decoder_sparse_step=1, mlp_only_layers=[],
+                                           attention_bias=False, **moe, **common)
+    return transformers.Qwen2MoeConfig(num_experts=a.experts, moe_intermediate_size=24,
                                        shared_expert_intermediate_size=36, norm_topk_prob=False,
-                                       decoder_sparse_step=1, mlp_only_layers=[], **common)
+                                       decoder_sparse_step=1, mlp_only_layers=[], **moe, **common)
 
 
 def build_chunks(a: Namespace, config) -> list:
@@ -113,8 +129,8 @@ def build_chunks(a: Namespace, config) -> list:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=a.experts if a.arch == "qwen2_moe" else None,
-                                    normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=a.experts if a.arch in MOE else None,
+                                    qk_layernorm=a.arch in QK_NORM, normalization="RMSNorm")
     chunks = []
     for vp in range(a.vpp or 1):
         vp_stage = vp if a.vpp else None
