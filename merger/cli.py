@@ -36,6 +36,8 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(*_flag("--tie_word_embedding"), dest="tie_word_embedding", action="store_true",
                    help="write lm_head once, tied to the input embedding, whatever config.json says")
     p.add_argument(*_flag("--trust_remote_code"), dest="trust_remote_code", action="store_true")
+    p.add_argument(*_flag("--is_value_model"), dest="is_value_model", action="store_true",
+                   help="a critic: Megatron's 1-output head becomes score.weight of a ...ForTokenClassification")
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:

@@ -45,6 +45,14 @@ def hf_steps(catalog: Catalog, config: dict, options: MergeOptions) -> list[Step
     return steps
 
 
+def config_updates(config: dict, options: MergeOptions) -> dict:
+    """A value model is saved as its family's token-classification model with one label."""
+    if not options.is_value_model:
+        return {}
+    archs = [a.replace("ForCausalLM", "ForTokenClassification") for a in config.get("architectures") or []]
+    return {"architectures": archs, "num_labels": 1}
+
+
 def build_steps(catalog: Catalog, config: dict, options: MergeOptions) -> list[Step]:
     if catalog.format.startswith("megatron"):
         from .megatron.families import megatron_steps  # Megatron names need their family's table

@@ -17,7 +17,7 @@ from . import __version__
 from .catalog import Catalog
 from .dist import Group
 from .errors import MergerError, describe_error
-from .mapping import build_steps, read_config
+from .mapping import build_steps, config_updates, read_config
 from .memory import peak_rss_bytes
 from .options import MergeOptions
 from .output import FileSink, check_target, finish, prepare_files, staging_dir
@@ -118,7 +118,8 @@ def run_merge(options: MergeOptions, group: Group) -> Path:
                 "source_files": source_fingerprint(prepared.catalog),
                 "dtype": options.dtype, "merge_ranks": group.world,
             }
-            finish(stage, target, plan, prepared.hf_dir, options.torch_dtype, manifest, options.overwrite)
+            finish(stage, target, plan, prepared.hf_dir, options.torch_dtype, manifest, options.overwrite,
+                   config_updates(prepared.config, options))
 
         on_rank_zero(group, complete, options.debug)
     except BaseException:

@@ -22,6 +22,7 @@ class MergeOptions:
     overwrite: bool = False
     tie_word_embedding: bool = False
     trust_remote_code: bool = False
+    is_value_model: bool = False
     dist_timeout: float = 600.0
     debug: bool = False
 

@@ -23,6 +23,7 @@ CASES = {
     "qwen3_mqa_pp2": "arch=qwen3,pp=2,groups=1,layers=4",  # q/k norms; one query group (groups % TP == 0)
     "mixtral_ep2": "arch=mixtral,ep=2",  # `mp_rank_00_001` is EP here, not PP: the saved args decide
     "qwen3_moe_tp2": "arch=qwen3_moe,tp=2",
+    "critic_tp2": "arch=qwen2,tp=2,value=1",  # verl's critic: a replicated Linear(hidden, 1) head
     "optim_only": "optim_only=1",  # a torch_dist save holding no model tensors
 }
 MODELS = [c for c in CASES if c != "optim_only"]
@@ -52,25 +53,33 @@ def merged(megatron_root, tmp_path_factory):
     def make(case: str, fmt: str) -> Path:
         if (case, fmt) not in cache:
             out = tmp_path_factory.mktemp(f"{case}_{fmt}") / "hf"
+            value = ["--is_value_model"] if is_critic(case) else []
             cache[(case, fmt)] = merge(megatron_root / case / fmt, out, "--hf_model_config_path",
-                                       megatron_root / case / "hf", "--dtype", "float32")
+                                       megatron_root / case / "hf", "--dtype", "float32", *value)
         return cache[(case, fmt)]
 
     return make
 
 
-def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+def is_critic(case: str) -> bool:
+    return "value=1" in CASES[case]
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor, critic: bool) -> torch.Tensor:
+    """The merged model's logits (values for a critic); it must load with no missing or unexpected key."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    auto = transformers.AutoModelForTokenClassification if critic else transformers.AutoModelForCausalLM
+    model, info = auto.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():
-        return model(tokens).logits
+        return model.eval()(tokens).logits
 
 
 @pytest.mark.parametrize("case", MODELS)
 def test_legacy_merge_reproduces_megatron_logits(case, megatron_root, merged):
     oracle = torch.load(megatron_root / case / "logits.pt", weights_only=True)
-    logits = hf_logits(merged(case, "legacy"), oracle["tokens"])
+    logits = hf_logits(merged(case, "legacy"), oracle["tokens"], is_critic(case))
     assert logits.shape == oracle["logits"].shape
     assert (logits - oracle["logits"]).abs().max().item() < 1e-4
 
@@ -86,6 +95,14 @@ def test_tied_output_layer_is_dropped_and_vocab_unpadded(merged):
     weights = load_safetensors_folder(merged("tp2_pp2_vpp2_tied", "legacy"))
     assert "lm_head.weight" not in weights
     assert weights["model.embed_tokens.weight"].shape[0] == 101
+
+
+def test_critic_becomes_token_classification(merged):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(merged("critic_tp2", "legacy"))
+    assert config.architectures == ["Qwen2ForTokenClassification"]
+    assert config.num_labels == 1
 
 
 def test_moe_experts_are_numbered_globally(merged):

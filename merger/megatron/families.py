@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from functools import partial
 
+import torch
+
 from ..catalog import Catalog
 from ..errors import MergerError
 from ..mapping import ties_embeddings
@@ -108,12 +110,30 @@ def _step(name: str, shape: tuple[int, ...], kind: str, targets: tuple[str, ...]
     return Step((name,), tuple(OutputSpec(t, s, dtype) for t, s in zip(targets, shapes)), fn)
 
 
+def _zero_bias(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.zeros(1)]
+
+
+def _value_head(catalog: Catalog, options: MergeOptions) -> list[Step]:
+    """verl's critic replaces the output layer with a replicated Linear(hidden, 1, bias=False): HF's `score`.
+
+    HF's token-classification `score` has a bias; writing it as zeros keeps the function and loads cleanly.
+    """
+    head = catalog.tensors.get("output_layer.weight")
+    if head is None or head.shape[0] != 1:
+        raise MergerError(f"--is_value_model needs a 1-row output_layer.weight, found "
+                          f"{head.shape if head else 'none'}, {catalog.root}")
+    dtype = output_dtype(head.dtype, options.torch_dtype)
+    return [Step((head.name,), (OutputSpec("score.weight", head.shape, dtype),)),
+            Step((), (OutputSpec("score.bias", (1,), dtype),), _zero_bias)]
+
+
 def megatron_steps(catalog: Catalog, config: dict, options: MergeOptions) -> list[Step]:
     table = _compile(FAMILIES[family_of(config)])
     tied = options.tie_word_embedding or ties_embeddings(config)
-    steps = []
+    steps = _value_head(catalog, options) if options.is_value_model else []
     for name, tensor in catalog.tensors.items():
-        if name == "output_layer.weight" and tied:
+        if name == "output_layer.weight" and (tied or options.is_value_model):
             continue  # tied: HF re-creates lm_head from the embedding; PP's last-stage copy is dropped here
         for pattern, kind, targets in table:
             m = pattern.fullmatch(name)
@@ -125,7 +145,7 @@ def megatron_steps(catalog: Catalog, config: dict, options: MergeOptions) -> lis
         else:
             raise MergerError(f"no HF name for Megatron tensor {name} in the {family_of(config)} table, "
                               f"{catalog.root}")
-    if not tied and "output_layer.weight" not in catalog.tensors:
+    if not tied and not options.is_value_model and "output_layer.weight" not in catalog.tensors:
         raise MergerError(f"config.json has untied embeddings but the checkpoint has no output_layer.weight, "
                           f"{catalog.root}")
     return steps

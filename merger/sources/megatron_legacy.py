@@ -124,6 +124,8 @@ def _pieces(name: str, local: torch.Tensor, gated: bool, copies: dict[int, list[
     """Global shape and pieces of one tensor from its TP-rank-0 local shape and every rank's copies."""
     shape = list(local.shape)
     dim = 0 if name.endswith(COLUMN) else 1 if name.endswith(ROW) else None
+    if name == "output_layer.weight" and shape[0] == 1:
+        dim = None  # a critic's value head: a replicated Linear(hidden, 1), not a vocab-parallel layer
     if dim is None:
         every = tuple(c for tp in sorted(copies) for c in copies[tp])
         return tuple(shape), (ShardPiece((0,) * len(shape), tuple(shape), every),)

@@ -42,7 +42,7 @@ def cpu_patches() -> None:
 
 
 DEFAULTS = dict(arch="qwen2", tp=1, pp=1, vpp=None, ep=1, layers=2, heads=4, groups=2, vocab=101, tied=False,
-                experts=4, optim_only=0)
+                experts=4, optim_only=0, value=0)
 
 
 def parse() -> tuple[Path, list[tuple[str, Namespace]]]:
@@ -51,7 +51,7 @@ def parse() -> tuple[Path, list[tuple[str, Namespace]]]:
     p.add_argument("--case", action="append", required=True,
                    help="NAME:key=value,... over " + ", ".join(f"{k}={v}" for k, v in DEFAULTS.items()) +
                         " (arch: llama, qwen2, qwen3, qwen2_moe, mixtral, qwen3_moe; groups 1 = MQA; vocab is HF's, padded to 128 x tp; optim_only:"
-                        " a torch_dist save without model tensors)")
+                        " a torch_dist save without model tensors; value: a critic with a 1-output head)")
     args = p.parse_args()
     cases = []
     for spec in args.case:
@@ -123,6 +123,14 @@ def hf_config(a: Namespace, config):
                                        decoder_sparse_step=1, mlp_only_layers=[], **moe, **common)
 
 
+class ValueHead(torch.nn.Linear):
+    """A critic's head as verl builds it: a replicated Linear(hidden, 1) in place of the output layer,
+    accepting the output layer's call arguments."""
+
+    def forward(self, x, weight=None, runtime_gather_output=None):
+        return super().forward(x), None
+
+
 def build_chunks(a: Namespace, config) -> list:
     """This rank's model chunks (one, or `vpp` with a virtual pipeline), built from one seed."""
     from megatron.core import parallel_state as ps
@@ -141,6 +149,9 @@ def build_chunks(a: Namespace, config) -> list:
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=a.tied, position_embedding_type="rope", rotary_base=10000,
             parallel_output=False, vp_stage=vp_stage).eval())
+    if a.value and chunks[-1].post_process:
+        torch.manual_seed(99)  # the same head on every TP rank, as a replicated layer
+        chunks[-1].output_layer = ValueHead(config.hidden_size, 1, bias=False)
     # Norms start at 1 and biases at 0: randomise them so a mix-up cannot go unnoticed. The seed names the
     # stage and chunk, and the TP rank for TP-split tensors, so replicated copies stay equal.
     with torch.no_grad():
@@ -259,7 +270,9 @@ def write_case(a: Namespace, out: Path) -> None:
     if dist.get_rank() == 0:
         for fmt in ("legacy", "dist"):
             (out / fmt / "latest_checkpointed_iteration.txt").write_text("1")
-        hf_config(a, config).save_pretrained(out / "hf")
+        hf = hf_config(a, config)
+        hf.architectures = [type(hf).__name__.replace("Config", "ForCausalLM")]
+        hf.save_pretrained(out / "hf")
         build_tokenizer().save_pretrained(out / "hf")
     dist.barrier()
     ps.destroy_model_parallel()
