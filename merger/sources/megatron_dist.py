@@ -83,8 +83,8 @@ def _stacked_axes(fqn: str):
     def name_of(index: tuple[int, ...]) -> str:
         name = f"{STACKED}{index[0]}.{fqn[len(STACKED):]}" if layered else fqn
         if expert:
-            head_l, _, tail_l = name.partition(EXPERTS)
-            name = f"{head_l}mlp.experts.local_experts.{index[-1]}.{tail_l}"
+            head, _, tail = name.partition(EXPERTS)
+            name = f"{head}mlp.experts.local_experts.{index[-1]}.{tail}"
         return name
 
     return int(layered) + int(expert), name_of
@@ -107,6 +107,9 @@ def open_catalog(root: Path) -> Catalog:
             info = storage.get((fqn, tuple(chunk.offsets)))
             if info is None:
                 raise MergerError(f"tensor {fqn} chunk at {tuple(chunk.offsets)} has no storage entry, {ckpt}")
+            if getattr(info, "transform_descriptors", None):
+                raise MergerError(f"tensor {fqn} is stored with transforms {info.transform_descriptors} "
+                                  f"(e.g. compression), which merger cannot read, {ckpt}")
             file = str(ckpt / info.relative_path)
             key = f"{fqn}@{info.offset}:{info.length}"
             # One piece per (layer, expert) the chunk covers: its box without the stacked axes.

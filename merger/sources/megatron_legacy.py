@@ -11,6 +11,7 @@ placed in cat(gate, up): the global fc1 then reads the same as torch_dist's.
 from __future__ import annotations
 
 import argparse
+import io
 import pathlib
 import pickle
 import re
@@ -39,9 +40,10 @@ def detect(root: Path) -> bool:
     return ckpt.is_dir() and any((p / FILE).is_file() for p in ckpt.glob("mp_rank_*"))
 
 
-# `args` is an argparse.Namespace. Megatron-LM's args may also hold megatron-core enums and configs:
-# megatron-core lists those in SAFE_GLOBALS, imported (slow) only when a file needs them.
-_BASIC = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath]
+# `args` is an argparse.Namespace and TE's `_extra_state` may be a BytesIO. Megatron-LM's args may also
+# hold megatron-core enums and configs: megatron-core lists those in SAFE_GLOBALS, imported (slow) only
+# when a file needs them.
+_BASIC = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO]
 
 
 def _megatron_globals() -> list:
@@ -52,16 +54,20 @@ def _megatron_globals() -> list:
     return list(SAFE_GLOBALS)
 
 
+def _load(path: str, allowed: list):
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
 def load_file(path: str) -> dict:
     try:
         try:
-            with torch.serialization.safe_globals(_BASIC):
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except pickle.UnpicklingError as e:
-            if "megatron" not in str(e):
+            state = _load(path, _BASIC)
+        except pickle.UnpicklingError:
+            extra = _megatron_globals()
+            if not extra:
                 raise
-            with torch.serialization.safe_globals(_BASIC + _megatron_globals()):
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            state = _load(path, _BASIC + extra)
     except FileNotFoundError as e:
         raise MergerError(f"rank file is missing, {path}") from e
     except Exception as e:  # noqa: BLE001 - torch raises several types for damaged or unsafe files
