@@ -177,3 +177,30 @@ def test_unknown_family_is_reported(megatron_root, tmp_path, capsys):
     assert main(["merge", "--local_dir", str(megatron_root / "tp2_gqa_bias" / "dist"), "--target_dir",
                  str(tmp_path / "out"), "--hf_model_config_path", str(hf)]) == 1
     assert "no Megatron mapping for model_type 'gpt2'" in capsys.readouterr().err
+
+
+class _RunsCode:
+    """A pickle that would run a shell command when loaded by plain pickle.load."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_hostile_dcp_metadata_is_refused_not_run(megatron_root, tmp_path, capsys):
+    import pickle
+
+    from merger.cli import main
+
+    src = tmp_path / "iter"
+    shutil.copytree(megatron_root / "tp2_gqa_bias" / "dist" / "iter_0000001", src)
+    marker = tmp_path / "ran"
+    (src / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    assert main(["merge", "--local_dir", str(src), "--target_dir", str(tmp_path / "out"),
+                 "--hf_model_config_path", str(megatron_root / "tp2_gqa_bias" / "hf")]) == 1
+    assert not marker.exists()
+    assert "cannot read DCP metadata" in capsys.readouterr().err
