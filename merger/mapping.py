@@ -49,6 +49,10 @@ def hf_steps(catalog: Catalog, config: dict, options: MergeOptions) -> list[Step
 
 
 def build_steps(catalog: Catalog, config: dict, options: MergeOptions, hf_dir: Path) -> list[Step]:
+    if catalog.format.startswith("megatron"):
+        from .megatron.families import megatron_steps  # Megatron names need their family's table
+
+        return megatron_steps(catalog, config, options)
     if torchtitan_llama.wanted(catalog, options):
         ties = options.tie_word_embedding or ties_embeddings(config)
         return torchtitan_llama.torchtitan_steps(catalog, config, options, ties)

@@ -14,7 +14,9 @@ from ..errors import MergerError
 # name -> module under merger.sources; order matters for auto-detection (most specific first).
 BACKENDS = {
     "fsdp": "fsdp",
+    "megatron": "megatron",
     "dcp": "dcp",  # after formats that wrap a DCP folder in their own layout (Megatron torch_dist)
+    "hf": "hf_safetensors",
 }
 # Backends whose tensor names can carry a nesting prefix that `--prefix` chooses.
 PREFIX_BACKENDS = {"dcp"}

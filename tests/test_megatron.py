@@ -1,0 +1,206 @@
+"""Megatron checkpoints (legacy and torch_dist) merged to HF, checked against Megatron's own forward pass.
+
+megatron-core writes every checkpoint (tests/writers/megatron_checkpoint.py, one torchrun launch of 4 gloo
+ranks for all cases). The oracle is Megatron's CPU forward logits on the same tokens: the merged HF model
+must reproduce them (fp32, max abs diff < 1e-4). Legacy and torch_dist saves of one model must merge to the
+same tensors, bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_same_weights, run_merger, run_writer
+
+CASES = {
+    "tp2_gqa_bias": "arch=qwen2,tp=2",  # Qwen2: qkv bias, 4 heads in 2 groups, split over 2 TP ranks
+    "tp2_pp2_vpp2_tied": "arch=llama,tp=2,pp=2,vpp=2,layers=4,tied=1",  # vocab 101 padded to 256
+    "moe_tp2_ep2": "arch=qwen2_moe,tp=2,ep=2",  # 4 experts over 2 EP ranks, shared expert with its gate
+    "qwen3_mqa_pp2": "arch=qwen3,pp=2,groups=1,layers=4",  # q/k norms; one query group (groups % TP == 0)
+    "mixtral_ep2": "arch=mixtral,ep=2",  # `mp_rank_00_001` is EP here, not PP: the saved args decide
+    "qwen3_moe_tp2": "arch=qwen3_moe,tp=2",
+    "critic_tp2": "arch=qwen2,tp=2,value=1",  # verl's critic: a replicated Linear(hidden, 1) head
+    "optim_only": "optim_only=1",  # a torch_dist save holding no model tensors
+}
+MODELS = [c for c in CASES if c != "optim_only"]
+
+
+@pytest.fixture(scope="session")
+def megatron_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("megatron")
+    run_writer("megatron_checkpoint.py", "--out", root,
+               *[arg for name, spec in CASES.items() for arg in ("--case", f"{name}:{spec}")], nproc=4)
+    return root
+
+
+def merge(source: Path, target: Path, *extra) -> Path:
+    """One merge in this process (the CLI's own entry point): no interpreter start-up per merge."""
+    from merger.cli import main
+
+    assert main(["merge", "--local_dir", str(source), "--target_dir", str(target), *map(str, extra)]) == 0
+    return target
+
+
+@pytest.fixture(scope="session")
+def merged(megatron_root, tmp_path_factory):
+    """merged(case, fmt) -> fp32 HF folder merged from ROOT/case/fmt (a Megatron-LM save dir), built once."""
+    cache: dict = {}
+
+    def make(case: str, fmt: str) -> Path:
+        if (case, fmt) not in cache:
+            out = tmp_path_factory.mktemp(f"{case}_{fmt}") / "hf"
+            value = ["--is_value_model"] if is_critic(case) else []
+            cache[(case, fmt)] = merge(megatron_root / case / fmt, out, "--hf_model_config_path",
+                                       megatron_root / case / "hf", "--dtype", "float32", *value)
+        return cache[(case, fmt)]
+
+    return make
+
+
+def is_critic(case: str) -> bool:
+    return "value=1" in CASES[case]
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor, critic: bool) -> torch.Tensor:
+    """The merged model's logits (values for a critic); it must load with no missing or unexpected key."""
+    import transformers
+
+    auto = transformers.AutoModelForTokenClassification if critic else transformers.AutoModelForCausalLM
+    model, info = auto.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        return model.eval()(tokens).logits
+
+
+@pytest.mark.parametrize("case", MODELS)
+def test_legacy_merge_reproduces_megatron_logits(case, megatron_root, merged):
+    oracle = torch.load(megatron_root / case / "logits.pt", weights_only=True)
+    logits = hf_logits(merged(case, "legacy"), oracle["tokens"], is_critic(case))
+    assert logits.shape == oracle["logits"].shape
+    assert (logits - oracle["logits"]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("case", MODELS)
+def test_torch_dist_merge_equals_legacy_merge(case, merged):
+    assert_same_weights(merged(case, "dist"), merged(case, "legacy"), None)
+
+
+def test_tied_output_layer_is_dropped_and_vocab_unpadded(merged):
+    from conftest import load_safetensors_folder
+
+    weights = load_safetensors_folder(merged("tp2_pp2_vpp2_tied", "legacy"))
+    assert "lm_head.weight" not in weights
+    assert weights["model.embed_tokens.weight"].shape[0] == 101
+
+
+def test_critic_becomes_token_classification(merged):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(merged("critic_tp2", "legacy"))
+    assert config.architectures == ["Qwen2ForTokenClassification"]
+    assert config.num_labels == 1
+
+
+def test_moe_experts_are_numbered_globally(merged):
+    from conftest import load_safetensors_folder
+
+    names = load_safetensors_folder(merged("moe_tp2_ep2", "legacy"))
+    for layer in range(2):
+        for expert in range(4):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                assert f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight" in names
+        assert f"model.layers.{layer}.mlp.shared_expert_gate.weight" in names
+
+
+def test_torchrun_merge_equals_single_process(megatron_root, merged, tmp_path):
+    """Two merge ranks split the 4 rank files: experts, gate/up halves and EP copies cross ranks."""
+    case, fmt = "moe_tp2_ep2", "legacy"
+    run_merger("merge", "--local_dir", megatron_root / case / fmt, "--target_dir", tmp_path / "out",
+               "--hf_model_config_path", megatron_root / case / "hf", "--dtype", "float32", nproc=2)
+    assert_same_weights(tmp_path / "out", merged(case, fmt), None)
+
+
+@pytest.mark.parametrize("layout", ["actor", "actor/model"])
+def test_verl_layout_finds_dist_ckpt_and_huggingface(layout, megatron_root, merged, tmp_path):
+    """verl: `actor/{huggingface,dist_ckpt}` (older) or `actor/model/{...}` (newer); config from huggingface/."""
+    case = "tp2_gqa_bias"
+    base = tmp_path / layout
+    shutil.copytree(megatron_root / case / "dist" / "iter_0000001", base / "dist_ckpt")
+    shutil.copytree(megatron_root / case / "hf", base / "huggingface")
+    out = merge(tmp_path / "actor", tmp_path / "out", "--dtype", "float32")
+    assert_same_weights(out, merged(case, "legacy"), None)
+
+
+def test_verl_hf_safetensors_beside_an_empty_dist_ckpt(megatron_root, merged, tmp_path):
+    """verl's newer default: weights as HF safetensors in huggingface/, dist_ckpt/ without model tensors."""
+    import transformers
+
+    actor = tmp_path / "actor"
+    shutil.copytree(megatron_root / "optim_only" / "dist" / "iter_0000001", actor / "dist_ckpt")
+    model = transformers.AutoModelForCausalLM.from_pretrained(merged("tp2_gqa_bias", "legacy"), dtype=torch.float32)
+    model.save_pretrained(actor / "huggingface", max_shard_size="40KB")  # several files, as large models are
+    out = merge(actor, tmp_path / "out", "--dtype", "bfloat16")
+    assert_same_weights(out, actor / "huggingface", torch.bfloat16)
+    sources = json.loads((out / "merge_manifest.json").read_text())["source_files"]
+    assert sources and all("/huggingface/" in f for f in sources)
+
+
+def test_iteration_folder_and_default_bf16(megatron_root, merged, tmp_path):
+    case = "qwen3_mqa_pp2"
+    out = merge(megatron_root / case / "legacy" / "iter_0000001", tmp_path / "out",
+                "--hf_model_config_path", megatron_root / case / "hf")
+    assert_same_weights(out, merged(case, "legacy"), torch.bfloat16)
+
+
+def test_missing_rank_file_is_reported(megatron_root, tmp_path):
+    src = tmp_path / "ckpt"
+    shutil.copytree(megatron_root / "tp2_gqa_bias" / "legacy", src)
+    shutil.rmtree(src / "iter_0000001" / "mp_rank_01")
+    proc = run_merger("merge", "--local_dir", src, "--target_dir", tmp_path / "out", "--hf_model_config_path",
+                      megatron_root / "tp2_gqa_bias" / "hf", check=False)
+    assert proc.returncode == 1
+    assert "merger: error: rank file for tp 1 pp 0 ep 0 is missing" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_family_is_reported(megatron_root, tmp_path, capsys):
+    from merger.cli import main
+
+    hf = tmp_path / "hf"
+    shutil.copytree(megatron_root / "tp2_gqa_bias" / "hf", hf)
+    config = (hf / "config.json").read_text().replace('"model_type": "qwen2"', '"model_type": "gpt2"')
+    (hf / "config.json").write_text(config)
+    assert main(["merge", "--local_dir", str(megatron_root / "tp2_gqa_bias" / "dist"), "--target_dir",
+                 str(tmp_path / "out"), "--hf_model_config_path", str(hf)]) == 1
+    assert "no Megatron mapping for model_type 'gpt2'" in capsys.readouterr().err
+
+
+class _RunsCode:
+    """A pickle that would run a shell command when loaded by plain pickle.load."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_hostile_dcp_metadata_is_refused_not_run(megatron_root, tmp_path, capsys):
+    import pickle
+
+    from merger.cli import main
+
+    src = tmp_path / "iter"
+    shutil.copytree(megatron_root / "tp2_gqa_bias" / "dist" / "iter_0000001", src)
+    marker = tmp_path / "ran"
+    (src / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    assert main(["merge", "--local_dir", str(src), "--target_dir", str(tmp_path / "out"),
+                 "--hf_model_config_path", str(megatron_root / "tp2_gqa_bias" / "hf")]) == 1
+    assert not marker.exists()
+    assert "cannot read DCP metadata" in capsys.readouterr().err
