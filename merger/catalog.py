@@ -67,8 +67,8 @@ class PieceReader(Protocol):
     def check_files(self, files: list[str]) -> None:
         """Open `files` and check them against the catalog (shapes, placements); raise MergerError."""
 
-    def read(self, copy: PieceCopy, piece: ShardPiece) -> torch.Tensor:
-        """The piece's data in its stored dtype, shape `piece.sizes`; may be a view into a mapped file."""
+    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
+        """The piece's data, shape `piece.sizes`, stored as `dtype` (checked); may be a view into a mapped file."""
 
     def release(self) -> None:
         """Drop whatever the last reads kept resident (mapped pages), so memory stays flat."""

@@ -57,7 +57,8 @@ class Route:
     copy: PieceCopy
     reader: int
     writer: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # in flight and assembled
+    stored: torch.dtype  # in the source file
 
     @property
     def nbytes(self) -> int:
@@ -173,7 +174,7 @@ def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size:
             for piece in tensor.pieces:
                 local = [c for c in piece.copies if owner[c.file] == writers[si]]
                 copy = local[0] if local else min(piece.copies, key=lambda c: (read_load[owner[c.file]], owner[c.file]))
-                route = Route(si, ii, piece, copy, owner[copy.file], writers[si], wire)
+                route = Route(si, ii, piece, copy, owner[copy.file], writers[si], wire, tensor.dtype)
                 read_load[route.reader] += route.nbytes
                 routes.append(route)
         step_routes.append(routes)

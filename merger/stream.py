@@ -67,7 +67,7 @@ def _read_batch(batch: Batch, group: Group, reader) -> tuple[dict[int, torch.Ten
             continue
         # Copy (and cast) out of the mapped file at once, then hand its pages back: at most one piece of
         # the source is ever resident, however large the batch.
-        data = reader.read(route.copy, route.piece).to(route.dtype, copy=True)
+        data = reader.read(route.copy, route.piece, route.stored).to(route.dtype, copy=True)
         reader.release()
         if route.writer == group.rank:
             local[i] = data

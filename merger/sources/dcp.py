@@ -145,7 +145,6 @@ class DcpReader:
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
         self.fds: dict[str, int] = {}
-        self.dtypes = {c.key: t.dtype for t in catalog.tensors.values() for p in t.pieces for c in p.copies}
 
     def _fd(self, file: str) -> int:
         if file not in self.fds:
@@ -167,9 +166,8 @@ class DcpReader:
                 raise MergerError(f"DCP chunk file is {size} bytes but .metadata places data up to byte "
                                   f"{ends[file]} (truncated?), {file}")
 
-    def read(self, copy: PieceCopy, piece: ShardPiece) -> torch.Tensor:
+    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
         offset, length = copy.byte_range
-        dtype = self.dtypes[copy.key]
         data = os.pread(self._fd(copy.file), length, offset)
         if len(data) != length:
             raise MergerError(f"tensor {copy.key}: read {len(data)} of {length} bytes at {offset}, {copy.file}")

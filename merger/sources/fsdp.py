@@ -195,12 +195,12 @@ class FsdpReader:
                     raise MergerError(f"tensor {name} has local shape {tuple(local.shape)} but its placements "
                                       f"give {want}, {file}")
 
-    def read(self, copy: PieceCopy, piece: ShardPiece) -> torch.Tensor:
+    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
         value = self._state(copy.file)[copy.key]
         local = getattr(value, "_local_tensor", value)
-        if tuple(local.shape) != piece.sizes:
-            raise MergerError(f"tensor {copy.key} has local shape {tuple(local.shape)}, expected {piece.sizes}, "
-                              f"{copy.file}")
+        if tuple(local.shape) != piece.sizes or local.dtype != dtype:
+            raise MergerError(f"tensor {copy.key} is {tuple(local.shape)} {local.dtype} here, expected "
+                              f"{piece.sizes} {dtype}, {copy.file}")
         self.touched.append(local)
         return local
 
