@@ -9,14 +9,14 @@ import contextlib
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from .catalog import Catalog
 from .dist import Group
 from .errors import MergerError, describe_error
-from .mapping import build_steps, read_config
+from .mapping import build_mapping, read_config
 from .memory import peak_rss_bytes
 from .options import MergeOptions
 from .output import FileSink, check_target, finish, hf_files_to_copy, prepare_files, staging_dir, write_manifest
@@ -51,6 +51,8 @@ class Prepared:
     hf_dir: Path
     config: dict
     plan: Plan
+    config_updates: dict = field(default_factory=dict)
+    extra_files: dict[str, str] = field(default_factory=dict)
 
 
 def resolve_hf_dir(catalog: Catalog, options: MergeOptions) -> Path:
@@ -73,11 +75,14 @@ def prepare(options: MergeOptions, group: Group) -> Prepared:
         catalog = open_catalog(Path(options.local_dir), options.backend, options.prefix)
         hf_dir = resolve_hf_dir(catalog, options)
         config = read_config(hf_dir)
-        steps = build_steps(catalog, config, options)
-        plan = plan_layout(catalog, steps, group.world, options.max_shard_size, options.max_inflight)
-        return Prepared(catalog, hf_dir, config, plan)
+        mapping = build_mapping(catalog, config, options)
+        plan = plan_layout(catalog, mapping.steps, group.world, options.max_shard_size, options.max_inflight)
+        return Prepared(catalog, hf_dir, config, plan, mapping.config_updates, mapping.extra_files)
 
-    prepared = on_every_rank(group, build, options.debug)
+    return log_prepared(on_every_rank(group, build, options.debug), group)
+
+
+def log_prepared(prepared: Prepared, group: Group) -> Prepared:
     if group.rank == 0:
         c, p = prepared.catalog, prepared.plan
         log.info("merger: %s checkpoint, %d tensors (%s) in %d files -> %d output files (%s), %d batches, "
@@ -96,11 +101,12 @@ def open_checked_reader(prepared: Prepared, group: Group, debug: bool = False):
     return on_every_rank(group, check, debug)
 
 
-def run_merge(options: MergeOptions, group: Group) -> Path:
+def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = None) -> Path:
+    """Merge into options.target_dir; `prepared` (catalog and plan) defaults to the checkpoint at local_dir."""
     started = time.monotonic()
     target = Path(options.target_dir).absolute()
     stage = staging_dir(target)
-    prepared = prepare(options, group)
+    prepared = prepared or prepare(options, group)
     plan = prepared.plan
     reader = open_checked_reader(prepared, group, options.debug)
     manifest: dict = {}
@@ -138,7 +144,7 @@ def run_merge(options: MergeOptions, group: Group) -> Path:
 
         def complete():
             finish(stage, target, plan, prepared.hf_dir, options.torch_dtype, tracker.final_manifest(),
-                   options.overwrite)
+                   options.overwrite, prepared.config_updates, prepared.extra_files)
 
         on_rank_zero(group, complete, options.debug)
     except BaseException:

@@ -28,6 +28,9 @@ class MergeOptions:
     debug: bool = False
     keep_partial: bool = False  # keep the staging folder when a merge fails
     resume: bool = False  # reuse the finished files of an interrupted merge (implies keep_partial)
+    lora: str = "fuse"  # PEFT-wrapped checkpoints: fold the adapter in, or write it apart ("separate")
+    lora_r: int | None = None
+    lora_alpha: float | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -15,6 +15,7 @@ from ..errors import MergerError
 BACKENDS = {
     "fsdp": "fsdp",
     "dcp": "dcp",  # after formats that wrap a DCP folder in their own layout (Megatron torch_dist)
+    "hf_safetensors": "hf_safetensors",  # a HF model folder: merge just casts and reshards it
 }
 # Backends whose tensor names can carry a nesting prefix that `--prefix` chooses.
 PREFIX_BACKENDS = {"dcp"}
