@@ -28,6 +28,11 @@ class FoldResult:
     untied: bool  # config.json must then say tie_word_embeddings: false
 
 
+def _shown(source: str) -> str:
+    """A source tensor as the user's file names it: without the `adapter{k}:` prefix of a merged catalog."""
+    return source.split(":", 1)[-1]
+
+
 def input_embedding(names) -> str | None:
     for suffix in _INPUT_EMBEDDINGS:
         for name in names:
@@ -41,8 +46,8 @@ def _delta(m: ModuleAdapter, adapter: LoraAdapter, weight: str, shape: tuple, te
     a, b = tensors[m.a].shape, tensors[m.b].shape
     straight, transposed = (b[0], a[1]), (a[1], b[0])
     if len(a) != 2 or len(b) != 2 or a[0] != b[1] or shape not in (straight, transposed):
-        raise MergerError(f"adapter tensors {m.a} {a} and {m.b} {b} do not fit base tensor {weight} {shape}, "
-                          f"{adapter.name}")
+        raise MergerError(f"adapter tensors {_shown(m.a)} {a} and {_shown(m.b)} {b} do not fit base tensor "
+                          f"{weight} {shape}, {adapter.name}")
     if m.embedding:
         fan_in_fan_out = True
     elif straight != transposed:
@@ -50,11 +55,12 @@ def _delta(m: ModuleAdapter, adapter: LoraAdapter, weight: str, shape: tuple, te
     else:  # square: only the config can tell a Conv1D from a Linear
         fan_in_fan_out = bool(adapter.config.get("fan_in_fan_out"))
     if m.embedding and shape != transposed:
-        raise MergerError(f"embedding adapter {m.a} {a} does not fit base tensor {weight} {shape}, {adapter.name}")
+        raise MergerError(f"embedding adapter {_shown(m.a)} {a} does not fit base tensor {weight} {shape}, "
+                          f"{adapter.name}")
     out = b[0]
     for extra in (m.b_bias, m.magnitude):
         if extra is not None and tensors[extra].shape != (out,):
-            raise MergerError(f"adapter tensor {extra} is {tensors[extra].shape}, base module needs ({out},), "
+            raise MergerError(f"adapter tensor {_shown(extra)} is {tensors[extra].shape}, base module needs ({out},), "
                               f"{adapter.name}")
     names = (m.a, m.b) + ((m.b_bias,) if m.b_bias else ()) + ((m.magnitude,) if m.magnitude else ())
     return LoraDelta(m.scale, fan_in_fan_out, bias=m.b_bias is not None, dora=m.magnitude is not None), names
@@ -74,8 +80,8 @@ def fold_steps(base: dict[str, str], adapters: list[LoraAdapter], tensors: dict[
             if target not in current:
                 raise MergerError(f"adapter replaces {target}, which the base model lacks, {adapter.name}")
             if tensors[source].shape != tensors[current[target]].shape:
-                raise MergerError(f"adapter tensor {source} is {tensors[source].shape} but base tensor {target} is "
-                                  f"{tensors[current[target]].shape}, {adapter.name}")
+                raise MergerError(f"adapter tensor {_shown(source)} is {tensors[source].shape} but base tensor "
+                                  f"{target} is {tensors[current[target]].shape}, {adapter.name}")
             current[target] = source
             changed.add(target)
             if target.endswith(".weight"):
@@ -83,9 +89,10 @@ def fold_steps(base: dict[str, str], adapters: list[LoraAdapter], tensors: dict[
         for module, m in adapter.modules.items():
             weight = module + ".weight"
             if weight not in current:
-                raise MergerError(f"adapter module {module} ({m.a}) has no base tensor {weight}, {adapter.name}")
+                raise MergerError(f"adapter module {module} ({_shown(m.a)}) has no base tensor {weight}, "
+                                  f"{adapter.name}")
             if m.b_bias and module + ".bias" not in current:
-                raise MergerError(f"adapter has lora_B bias {m.b_bias} but base module {module} has no bias, "
+                raise MergerError(f"adapter has lora_B bias {_shown(m.b_bias)} but base module {module} has no bias, "
                                   f"{adapter.name}")
             deltas.setdefault(module, []).append(_delta(m, adapter, weight, tensors[current[weight]].shape, tensors))
             changed.update({weight} | ({module + ".bias"} if m.b_bias else set()))

@@ -5,6 +5,7 @@
 Writes under DIR, for each case: `base/` (save_pretrained, sharded), the adapter folders, and `oracle.pt`
 holding PEFT's merge_and_unload state dict, applied adapter by adapter in order, and the logits of the
 unmerged PEFT model on a fixed batch. Every adapter uses init_lora_weights=False, so B is not zero.
+`wide/` is a base of another hidden size, for the error when an adapter does not fit.
 """
 from __future__ import annotations
 
@@ -69,13 +70,17 @@ def write_case(out: Path, case: str) -> None:
     torch.save(oracle, root / "oracle.pt")
 
 
+def write_all(out: Path) -> None:
+    transformers.logging.set_verbosity_error()
+    for case in CASES:
+        write_case(out, case)
+    build_model("llama", hidden=48).save_pretrained(out / "wide")  # a base no adapter here fits
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args()
-    transformers.logging.set_verbosity_error()
-    for case in CASES:
-        write_case(args.out, case)
+    write_all(p.parse_args().out)
 
 
 if __name__ == "__main__":
