@@ -167,7 +167,7 @@ def _run(args: argparse.Namespace) -> int:
         reference = on_every_rank(group, lambda: ReferenceModel(args.test_hf_dir), options.debug)
         sink = CompareSink(reference, args.atol, args.rtol)
         run_plan(prepared.plan, prepared.catalog, group, sink, None, options.debug, reader=reader)
-        return 0 if report(group, sink, set(prepared.plan.location), reference) else 1
+        return 0 if report(group, sink, set(prepared.plan.weight_map), reference) else 1
     finally:
         group.close()
 
