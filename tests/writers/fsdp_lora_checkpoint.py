@@ -43,8 +43,11 @@ def main() -> None:
         (args.out / "lora_train_meta.json").write_text(json.dumps(meta))
         (args.out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))
     torch.manual_seed(1)
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS,
-                                                         init_lora_weights=False, task_type="CAUSAL_LM"))
+    config = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS, modules_to_save=["model.norm"],
+                             init_lora_weights=False, task_type="CAUSAL_LM")
+    wrapped = peft.get_peft_model(model, config)
+    with torch.no_grad():  # the trained copy of a modules_to_save module differs from the original
+        wrapped.base_model.model.model.norm.modules_to_save["default"].weight.add_(0.5)
     if rank == 0:
         with torch.no_grad():
             torch.save(wrapped(TOKENS).logits, reference / "logits.pt")
