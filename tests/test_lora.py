@@ -95,6 +95,8 @@ def test_fsdp_lora_separate_and_alpha(peft_lora_checkpoint, tmp_path, capsys):
     assert _cli("merge", "--local_dir", bare, "--target_dir", tmp_path / "x") == 1
     assert "lora_alpha is unknown" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+    assert _cli("merge", "--local_dir", actor, "--target_dir", tmp_path / "y", "--lora-alpha", "8") == 1
+    assert "--lora-alpha 8.0 disagrees with lora_train_meta.json's lora_alpha=16" in capsys.readouterr().err
     assert _cli("merge", "--local_dir", bare, "--target_dir", tmp_path / "flag", "--dtype", "float32",
                 "--lora_alpha", "16") == 0
     _assert_close_fp32(load_safetensors_folder(tmp_path / "flag"), load_safetensors_folder(ref_dir / "merged"))

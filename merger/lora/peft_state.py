@@ -65,25 +65,27 @@ def _read_meta(root: Path) -> dict:
     return meta
 
 
-def _resolve(meta: dict, flag, key: str, root: Path):
+def _resolve(meta: dict, flag, key: str, flag_name: str, root: Path):
     """A value from the meta file, else the flag; both given and different is an error, not a guess."""
     known = meta.get(key)
     if known is not None and flag is not None and float(known) != float(flag):
-        raise MergerError(f"--{key.replace('_', '-')} {flag} disagrees with {META}'s {key}={known}, {root / META}")
+        raise MergerError(f"{flag_name} {flag} disagrees with {META}'s {key}={known}, {root / META}")
     return known if known is not None else flag
 
 
 def adapter_config(catalog: Catalog, config: dict, options: MergeOptions, keys: dict[str, str],
                    base: dict[str, str]) -> dict:
+    """adapter_config.json for the checkpoint's adapter: r and alpha from the meta file or flags, the rest
+    (ranks per module, targets, DoRA, lora_bias, modules_to_save) from the tensors themselves."""
     meta = _read_meta(catalog.root)
-    ranks = Counter(catalog.tensors[src].shape[0] for k, src in keys.items() if split_key(k) and
-                    split_key(k)[1] == "a")
-    r = _resolve(meta, options.lora_r, "r", catalog.root) or (ranks.most_common(1)[0][0] if ranks else 0)
-    alpha = _resolve(meta, options.lora_alpha, "lora_alpha", catalog.root)
+    # module -> its lora_A (or lora_embedding_A) tensor: the rank is that tensor's first dim
+    modules = {split[0]: src for k, src in keys.items() if (split := split_key(k)) and split[1] == "a"}
+    ranks = Counter(catalog.tensors[src].shape[0] for src in modules.values())
+    r = _resolve(meta, options.lora_r, "r", "--lora-r", catalog.root) or (ranks.most_common(1)[0][0] if ranks else 0)
+    alpha = _resolve(meta, options.lora_alpha, "lora_alpha", "--lora-alpha", catalog.root)
     if not alpha:
         raise MergerError(f"the checkpoint holds a LoRA adapter but its lora_alpha is unknown: no {META} with "
                           f"lora_alpha; pass --lora-alpha (and --lora-r) as used in training, {catalog.root}")
-    modules = {split_key(k)[0]: src for k, src in keys.items() if split_key(k) and split_key(k)[1] == "a"}
     rank_pattern = {m: catalog.tensors[src].shape[0] for m, src in sorted(modules.items())
                     if catalog.tensors[src].shape[0] != int(r)}
     saved = sorted({k.rsplit(".", 1)[0] for k in keys if not split_key(k)})
