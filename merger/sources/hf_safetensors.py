@@ -66,9 +66,9 @@ class SafetensorsReader:
             if not Path(f).is_file():
                 raise MergerError(f"safetensors file is missing, {f}")
 
-    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, copy: PieceCopy, piece: ShardPiece) -> torch.Tensor:
         begin, length = copy.byte_range
-        entry = TensorEntry(copy.key, dtype, piece.sizes, 0, length)
+        entry = TensorEntry(copy.key, self.catalog.tensors[copy.key].dtype, piece.sizes, 0, length)
         return read_tensor(copy.file, begin, entry)
 
     def release(self) -> None:

@@ -50,7 +50,7 @@ class TorchFileReader:
         for f in files:
             self._state(f)
 
-    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, copy: PieceCopy, piece: ShardPiece) -> torch.Tensor:
         value = self._state(copy.file).get(copy.key)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != piece.sizes:
             raise MergerError(f"tensor {copy.key} is missing or changed since planning, {copy.file}")

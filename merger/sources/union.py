@@ -31,8 +31,8 @@ class UnionReader:
         for reader in self.readers:
             reader.check_files([f for f in files if self.reader_of[f] is reader])
 
-    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
-        return self.reader_of[copy.file].read(copy, piece, dtype)
+    def read(self, copy: PieceCopy, piece: ShardPiece) -> torch.Tensor:
+        return self.reader_of[copy.file].read(copy, piece)
 
     def release(self) -> None:
         for reader in self.readers:
