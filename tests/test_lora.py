@@ -150,3 +150,11 @@ def test_lora_adapter_not_fitting_base(adapter_cases, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "do not fit base tensor model.layers.0." in err and "base_model.model.model.layers.0." in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    # a LoRA variant with another merge rule is refused, not folded as plain LoRA
+    variant = tmp_path / "variant"
+    shutil.copytree(adapter_cases / "tied" / "head", variant)
+    config = json.loads((variant / "adapter_config.json").read_text())
+    (variant / "adapter_config.json").write_text(json.dumps(dict(config, use_bdlora={"nblocks": 2})))
+    assert _cli("lora", "--base", adapter_cases / "tied" / "base", "--adapter", variant,
+                "--target_dir", tmp_path / "c") == 1
+    assert "adapter uses use_bdlora" in capsys.readouterr().err

@@ -15,6 +15,10 @@ from ..errors import MergerError
 from .fold import lora_scale, pattern_value
 
 PEFT_PREFIX = "base_model.model."
+# LoRA variants whose merge is not W + scale * B @ A (or DoRA): refused rather than folded wrongly.
+_UNSUPPORTED = ("alora_invocation_tokens", "arrow_config", "kasa_config", "layer_replication", "megatron_config",
+                "monteclora_config", "target_parameters", "trainable_token_indices", "use_bdlora", "use_qalora",
+                "velora_config")
 _LORA_PARTS = {"lora_A.weight": "a", "lora_B.weight": "b", "lora_B.bias": "b_bias",
                "lora_embedding_A": "a", "lora_embedding_B": "b", "lora_magnitude_vector": "magnitude"}
 
@@ -95,6 +99,9 @@ def read_adapter_config(folder: Path) -> dict:
     for key in ("r", "lora_alpha"):
         if not isinstance(config.get(key), (int, float)) or config[key] <= 0:
             raise MergerError(f"adapter_config.json has no positive {key}, {path}")
+    for key in _UNSUPPORTED:
+        if config.get(key):
+            raise MergerError(f"adapter uses {key}, a LoRA variant merger does not fold, {path}")
     return config
 
 

@@ -60,19 +60,22 @@ def _delta(m: ModuleAdapter, adapter: LoraAdapter, weight: str, shape: tuple, te
     out = b[0]
     for extra in (m.b_bias, m.magnitude):
         if extra is not None and tensors[extra].shape != (out,):
-            raise MergerError(f"adapter tensor {_shown(extra)} is {tensors[extra].shape}, base module needs ({out},), "
-                              f"{adapter.name}")
+            raise MergerError(f"adapter tensor {_shown(extra)} is {tensors[extra].shape}, base module needs "
+                              f"({out},), {adapter.name}")
     names = (m.a, m.b) + ((m.b_bias,) if m.b_bias else ()) + ((m.magnitude,) if m.magnitude else ())
     return LoraDelta(m.scale, fan_in_fan_out, bias=m.b_bias is not None, dora=m.magnitude is not None), names
 
 
 def fold_steps(base: dict[str, str], adapters: list[LoraAdapter], tensors: dict[str, SourceTensor], config: dict,
                wanted: torch.dtype | None, force_tied: bool = False) -> FoldResult:
+    """Apply `adapters` in order to the base; `wanted` is the output dtype of floating tensors (None: each
+    output keeps its base tensor's dtype, whatever dtype the adapter stored)."""
     tied = force_tied or ties_embeddings(config)
     embedding = input_embedding(base) if tied else None
-    current = dict(base)
-    if tied and TIED_OUTPUT not in current and embedding is not None:
-        current[TIED_OUTPUT] = base[embedding]  # written only if an adapter unties it
+    origin = dict(base)  # output name -> the base tensor it starts from
+    if tied and TIED_OUTPUT not in origin and embedding is not None:
+        origin[TIED_OUTPUT] = base[embedding]  # written only if an adapter unties it
+    current = dict(origin)  # output name -> the tensor holding its value after replacements
     deltas: dict[str, list[tuple[LoraDelta, tuple[str, ...]]]] = {}
     changed: set[str] = set()
     for adapter in adapters:
@@ -92,8 +95,8 @@ def fold_steps(base: dict[str, str], adapters: list[LoraAdapter], tensors: dict[
                 raise MergerError(f"adapter module {module} ({_shown(m.a)}) has no base tensor {weight}, "
                                   f"{adapter.name}")
             if m.b_bias and module + ".bias" not in current:
-                raise MergerError(f"adapter has lora_B bias {_shown(m.b_bias)} but base module {module} has no bias, "
-                                  f"{adapter.name}")
+                raise MergerError(f"adapter has lora_B bias {_shown(m.b_bias)} but base module {module} has no "
+                                  f"bias, {adapter.name}")
             deltas.setdefault(module, []).append(_delta(m, adapter, weight, tensors[current[weight]].shape, tensors))
             changed.update({weight} | ({module + ".bias"} if m.b_bias else set()))
 
@@ -102,8 +105,7 @@ def fold_steps(base: dict[str, str], adapters: list[LoraAdapter], tensors: dict[
         current.pop(TIED_OUTPUT, None)
 
     def spec(name: str, shape: tuple) -> OutputSpec:
-        source_dtype = tensors[base.get(name, current[name])].dtype
-        return OutputSpec(name, shape, output_dtype(source_dtype, wanted))
+        return OutputSpec(name, shape, output_dtype(tensors[origin[name]].dtype, wanted))
 
     steps, folded_biases = [], set()
     for module, module_deltas in deltas.items():
