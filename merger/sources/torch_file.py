@@ -7,21 +7,15 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
+from ..safe_load import torch_load
 
 
 def load_state(path: str) -> dict:
-    state = None
-    for mmap in (True, False):  # files from torch < 1.6 are not zip archives and cannot be mapped
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-            break
-        except FileNotFoundError as e:
-            raise MergerError(f"file is missing, {path}") from e
-        except Exception as e:  # noqa: BLE001 - unpickling and zip errors all mean a damaged or foreign file
-            if mmap:
-                continue
-            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise MergerError(f"cannot load ({first_line}), {path}") from e
+    try:
+        state = torch_load(path, "adapter file")
+    except MergerError:
+        # files from torch < 1.6 are not zip archives and cannot be mapped: one plain weights-only try more
+        state = torch_load(path, "adapter file", mmap=False)
     if not isinstance(state, dict):
         raise MergerError(f"file holds a {type(state).__name__}, not a state dict, {path}")
     return state
