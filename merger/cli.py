@@ -1,4 +1,4 @@
-"""Command line: `merger merge|test|inspect`, with verl's flag spellings (`--local_dir`) and dashed ones.
+"""Command line: `merger merge|test|inspect|lora`, with verl's flag spellings (`--local_dir`) and dashed ones.
 
 Runs the same on one process and under torchrun/Slurm: the process group comes from the environment.
 Errors reach the user as one line `merger: error: <what>, <which file>` and exit code 1.
@@ -49,6 +49,13 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                         "trust_remote_code=True when loading the output")
     p.add_argument(*_flag("--is_value_model"), dest="is_value_model", action="store_true",
                    help="a critic: write a token-classification model (score.weight, one label)")
+    p.add_argument("--lora", choices=["fuse", "separate"], default="fuse",
+                   help="PEFT-wrapped checkpoints: fold the adapter in (default) or write base weights unfused; "
+                        "both also write lora_adapter/ in PEFT's format")
+    p.add_argument(*_flag("--lora_r"), dest="lora_r", type=int, default=None,
+                   help="LoRA rank, when the checkpoint has no lora_train_meta.json")
+    p.add_argument(*_flag("--lora_alpha"), dest="lora_alpha", type=float, default=None,
+                   help="LoRA alpha, when the checkpoint has no lora_train_meta.json")
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -93,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     test.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bytes must match)")
     test.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     _add_run_args(test)
+
+    lora = sub.add_parser("lora", help="fold PEFT adapter folders, in order, into a HF safetensors base model")
+    lora.add_argument("--base", dest="local_dir", type=Path, required=True, help="HF model folder (safetensors)")
+    lora.add_argument("--adapter", dest="adapters", type=Path, action="append", required=True,
+                      help="PEFT adapter folder; repeat to apply several in order")
+    lora.add_argument(*_flag("--target_dir"), dest="target_dir", type=Path, required=True)
+    lora.add_argument("--dtype", choices=list(DTYPES), default="keep",
+                      help="output dtype of floating tensors (default keep: the base's dtype, as PEFT)")
+    lora.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB")
+    lora.add_argument("--overwrite", action="store_true", help="replace a non-empty target folder")
+    _add_run_args(lora)
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint and the planned output, reading no tensor data")
     _add_source_args(inspect)
@@ -140,10 +158,15 @@ def _run(args: argparse.Namespace) -> int:
         return _inspect(options, args.json)
     group = init_group(options.device, options.dist_timeout)
     try:
-        if args.command == "merge":
+        if args.command in ("merge", "lora"):
             from .merge import run_merge
 
-            run_merge(options, group)
+            if args.command == "lora":
+                from .lora.into_base import prepare_lora
+
+                run_merge(options, group, prepare_lora(options, args.adapters, group))
+            else:
+                run_merge(options, group)
             return 0
         from .compare import compare_with_folder
         from .merge import prepare

@@ -200,4 +200,4 @@ def compare_with_folder(plan: Plan, catalog: Catalog, group: Group, folder: Path
     sink = CompareSink(reference, atol, rtol, cast)
     progress = Progress(plan.total_bytes, "comparing") if group.rank == 0 else None
     run_plan(plan, catalog, group, sink, progress, debug)
-    return report(group, sink, set(plan.location), reference, label)
+    return report(group, sink, set(plan.weight_map), reference, label)

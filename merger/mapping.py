@@ -7,6 +7,7 @@ as save_pretrained does.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import torchtitan_llama
@@ -59,3 +60,20 @@ def build_steps(catalog: Catalog, config: dict, options: MergeOptions, hf_dir: P
     steps = hf_steps(catalog, config, options)
     names = [o.name for s in steps for o in s.outputs]
     return rename_outputs(steps, saved_names(hf_dir, config, names, options.trust_remote_code))
+
+
+@dataclass
+class Mapping:
+    """The steps, plus what the target needs beside the weights."""
+
+    steps: list[Step]
+    config_updates: dict = field(default_factory=dict)  # keys to set in the target's config.json
+    extra_files: dict[str, str] = field(default_factory=dict)  # path relative to the target -> text
+
+
+def build_mapping(catalog: Catalog, config: dict, options: MergeOptions, hf_dir: Path) -> Mapping:
+    from .lora.peft_state import is_peft_state, peft_state_mapping
+
+    if is_peft_state(catalog):  # a PEFT-wrapped model: fold its LoRA adapter, write it as lora_adapter/
+        return peft_state_mapping(catalog, config, options)
+    return Mapping(build_steps(catalog, config, options, hf_dir))

@@ -10,7 +10,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -18,7 +18,7 @@ from .catalog import Catalog
 from .compare import CompareResult, compare_with_folder
 from .dist import Group
 from .errors import MergerError, describe_error
-from .mapping import build_steps, read_config
+from .mapping import build_mapping, read_config
 from .memory import peak_rss_bytes
 from .model_class import config_updates
 from .options import MergeOptions
@@ -55,7 +55,8 @@ class Prepared:
     hf_dir: Path
     config: dict
     plan: Plan
-    config_updates: dict
+    config_updates: dict = field(default_factory=dict)
+    extra_files: dict[str, str] = field(default_factory=dict)
 
 
 def resolve_hf_dir(catalog: Catalog, options: MergeOptions) -> Path:
@@ -78,13 +79,16 @@ def prepare(options: MergeOptions, group: Group) -> Prepared:
         catalog = open_catalog(Path(options.local_dir), options.backend, options.prefix)
         hf_dir = resolve_hf_dir(catalog, options)
         config = read_config(hf_dir)
-        steps = build_steps(catalog, config, options, hf_dir)
-        plan = plan_layout(catalog, steps, group.world, options.max_shard_size, options.max_inflight)
+        mapping = build_mapping(catalog, config, options, hf_dir)
+        plan = plan_layout(catalog, mapping.steps, group.world, options.max_shard_size, options.max_inflight)
         outputs = {s.name: s.shape for step in plan.steps for s in step.outputs}
-        return Prepared(catalog, hf_dir, config, plan,
-                        config_updates(config, outputs, options.is_value_model, hf_dir))
+        updates = {**config_updates(config, outputs, options.is_value_model, hf_dir), **mapping.config_updates}
+        return Prepared(catalog, hf_dir, config, plan, updates, mapping.extra_files)
 
-    prepared = on_every_rank(group, build, options.debug)
+    return log_prepared(on_every_rank(group, build, options.debug), group)
+
+
+def log_prepared(prepared: Prepared, group: Group) -> Prepared:
     if group.rank == 0:
         c, p = prepared.catalog, prepared.plan
         log.info("merger: %s checkpoint, %d tensors (%s) in %d files -> %d output files (%s), %d batches, "
@@ -179,7 +183,7 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, ta
 
         def complete():
             finish(stage, plan, prepared.hf_dir, options.torch_dtype, tracker.final_manifest(),
-                   prepared.config_updates)
+                   prepared.config_updates, prepared.extra_files)
 
         on_rank_zero(group, complete, options.debug)
         verified = verify_staged(stage, prepared, group, options) if options.verify else None
@@ -202,10 +206,11 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, ta
     return verified
 
 
-def run_merge(options: MergeOptions, group: Group) -> Path:
+def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = None) -> Path:
+    """Merge into options.target_dir; `prepared` (catalog and plan) defaults to the checkpoint at local_dir."""
     started = time.monotonic()
     target = Path(options.target_dir).absolute()
-    prepared = prepare(options, group)
+    prepared = prepared or prepare(options, group)
     verified, uploaded = None, None
     try:
         verified = _stage_and_place(options, group, prepared, target, started)

@@ -33,6 +33,9 @@ class MergeOptions:
     hf_upload_path: str | None = None  # "user/name": publish the finished folder to the Hugging Face Hub
     private: bool = False
     summary_json: Path | None = None
+    lora: str = "fuse"  # PEFT-wrapped checkpoints: fold the adapter in, or write it apart ("separate")
+    lora_r: int | None = None
+    lora_alpha: float | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -70,6 +70,7 @@ def prepare_files(stage: Path, plan: Plan, keep: frozenset[str] = frozenset()) -
             continue
         path = stage / f.name
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)  # side files may sit in a subfolder
             with open(path, "wb") as out:
                 out.write(f.prefix)
                 out.truncate(f.size)
@@ -181,19 +182,24 @@ def _write_config(stage: Path, dtype_name: str | None, config_updates: dict) -> 
 
 
 def finish(stage: Path, plan: Plan, hf_dir: Path, out_dtype: torch.dtype | None, manifest: dict,
-           config_updates: dict | None = None) -> None:
-    """Rank 0, after every rank wrote its bytes: index, config, tokenizer files, manifest, in the staging folder.
+           config_updates: dict | None = None, extra_files: dict[str, str] | None = None) -> None:
+    """Rank 0, after every rank wrote its bytes: index, config, tokenizer files, extra files (relative path ->
+    text, e.g. an adapter's config), manifest, in the staging folder.
 
     The rename into place (`swap_into_place`) is separate so `--verify` can check the complete folder first.
     """
-    if len(plan.files) > 1:
-        index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map}
+    if len(plan.model_files) > 1:
+        total = sum(f.size - len(f.prefix) for f in plan.model_files)
+        index = {"metadata": {"total_size": total}, "weight_map": plan.weight_map}
         _write_into(stage, "model.safetensors.index.json", (json.dumps(index, indent=2) + "\n").encode())
     copied = _copy_hf_files(hf_dir, stage)
     if "config.json" not in copied:
         raise MergerError(f"no config.json to copy (pass --hf_model_config_path), {hf_dir}")
     dtype_name = str(out_dtype).removeprefix("torch.") if out_dtype is not None else None
     _write_config(stage, dtype_name, config_updates or {})
+    for name, text in (extra_files or {}).items():
+        (stage / name).parent.mkdir(parents=True, exist_ok=True)
+        _write_into(stage, name, text.encode())
     manifest = dict(manifest, copied_files=copied, complete=True)
     manifest.setdefault("output_files", {f.name: {"size": f.size} for f in plan.files})
     write_manifest(stage, manifest)

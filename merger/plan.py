@@ -24,6 +24,9 @@ class OutputSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    # A file of its own beside the model's weights (e.g. `lora_adapter/adapter_model.safetensors`), left out of
+    # the model's index; None: one of the model's sharded files.
+    file: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -77,6 +80,7 @@ class OutputFile:
     name: str
     prefix: bytes  # length + JSON header: the data section starts right after it
     entries: tuple[TensorEntry, ...]
+    indexed: bool = True  # one of the model's weight files (in its index), not a side file like an adapter
 
     @property
     def size(self) -> int:
@@ -97,8 +101,12 @@ class Plan:
         return sum(e.end - e.begin for _, e in self.location.values())
 
     @property
+    def model_files(self) -> list[OutputFile]:
+        return [f for f in self.files if f.indexed]
+
+    @property
     def weight_map(self) -> dict[str, str]:
-        return {name: self.files[i].name for name, (i, _) in self.location.items()}
+        return {name: self.files[i].name for name, (i, _) in self.location.items() if self.files[i].indexed}
 
 
 def natural_key(name: str) -> tuple:
@@ -145,11 +153,17 @@ def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size:
     steps = sorted(steps, key=lambda s: natural_key(s.outputs[0].name) if s.outputs else ())
     outputs = [spec for step in steps for spec in step.outputs]
 
-    groups = _layout_files(outputs, max_shard_size)
+    groups = _layout_files([s for s in outputs if s.file is None], max_shard_size)
+    named = [(_file_name(i, len(groups)), g, True) for i, g in enumerate(groups)]
+    side: dict[str, list[OutputSpec]] = {}
+    for spec in outputs:
+        if spec.file is not None:
+            side.setdefault(spec.file, []).append(spec)
+    named += [(name, group, False) for name, group in side.items()]
     files, location = [], {}
-    for i, group in enumerate(groups):
+    for i, (name, group, indexed) in enumerate(named):
         prefix, entries = build_header([(s.name, s.dtype, s.shape) for s in group])
-        files.append(OutputFile(_file_name(i, len(groups)), prefix, tuple(entries)))
+        files.append(OutputFile(name, prefix, tuple(entries), indexed))
         for entry in entries:
             location[entry.name] = (i, entry)
 

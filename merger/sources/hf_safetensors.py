@@ -1,11 +1,12 @@
-"""A HF safetensors folder as a source: `*.safetensors` files whose names are already HF names.
+"""A HF model folder of safetensors (one `model.safetensors` or shards with an index): one piece per tensor.
 
-verl's Megatron workers may save the weights this way, into `huggingface/` beside a `dist_ckpt/` that then
-holds no model tensors; merging re-shards, casts and copies the config like any other source. Every tensor
-is one piece whose bytes the header locates exactly, read with pread.
+Used for a HF folder given as the checkpoint (a cast and reshard), for a LoRA base model, and for verl's
+Megatron workers that save the weights this way into `huggingface/` beside a `dist_ckpt/` holding none.
+Headers alone give every tensor's name, shape, dtype and exact byte range, so reading is a pread of that range.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -14,44 +15,63 @@ from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from ..safetensors_io import TensorEntry, read_header, read_tensor
 
+INDEX = "model.safetensors.index.json"
 
-def weight_files(folder: Path) -> list[Path]:
-    return sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+
+def weight_files(root: Path) -> list[Path]:
+    """The folder's weight files: those the index names, else model.safetensors, else every *.safetensors."""
+    index = root / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise MergerError(f"cannot read the safetensors index ({e}), {index}") from e
+        return [root / name for name in dict.fromkeys(sorted(weight_map.values()))]
+    if (root / "model.safetensors").is_file():
+        return [root / "model.safetensors"]
+    return sorted(root.glob("*.safetensors")) if root.is_dir() else []
 
 
 def detect(root: Path) -> bool:
-    return bool(weight_files(root)) and (root / "config.json").is_file()
+    return bool(weight_files(root))
+
+
+def catalog_of_files(files: list[Path], root: Path, fmt: str, hf_dir: Path | None = None) -> Catalog:
+    tensors: dict[str, SourceTensor] = {}
+    for path in files:
+        if not path.is_file():
+            raise MergerError(f"safetensors file is missing, {path}")
+        start, entries, _ = read_header(str(path))
+        for name, e in entries.items():
+            if name in tensors:
+                raise MergerError(f"tensor {name} is stored in two files, {path}")
+            copy = PieceCopy(str(path), name, (start + e.begin, e.end - e.begin))
+            tensors[name] = SourceTensor(name, e.shape, e.dtype, (ShardPiece((0,) * len(e.shape), e.shape, (copy,)),))
+    if not tensors:
+        raise MergerError(f"no tensors in the safetensors files, {root}")
+    return Catalog(format=fmt, root=root, tensors=tensors, files=[str(f) for f in files],
+                   reader_factory=SafetensorsReader, hf_dir=hf_dir or root, details={"files": len(files)})
 
 
 def open_catalog(root: Path, format_root: Path | None = None) -> Catalog:
-    """Catalog of `root`'s safetensors files; `format_root` is the folder the user named, if another."""
-    files = weight_files(root)
-    if not files:
-        raise MergerError(f"no .safetensors files, {root}")
-    tensors = {}
-    for path in files:
-        data_start, entries, _ = read_header(str(path))
-        for name, e in entries.items():
-            if name in tensors:
-                raise MergerError(f"tensor {name} appears in two safetensors files, {path}")
-            copy = PieceCopy(str(path), name, (data_start + e.begin, e.end - e.begin))
-            tensors[name] = SourceTensor(name, e.shape, e.dtype, (ShardPiece((0,) * len(e.shape), e.shape, (copy,)),))
-    return Catalog(format="hf_safetensors", root=format_root or root, tensors=tensors,
-                   files=[str(p) for p in files], reader_factory=SafetensorsReader, hf_dir=root,
-                   details={"weights": str(root)})
+    """Catalog of `root`'s weights; `format_root` is the folder the user named when it is another one."""
+    return catalog_of_files(weight_files(root), format_root or root, "hf_safetensors", hf_dir=root)
 
 
 class SafetensorsReader:
+    """Reads each piece with pread from its planned byte range: nothing stays mapped, so release has no work."""
+
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
 
     def check_files(self, files: list[str]) -> None:
-        for file in files:
-            read_header(file)  # validates the header against the file's size again on this rank
+        for f in files:
+            if not Path(f).is_file():
+                raise MergerError(f"safetensors file is missing, {f}")
 
     def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
-        start, length = copy.byte_range
-        return read_tensor(copy.file, start, TensorEntry(copy.key, dtype, piece.sizes, 0, length))
+        begin, length = copy.byte_range
+        return read_tensor(copy.file, begin, TensorEntry(copy.key, dtype, piece.sizes, 0, length))
 
     def release(self) -> None:
         pass

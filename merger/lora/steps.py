@@ -1,0 +1,125 @@
+"""Steps that write a base model with LoRA adapters folded in: one fold Step per adapted module, a copy per
+other tensor, modules_to_save as replacements, and tied embeddings untied when an adapter changes one side.
+
+Inputs are names: `base` maps each HF output name to the source tensor holding the base value, and each
+adapter's parts are source tensor names too, so the same rules serve a HF folder plus adapter folders and
+the state dict of a PEFT-wrapped model in an FSDP checkpoint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..catalog import SourceTensor
+from ..errors import MergerError
+from ..mapping import TIED_OUTPUT, ties_embeddings
+from ..plan import OutputSpec, Step, output_dtype
+from .adapter import LoraAdapter, ModuleAdapter
+from .fold import LoraDelta, fold_module
+
+# Names of the input embedding in common HF architectures: the tensor a tied lm_head shares.
+_INPUT_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+
+
+@dataclass
+class FoldResult:
+    steps: list[Step]
+    untied: bool  # config.json must then say tie_word_embeddings: false
+
+
+def _shown(source: str) -> str:
+    """A source tensor as the user's file names it: without the `adapter{k}:` prefix of a merged catalog."""
+    return source.split(":", 1)[-1]
+
+
+def input_embedding(names) -> str | None:
+    for suffix in _INPUT_EMBEDDINGS:
+        for name in names:
+            if name.endswith(suffix):
+                return name
+    return None
+
+
+def _delta(m: ModuleAdapter, adapter: LoraAdapter, weight: str, shape: tuple, tensors: dict[str, SourceTensor]
+           ) -> tuple[LoraDelta, tuple[str, ...]]:
+    a, b = tensors[m.a].shape, tensors[m.b].shape
+    straight, transposed = (b[0], a[1]), (a[1], b[0])
+    if len(a) != 2 or len(b) != 2 or a[0] != b[1] or shape not in (straight, transposed):
+        raise MergerError(f"adapter tensors {_shown(m.a)} {a} and {_shown(m.b)} {b} do not fit base tensor "
+                          f"{weight} {shape}, {adapter.name}")
+    if m.embedding:
+        fan_in_fan_out = True
+    elif straight != transposed:
+        fan_in_fan_out = shape == transposed
+    else:  # square: only the config can tell a Conv1D from a Linear
+        fan_in_fan_out = bool(adapter.config.get("fan_in_fan_out"))
+    if m.embedding and shape != transposed:
+        raise MergerError(f"embedding adapter {_shown(m.a)} {a} does not fit base tensor {weight} {shape}, "
+                          f"{adapter.name}")
+    out = b[0]
+    for extra in (m.b_bias, m.magnitude):
+        if extra is not None and tensors[extra].shape != (out,):
+            raise MergerError(f"adapter tensor {_shown(extra)} is {tensors[extra].shape}, base module needs "
+                              f"({out},), {adapter.name}")
+    names = (m.a, m.b) + ((m.b_bias,) if m.b_bias else ()) + ((m.magnitude,) if m.magnitude else ())
+    return LoraDelta(m.scale, fan_in_fan_out, bias=m.b_bias is not None, dora=m.magnitude is not None), names
+
+
+def fold_steps(base: dict[str, str], adapters: list[LoraAdapter], tensors: dict[str, SourceTensor], config: dict,
+               wanted: torch.dtype | None, force_tied: bool = False) -> FoldResult:
+    """Apply `adapters` in order to the base; `wanted` is the output dtype of floating tensors (None: each
+    output keeps its base tensor's dtype, whatever dtype the adapter stored)."""
+    tied = force_tied or ties_embeddings(config)
+    embedding = input_embedding(base) if tied else None
+    origin = dict(base)  # output name -> the base tensor it starts from
+    if tied and TIED_OUTPUT not in origin and embedding is not None:
+        origin[TIED_OUTPUT] = base[embedding]  # written only if an adapter unties it
+    current = dict(origin)  # output name -> the tensor holding its value after replacements
+    deltas: dict[str, list[tuple[LoraDelta, tuple[str, ...]]]] = {}
+    changed: set[str] = set()
+    for adapter in adapters:
+        for target, source in adapter.replacements.items():
+            if target not in current:
+                raise MergerError(f"adapter replaces {target}, which the base model lacks, {adapter.name}")
+            if tensors[source].shape != tensors[current[target]].shape:
+                raise MergerError(f"adapter tensor {_shown(source)} is {tensors[source].shape} but base tensor "
+                                  f"{target} is {tensors[current[target]].shape}, {adapter.name}")
+            current[target] = source
+            changed.add(target)
+            if target.endswith(".weight"):
+                deltas.pop(target[: -len(".weight")], None)  # a later replacement wins over earlier folds
+        for module, m in adapter.modules.items():
+            weight = module + ".weight"
+            if weight not in current:
+                raise MergerError(f"adapter module {module} ({_shown(m.a)}) has no base tensor {weight}, "
+                                  f"{adapter.name}")
+            if m.b_bias and module + ".bias" not in current:
+                raise MergerError(f"adapter has lora_B bias {_shown(m.b_bias)} but base module {module} has no "
+                                  f"bias, {adapter.name}")
+            deltas.setdefault(module, []).append(_delta(m, adapter, weight, tensors[current[weight]].shape, tensors))
+            changed.update({weight} | ({module + ".bias"} if m.b_bias else set()))
+
+    untied = tied and bool(changed & {TIED_OUTPUT, embedding})
+    if tied and not untied and len(current) > 1:
+        current.pop(TIED_OUTPUT, None)
+
+    def spec(name: str, shape: tuple) -> OutputSpec:
+        return OutputSpec(name, shape, output_dtype(tensors[origin[name]].dtype, wanted))
+
+    steps, folded_biases = [], set()
+    for module, module_deltas in deltas.items():
+        weight, bias = module + ".weight", module + ".bias"
+        with_bias = any(d.bias for d, _ in module_deltas)
+        inputs = (current[weight],) + ((current[bias],) if with_bias else ())
+        inputs += tuple(n for _, names in module_deltas for n in names)
+        outputs = (spec(weight, tensors[current[weight]].shape),)
+        if with_bias:
+            outputs += (spec(bias, tensors[current[bias]].shape),)
+            folded_biases.add(bias)
+        steps.append(Step(inputs, outputs, fold_module(tuple(d for d, _ in module_deltas), with_bias)))
+    for name, source in current.items():
+        if name.endswith(".weight") and name[: -len(".weight")] in deltas or name in folded_biases:
+            continue
+        steps.append(Step((source,), (spec(name, tensors[source].shape),)))
+    return FoldResult(steps, untied)

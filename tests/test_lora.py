@@ -1,0 +1,160 @@
+"""LoRA end to end, against PEFT itself: FSDP checkpoints of PEFT-wrapped models (fused and separate, one
+process and torchrun), and `merger lora` folding adapter folders into a HF base. Oracles: PEFT's
+merge_and_unload state dict, PeftModel.from_pretrained on the extracted adapter, the unmerged PEFT forward."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+import transformers
+
+from conftest import load_safetensors_folder, run_merger, run_writer
+from merger.cli import main as merger_main
+from peft_adapters import CASES, TOKENS, write_all
+
+
+@pytest.fixture(scope="session")
+def peft_lora_checkpoint(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fsdp_lora")
+    run_writer("fsdp_lora_checkpoint.py", "--out", root / "global_step_1" / "actor", nproc=2)
+    return root
+
+
+@pytest.fixture(scope="session")
+def adapter_cases(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("peft_adapters")
+    write_all(root)  # in this process: PEFT is imported here anyway, a subprocess would only add start-up time
+    return root
+
+
+def _logits(folder: Path, adapter: Path | None = None) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def _assert_close_fp32(ours: dict, ref: dict) -> None:
+    assert sorted(ours) == sorted(ref)
+    for name, want in ref.items():
+        assert ours[name].dtype == torch.float32, name
+        torch.testing.assert_close(ours[name], want, atol=1e-6, rtol=0, msg=name)
+
+
+def _assert_bf16_one_step(ours: dict, ref: dict) -> None:
+    """Each bf16 value is the fp32 oracle rounded once: at most one bf16 step (2^-7 relative) from it."""
+    assert sorted(ours) == sorted(ref)
+    for name, want in ref.items():
+        assert ours[name].dtype == torch.bfloat16, name
+        gap = (ours[name].float() - want.float()).abs()
+        assert bool((gap <= want.float().abs() * 2**-7 + 1e-30).all()), name
+
+
+def _cli(*args) -> int:
+    return merger_main([str(a) for a in args])
+
+
+# ---- FSDP checkpoints of PEFT-wrapped models ---------------------------------------------------------------
+
+def test_fsdp_lora_fused_matches_peft(peft_lora_checkpoint, tmp_path):
+    actor, ref_dir = peft_lora_checkpoint / "global_step_1" / "actor", peft_lora_checkpoint / "reference"
+    assert _cli("merge", "--local_dir", actor, "--target_dir", tmp_path / "fp32", "--dtype", "float32") == 0
+    assert _cli("merge", "--local-dir", actor, "--target-dir", tmp_path / "bf16") == 0
+    run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "ranks2", "--dtype", "float32", nproc=2)
+    reference = load_safetensors_folder(ref_dir / "merged")
+    _assert_close_fp32(load_safetensors_folder(tmp_path / "fp32"), reference)
+    _assert_close_fp32(load_safetensors_folder(tmp_path / "ranks2"), reference)
+    _assert_bf16_one_step(load_safetensors_folder(tmp_path / "bf16"), reference)
+    # the extracted adapter is a PEFT adapter: loaded onto the base it gives the trained model's logits
+    adapter = tmp_path / "fp32" / "lora_adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["use_rslora"], config["task_type"]) == (4, 16, False, "CAUSAL_LM")
+    torch.testing.assert_close(_logits(ref_dir / "base", adapter), torch.load(ref_dir / "logits.pt"),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_logits(tmp_path / "fp32"), torch.load(ref_dir / "logits.pt"), atol=1e-5, rtol=1e-5)
+
+
+def test_fsdp_lora_separate_and_alpha(peft_lora_checkpoint, tmp_path, capsys):
+    actor, ref_dir = peft_lora_checkpoint / "global_step_1" / "actor", peft_lora_checkpoint / "reference"
+    assert _cli("merge", "--local_dir", actor, "--target_dir", tmp_path / "sep", "--dtype", "float32",
+                "--lora", "separate") == 0
+    ours, base = load_safetensors_folder(tmp_path / "sep"), load_safetensors_folder(ref_dir / "base")
+    assert sorted(ours) == sorted(base) and all(torch.equal(ours[n], base[n]) for n in base)
+    torch.testing.assert_close(_logits(tmp_path / "sep", tmp_path / "sep" / "lora_adapter"),
+                               torch.load(ref_dir / "logits.pt"), atol=1e-5, rtol=1e-5)
+
+    # without lora_train_meta.json alpha is unknown: a clear error, never a silent alpha of 0
+    bare = tmp_path / "bare"
+    shutil.copytree(actor, bare)
+    (bare / "lora_train_meta.json").unlink()
+    assert _cli("merge", "--local_dir", bare, "--target_dir", tmp_path / "x") == 1
+    assert "lora_alpha is unknown" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    assert _cli("merge", "--local_dir", actor, "--target_dir", tmp_path / "y", "--lora-alpha", "8") == 1
+    assert "--lora-alpha 8.0 disagrees with lora_train_meta.json's lora_alpha=16" in capsys.readouterr().err
+    assert _cli("merge", "--local_dir", bare, "--target_dir", tmp_path / "flag", "--dtype", "float32",
+                "--lora_alpha", "16") == 0
+    _assert_close_fp32(load_safetensors_folder(tmp_path / "flag"), load_safetensors_folder(ref_dir / "merged"))
+
+
+# ---- merger lora: adapter folders into a HF base ---------------------------------------------------------
+
+def _oracle(adapter_cases: Path, case: str) -> dict:
+    return torch.load(adapter_cases / case / "oracle.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lora_into_base_matches_peft(adapter_cases, tmp_path, case):
+    """All adapters of the case applied in order; each against PEFT merging them one after another."""
+    root, oracle = adapter_cases / case, _oracle(adapter_cases, case)
+    adapters = [a for name, _, _ in CASES[case][2] for a in ("--adapter", root / name)]
+    assert _cli("lora", "--base", root / "base", *adapters, "--target_dir", tmp_path / "out") == 0
+    last = len(CASES[case][2]) - 1
+    ours, merged = load_safetensors_folder(tmp_path / "out"), oracle[f"merged_{last}"]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    if case == "tied":
+        # PEFT folds a LoRA on a tied lm_head into the shared tensor, changing the input embedding too; the
+        # faithful standalone model unties them: its logits are the unmerged PEFT model's.
+        assert config["tie_word_embeddings"] is False and "lm_head.weight" in ours
+    else:
+        assert config.get("tie_word_embeddings", True) == oracle[f"tied_{last}"]
+        if oracle[f"tied_{last}"]:
+            merged = {n: t for n, t in merged.items() if n != "lm_head.weight"}  # written once, as save_pretrained
+        assert sorted(ours) == sorted(merged)
+        for name, want in merged.items():
+            assert torch.equal(ours[name], want), name  # same fp32 arithmetic as PEFT: bit for bit
+    torch.testing.assert_close(_logits(tmp_path / "out"), oracle[f"logits_{last}"], atol=1e-5, rtol=1e-5)
+
+
+def test_lora_torchrun_bf16(adapter_cases, tmp_path):
+    root, oracle = adapter_cases / "llama", _oracle(adapter_cases, "llama")
+    run_merger("lora", "--base", root / "base", "--adapter", root / "patterns", "--adapter", root / "dora",
+               "--target_dir", tmp_path / "out", "--dtype", "bfloat16", "--max_shard_size", "40KB", nproc=2)
+    assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 1
+    _assert_bf16_one_step(load_safetensors_folder(tmp_path / "out"), oracle["merged_1"])
+
+
+def test_lora_adapter_not_fitting_base(adapter_cases, tmp_path, capsys):
+    # a GPT-2 adapter on a Llama base: its modules do not exist there
+    assert _cli("lora", "--base", adapter_cases / "llama" / "base", "--adapter", adapter_cases / "gpt2" / "conv1d",
+                "--target_dir", tmp_path / "a") == 1
+    assert "has no base tensor transformer.h.0.attn.c_attn.weight" in capsys.readouterr().err
+    # an adapter trained on a wider model: shapes do not fit
+    assert _cli("lora", "--base", adapter_cases / "wide", "--adapter", adapter_cases / "llama" / "dora",
+                "--target_dir", tmp_path / "b") == 1
+    err = capsys.readouterr().err
+    assert "do not fit base tensor model.layers.0." in err and "base_model.model.model.layers.0." in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    # a LoRA variant with another merge rule is refused, not folded as plain LoRA
+    variant = tmp_path / "variant"
+    shutil.copytree(adapter_cases / "tied" / "head", variant)
+    config = json.loads((variant / "adapter_config.json").read_text())
+    (variant / "adapter_config.json").write_text(json.dumps(dict(config, use_bdlora={"nblocks": 2})))
+    assert _cli("lora", "--base", adapter_cases / "tied" / "base", "--adapter", variant,
+                "--target_dir", tmp_path / "c") == 1
+    assert "adapter uses use_bdlora" in capsys.readouterr().err
