@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .catalog import Catalog
-from .dist import Group
+from .dist import Group, on_every_rank
 from .errors import MergerError
 from .plan import OutputSpec, Plan
 from .progress import Progress
@@ -194,8 +194,6 @@ def compare_with_folder(plan: Plan, catalog: Catalog, group: Group, folder: Path
                         rtol: float = 0.0, cast: bool = True, label: str = "test",
                         debug: bool = False) -> CompareResult:
     """Stream `plan` and compare every output with `folder` on every rank; the same result on all ranks."""
-    from .merge import on_every_rank  # here, not at the top: merge imports this module
-
     reference = on_every_rank(group, lambda: ReferenceModel(Path(folder)), debug)
     sink = CompareSink(reference, atol, rtol, cast)
     progress = Progress(plan.total_bytes, "comparing") if group.rank == 0 else None

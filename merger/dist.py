@@ -10,10 +10,11 @@ import contextlib
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from .errors import AgreedError, MergerError
+from .errors import AgreedError, MergerError, describe_error
 
 
 @contextlib.contextmanager
@@ -110,3 +111,18 @@ def init_group(device: str = "auto", timeout_s: float = 600) -> Group:
         return Group(rank, world, torch.device("cuda", local), control)
     dist.init_process_group("gloo", timeout=timeout)
     return Group(rank, world, torch.device("cpu"), dist.group.WORLD)
+
+
+def on_every_rank(group: Group, fn: Callable[[], object], debug: bool = False):
+    """Run fn here, then sync: if it failed on any rank, raise the same MergerError on all of them."""
+    result, error = None, None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - the error must reach the sync point
+        error = describe_error(e, group.rank, debug)
+    group.agree(error)
+    return result
+
+
+def on_rank_zero(group: Group, fn: Callable[[], object], debug: bool = False) -> None:
+    on_every_rank(group, fn if group.rank == 0 else (lambda: None), debug)

@@ -21,7 +21,10 @@ log = logging.getLogger("merger")
 def saved_names(hf_dir: Path, config: dict, names: list[str], trust_remote_code: bool) -> dict[str, str]:
     """{module name: saved name} for every name transformers renames on save; {} when it renames none."""
     model_type, archs = config.get("model_type"), config.get("architectures") or []
-    if "auto_map" in config or not model_type or not archs:
+    # Only composite models (a VLM's text_config + vision_config, audio models...) are saved under other names
+    # than their modules; asking transformers costs every rank ~200 MiB and seconds, so plain LMs skip it.
+    composite = any(key.endswith("_config") and isinstance(value, dict) for key, value in config.items())
+    if "auto_map" in config or not model_type or not archs or not composite:
         return {}
     try:
         import transformers

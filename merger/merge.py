@@ -6,18 +6,16 @@ stops all of them with the same message and no rank is left waiting in a collect
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from .catalog import Catalog
 from .compare import CompareResult, compare_with_folder
-from .dist import Group
-from .errors import MergerError, describe_error
+from .dist import Group, on_every_rank, on_rank_zero
+from .errors import MergerError
 from .mapping import build_mapping, read_config
 from .memory import peak_rss_bytes
 from .model_class import config_updates
@@ -29,24 +27,10 @@ from .progress import Progress
 from .resume import FileTracker, resume_candidates, skip_finished, start_manifest, verify_share
 from .sources import open_catalog
 from .stream import run_plan
+from .summary import write_summary
 from .units import format_size
 
 log = logging.getLogger("merger")
-
-
-def on_every_rank(group: Group, fn: Callable[[], object], debug: bool = False):
-    """Run fn here, then sync: if it failed on any rank, raise the same MergerError on all of them."""
-    result, error = None, None
-    try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001 - the error must reach the sync point
-        error = describe_error(e, group.rank, debug)
-    group.agree(error)
-    return result
-
-
-def on_rank_zero(group: Group, fn: Callable[[], object], debug: bool = False) -> None:
-    on_every_rank(group, fn if group.rank == 0 else (lambda: None), debug)
 
 
 @dataclass
@@ -117,26 +101,6 @@ def verify_staged(stage: Path, prepared: Prepared, group: Group, options: MergeO
                           f"{result.missing + result.extra} names disagree, {len(result.problems)} index "
                           f"problems); nothing was moved to the target, {stage}")
     return result
-
-
-def write_summary(path: Path, prepared: Prepared, options: MergeOptions, group: Group, started: float,
-                  verify: CompareResult | None, uploaded: str | None, error: str | None) -> None:
-    """`--summary-json`: what was merged, by how many ranks, into what, how fast, how much memory, verified."""
-    peaks = group.all_gather(peak_rss_bytes())
-    if group.rank != 0:
-        return
-    c, plan = prepared.catalog, prepared.plan
-    summary = {
-        "status": "failed" if error else "ok", "error": error,
-        "source_format": c.format, "source_dir": str(Path(options.local_dir).absolute()),
-        "checkpoint_world_size": c.details.get("world_size"), "merge_world_size": group.world,
-        "target_dir": str(Path(options.target_dir).absolute()), "dtype": options.dtype,
-        "tensors": len(plan.location), "bytes": plan.total_bytes,
-        "output_files": [{"name": f.name, "bytes": f.size, "tensors": len(f.entries)} for f in plan.files],
-        "wall_time_s": round(time.monotonic() - started, 3), "peak_rss_bytes_per_rank": peaks,
-        "verify": verify.as_dict() if verify else None, "uploaded_to": uploaded,
-    }
-    Path(path).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, target: Path,

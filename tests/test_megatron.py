@@ -203,4 +203,4 @@ def test_hostile_dcp_metadata_is_refused_not_run(megatron_root, tmp_path, capsys
     assert main(["merge", "--local_dir", str(src), "--target_dir", str(tmp_path / "out"),
                  "--hf_model_config_path", str(megatron_root / "tp2_gqa_bias" / "hf")]) == 1
     assert not marker.exists()
-    assert "cannot read DCP metadata" in capsys.readouterr().err
+    assert "refusing to load global" in capsys.readouterr().err

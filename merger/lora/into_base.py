@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..dist import Group
+from ..dist import Group, on_every_rank
 from ..errors import MergerError
 from ..mapping import read_config
-from ..merge import Prepared, log_prepared, on_every_rank
+from ..merge import Prepared, log_prepared
 from ..options import MergeOptions
 from ..plan import plan_layout
 from ..sources import hf_safetensors

@@ -139,6 +139,24 @@ def open_catalog(root: Path, prefix: str | None = None) -> Catalog:
     )
 
 
+def load_chunk(fd: int, copy: PieceCopy) -> torch.Tensor:
+    """The tensor one DCP chunk holds: its byte range (a torch.save blob) read with pread, loaded weights_only."""
+    offset, length = copy.byte_range
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise MergerError(f"tensor {copy.key}: read {len(data)} of {length} bytes at {offset} (truncated?), "
+                          f"{copy.file}")
+    try:
+        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises RuntimeError/UnpicklingError for bytes that are no torch.save blob
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise MergerError(f"tensor {copy.key}: chunk at byte {offset} is not a torch.save blob "
+                          f"({first_line}), {copy.file}") from e
+    if not isinstance(value, torch.Tensor):
+        raise MergerError(f"tensor {copy.key}: chunk at byte {offset} holds a {type(value).__name__}, {copy.file}")
+    return value
+
+
 class DcpReader:
     """Reads each chunk's byte range from its .distcp file and unpickles it with torch.load(weights_only=True)."""
 
@@ -167,20 +185,10 @@ class DcpReader:
                                   f"{ends[file]} (truncated?), {file}")
 
     def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
-        offset, length = copy.byte_range
-        data = os.pread(self._fd(copy.file), length, offset)
-        if len(data) != length:
-            raise MergerError(f"tensor {copy.key}: read {len(data)} of {length} bytes at {offset}, {copy.file}")
-        try:
-            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as e:  # torch raises RuntimeError/UnpicklingError for bytes that are no torch.save blob
-            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise MergerError(f"tensor {copy.key}: chunk at byte {offset} is not a torch.save blob "
-                              f"({first_line}), {copy.file}") from e
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != piece.sizes or value.dtype != dtype:
-            got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise MergerError(f"tensor {copy.key}: chunk at byte {offset} holds {got}, .metadata says "
-                              f"{piece.sizes} {dtype}, {copy.file}")
+        value = load_chunk(self._fd(copy.file), copy)
+        if tuple(value.shape) != piece.sizes or value.dtype != dtype:
+            raise MergerError(f"tensor {copy.key}: chunk at byte {copy.byte_range[0]} holds {tuple(value.shape)} "
+                              f"{value.dtype}, .metadata says {piece.sizes} {dtype}, {copy.file}")
         return value
 
     def release(self) -> None:

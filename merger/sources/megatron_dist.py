@@ -4,31 +4,29 @@ Tensors are stored global and TP-independent (fc1 is cat(gate, up), qkv the glob
 Homogeneous layers are stacked: `decoder.layers.<rest>` of shape [num_layers, ...], axis 0 the global
 layer; other models save per-layer keys. The catalog exposes one source tensor per layer either way:
 each stored chunk that covers layer l gives a piece `name[l - chunk offset]` (the chunk's box without
-axis 0). The reader loads a chunk's bytes (a `torch.save` blob inside the .distcp file) once per batch
-and slices the layer; megatron-core writes one chunk per layer, so this reads no extra bytes there.
+axis 0). The reader loads the chunk (a `torch.save` blob inside the .distcp file) and slices the layer out;
+megatron-core writes one chunk per layer, so this reads no extra bytes there.
 `optimizer.*`, `_extra_state` and non-tensor entries are skipped.
 """
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import os
-import pickle
 from pathlib import Path
 
 import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
+from .dcp import load_chunk
+from .dcp_metadata import load_metadata
 from ..megatron.keys import split_key, take, with_index
 from ..megatron.layout import checkpoint_dir
 
 STACKED = "decoder.layers."
 EXPERTS = "mlp.experts.experts."  # SequentialMLP experts, stacked on an expert axis
 MODEL_PREFIXES = ("decoder.", "embedding.", "output_layer.")
-_DCP = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
-        "torch.distributed.checkpoint.filesystem")
 
 
 def detect(root: Path) -> bool:
@@ -40,33 +38,9 @@ def detect(root: Path) -> bool:
     return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist"
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Only DCP's metadata classes, torch.Size, dtypes and layouts: `.metadata` is never trusted code."""
-
-    def find_class(self, module: str, name: str):
-        if module in _DCP and not name.startswith("__"):
-            return super().find_class(module, name)
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        if (module, name) in {("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
-
-
-def read_metadata(ckpt: Path):
-    path = ckpt / ".metadata"
-    try:
-        with open(path, "rb") as f:
-            return _MetadataUnpickler(f).load()
-    except FileNotFoundError as e:
-        raise MergerError(f"torch_dist checkpoint has no .metadata, {ckpt}") from e
-    except Exception as e:  # noqa: BLE001 - damaged or hostile pickles raise many types
-        raise MergerError(f"cannot read DCP metadata ({e}), {path}") from e
-
-
 def holds_model(ckpt: Path) -> bool:
     """False when the checkpoint has no model tensors (verl then wrote HF safetensors beside it)."""
-    meta = read_metadata(ckpt)
+    meta = load_metadata(ckpt)
     return any(fqn.startswith(MODEL_PREFIXES) for fqn in meta.state_dict_metadata)
 
 
@@ -94,7 +68,7 @@ def open_catalog(root: Path) -> Catalog:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     ckpt, hf_dir = checkpoint_dir(root)
-    meta = read_metadata(ckpt)
+    meta = load_metadata(ckpt)
     storage = {(i.fqn, tuple(i.offset)): s for i, s in meta.storage_data.items() if i.offset is not None}
     pieces: dict[str, list[ShardPiece]] = {}
     shapes: dict[str, tuple] = {}
@@ -128,39 +102,27 @@ def open_catalog(root: Path) -> Catalog:
 
 
 class DistReader:
-    """Reads a chunk's `torch.save` blob by its byte range (weights_only), kept until `release`."""
+    """Reads the chunk a piece lies in (a DCP chunk: pread + weights_only) and takes the piece's layer out of it."""
 
     def __init__(self, catalog: Catalog):
-        self.blobs: dict[tuple[str, int], torch.Tensor] = {}
+        self.catalog = catalog
 
     def check_files(self, files: list[str]) -> None:
         for file in files:
             if not os.path.isfile(file):
                 raise MergerError(f"DCP data file is missing, {file}")
 
-    def _chunk(self, file: str, offset: int, length: int) -> torch.Tensor:
-        if (file, offset) not in self.blobs:
-            with open(file, "rb") as f:
-                data = os.pread(f.fileno(), length, offset)
-            if len(data) != length:
-                raise MergerError(f"DCP data file is truncated at byte {offset + len(data)}, {file}")
-            try:
-                value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            except Exception as e:  # noqa: BLE001
-                raise MergerError(f"cannot load the chunk at byte {offset} ({e}), {file}") from e
-            if not isinstance(value, torch.Tensor):
-                raise MergerError(f"the chunk at byte {offset} is a {type(value).__name__}, not a tensor, {file}")
-            self.blobs[(file, offset)] = value
-        return self.blobs[(file, offset)]
-
     def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
         key, sl = split_key(copy.key)
-        offset, length = copy.byte_range
-        data = take(self._chunk(copy.file, offset, length), sl)
+        fd = os.open(copy.file, os.O_RDONLY)
+        try:
+            data = take(load_chunk(fd, copy), sl)
+        finally:
+            os.close(fd)
         if tuple(data.shape) != piece.sizes or data.dtype != dtype:
             raise MergerError(f"chunk of {key.split('@')[0]} is {tuple(data.shape)} {data.dtype}, metadata says "
                               f"{piece.sizes} {dtype}, {copy.file}")
         return data
 
     def release(self) -> None:
-        self.blobs.clear()
+        pass  # nothing is kept: the stream copies the piece out and the chunk dies with it

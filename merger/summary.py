@@ -1,0 +1,35 @@
+"""`--summary-json`: one JSON file saying what a merge did, written by rank 0 on success and on failure."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .compare import CompareResult
+from .dist import Group
+from .memory import peak_rss_bytes
+from .options import MergeOptions
+
+if TYPE_CHECKING:
+    from .merge import Prepared
+
+
+def write_summary(path: Path, prepared: Prepared, options: MergeOptions, group: Group, started: float,
+                  verify: CompareResult | None, uploaded: str | None, error: str | None) -> None:
+    """`--summary-json`: what was merged, by how many ranks, into what, how fast, how much memory, verified."""
+    peaks = group.all_gather(peak_rss_bytes())
+    if group.rank != 0:
+        return
+    c, plan = prepared.catalog, prepared.plan
+    summary = {
+        "status": "failed" if error else "ok", "error": error,
+        "source_format": c.format, "source_dir": str(Path(options.local_dir).absolute()),
+        "checkpoint_world_size": c.details.get("world_size"), "merge_world_size": group.world,
+        "target_dir": str(Path(options.target_dir).absolute()), "dtype": options.dtype,
+        "tensors": len(plan.location), "bytes": plan.total_bytes,
+        "output_files": [{"name": f.name, "bytes": f.size, "tensors": len(f.entries)} for f in plan.files],
+        "wall_time_s": round(time.monotonic() - started, 3), "peak_rss_bytes_per_rank": peaks,
+        "verify": verify.as_dict() if verify else None, "uploaded_to": uploaded,
+    }
+    Path(path).write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,64 @@
+"""dcp_metadata.load_metadata against hostile and damaged `.metadata` files (hypothesis).
+
+The seed is written by torch.distributed.checkpoint itself (a single-process dcp.save). Every mutation of
+it, and arbitrary bytes, must either load to DCP's own `Metadata` or raise MergerError naming the file:
+never another exception, and never a global outside DCP's metadata classes (the restricted unpickler
+refuses those before calling anything).
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.metadata import Metadata
+
+from merger.errors import MergerError
+from merger.sources.dcp_metadata import load_metadata
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def seed() -> bytes:
+    with tempfile.TemporaryDirectory() as d:
+        dcp.save({"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(2, dtype=torch.bfloat16)}, checkpoint_id=d)
+        return (Path(d) / ".metadata").read_bytes()
+
+
+def check(content: bytes) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / ".metadata").write_bytes(content)
+        try:
+            metadata = load_metadata(Path(d))
+        except MergerError as e:
+            assert ".metadata" in str(e)
+            return
+        assert isinstance(metadata, Metadata)
+
+
+def test_seed_loads(seed):
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / ".metadata").write_bytes(seed)
+        assert set(load_metadata(Path(d)).state_dict_metadata) == {"w", "b"}
+
+
+@SETTINGS
+@given(st.binary(max_size=512))
+def test_arbitrary_bytes(content):
+    check(content)
+
+
+@SETTINGS
+@given(st.data())
+def test_mutated_seed(seed, data):
+    content = bytearray(seed)
+    for _ in range(data.draw(st.integers(1, 8))):
+        i = data.draw(st.integers(0, len(content) - 1))
+        content[i] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(content)))
+    check(bytes(content[:cut]))
