@@ -93,15 +93,20 @@ def _chunk_pieces(fqn: str, meta, storage: dict, folder: Path) -> tuple[ShardPie
         offsets, sizes = tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes)
         if 0 in sizes and 0 not in meta.size:
             continue  # FSDP2 saves an empty chunk for ranks past the end of a short dim: nothing to place
-        info = storage.get((fqn, offsets))
-        if info is None:
-            raise MergerError(f"tensor {fqn} chunk at {offsets} has no storage entry, {folder / METADATA_FILE}")
-        if getattr(info, "transform_descriptors", None):
-            raise MergerError(f"tensor {fqn} was saved with storage transforms {list(info.transform_descriptors)}, "
-                              f"which merger cannot read, {folder / METADATA_FILE}")
-        file = str(folder / info.relative_path)
-        pieces.append(ShardPiece(offsets, sizes, (PieceCopy(file, fqn, (int(info.offset), int(info.length))),)))
+        file, byte_range = chunk_location(storage, fqn, offsets, folder)
+        pieces.append(ShardPiece(offsets, sizes, (PieceCopy(file, fqn, byte_range),)))
     return tuple(pieces)
+
+
+def chunk_location(storage: dict, fqn: str, offsets: tuple[int, ...], folder: Path) -> tuple[str, tuple[int, int]]:
+    """The .distcp file and byte range holding one chunk, from `.metadata`'s storage entries by (fqn, offsets)."""
+    info = storage.get((fqn, offsets))
+    if info is None:
+        raise MergerError(f"tensor {fqn} chunk at {offsets} has no storage entry, {folder / METADATA_FILE}")
+    if getattr(info, "transform_descriptors", None):
+        raise MergerError(f"tensor {fqn} was saved with storage transforms {list(info.transform_descriptors)} "
+                          f"(e.g. compression), which merger cannot read, {folder / METADATA_FILE}")
+    return str(folder / info.relative_path), (int(info.offset), int(info.length))
 
 
 def _file_order(path: str) -> tuple[int, int]:

@@ -23,6 +23,9 @@ _METADATA_CLASSES = {
 _ALLOWED = {
     *(("torch.distributed.checkpoint.metadata", n) for n in _METADATA_CLASSES),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # Save plans kept as planner data (megatron-core's torch_dist does this): plain dataclasses and an enum.
+    *(("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "TensorWriteData",
+                                                            "WriteItemType")),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # how torch pickles a torch.layout: a lookup by name
     ("collections", "OrderedDict"),

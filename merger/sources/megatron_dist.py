@@ -19,7 +19,7 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
-from .dcp import load_chunk
+from .dcp import chunk_location, load_chunk
 from .dcp_metadata import load_metadata
 from ..megatron.keys import split_key, take, with_index
 from ..megatron.layout import checkpoint_dir
@@ -78,18 +78,12 @@ def open_catalog(root: Path) -> Catalog:
             continue
         axes, name_of = _stacked_axes(fqn)
         for chunk in md.chunks:
-            info = storage.get((fqn, tuple(chunk.offsets)))
-            if info is None:
-                raise MergerError(f"tensor {fqn} chunk at {tuple(chunk.offsets)} has no storage entry, {ckpt}")
-            if getattr(info, "transform_descriptors", None):
-                raise MergerError(f"tensor {fqn} is stored with transforms {info.transform_descriptors} "
-                                  f"(e.g. compression), which merger cannot read, {ckpt}")
-            file = str(ckpt / info.relative_path)
-            key = f"{fqn}@{info.offset}:{info.length}"
+            file, (offset, length) = chunk_location(storage, fqn, tuple(chunk.offsets), ckpt)
+            key = f"{fqn}@{offset}:{length}"
             # One piece per (layer, expert) the chunk covers: its box without the stacked axes.
             for local in itertools.product(*(range(chunk.sizes[k]) for k in range(axes))):
                 name = name_of(tuple(chunk.offsets[k] + i for k, i in enumerate(local)))
-                copy = PieceCopy(file, with_index(key, local), (info.offset, info.length))
+                copy = PieceCopy(file, with_index(key, local), (offset, length))
                 pieces.setdefault(name, []).append(ShardPiece(tuple(chunk.offsets[axes:]),
                                                               tuple(chunk.sizes[axes:]), (copy,)))
                 shapes[name], dtypes[name] = tuple(md.size[axes:]), md.properties.dtype

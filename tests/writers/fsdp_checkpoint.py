@@ -65,7 +65,6 @@ def main() -> None:
         return
 
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
     if args.mesh and "," in args.mesh:
@@ -73,14 +72,21 @@ def main() -> None:
         mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("ddp", "fsdp"))
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    shard_and_save(model, mesh, args.out)
+    dist.destroy_process_group()
+
+
+def shard_and_save(model, mesh, out: Path) -> None:
+    """fully_shard each block, then the root, and save this rank's state dict (DTensors) as verl does."""
+    from torch.distributed.fsdp import fully_shard
+
     for name, blocks in model.named_modules():  # decoder layers, and a VLM's vision blocks too
         if isinstance(blocks, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "blocks", "h"):
             for layer in blocks:
                 fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    torch.save(model.state_dict(), args.out / f"model_world_size_{world}_rank_{rank}.pt")
+    torch.save(model.state_dict(), out / f"model_world_size_{dist.get_world_size()}_rank_{dist.get_rank()}.pt")
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

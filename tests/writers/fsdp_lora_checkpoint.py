@@ -20,6 +20,7 @@ import peft
 import torch
 import torch.distributed as dist
 
+from fsdp_checkpoint import shard_and_save
 from peft_adapters import TOKENS
 from tiny_models import build_model, save_hf_folder
 
@@ -54,15 +55,10 @@ def main() -> None:
         copy.deepcopy(wrapped).merge_and_unload().save_pretrained(reference / "merged")
 
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    for layer in wrapped.base_model.model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(wrapped, mesh=mesh)
-    torch.save(wrapped.state_dict(), args.out / f"model_world_size_{world}_rank_{rank}.pt")
-    dist.barrier()
+    shard_and_save(wrapped, mesh, args.out)
     dist.destroy_process_group()
 
 
