@@ -17,8 +17,8 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
-from ..memory import release_pages
 from ..safe_load import torch_load
+from .mapped_states import MappedStates
 
 RANK_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
 
@@ -159,13 +159,7 @@ class FsdpReader:
 
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
-        self.states: dict[str, dict] = {}
-        self.touched: list[torch.Tensor] = []
-
-    def _state(self, file: str) -> dict:
-        if file not in self.states:
-            self.states[file] = load_rank_file(file)
-        return self.states[file]
+        self.states = MappedStates(load_rank_file)
 
     def _expected(self) -> dict[str, dict[str, tuple]]:
         """For each file, the region size every tensor must have there."""
@@ -181,7 +175,7 @@ class FsdpReader:
 
         expected = self._expected()
         for file in files:
-            state = self._state(file)
+            state = self.states[file]
             for name, tensor in self.catalog.tensors.items():
                 value = state.get(name)
                 if not isinstance(value, torch.Tensor):
@@ -196,15 +190,13 @@ class FsdpReader:
                                       f"give {want}, {file}")
 
     def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
-        value = self._state(copy.file)[copy.key]
+        value = self.states[copy.file][copy.key]
         local = getattr(value, "_local_tensor", value)
         if tuple(local.shape) != piece.sizes or local.dtype != dtype:
             raise MergerError(f"tensor {copy.key} is {tuple(local.shape)} {local.dtype} here, expected "
                               f"{piece.sizes} {dtype}, {copy.file}")
-        self.touched.append(local)
+        self.states.touch(local)
         return local
 
     def release(self) -> None:
-        for t in self.touched:
-            release_pages(t)
-        self.touched.clear()
+        self.states.release()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import io
 import pathlib
-import pickle
 import re
 import types
 from pathlib import Path
@@ -24,7 +23,8 @@ from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from ..megatron.keys import split_key, take, with_slice
 from ..megatron.layout import checkpoint_dir
-from ..memory import release_pages
+from ..safe_load import torch_load
+from .mapped_states import MappedStates
 
 FILE = "model_optim_rng.pt"
 MP_DIR = re.compile(r"mp_rank_(\d{2})((?:_\d{3}){0,2})")
@@ -54,25 +54,14 @@ def _megatron_globals() -> list:
     return list(SAFE_GLOBALS)
 
 
-def _load(path: str, allowed: list):
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-
-
 def load_file(path: str) -> dict:
     try:
-        try:
-            state = _load(path, _BASIC)
-        except pickle.UnpicklingError:
-            extra = _megatron_globals()
-            if not extra:
-                raise
-            state = _load(path, _BASIC + extra)
-    except FileNotFoundError as e:
-        raise MergerError(f"rank file is missing, {path}") from e
-    except Exception as e:  # noqa: BLE001 - torch raises several types for damaged or unsafe files
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise MergerError(f"cannot load Megatron rank file ({first}), {path}") from e
+        state = torch_load(path, "Megatron rank file", safe_globals=tuple(_BASIC))
+    except MergerError:
+        extra = _megatron_globals()  # the slow import, only for files that name megatron-core's classes
+        if not extra:
+            raise
+        state = torch_load(path, "Megatron rank file", safe_globals=tuple(_BASIC + extra))
     if not isinstance(state, dict) or not _chunks(state):
         raise MergerError(f"file holds no `model` state dict, {path}")
     return state
@@ -202,32 +191,24 @@ class LegacyReader:
     """Reads TP-local tensors (or a half of a gated fc1) from the memory-mapped rank files."""
 
     def __init__(self, catalog: Catalog):
-        self.states: dict[str, dict] = {}
-        self.touched: list[torch.Tensor] = []
-
-    def _state(self, file: str) -> dict:
-        if file not in self.states:
-            self.states[file] = load_file(file)
-        return self.states[file]
+        self.states = MappedStates(load_file)
 
     def check_files(self, files: list[str]) -> None:
         for file in files:
-            self._state(file)
+            self.states[file]  # loads and checks it
 
     def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
         key, sl = split_key(copy.key)
         chunk, name = key.split("/", 1)
-        value = self._state(copy.file)[chunk].get(name)
+        value = self.states[copy.file][chunk].get(name)
         if not isinstance(value, torch.Tensor):
             raise MergerError(f"tensor {name} is missing from this rank's file, {copy.file}")
         data = take(value, sl)
         if tuple(data.shape) != piece.sizes or data.dtype != dtype:
             raise MergerError(f"tensor {name} is {tuple(data.shape)} {data.dtype} here but the TP-rank-0 file "
                               f"gives {piece.sizes} {dtype}, {copy.file}")
-        self.touched.append(value)
+        self.states.touch(value)
         return data
 
     def release(self) -> None:
-        for t in self.touched:
-            release_pages(t)
-        self.touched.clear()
+        self.states.release()

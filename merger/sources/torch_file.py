@@ -8,6 +8,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from ..safe_load import torch_load
+from .mapped_states import MappedStates
 
 
 def load_state(path: str) -> dict:
@@ -33,19 +34,15 @@ def open_file_catalog(path: Path, fmt: str = "torch_file") -> Catalog:
 
 class TorchFileReader:
     def __init__(self, catalog: Catalog):
-        self.states: dict[str, dict] = {}
-
-    def _state(self, file: str) -> dict:
-        if file not in self.states:
-            self.states[file] = load_state(file)
-        return self.states[file]
+        # Never touched: the fallback for pre-zip files loads into ordinary memory, whose pages must stay.
+        self.states = MappedStates(load_state)
 
     def check_files(self, files: list[str]) -> None:
         for f in files:
-            self._state(f)
+            self.states[f]  # loads and checks it
 
     def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
-        value = self._state(copy.file).get(copy.key)
+        value = self.states[copy.file].get(copy.key)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != piece.sizes or value.dtype != dtype:
             raise MergerError(f"tensor {copy.key} is missing or changed since planning, {copy.file}")
         return value
