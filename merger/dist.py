@@ -39,18 +39,19 @@ class Group:
     def distributed(self) -> bool:
         return self.world > 1
 
-    def exchange(self, sends: list[list[torch.Tensor]], recv_bytes: list[int]) -> list[torch.Tensor]:
-        """Send `sends[r]` (pieces in route order) to rank r; return, per source rank, the bytes received."""
+    def exchange(self, send: torch.Tensor, send_split: list[int], recv: torch.Tensor,
+                 recv_split: list[int]) -> torch.Tensor:
+        """All-to-all of bytes: `send` holds the block for each rank in rank order (`send_split`); `recv`
+        (CPU) is filled with the blocks from each rank in rank order (`recv_split`) and returned."""
         import torch.distributed as dist
 
-        flat = [t.reshape(-1).view(torch.uint8) for ts in sends for t in ts]
-        send_split = [sum(t.numel() * t.element_size() for t in ts) for ts in sends]
-        send_buf = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
-        recv_buf = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=self.device)
+        on_device = recv if recv.device == self.device else torch.empty(recv.numel(), dtype=torch.uint8,
+                                                                        device=self.device)
         with _collective(self.rank):
-            dist.all_to_all_single(recv_buf, send_buf.to(self.device), recv_bytes, send_split)
-        recv_buf = recv_buf.cpu()
-        return list(recv_buf.split(recv_bytes))
+            dist.all_to_all_single(on_device, send.to(self.device), recv_split, send_split)
+        if on_device is not recv:
+            recv.copy_(on_device)
+        return recv
 
     def agree(self, error: str | None) -> None:
         """Sync point: raise on every rank if any rank failed, naming the first failing rank and its error."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,7 +141,8 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, ta
         on_rank_zero(group, create_files, options.debug)
         todo = skip_finished(plan, set(reused))
         sink = FileSink(stage, plan, skip=frozenset(reused))
-        tracker = FileTracker(todo, sink, group, stage, manifest)
+        one_host = len(set(group.all_gather(socket.gethostname()))) == 1  # one page cache: hash as batches land
+        tracker = FileTracker(todo, sink, group, stage, manifest, one_host)
         progress = Progress(sum(b.out_bytes for b in todo.batches)) if group.rank == 0 else None
         run_plan(todo, prepared.catalog, group, sink, progress, options.debug, reader=reader, observer=tracker)
         on_every_rank(group, sink.close, options.debug)  # a sync point: every rank's bytes are on disk

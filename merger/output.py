@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .errors import MergerError
+from .memory import start_writeback
 from .plan import OutputSpec, Plan
 from .units import format_size
 
@@ -93,13 +94,22 @@ class FileSink:
         return self.fds[index]
 
     def put(self, spec: OutputSpec, tensor: torch.Tensor) -> None:
+        entry = self.plan.location[spec.name][1]
+        size = tensor.numel() * tensor.element_size()
+        if size != entry.end - entry.begin:
+            raise MergerError(f"output {spec.name} has {size} bytes, planned {entry.end - entry.begin}")
+        self.put_part(spec, 0, tensor)
+
+    def put_part(self, spec: OutputSpec, offset: int, piece: torch.Tensor) -> None:
+        """Write `piece`'s bytes at `offset` bytes into output `spec` (a contiguous run of the tensor)."""
         index, entry = self.plan.location[spec.name]
         if index in self.skip:
             return
-        data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
-        if len(data) != entry.end - entry.begin:
-            raise MergerError(f"output {spec.name} has {len(data)} bytes, planned {entry.end - entry.begin}")
-        fd, at = self._fd(index), len(self.plan.files[index].prefix) + entry.begin
+        data = memoryview(piece.contiguous().reshape(-1).view(torch.uint8).numpy())
+        if offset + len(data) > entry.end - entry.begin:
+            raise MergerError(f"output {spec.name}: {len(data)} bytes at {offset} overrun its "
+                              f"{entry.end - entry.begin} planned bytes")
+        fd, at = self._fd(index), len(self.plan.files[index].prefix) + entry.begin + offset
         path = self.stage / self.plan.files[index].name
         while len(data):
             try:
@@ -121,6 +131,11 @@ class FileSink:
                                   f"{self.stage / self.plan.files[index].name}") from e
             finally:
                 os.close(fd)
+
+    def start_writeback(self) -> None:
+        """Let the disk take what was written so far while streaming goes on, so the final fsync is short."""
+        for fd in self.fds.values():
+            start_writeback(fd)
 
     def close(self) -> None:
         self.sync(list(self.fds))

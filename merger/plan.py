@@ -193,7 +193,8 @@ def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size:
                 routes.append(route)
         step_routes.append(routes)
 
-    return Plan(steps, writers, files, location, _batches(steps, writers, step_routes, world, max_inflight),
+    # Two batches are in flight at once (stream.py reads one while it writes the other): each gets half.
+    return Plan(steps, writers, files, location, _batches(steps, writers, step_routes, world, max_inflight // 2),
                 world)
 
 

@@ -17,6 +17,7 @@ pauses only rank r: the others go on into the next collective and wait there for
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -42,11 +43,22 @@ _RUNTIME_OPTIONS = {"local_dir", "target_dir", "max_inflight", "device", "overwr
 _CHUNK = 16 << 20
 
 
+def hash_range(digest, path: Path, start: int, end: int) -> None:
+    """Feed bytes [start, end) of `path` to `digest`, 16 MiB at a time through one reused buffer."""
+    buf = memoryview(bytearray(min(_CHUNK, max(end - start, 1))))
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        while start < end:
+            got = f.readinto(buf[:min(len(buf), end - start)])
+            if not got:
+                raise OSError(errno.EIO, f"file ended at byte {start} of {end}", str(path))
+            digest.update(buf[:got])  # hashlib releases the GIL on large buffers: streaming goes on meanwhile
+            start += got
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)  # hashlib releases the GIL on large buffers: streaming goes on meanwhile
+    hash_range(digest, path, 0, os.path.getsize(path))
     return digest.hexdigest()
 
 
@@ -140,40 +152,86 @@ def skip_finished(plan: Plan, reused: set[str]) -> Plan:
 
 
 class FileTracker:
-    """Flushes each output file once its last batch is written, then checksums it on rank 0 into the manifest."""
+    """Flushes each output file once its last batch is written, and checksums the output on rank 0.
 
-    def __init__(self, plan: Plan, sink: FileSink, group: Group, stage: Path, manifest: dict):
+    Rank 0 hashes every file front to back in a background thread while later batches stream, so little
+    hashing is left at the end. A stretch of a file is hashed once it and all before it are known to be
+    written: by rank 0 itself (as soon as its write returns), or by every rank (a batch confirmed at a sync
+    point). On one host the page cache shows each rank's writes at once; across hosts (a shared filesystem
+    promises only close-to-open consistency) other ranks' stretches count only after the file's last batch,
+    when its writers have flushed and closed it.
+    """
+
+    def __init__(self, plan: Plan, sink: FileSink, group: Group, stage: Path, manifest: dict, one_host: bool):
         self.plan, self.sink, self.group, self.stage, self.manifest = plan, sink, group, stage, manifest
-        self.last_batch: dict[int, int] = {}
+        written_in: dict[str, int] = {}
         for bi, batch in enumerate(plan.batches):
             for si in batch.steps:
                 for spec in plan.steps[si].outputs:
-                    self.last_batch[plan.location[spec.name][0]] = bi
+                    written_in[spec.name] = bi
+        self.last_batch: dict[int, int] = {}
+        for name, bi in written_in.items():
+            index = plan.location[name][0]
+            self.last_batch[index] = max(self.last_batch.get(index, -1), bi)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="merger-sha256") if group.rank == 0 else None
-        self.pending = {i for i, f in enumerate(plan.files)
-                        if manifest["output_files"][f.name]["sha256"] is None} if self.pool else set()
+        pending = [i for i, f in enumerate(plan.files)
+                   if manifest["output_files"][f.name]["sha256"] is None] if self.pool else []
+        # Per pending file, in file order: (end of a stretch, the output written there, the batch after which
+        # every rank has written it). The header is written before streaming starts.
+        self.stretches: dict[int, list[tuple[int, str | None, int]]] = {}
+        for i in pending:
+            f = self.plan.files[i]
+            self.stretches[i] = [(len(f.prefix), None, -1)] + [
+                (len(f.prefix) + e.end, e.name, written_in[e.name] if one_host else self.last_batch[i])
+                for e in f.entries]
+        self.confirmed_count = 0
+        self.own: set[str] = set()  # outputs rank 0 has written itself
+        self.hashed = {i: 0 for i in pending}  # bytes handed to the hashing thread so far
+        self.cursor = {i: 0 for i in pending}  # stretches handed over so far
+        self.digests = {i: hashlib.sha256() for i in pending}
         self.futures: list[Future] = []
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the manifest, written by the hashing thread
+        self.handing = threading.Lock()  # the cursors: steps are written on stream.py's writer thread
         pause, only = os.environ.get("MERGER_TEST_PAUSE_AFTER_BATCH"), os.environ.get("MERGER_TEST_PAUSE_RANK")
         self.pause_at = int(pause) + 1 if pause and (only is None or int(only) == group.rank) else None
 
+    def step_written(self, step: int) -> None:
+        if self.pool is not None:
+            with self.handing:
+                self.own.update(spec.name for spec in self.plan.steps[step].outputs)
+                self._hand_over()
+
     def written(self, index: int) -> None:
         self.sink.sync([i for i, last in self.last_batch.items() if last == index])
+        self.sink.start_writeback()
 
     def confirmed(self, count: int) -> None:
         if self.pool is not None:
-            for i in sorted(i for i in self.pending if self.last_batch.get(i, -1) < count):
-                self.pending.discard(i)
-                self.futures.append(self.pool.submit(self._checksum, i))
+            with self.handing:
+                self.confirmed_count = count
+                self._hand_over()
         if count == self.pause_at:
             self._pause()
 
-    def _checksum(self, index: int) -> None:
+    def _hand_over(self) -> None:
+        """Give the hashing thread every file's newly complete stretch, front to back (`handing` held)."""
+        for i, stretches in self.stretches.items():
+            k = self.cursor[i]
+            while k < len(stretches) and (stretches[k][2] < self.confirmed_count or stretches[k][1] in self.own):
+                k += 1
+            if k == self.cursor[i]:
+                continue
+            start, end = self.hashed[i], stretches[k - 1][0]
+            self.cursor[i], self.hashed[i] = k, end
+            self.futures.append(self.pool.submit(self._hash, i, start, end, k == len(stretches)))
+
+    def _hash(self, index: int, start: int, end: int, last: bool) -> None:
         name = self.plan.files[index].name
-        digest = sha256_file(self.stage / name)
-        with self.lock:
-            self.manifest["output_files"][name]["sha256"] = digest
-            write_manifest(self.stage, self.manifest)
+        hash_range(self.digests[index], self.stage / name, start, end)
+        if last:
+            with self.lock:
+                self.manifest["output_files"][name]["sha256"] = self.digests[index].hexdigest()
+                write_manifest(self.stage, self.manifest)
 
     def final_manifest(self) -> dict:
         """Rank 0, after the last batch: wait for every checksum; a failed one is a write error."""

@@ -3,22 +3,29 @@
 Every rank walks the same batches. In each one it reads the pieces it was routed from the files it opened,
 sends each to the rank that writes its step (one all_to_all), assembles whole inputs from local and
 received pieces by their offsets, runs the step, and gives each output to the sink (a file writer, or the
-comparison of `merger test`). Memory per rank is what one batch holds, bounded by the plan's budget.
+comparison of `merger test`). Memory per rank is what two batches hold (one read while the previous one is
+written), bounded by the plan's budget.
 """
 from __future__ import annotations
 
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
 
-from .catalog import Catalog
+from .catalog import Catalog, ShardPiece
 from .dist import Group
 from .errors import MergerError, describe_error
-from .plan import Batch, OutputSpec, Plan, Route
+from .plan import Batch, OutputSpec, Plan, Route, Step, identity
 from .progress import Progress
 
 
 class Sink(Protocol):
+    """Receives finished outputs. A sink that can also take part of a tensor (the file writer) defines
+    `put_part(spec, byte_offset, piece)`: a plain cast then goes straight from its pieces to the sink,
+    without assembling the tensor first."""
+
     def put(self, spec: OutputSpec, tensor: torch.Tensor) -> None:
         """Receive one finished output tensor, already in `spec`'s dtype and shape."""
 
@@ -44,8 +51,46 @@ def _assemble(catalog: Catalog, name: str, routes: list[tuple[Route, torch.Tenso
     return box
 
 
+def _contiguous_start(shape: tuple[int, ...], piece: ShardPiece) -> int | None:
+    """The element index where `piece` starts in its tensor's row-major layout when its elements form one run
+    there (a Shard(0) block, a row), else None (e.g. a Shard(1) column block)."""
+    d = len(shape) - 1
+    while d > 0 and piece.sizes[d] == shape[d]:
+        d -= 1
+    if any(s != 1 for s in piece.sizes[:d]):
+        return None
+    start, stride = 0, 1
+    for o, n in zip(reversed(piece.offsets), reversed(shape)):
+        start += o * stride
+        stride *= n
+    return start
+
+
+def _put_parts(catalog: Catalog, sink: Sink, step: Step, pieces: list[tuple[Route, torch.Tensor]]) -> bool:
+    """A plain cast whose pieces are each one run of the output: hand them to the sink as they are, saving the
+    assembly copy. False when the step needs its inputs whole (the caller assembles them)."""
+    put_part = getattr(sink, "put_part", None)
+    if put_part is None or step.fn is not identity or len(step.inputs) != 1 or not pieces:
+        return False
+    spec = step.outputs[0]
+    if catalog.tensors[step.inputs[0]].shape != spec.shape:
+        return False
+    starts = [_contiguous_start(spec.shape, r.piece) for r, _ in pieces]
+    if any(s is None for s in starts) or any(r.dtype != spec.dtype for r, _ in pieces):
+        return False
+    covered = sum(r.piece.numel for r, _ in pieces)
+    if covered != math.prod(spec.shape):
+        raise MergerError(f"pieces of tensor {step.inputs[0]} cover {covered} of {math.prod(spec.shape)} elements, "
+                           f"{catalog.root}")
+    for start, (_, data) in zip(starts, pieces):
+        put_part(spec, start * spec.dtype.itemsize, data)
+    return True
+
+
 def _run_step(plan: Plan, catalog: Catalog, si: int, pieces: list[tuple[Route, torch.Tensor]], sink: Sink) -> None:
     step = plan.steps[si]
+    if _put_parts(catalog, sink, step, pieces):
+        return
     inputs = [_assemble(catalog, name, [(r, t) for r, t in pieces if r.input == ii])
               for ii, name in enumerate(step.inputs)]
     results = step.fn(inputs)
@@ -58,52 +103,82 @@ def _run_step(plan: Plan, catalog: Catalog, si: int, pieces: list[tuple[Route, t
         sink.put(spec, tensor.to(spec.dtype))
 
 
-def _read_batch(batch: Batch, group: Group, reader) -> tuple[dict[int, torch.Tensor], list[list[torch.Tensor]]]:
-    """This rank's pieces of the batch: those it writes itself, and per peer those it sends."""
+_ALIGN = 64
+
+
+def _slot(route: Route) -> int:
+    """Bytes a piece takes in a batch buffer: its size rounded up, so every piece starts aligned for any dtype."""
+    return -(-route.nbytes // _ALIGN) * _ALIGN
+
+
+class BatchBuffers:
+    """The two buffers every batch reuses: pieces this rank reads, and pieces it receives.
+
+    A fresh tensor per piece costs a page fault and zero-filling per page, about as much as the copy that
+    fills it; reused buffers are faulted in once. In the read buffer the pieces for each peer lie in rank
+    order, so the bytes to send are one block and go out without a gathering copy; the rank's own come last.
+    """
+
+    def __init__(self):
+        self.read = self.recv = torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def fit(buf: torch.Tensor, size: int) -> torch.Tensor:
+        return buf if buf.numel() >= size else torch.empty(size, dtype=torch.uint8)
+
+
+def _read_batch(batch: Batch, group: Group, reader, buffers: BatchBuffers) -> tuple[dict[int, torch.Tensor],
+                                                                                       torch.Tensor, list[int]]:
+    """This rank's pieces of the batch: those it writes itself by route index, and the block it sends with
+    the bytes for each peer."""
+    me = group.rank
+    mine = sorted(((i, r) for i, r in enumerate(batch.routes) if r.reader == me),
+                  key=lambda ir: (ir[1].writer == me, ir[1].writer, ir[0]))
+    buffers.read = buf = buffers.fit(buffers.read, sum(_slot(r) for _, r in mine))
     local: dict[int, torch.Tensor] = {}
-    sends: list[list[torch.Tensor]] = [[] for _ in range(group.world)]
-    for i, route in enumerate(batch.routes):
-        if route.reader != group.rank:
-            continue
+    send_split = [0] * group.world
+    at = 0
+    for i, route in mine:
+        out = buf[at:at + route.nbytes].view(route.dtype).view(route.piece.sizes)
+        at += _slot(route)
         # Copy (and cast) out of the mapped file at once, then hand its pages back: at most one piece of
         # the source is ever resident, however large the batch.
-        data = reader.read(route.copy, route.piece, route.stored).to(route.dtype, copy=True)
+        data = reader.read(route.copy, route.piece, route.stored)
+        if tuple(data.shape) != route.piece.sizes:  # copy_ would broadcast a wrong shape silently
+            raise MergerError(f"tensor {route.copy.key} piece read as {tuple(data.shape)}, planned "
+                              f"{route.piece.sizes}, {route.copy.file}")
+        out.copy_(data)
+        del data
         reader.release()
-        if route.writer == group.rank:
-            local[i] = data
+        if route.writer == me:
+            local[i] = out
         else:
-            sends[route.writer].append(data)
-    return local, sends
+            send_split[route.writer] += _slot(route)
+    return local, buf[:sum(send_split)], send_split
 
 
-def _receive(batch: Batch, group: Group, local: dict[int, torch.Tensor], sends: list[list[torch.Tensor]]) -> None:
+def _receive(batch: Batch, group: Group, local: dict[int, torch.Tensor], send: torch.Tensor,
+             send_split: list[int], buffers: BatchBuffers) -> None:
     """One all_to_all: every piece reaches its writer; received pieces are added to `local` by route index."""
     me = group.rank
     incoming = [(i, r) for i, r in enumerate(batch.routes) if r.writer == me and r.reader != me]
-    recv_bytes = [0] * group.world
+    recv_split = [0] * group.world
     for _, r in incoming:
-        recv_bytes[r.reader] += r.nbytes
-    received = group.exchange(sends, recv_bytes)
-    cursor = [0] * group.world
+        recv_split[r.reader] += _slot(r)
+    buffers.recv = buffers.fit(buffers.recv, sum(recv_split))
+    received = group.exchange(send, send_split, buffers.recv[:sum(recv_split)], recv_split)
+    cursor = [sum(recv_split[:r]) for r in range(group.world)]  # each peer's block, pieces in route order
     for i, route in incoming:
         start = cursor[route.reader]
-        cursor[route.reader] += route.nbytes
-        local[i] = received[route.reader][start:start + route.nbytes].view(route.dtype).reshape(route.piece.sizes)
-
-
-def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int, local: dict[int, torch.Tensor],
-                 sink: Sink) -> None:
-    by_step: dict[int, list[tuple[Route, torch.Tensor]]] = {}
-    for i, route in enumerate(batch.routes):
-        if route.writer == me:
-            by_step.setdefault(route.step, []).append((route, local.pop(i)))
-    for si in batch.steps:
-        if plan.writers[si] == me:
-            _run_step(plan, catalog, si, by_step.pop(si, []), sink)  # pop: each step's pieces die with it
+        cursor[route.reader] += _slot(route)
+        local[i] = received[start:start + route.nbytes].view(route.dtype).view(route.piece.sizes)
 
 
 class BatchObserver(Protocol):
     """Optional hooks around batches (the merge uses them to fsync and checksum files as they complete)."""
+
+    def step_written(self, step: int) -> None:
+        """This rank has handed step `step`'s outputs to the sink."""
 
     def written(self, index: int) -> None:
         """This rank has handed its outputs of batch `index` to the sink (a failure here counts as a write error)."""
@@ -112,12 +187,28 @@ class BatchObserver(Protocol):
         """A sync point has shown that every rank wrote batches [0, count) without error."""
 
 
+def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int, local: dict[int, torch.Tensor],
+                 sink: Sink, observer: BatchObserver | None) -> None:
+    by_step: dict[int, list[tuple[Route, torch.Tensor]]] = {}
+    for i, route in enumerate(batch.routes):
+        if route.writer == me:
+            by_step.setdefault(route.step, []).append((route, local.pop(i)))
+    for si in batch.steps:
+        if plan.writers[si] == me:
+            _run_step(plan, catalog, si, by_step.pop(si, []), sink)  # pop: each step's pieces die with it
+            if observer:
+                observer.step_written(si)
+
+
 def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: Progress | None = None,
              debug: bool = False, reader=None, observer: BatchObserver | None = None) -> None:
     """Stream the whole plan through `sink`. Raises MergerError on every rank if any rank fails.
 
-    Each batch has two sync points: after reading (so no rank enters the exchange when a peer could not
-    read its pieces) and the exchange itself; a write failure is reported at the next batch's first one.
+    Reading and writing overlap: while a writer thread writes batch k, the main thread reads batch k + 1
+    into the other set of buffers (so two batches are in flight; the plan gives each half the budget).
+    Each batch has two sync points: after reading and after the previous batch is written (so no rank
+    enters the exchange when a peer could not read its pieces, and a failed write stops every rank before
+    the next exchange), and the exchange itself.
     `reader`, when given, was opened and checked already (the merge checks files before creating output).
     """
     error = None
@@ -127,28 +218,40 @@ def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: P
             reader.check_files(catalog.files_of_rank(group.rank, group.world))
         except Exception as e:  # noqa: BLE001 - every failure must reach the sync point, or peers would hang
             error = describe_error(e, group.rank, debug)
-    for index, batch in enumerate(plan.batches):
-        local, sends = {}, []
-        if error is None:
-            try:
-                local, sends = _read_batch(batch, group, reader)
-            except Exception as e:  # noqa: BLE001
-                error = describe_error(e, group.rank, debug)
-        group.agree(error)
-        if observer:
-            observer.confirmed(index)
-        if group.distributed:
-            _receive(batch, group, local, sends)
-        del sends
+
+    def write(index: int, batch: Batch, local: dict[int, torch.Tensor]) -> str | None:
         try:
-            _write_batch(plan, catalog, batch, group.rank, local, sink)
+            _write_batch(plan, catalog, batch, group.rank, local, sink, observer)
             if observer:
                 observer.written(index)
-        except Exception as e:  # noqa: BLE001
-            error = describe_error(e, group.rank, debug)
-        del local
-        if progress and error is None:
+        except Exception as e:  # noqa: BLE001 - reported at the next sync point
+            return describe_error(e, group.rank, debug)
+        if progress:
             progress.advance(batch.out_bytes)
+        return None
+
+    buffers = (BatchBuffers(), BatchBuffers())
+    writing: Future | None = None
+    with ThreadPoolExecutor(1, thread_name_prefix="merger-write") as writer:
+        for index, batch in enumerate(plan.batches):
+            local, send, send_split = {}, torch.empty(0, dtype=torch.uint8), [0] * group.world
+            if error is None:
+                try:
+                    local, send, send_split = _read_batch(batch, group, reader, buffers[index % 2])
+                except Exception as e:  # noqa: BLE001
+                    error = describe_error(e, group.rank, debug)
+            if writing is not None:
+                error = error or writing.result()
+            group.agree(error)
+            if observer:
+                observer.confirmed(index)
+            if group.distributed:
+                _receive(batch, group, local, send, send_split, buffers[index % 2])
+            del send
+            writing = writer.submit(write, index, batch, local)
+            del local
+        if writing is not None:
+            error = error or writing.result()
     group.agree(error)
     if observer:
         observer.confirmed(len(plan.batches))

@@ -95,6 +95,27 @@ def test_hostile_metadata_is_refused_without_running_code(dcp_root, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("damage", ["truncated", "chunk overwritten"])
+def test_damaged_chunk_file_names_the_file(damage, dcp_root, tmp_path):
+    """Chunks are viewed in the mapped .distcp file: a short file or bytes that are no torch.save blob give one
+    clear line naming the file, and nothing at the target."""
+    folder = tmp_path / "damaged"
+    shutil.copytree(dcp_root / "plain", folder)
+    victim = sorted(folder.glob("__*.distcp"))[-1]
+    data = bytearray(victim.read_bytes())
+    if damage == "truncated":
+        victim.write_bytes(data[: len(data) // 2])
+    else:
+        data[: len(data) // 2] = bytes(len(data) // 2)
+        victim.write_bytes(data)
+    proc = run_merger("merge", "--local_dir", folder, "--target_dir", tmp_path / "out", check=False)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
+    assert len(errors) == 1 and errors[0].endswith(str(victim)), proc.stderr
+    assert ("truncated" if damage == "truncated" else "not a torch.save blob") in errors[0]
+    assert not (tmp_path / "out").exists()
+
+
 def test_torchtitan_llama_to_hf(torchtitan_root, tmp_path):
     """Names and wq/wk permutation equal torchtitan's own to_hf of the unsharded model, bit for bit."""
     run_merger("merge", "--local_dir", torchtitan_root / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",

@@ -3,13 +3,12 @@ accelerate (SHARDED_STATE_DICT, `checkpoint-N/pytorch_model_fsdp_0/`) and torcht
 
 The catalog comes from `.metadata` alone: every tensor's global shape and dtype, its chunks (N-dimensional
 boxes with offsets) and the byte range of each chunk in its .distcp file, where DCP's FileSystemWriter
-stores one `torch.save` blob per chunk. A merge rank reads exactly those byte ranges, nothing else.
+stores one `torch.save` blob per chunk. A merge rank maps the files it opened and reads exactly those
+byte ranges, in place (torch_save_blob.py), nothing else.
 Optimizer state and non-tensor entries are skipped; the `model.` nesting accelerate adds is stripped.
 """
 from __future__ import annotations
 
-import io
-import os
 import re
 from pathlib import Path
 
@@ -18,6 +17,8 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from .dcp_metadata import METADATA_FILE, load_metadata
+from .mapped_states import MappedStates, map_file
+from .torch_save_blob import BlobError, tensor_in_blob
 
 CHUNK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 ACCELERATE_DIR = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME + "_" + model index 0
@@ -144,38 +145,23 @@ def open_catalog(root: Path, prefix: str | None = None) -> Catalog:
     )
 
 
-def load_chunk(fd: int, copy: PieceCopy) -> torch.Tensor:
-    """The tensor one DCP chunk holds: its byte range (a torch.save blob) read with pread, loaded weights_only."""
+def chunk_view(maps: MappedStates, copy: PieceCopy) -> torch.Tensor:
+    """The tensor one DCP chunk holds (its byte range is a torch.save blob), viewed in the mapped file."""
     offset, length = copy.byte_range
-    data = os.pread(fd, length, offset)
-    if len(data) != length:
-        raise MergerError(f"tensor {copy.key}: read {len(data)} of {length} bytes at {offset} (truncated?), "
-                          f"{copy.file}")
+    blob = maps.bytes_at(copy.file, offset, length)
     try:
-        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises RuntimeError/UnpicklingError for bytes that are no torch.save blob
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise MergerError(f"tensor {copy.key}: chunk at byte {offset} is not a torch.save blob "
-                          f"({first_line}), {copy.file}") from e
-    if not isinstance(value, torch.Tensor):
-        raise MergerError(f"tensor {copy.key}: chunk at byte {offset} holds a {type(value).__name__}, {copy.file}")
-    return value
+        return tensor_in_blob(memoryview(blob.numpy()))
+    except BlobError as e:
+        raise MergerError(f"tensor {copy.key}: chunk at byte {offset} is not a torch.save blob of a tensor "
+                          f"({e}), {copy.file}") from e
 
 
 class DcpReader:
-    """Reads each chunk's byte range from its .distcp file and unpickles it with torch.load(weights_only=True)."""
+    """Views each chunk in its mapped .distcp file; the stream copies it out and the pages are handed back."""
 
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
-        self.fds: dict[str, int] = {}
-
-    def _fd(self, file: str) -> int:
-        if file not in self.fds:
-            try:
-                self.fds[file] = os.open(file, os.O_RDONLY)
-            except FileNotFoundError as e:
-                raise MergerError(f"DCP chunk file is missing, {file}") from e
-        return self.fds[file]
+        self.maps = MappedStates(map_file)
 
     def check_files(self, files: list[str]) -> None:
         ends: dict[str, int] = {}
@@ -184,17 +170,17 @@ class DcpReader:
                 for c in piece.copies:
                     ends[c.file] = max(ends.get(c.file, 0), c.byte_range[0] + c.byte_range[1])
         for file in files:
-            size = os.fstat(self._fd(file)).st_size
+            size = len(self.maps[file])
             if size < ends.get(file, 0):
                 raise MergerError(f"DCP chunk file is {size} bytes but .metadata places data up to byte "
                                   f"{ends[file]} (truncated?), {file}")
 
     def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
-        value = load_chunk(self._fd(copy.file), copy)
+        value = chunk_view(self.maps, copy)
         if tuple(value.shape) != piece.sizes or value.dtype != dtype:
             raise MergerError(f"tensor {copy.key}: chunk at byte {copy.byte_range[0]} holds {tuple(value.shape)} "
                               f"{value.dtype}, .metadata says {piece.sizes} {dtype}, {copy.file}")
         return value
 
     def release(self) -> None:
-        """Nothing stays mapped: each chunk is read into its own buffer, which dies with its step."""
+        self.maps.release()

@@ -2,7 +2,8 @@
 
 Used for a HF folder given as the checkpoint (a cast and reshard), for a LoRA base model, and for verl's
 Megatron workers that save the weights this way into `huggingface/` beside a `dist_ckpt/` holding none.
-Headers alone give every tensor's name, shape, dtype and exact byte range, so reading is a pread of that range.
+Headers alone give every tensor's name, shape, dtype and exact byte range, so reading views that range
+in the mapped file.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
-from ..safetensors_io import TensorEntry, read_header, read_tensor
+from ..safetensors_io import read_header
+from .mapped_states import MappedStates, map_file
 
 INDEX = "model.safetensors.index.json"
 
@@ -59,10 +61,11 @@ def open_catalog(root: Path, format_root: Path | None = None) -> Catalog:
 
 
 class SafetensorsReader:
-    """Reads each piece with pread from its planned byte range: nothing stays mapped, so release has no work."""
+    """Views each piece's planned byte range in its mapped file; the stream copies it out, pages handed back."""
 
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
+        self.maps = MappedStates(map_file)
 
     def check_files(self, files: list[str]) -> None:
         for f in files:
@@ -71,7 +74,7 @@ class SafetensorsReader:
 
     def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
         begin, length = copy.byte_range
-        return read_tensor(copy.file, begin, TensorEntry(copy.key, dtype, piece.sizes, 0, length))
+        return self.maps.bytes_at(copy.file, begin, length).view(dtype).view(piece.sizes)
 
     def release(self) -> None:
-        pass
+        self.maps.release()

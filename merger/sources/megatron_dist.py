@@ -19,8 +19,9 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
-from .dcp import chunk_location, load_chunk
+from .dcp import chunk_location, chunk_view
 from .dcp_metadata import load_metadata
+from .mapped_states import MappedStates, map_file
 from ..megatron.keys import split_key, take, with_index
 from ..megatron.layout import checkpoint_dir
 
@@ -96,10 +97,11 @@ def open_catalog(root: Path) -> Catalog:
 
 
 class DistReader:
-    """Reads the chunk a piece lies in (a DCP chunk: pread + weights_only) and takes the piece's layer out of it."""
+    """Views the chunk a piece lies in (a DCP chunk, in its mapped file) and takes the piece's layer out of it."""
 
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
+        self.maps = MappedStates(map_file)
 
     def check_files(self, files: list[str]) -> None:
         for file in files:
@@ -108,15 +110,11 @@ class DistReader:
 
     def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
         key, sl = split_key(copy.key)
-        fd = os.open(copy.file, os.O_RDONLY)
-        try:
-            data = take(load_chunk(fd, copy), sl)
-        finally:
-            os.close(fd)
+        data = take(chunk_view(self.maps, copy), sl)
         if tuple(data.shape) != piece.sizes or data.dtype != dtype:
             raise MergerError(f"chunk of {key.split('@')[0]} is {tuple(data.shape)} {data.dtype}, metadata says "
                               f"{piece.sizes} {dtype}, {copy.file}")
         return data
 
     def release(self) -> None:
-        pass  # nothing is kept: the stream copies the piece out and the chunk dies with it
+        self.maps.release()
