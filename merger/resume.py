@@ -43,9 +43,9 @@ _RUNTIME_OPTIONS = {"local_dir", "target_dir", "max_inflight", "device", "overwr
 _CHUNK = 16 << 20
 
 
-def hash_range(digest, path: Path, start: int, end: int) -> None:
-    """Feed bytes [start, end) of `path` to `digest`, 16 MiB at a time through one reused buffer."""
-    buf = memoryview(bytearray(min(_CHUNK, max(end - start, 1))))
+def hash_range(digest, path: Path, start: int, end: int, buf: memoryview | None = None) -> None:
+    """Feed bytes [start, end) of `path` to `digest` through `buf` (16 MiB when not given)."""
+    buf = buf if buf is not None else memoryview(bytearray(_CHUNK))
     with open(path, "rb", buffering=0) as f:
         f.seek(start)
         while start < end:
@@ -189,6 +189,7 @@ class FileTracker:
         self.hashed = {i: 0 for i in pending}  # bytes handed to the hashing thread so far
         self.cursor = {i: 0 for i in pending}  # stretches handed over so far
         self.digests = {i: hashlib.sha256() for i in pending}
+        self.buffer = memoryview(bytearray(_CHUNK)) if pending else None  # the hashing thread's, reused
         self.futures: list[Future] = []
         self.lock = threading.Lock()  # the manifest, written by the hashing thread
         self.handing = threading.Lock()  # the cursors: steps are written on stream.py's writer thread
@@ -227,7 +228,7 @@ class FileTracker:
 
     def _hash(self, index: int, start: int, end: int, last: bool) -> None:
         name = self.plan.files[index].name
-        hash_range(self.digests[index], self.stage / name, start, end)
+        hash_range(self.digests[index], self.stage / name, start, end, self.buffer)
         if last:
             with self.lock:
                 self.manifest["output_files"][name]["sha256"] = self.digests[index].hexdigest()

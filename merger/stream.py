@@ -8,6 +8,7 @@ written), bounded by the plan's budget.
 """
 from __future__ import annotations
 
+import gc
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
@@ -211,6 +212,9 @@ def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: P
     the next exchange), and the exchange itself.
     `reader`, when given, was opened and checked already (the merge checks files before creating output).
     """
+    # The catalog, the plan and torch's modules live to the end: exempt them from the garbage collector, whose
+    # full passes would otherwise walk them all again and again while the batches allocate.
+    gc.freeze()
     error = None
     if reader is None:
         reader = catalog.open_reader()
