@@ -41,6 +41,7 @@ _MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
 
 
 def measure(cmd: list[str], cap: int | None = None) -> tuple[float, int, int]:
+    os.sync()  # no run starts while the previous one's output is still being written back to disk
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     prefix = [PY, "-c", _MEASURE]
     preexec = None
