@@ -56,6 +56,12 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                    help="LoRA rank, when the checkpoint has no lora_train_meta.json")
     p.add_argument(*_flag("--lora_alpha"), dest="lora_alpha", type=float, default=None,
                    help="LoRA alpha, when the checkpoint has no lora_train_meta.json")
+    p.add_argument(*_flag("--base_model"), dest="base_model", type=Path, default=None,
+                   help="adapter-only checkpoints (accelerate adapter_only DCP): HF safetensors folder to fold the "
+                        "adapter into (default: write the adapter as a PEFT adapter folder)")
+    p.add_argument(*_flag("--adapter_config"), dest="adapter_config", type=Path, default=None,
+                   help="adapter-only checkpoints: their adapter_config.json, file or folder (default: look in "
+                        "checkpoint-N/ and its parent)")
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
