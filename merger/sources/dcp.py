@@ -18,6 +18,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from .dcp_metadata import METADATA_FILE, load_metadata
+from .dcp_safetensors import DcpSafetensorsReader, holds_safetensors
 
 CHUNK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 ACCELERATE_DIR = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME + "_" + model index 0
@@ -135,8 +136,10 @@ def open_catalog(root: Path, prefix: str | None = None) -> Catalog:
     files = sorted({c.file for t in tensors.values() for p in t.pieces for c in p.copies}, key=_file_order)
     skipped = sum(1 for m in metadata.state_dict_metadata.values() if isinstance(m, BytesStorageMetadata))
     skipped += len(tensor_fqns) - len(chosen)
+    # FileSystemWriter(serialization_format=SAFETENSORS) stores chunks in safetensors form: its own reader.
+    reader = DcpSafetensorsReader if holds_safetensors(tensors) else DcpReader
     return Catalog(
-        format="dcp", root=folder, tensors=tensors, files=files, reader_factory=DcpReader,
+        format="dcp", root=folder, tensors=tensors, files=files, reader_factory=reader,
         hf_dir=_hf_dir(root, folder),
         details={"saved_by_ranks": len({_file_order(f)[0] for f in files}),
                  "chunks": sum(len(t.pieces) for t in tensors.values()),
