@@ -94,6 +94,16 @@ def test_alpha_unknown_or_contradicted_is_an_error(dcp_peft_root, tmp_path, caps
     assert not (tmp_path / "y").exists()
 
 
+def test_flags_that_do_not_apply_are_errors(dcp_peft_root, tmp_path, capsys):
+    output = _trainer_output(dcp_peft_root, tmp_path, with_config=True)
+    assert _cli("merge", "--local_dir", output / "checkpoint-1", "--target_dir", tmp_path / "x", "--verify") == 1
+    assert "--verify checks a merged model; the output here is an adapter folder" in capsys.readouterr().err
+    base = dcp_peft_root / "base"  # a whole model: --base_model would be silently ignored
+    assert _cli("merge", "--local_dir", base, "--target_dir", tmp_path / "y", "--base_model", base) == 1
+    assert "--base_model applies to adapter-only checkpoints" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
 def test_base_model_gives_the_merged_model(dcp_peft_root, tmp_path):
     """--base_model folds the adapter as merge_and_unload does (bit for bit in fp32), config and tokenizer from
     the base, the adapter beside it in lora_adapter/; --adapter-config names the config by hand."""

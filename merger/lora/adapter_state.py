@@ -41,6 +41,14 @@ def is_adapter_state(catalog: Catalog) -> bool:
             and any(split_key(n) for n in names) and not is_peft_state(catalog))
 
 
+def refuse_adapter_flags(options: MergeOptions, catalog: Catalog) -> None:
+    """--base_model / --adapter_config on any other checkpoint would be ignored: say so instead."""
+    for flag, value in (("--base_model", options.base_model), ("--adapter_config", options.adapter_config)):
+        if value is not None:
+            raise MergerError(f"{flag} applies to adapter-only checkpoints (accelerate's adapter_only DCP save), "
+                              f"and this {catalog.format} checkpoint holds a whole model, {catalog.root}")
+
+
 def _config_paths(catalog: Catalog, flag: Path | None) -> list[Path]:
     """Where an adapter_config.json may be: the flag's file (or folder), else checkpoint-N/ and its parent."""
     if flag is not None:
@@ -93,6 +101,9 @@ def prepare_adapter_state(catalog: Catalog, options: MergeOptions, world: int) -
     """The plan for an adapter-only checkpoint: an adapter folder, or with --base_model the folded model."""
     keys = file_keys(catalog, catalog.root)
     if options.base_model is None:
+        if options.verify:  # verification reads the model's weight files back, and an adapter folder has none
+            raise MergerError(f"--verify checks a merged model; the output here is an adapter folder (pass "
+                              f"--base_model to merge one, or drop --verify), {catalog.root}")
         config = peft_config(catalog, keys, options, None)
         adapter_from_catalog(str(catalog.root), config, "", catalog)  # checks the config against the tensors
         plan = plan_layout(catalog, _adapter_steps(catalog, "", ""), world, options.max_shard_size,
