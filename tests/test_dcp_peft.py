@@ -93,6 +93,15 @@ def test_alpha_unknown_or_contradicted_is_an_error(dcp_peft_root, tmp_path, caps
     assert "--lora-alpha 8.0 disagrees with adapter_config.json's lora_alpha=16" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
 
+    # a config from another run (another r) is caught by the tensors' shapes, and the error names that config
+    stale = tmp_path / "stale.json"
+    saved = json.loads((output / "adapter_config.json").read_text())
+    stale.write_text(json.dumps(dict(saved, r=8, rank_pattern={})))
+    assert _cli("merge", "--local_dir", output / "checkpoint-1", "--target_dir", tmp_path / "z",
+                "--adapter_config", stale) == 1
+    err = capsys.readouterr().err
+    assert "has rank 4 but the adapter config gives module" in err and str(stale) in err, err
+
 
 def test_flags_that_do_not_apply_are_errors(dcp_peft_root, tmp_path, capsys):
     output = _trainer_output(dcp_peft_root, tmp_path, with_config=True)

@@ -65,9 +65,10 @@ def _model_config(options: MergeOptions, catalog: Catalog) -> dict:
     return read_config(Path(hf_dir)) if hf_dir is not None and (Path(hf_dir) / "config.json").is_file() else {}
 
 
-def peft_config(catalog: Catalog, keys: dict[str, str], options: MergeOptions, base: dict[str, str] | None) -> dict:
-    """The adapter's config: a saved adapter_config.json (checked against --lora_r/--lora_alpha), else one built
-    from the tensors and the flags; lora_alpha is never guessed."""
+def peft_config(catalog: Catalog, keys: dict[str, str], options: MergeOptions,
+                base: dict[str, str] | None) -> tuple[dict, str]:
+    """The adapter's config and where it came from: a saved adapter_config.json (checked against --lora_r /
+    --lora_alpha), else one built from the tensors and the flags; lora_alpha is never guessed."""
     paths = _config_paths(catalog, options.adapter_config)
     found = next((p for p in paths if p.is_file()), paths[0] if options.adapter_config is not None else None)
     if found is not None:
@@ -75,7 +76,7 @@ def peft_config(catalog: Catalog, keys: dict[str, str], options: MergeOptions, b
         resolve_flag(config["r"], options.lora_r, "r", "--lora-r", found)
         resolve_flag(config["lora_alpha"], options.lora_alpha, "lora_alpha", "--lora-alpha", found)
         log.info("merger: adapter config from %s", found)
-        return config
+        return config, f"adapter in {catalog.root} with config {found}"
     if not options.lora_alpha:
         raise MergerError(f"the checkpoint holds only a LoRA adapter and its lora_alpha is unknown: no {CONFIG_FILE} "
                           f"in {paths[0].parent} or {paths[1].parent}; pass --lora-alpha (and --lora-r) as used in "
@@ -87,7 +88,7 @@ def peft_config(catalog: Catalog, keys: dict[str, str], options: MergeOptions, b
         config["base_model_name_or_path"] = str(Path(options.base_model).absolute())
     elif model_config.get("_name_or_path"):
         config["base_model_name_or_path"] = model_config["_name_or_path"]
-    return config
+    return config, f"adapter in {catalog.root}"
 
 
 def _adapter_steps(catalog: Catalog, prefix: str, folder: str) -> list[Step]:
@@ -104,16 +105,16 @@ def prepare_adapter_state(catalog: Catalog, options: MergeOptions, world: int) -
         if options.verify:  # verification reads the model's weight files back, and an adapter folder has none
             raise MergerError(f"--verify checks a merged model; the output here is an adapter folder (pass "
                               f"--base_model to merge one, or drop --verify), {catalog.root}")
-        config = peft_config(catalog, keys, options, None)
-        adapter_from_catalog(str(catalog.root), config, "", catalog)  # checks the config against the tensors
+        config, name = peft_config(catalog, keys, options, None)
+        adapter_from_catalog(name, config, "", catalog)  # checks the config against the tensors
         plan = plan_layout(catalog, _adapter_steps(catalog, "", ""), world, options.max_shard_size,
                            options.max_inflight)
         # No HF folder: the target is an adapter folder, not a model (no config.json to complete).
         return Prepared(catalog, None, {}, plan, {}, {CONFIG_FILE: json.dumps(config, indent=2) + "\n"})
     base_dir = Path(options.base_model)
     base = open_base(base_dir)
-    config = peft_config(catalog, keys, options, {n: n for n in base.tensors})
-    adapter = adapter_from_catalog(str(catalog.root), config, ADAPTER_PART, catalog)
+    config, name = peft_config(catalog, keys, options, {n: n for n in base.tensors})
+    adapter = adapter_from_catalog(name, config, ADAPTER_PART, catalog)
     return fold_into_base(base_dir, base, {ADAPTER_PART: catalog}, [adapter] if options.lora == "fuse" else [],
                           options, world, "hf_safetensors+dcp_adapter",
                           tuple(_adapter_steps(catalog, ADAPTER_PART, ADAPTER_DIR)),
