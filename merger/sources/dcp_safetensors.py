@@ -41,7 +41,7 @@ def holds_safetensors(tensors: dict[str, SourceTensor]) -> bool:
     return struct.unpack("<Q", head[:8])[0] > 0 and head[8:9] == b"{"
 
 
-def _saved_offsets(metadata: dict[str, str], file: str) -> dict[str, tuple[int, ...]]:
+def saved_offsets(metadata: dict[str, str], file: str) -> dict[str, tuple[int, ...]]:
     try:
         info = json.loads(metadata[SHARDING_INFO])
         return {fqn: tuple(int(o) for o in v["saved_offsets"]) for fqn, v in info.items()}
@@ -75,7 +75,7 @@ class DcpSafetensorsReader:
             raise MergerError(f".metadata places this file's tensors at several offsets {sorted(starts)}, but a "
                               f"safetensors-format DCP file holds them in one safetensors part, {file}")
         data_start, entries, metadata = read_header(file, starts.pop() if starts else 0)
-        saved = _saved_offsets(metadata, file)
+        saved = saved_offsets(metadata, file)
         for t, piece, c in chunks:
             entry = entries.get(c.key)
             if entry is None:

@@ -7,7 +7,9 @@ Every rank builds the same seeded model, shards it with `fully_shard` (FSDP2) an
 - DIR/plain: `model.state_dict()`, with `huggingface/` (config + tokenizer) inside;
 - DIR/checkpoint-1/pytorch_model_fsdp_0: `{"model": ..., "optimizer": ...}` as accelerate nests it, with Adam's
   state, whose param_groups are non-tensor entries written as raw bytes before each file's safetensors part,
-  and thread_count=2, so each rank writes two files. Its config + tokenizer go to DIR/hf.
+  and thread_count=2, so each rank writes two files. Its config + tokenizer go to DIR/hf;
+- DIR/hf_sharded: `model.state_dict()` through torch's HuggingFaceStorageWriter(save_distributed=True) without
+  consolidation: one `shard-{rank}-model-00001-of-00001.safetensors` per rank and no .metadata at all.
 Rank 0 writes the oracle, the unsharded model's own `save_pretrained` output, to DIR/reference.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
 
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.filesystem import SerializationFormat
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -52,6 +55,10 @@ def main() -> None:
     dcp.save(state, storage_writer=dcp.FileSystemWriter(
         args.out / "checkpoint-1" / "pytorch_model_fsdp_0", thread_count=2,
         serialization_format=SerializationFormat.SAFETENSORS))
+    model = build_model("llama")
+    shard(model, mesh)
+    dcp.save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(args.out / "hf_sharded",
+                                                                          save_distributed=True))
     dist.barrier()
     dist.destroy_process_group()
 
