@@ -31,7 +31,8 @@ def _flag(*names: str) -> list[str]:
 def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(*_flag("--local_dir"), dest="local_dir", type=Path, required=True,
                    help="checkpoint folder (e.g. global_step_100/actor)")
-    p.add_argument("--backend", default="auto", help="checkpoint format: auto (default), fsdp, dcp, dcp_hf, megatron, hf")
+    p.add_argument("--backend", default="auto",
+                   help="checkpoint format: auto (default), fsdp, dcp, dcp_hf, megatron, hf")
     p.add_argument("--prefix", default=None,
                    help="DCP: prefix to take off tensor names and keep only those under it, e.g. 'model' "
                         "(default: 'model.' when accelerate nested the state dict; '' keeps names as saved)")
