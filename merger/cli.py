@@ -31,7 +31,8 @@ def _flag(*names: str) -> list[str]:
 def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(*_flag("--local_dir"), dest="local_dir", type=Path, required=True,
                    help="checkpoint folder (e.g. global_step_100/actor)")
-    p.add_argument("--backend", default="auto", help="checkpoint format: auto (default), fsdp, dcp, megatron, hf")
+    p.add_argument("--backend", default="auto",
+                   help="checkpoint format: auto (default), fsdp, dcp, dcp_hf, megatron, hf")
     p.add_argument("--prefix", default=None,
                    help="DCP: prefix to take off tensor names and keep only those under it, e.g. 'model' "
                         "(default: 'model.' when accelerate nested the state dict; '' keeps names as saved)")
@@ -56,6 +57,12 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                    help="LoRA rank, when the checkpoint has no lora_train_meta.json")
     p.add_argument(*_flag("--lora_alpha"), dest="lora_alpha", type=float, default=None,
                    help="LoRA alpha, when the checkpoint has no lora_train_meta.json")
+    p.add_argument(*_flag("--base_model"), dest="base_model", type=Path, default=None,
+                   help="adapter-only checkpoints (accelerate adapter_only DCP): HF safetensors folder to fold the "
+                        "adapter into (default: write the adapter as a PEFT adapter folder)")
+    p.add_argument(*_flag("--adapter_config"), dest="adapter_config", type=Path, default=None,
+                   help="adapter-only checkpoints: their adapter_config.json, file or folder (default: look in "
+                        "checkpoint-N/ and its parent)")
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:

@@ -37,7 +37,7 @@ log = logging.getLogger("merger")
 @dataclass
 class Prepared:
     catalog: Catalog
-    hf_dir: Path
+    hf_dir: Path | None  # None: the target is no HF model folder (an adapter folder), nothing to copy from
     config: dict
     plan: Plan
     config_updates: dict = field(default_factory=dict)
@@ -62,6 +62,11 @@ def prepare(options: MergeOptions, group: Group) -> Prepared:
     """Catalog and plan, identical on every rank, from metadata alone."""
     def build():
         catalog = open_catalog(Path(options.local_dir), options.backend, options.prefix)
+        from .lora.adapter_state import is_adapter_state, prepare_adapter_state, refuse_adapter_flags
+
+        if is_adapter_state(catalog):  # accelerate's adapter-only save of a PEFT model: no base weights in it
+            return prepare_adapter_state(catalog, options, group.world)
+        refuse_adapter_flags(options, catalog)
         hf_dir = resolve_hf_dir(catalog, options)
         config = read_config(hf_dir)
         mapping = build_mapping(catalog, config, options, hf_dir)

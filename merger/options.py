@@ -36,6 +36,8 @@ class MergeOptions:
     lora: str = "fuse"  # PEFT-wrapped checkpoints: fold the adapter in, or write it apart ("separate")
     lora_r: int | None = None
     lora_alpha: float | None = None
+    base_model: Path | None = None  # adapter-only checkpoints: the HF folder to fold the adapter into
+    adapter_config: Path | None = None  # adapter-only checkpoints: their adapter_config.json (file or folder)
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -196,7 +196,7 @@ def _write_config(stage: Path, dtype_name: str | None, config_updates: dict) -> 
     _write_into(stage, "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
-def finish(stage: Path, plan: Plan, hf_dir: Path, out_dtype: torch.dtype | None, manifest: dict,
+def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype | None, manifest: dict,
            config_updates: dict | None = None, extra_files: dict[str, str] | None = None) -> None:
     """Rank 0, after every rank wrote its bytes: index, config, tokenizer files, extra files (relative path ->
     text, e.g. an adapter's config), manifest, in the staging folder.
@@ -207,11 +207,13 @@ def finish(stage: Path, plan: Plan, hf_dir: Path, out_dtype: torch.dtype | None,
         total = sum(f.size - len(f.prefix) for f in plan.model_files)
         index = {"metadata": {"total_size": total}, "weight_map": plan.weight_map}
         _write_into(stage, "model.safetensors.index.json", (json.dumps(index, indent=2) + "\n").encode())
-    copied = _copy_hf_files(hf_dir, stage)
-    if "config.json" not in copied:
-        raise MergerError(f"no config.json to copy (pass --hf_model_config_path), {hf_dir}")
-    dtype_name = str(out_dtype).removeprefix("torch.") if out_dtype is not None else None
-    _write_config(stage, dtype_name, config_updates or {})
+    copied = []
+    if hf_dir is not None:  # None: the target is no HF model (an adapter folder): no config to complete
+        copied = _copy_hf_files(hf_dir, stage)
+        if "config.json" not in copied:
+            raise MergerError(f"no config.json to copy (pass --hf_model_config_path), {hf_dir}")
+        dtype_name = str(out_dtype).removeprefix("torch.") if out_dtype is not None else None
+        _write_config(stage, dtype_name, config_updates or {})
     for name, text in (extra_files or {}).items():
         (stage / name).parent.mkdir(parents=True, exist_ok=True)
         _write_into(stage, name, text.encode())

@@ -153,7 +153,8 @@ def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size:
     steps = sorted(steps, key=lambda s: natural_key(s.outputs[0].name) if s.outputs else ())
     outputs = [spec for step in steps for spec in step.outputs]
 
-    groups = _layout_files([s for s in outputs if s.file is None], max_shard_size)
+    # no model file at all when every output goes to a side file (an adapter folder as the whole target)
+    groups = [g for g in _layout_files([s for s in outputs if s.file is None], max_shard_size) if g]
     named = [(_file_name(i, len(groups)), g, True) for i, g in enumerate(groups)]
     side: dict[str, list[OutputSpec]] = {}
     for spec in outputs:

@@ -65,20 +65,23 @@ def _strict_int(value: object) -> int:
     return value
 
 
-def read_header(path: str) -> tuple[int, dict[str, TensorEntry], dict[str, str]]:
+def read_header(path: str, start: int = 0) -> tuple[int, dict[str, TensorEntry], dict[str, str]]:
     """Parse and validate a safetensors header: (data_start, entries by name, metadata).
 
-    Refuses, before allocating anything for data, a header length past the file, offsets that are not
-    contiguous from 0, sizes that disagree with dtype and shape, and a data section of the wrong length.
+    `start` is where the safetensors bytes begin (a DCP file in safetensors format may put other entries before
+    them); they run to the end of the file. Refuses, before allocating anything for data, a header length past
+    the file, offsets that are not contiguous from 0, sizes that disagree with dtype and shape, and a data
+    section of the wrong length.
     """
     try:
         file_size = os.path.getsize(path)
         with open(path, "rb") as f:
+            f.seek(start)
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise MergerError(f"not a safetensors file (shorter than 8 bytes), {path}")
             (n,) = struct.unpack("<Q", prefix)
-            if n > MAX_HEADER_BYTES or 8 + n > file_size:
+            if n > MAX_HEADER_BYTES or start + 8 + n > file_size:
                 raise MergerError(f"safetensors header length {n} runs past the file ({file_size} bytes), {path}")
             raw = f.read(n)
     except OSError as e:
@@ -111,10 +114,10 @@ def read_header(path: str) -> tuple[int, dict[str, TensorEntry], dict[str, str]]
         if e.begin != expected:
             raise MergerError(f"safetensors entry {e.name!r} overlaps or leaves a gap at byte {e.begin}, {path}")
         expected = e.end
-    if 8 + n + expected != file_size:
-        raise MergerError(f"safetensors data section is {file_size - 8 - n} bytes but the header describes "
+    if start + 8 + n + expected != file_size:
+        raise MergerError(f"safetensors data section is {file_size - start - 8 - n} bytes but the header describes "
                           f"{expected}, {path}")
-    return 8 + n, entries, metadata
+    return start + 8 + n, entries, metadata
 
 
 def read_tensor(path: str, data_start: int, entry: TensorEntry) -> torch.Tensor:

@@ -7,6 +7,7 @@ the HF model, without `base_model.model.`): a saved adapter folder (`adapter_con
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,10 @@ from ..errors import MergerError
 from .fold import lora_scale, pattern_value
 
 PEFT_PREFIX = "base_model.model."
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# transformers models built on Conv1D, whose weights are stored [in, out] (PEFT's fan_in_fan_out)
+_CONV1D_MODELS = {"gpt2", "openai-gpt", "imagegpt", "decision_transformer"}
 # LoRA variants whose merge is not W + scale * B @ A (or DoRA): refused rather than folded wrongly.
 _UNSUPPORTED = ("alora_invocation_tokens", "arrow_config", "kasa_config", "layer_replication", "megatron_config",
                 "monteclora_config", "target_parameters", "trainable_token_indices", "use_bdlora", "use_qalora",
@@ -87,13 +92,21 @@ def build_adapter(name: str, config: dict, keys: dict[str, str], shapes: dict[st
 
 
 def read_adapter_config(folder: Path) -> dict:
-    path = folder / "adapter_config.json"
+    if not (folder / CONFIG_FILE).is_file():
+        raise MergerError(f"no adapter_config.json in the adapter folder, {folder}")
+    return read_config_file(folder / CONFIG_FILE)
+
+
+def read_config_file(path: Path) -> dict:
+    """An adapter_config.json, checked: a LoRA adapter with positive r and lora_alpha, no variant we cannot fold."""
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError as e:
-        raise MergerError(f"no adapter_config.json in the adapter folder, {folder}") from e
+        raise MergerError(f"adapter config file does not exist, {path}") from e
     except (OSError, ValueError) as e:
         raise MergerError(f"cannot read adapter_config.json ({e}), {path}") from e
+    if not isinstance(config, dict):
+        raise MergerError(f"adapter_config.json is not a JSON object, {path}")
     if config.get("peft_type", "LORA") != "LORA":
         raise MergerError(f"adapter is {config.get('peft_type')}, merger merges LORA adapters, {path}")
     for key in ("r", "lora_alpha"):
@@ -111,8 +124,8 @@ def open_adapter_catalog(folder: Path) -> Catalog:
 
     if not folder.is_dir():
         raise MergerError(f"adapter folder does not exist, {folder}")
-    if (folder / "adapter_model.safetensors").is_file():
-        return catalog_of_files([folder / "adapter_model.safetensors"], folder, "peft_adapter")
+    if (folder / WEIGHTS_FILE).is_file():
+        return catalog_of_files([folder / WEIGHTS_FILE], folder, "peft_adapter")
     if (folder / "adapter_model.bin").is_file():
         return open_file_catalog(folder / "adapter_model.bin", "peft_adapter")
     raise MergerError(f"no adapter_model.safetensors or adapter_model.bin in the adapter folder, {folder}")
@@ -120,11 +133,55 @@ def open_adapter_catalog(folder: Path) -> Catalog:
 
 def adapter_from_folder(folder: Path, prefix: str, catalog: Catalog) -> LoraAdapter:
     """The adapter in `folder`, whose tensors are in the merge catalog under `prefix` + file key."""
-    config = read_adapter_config(folder)
+    return adapter_from_catalog(str(folder), read_adapter_config(folder), prefix, catalog)
+
+
+def file_keys(catalog: Catalog, where: object) -> dict[str, str]:
+    """Adapter-file-form key (without `base_model.model.`) -> tensor name, for a catalog of adapter-file names."""
     keys = {}
     for key in catalog.tensors:
         if not key.startswith(PEFT_PREFIX):
-            raise MergerError(f"adapter tensor {key} does not start with {PEFT_PREFIX}, {folder}")
-        keys[key[len(PEFT_PREFIX):]] = prefix + key
+            raise MergerError(f"adapter tensor {key} does not start with {PEFT_PREFIX}, {where}")
+        keys[key[len(PEFT_PREFIX):]] = key
+    return keys
+
+
+def adapter_from_catalog(name: str, config: dict, prefix: str, catalog: Catalog) -> LoraAdapter:
+    """The adapter whose tensors `catalog` holds by adapter-file name, found in a merge catalog under `prefix`."""
+    keys = {key: prefix + tensor for key, tensor in file_keys(catalog, name).items()}
     shapes = {prefix + k: t.shape for k, t in catalog.tensors.items()}
-    return build_adapter(str(folder), config, keys, shapes)
+    return build_adapter(name, config, keys, shapes)
+
+
+def config_from_tensors(keys: dict[str, str], shapes: dict[str, tuple], model_config: dict,
+                        base: dict[str, str] | None, r: int | None, alpha: float, known: dict) -> dict:
+    """adapter_config.json for an adapter saved without one: r and alpha as given (r defaults to the most common
+    rank), the rest (ranks per module, targets, DoRA, lora_bias, modules_to_save) from the tensors themselves.
+
+    `keys` maps adapter-file-form keys to source tensors; `base` (HF name -> tensor), when the base model is known,
+    lets a leaf name (`q_proj`) stand for its modules when every module of that name is adapted; without it the
+    targets are the full module names. `known` may give task_type and use_rslora.
+    """
+    # module -> its lora_A (or lora_embedding_A) tensor: the rank is that tensor's first dim
+    modules = {split[0]: src for k, src in keys.items() if (split := split_key(k)) and split[1] == "a"}
+    ranks = Counter(shapes[src][0] for src in modules.values())
+    r = r or (ranks.most_common(1)[0][0] if ranks else 0)
+    rank_pattern = {m: shapes[src][0] for m, src in sorted(modules.items()) if shapes[src][0] != int(r)}
+    saved = sorted({k.rsplit(".", 1)[0] for k in keys if not split_key(k) and ".base_layer." not in k})
+    leaves = {m.rsplit(".", 1)[-1] for m in modules}
+    if base is None:
+        targets = sorted(modules)
+    else:
+        base_modules = {n.rsplit(".", 1)[0] for n in base}
+        every_leaf_adapted = all(m in modules for m in base_modules if m.rsplit(".", 1)[-1] in leaves)
+        targets = sorted(leaves if every_leaf_adapted else modules)
+    return {
+        "peft_type": "LORA", "task_type": known.get("task_type", "CAUSAL_LM"), "base_model_name_or_path": None,
+        "r": int(r), "lora_alpha": alpha, "use_rslora": bool(known.get("use_rslora", False)),
+        "target_modules": targets, "rank_pattern": rank_pattern, "alpha_pattern": {},
+        "modules_to_save": saved or None,
+        "fan_in_fan_out": model_config.get("model_type") in _CONV1D_MODELS,
+        "use_dora": any(k.endswith(".lora_magnitude_vector") for k in keys),
+        "lora_bias": any(k.endswith(".lora_B.bias") for k in keys),
+        "lora_dropout": 0.0, "bias": "none", "inference_mode": True, "init_lora_weights": True,
+    }

@@ -10,29 +10,28 @@ from __future__ import annotations
 
 import json
 import re
-from collections import Counter
 from pathlib import Path
 
 from ..catalog import Catalog
 from ..errors import MergerError
 from ..options import MergeOptions
 from ..plan import OutputSpec, Step
-from .adapter import PEFT_PREFIX, build_adapter, split_key
+from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, build_adapter, config_from_tensors, split_key
 from .steps import fold_steps
 
 ADAPTER_DIR = "lora_adapter"
-ADAPTER_FILE = f"{ADAPTER_DIR}/adapter_model.safetensors"
+ADAPTER_FILE = f"{ADAPTER_DIR}/{WEIGHTS_FILE}"
 META = "lora_train_meta.json"
 _PART = re.compile(r"^(.*)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)"
                    r"(\.weight|\.bias)?$")
 _SAVED = re.compile(r"^(.*)\.modules_to_save\.([^.]+)\.(.*)$")
-# transformers models built on Conv1D, whose weights are stored [in, out] (PEFT's fan_in_fan_out)
-_CONV1D_MODELS = {"gpt2", "openai-gpt", "imagegpt", "decision_transformer"}
 
 
 def is_peft_state(catalog: Catalog) -> bool:
+    """A PEFT-wrapped model's state: LoRA parts named with their adapter (`lora_A.default.weight`). An adapter-only
+    state (`lora_A.weight`, as in an adapter file) is lora/adapter_state.py's."""
     names = list(catalog.tensors)
-    return all(n.startswith(PEFT_PREFIX) for n in names) and any(_PART.match(n) for n in names)
+    return all(n.startswith(PEFT_PREFIX) for n in names) and any(_PART.match(n) and not split_key(n) for n in names)
 
 
 def _split_names(catalog: Catalog) -> tuple[dict[str, str], dict[str, str], set[str]]:
@@ -65,43 +64,25 @@ def _read_meta(root: Path) -> dict:
     return meta
 
 
-def _resolve(meta: dict, flag, key: str, flag_name: str, root: Path):
-    """A value from the meta file, else the flag; both given and different is an error, not a guess."""
-    known = meta.get(key)
+def resolve_flag(known, flag, key: str, flag_name: str, source: Path):
+    """A value the checkpoint records, else the flag; both given and different is an error, not a guess."""
     if known is not None and flag is not None and float(known) != float(flag):
-        raise MergerError(f"{flag_name} {flag} disagrees with {META}'s {key}={known}, {root / META}")
+        raise MergerError(f"{flag_name} {flag} disagrees with {source.name}'s {key}={known}, {source}")
     return known if known is not None else flag
 
 
 def adapter_config(catalog: Catalog, config: dict, options: MergeOptions, keys: dict[str, str],
                    base: dict[str, str]) -> dict:
     """adapter_config.json for the checkpoint's adapter: r and alpha from the meta file or flags, the rest
-    (ranks per module, targets, DoRA, lora_bias, modules_to_save) from the tensors themselves."""
+    from the tensors themselves."""
     meta = _read_meta(catalog.root)
-    # module -> its lora_A (or lora_embedding_A) tensor: the rank is that tensor's first dim
-    modules = {split[0]: src for k, src in keys.items() if (split := split_key(k)) and split[1] == "a"}
-    ranks = Counter(catalog.tensors[src].shape[0] for src in modules.values())
-    r = _resolve(meta, options.lora_r, "r", "--lora-r", catalog.root) or (ranks.most_common(1)[0][0] if ranks else 0)
-    alpha = _resolve(meta, options.lora_alpha, "lora_alpha", "--lora-alpha", catalog.root)
+    r = resolve_flag(meta.get("r"), options.lora_r, "r", "--lora-r", catalog.root / META)
+    alpha = resolve_flag(meta.get("lora_alpha"), options.lora_alpha, "lora_alpha", "--lora-alpha", catalog.root / META)
     if not alpha:
         raise MergerError(f"the checkpoint holds a LoRA adapter but its lora_alpha is unknown: no {META} with "
                           f"lora_alpha; pass --lora-alpha (and --lora-r) as used in training, {catalog.root}")
-    rank_pattern = {m: catalog.tensors[src].shape[0] for m, src in sorted(modules.items())
-                    if catalog.tensors[src].shape[0] != int(r)}
-    saved = sorted({k.rsplit(".", 1)[0] for k in keys if not split_key(k)})
-    leaves = {m.rsplit(".", 1)[-1] for m in modules}
-    base_modules = {n.rsplit(".", 1)[0] for n in base}
-    every_leaf_adapted = all(m in modules for m in base_modules if m.rsplit(".", 1)[-1] in leaves)
-    return {
-        "peft_type": "LORA", "task_type": meta.get("task_type", "CAUSAL_LM"), "base_model_name_or_path": None,
-        "r": int(r), "lora_alpha": alpha, "use_rslora": bool(meta.get("use_rslora", False)),
-        "target_modules": sorted(leaves if every_leaf_adapted else modules),
-        "rank_pattern": rank_pattern, "alpha_pattern": {}, "modules_to_save": saved or None,
-        "fan_in_fan_out": config.get("model_type") in _CONV1D_MODELS,
-        "use_dora": any(k.endswith(".lora_magnitude_vector") for k in keys),
-        "lora_bias": any(k.endswith(".lora_B.bias") for k in keys),
-        "lora_dropout": 0.0, "bias": "none", "inference_mode": True, "init_lora_weights": True,
-    }
+    shapes = {n: t.shape for n, t in catalog.tensors.items()}
+    return config_from_tensors(keys, shapes, config, base, r, alpha, meta)
 
 
 def peft_state_mapping(catalog: Catalog, config: dict, options: MergeOptions):
@@ -121,4 +102,4 @@ def peft_state_mapping(catalog: Catalog, config: dict, options: MergeOptions):
                                                     catalog.tensors[src].dtype, ADAPTER_FILE),))
                            for key, src in keys.items()]
     return Mapping(steps, {"tie_word_embeddings": False} if fused.untied else {},
-                   {f"{ADAPTER_DIR}/adapter_config.json": json.dumps(peft_config, indent=2) + "\n"})
+                   {f"{ADAPTER_DIR}/{CONFIG_FILE}": json.dumps(peft_config, indent=2) + "\n"})

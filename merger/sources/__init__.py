@@ -16,6 +16,7 @@ BACKENDS = {
     "fsdp": "fsdp",
     "megatron": "megatron",
     "dcp": "dcp",  # after formats that wrap a DCP folder in their own layout (Megatron torch_dist)
+    "dcp_hf": "dcp_hf_shards",  # before hf: its shard-*.safetensors files would pass for a HF folder's
     "hf": "hf_safetensors",
 }
 # Backends whose tensor names can carry a nesting prefix that `--prefix` chooses.

@@ -17,6 +17,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from .dcp_metadata import METADATA_FILE, load_metadata
+from .dcp_safetensors import DcpSafetensorsReader, holds_safetensors
 from .mapped_states import MappedStates, map_file
 from .torch_save_blob import BlobError, tensor_in_blob
 
@@ -136,8 +137,10 @@ def open_catalog(root: Path, prefix: str | None = None) -> Catalog:
     files = sorted({c.file for t in tensors.values() for p in t.pieces for c in p.copies}, key=_file_order)
     skipped = sum(1 for m in metadata.state_dict_metadata.values() if isinstance(m, BytesStorageMetadata))
     skipped += len(tensor_fqns) - len(chosen)
+    # FileSystemWriter(serialization_format=SAFETENSORS) stores chunks in safetensors form: its own reader.
+    reader = DcpSafetensorsReader if holds_safetensors(tensors) else DcpReader
     return Catalog(
-        format="dcp", root=folder, tensors=tensors, files=files, reader_factory=DcpReader,
+        format="dcp", root=folder, tensors=tensors, files=files, reader_factory=reader,
         hf_dir=_hf_dir(root, folder),
         details={"saved_by_ranks": len({_file_order(f)[0] for f in files}),
                  "chunks": sum(len(t.pieces) for t in tensors.values()),
