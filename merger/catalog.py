@@ -68,7 +68,8 @@ class PieceReader(Protocol):
         """Open `files` and check them against the catalog (shapes, placements); raise MergerError."""
 
     def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
-        """The piece's data, shape `piece.sizes`, stored as `dtype` (checked); may be a view into a mapped file."""
+        """The piece's data as stored (the stream checks it has shape `piece.sizes` and dtype `dtype`); may be a
+        view into a mapped file."""
 
     def release(self) -> None:
         """Drop whatever the last reads kept resident (mapped pages), so memory stays flat."""

@@ -145,9 +145,10 @@ def _read_batch(batch: Batch, group: Group, reader, buffers: BatchBuffers) -> tu
         # Copy (and cast) out of the mapped file at once, then hand its pages back: at most one piece of
         # the source is ever resident, however large the batch.
         data = reader.read(route.copy, route.piece, route.stored)
-        if tuple(data.shape) != route.piece.sizes:  # copy_ would broadcast a wrong shape silently
-            raise MergerError(f"tensor {route.copy.key} piece read as {tuple(data.shape)}, planned "
-                              f"{route.piece.sizes}, {route.copy.file}")
+        # One check for every format: copy_ would broadcast a wrong shape and cast a wrong dtype silently.
+        if tuple(data.shape) != route.piece.sizes or data.dtype != route.stored:
+            raise MergerError(f"tensor {route.copy.key} is {tuple(data.shape)} {data.dtype} here, the plan "
+                              f"expects {route.piece.sizes} {route.stored}, {route.copy.file}")
         out.copy_(data)
         del data
         reader.release()
