@@ -24,7 +24,7 @@ from .options import MergeOptions
 from .output import FileSink, finish, hf_files_to_copy, prepare_files, write_manifest
 from .plan import Plan, plan_layout
 from .progress import Progress
-from .resume import FileTracker, resume_candidates, skip_finished, start_manifest, verify_share
+from .resume import FileTracker, resume_candidates, skip_finished, start_manifest, verify_share, why_not_done
 from .source_identity import check_unchanged, source_identity
 from .sources import open_catalog
 from .stream import run_plan
@@ -121,7 +121,9 @@ def _source_paths(options: MergeOptions, prepared: Prepared) -> list[Path]:
 def _open_target(options: MergeOptions, prepared: Prepared) -> Target:
     """Rank 0: where the output goes, checked against the source, before anything is written."""
     target = resolve_target(Path(options.target_dir), _source_paths(options, prepared), prepared.hf_dir,
-                            prepared.catalog.files, options.overwrite)
+                            prepared.catalog.files)
+    if target.earlier and not (options.overwrite or options.resume):
+        target.refuse_earlier()
     if target.beside_config:
         if prepared.config_updates:
             raise MergerError(f"the merged model needs changes to config.json ({', '.join(prepared.config_updates)}), "
@@ -151,6 +153,14 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
         lock.acquire()  # before the staging folder is touched: it may be another merge's, live
         sources.update(source_identity(prepared.catalog))
         manifest = start_manifest(prepared.catalog, sources, options, plan, group.world)
+        if target.earlier and not options.overwrite:  # --resume: the merge may have finished already
+            reason = why_not_done(target.path, manifest)
+            if reason is None:
+                log.info("merger: --resume: %s already holds this merge, complete and intact: nothing to do",
+                         target.path)
+                return target, None, None
+            log.info("merger: --resume: the merge at %s is not this one (%s)", target.path, reason)
+            target.refuse_earlier()
         if target.stage.exists() and not options.resume:
             log.info("merger: removing the partial merge left in %s (--resume would reuse it)", target.stage)
         return target, manifest, resume_candidates(target.stage, manifest) if options.resume else {}
@@ -160,6 +170,8 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
     try:
         target, manifest, candidates = group.all_gather(
             on_every_rank(group, setup if group.rank == 0 else (lambda: (None, None, None)), options.debug))[0]
+        if manifest is None:
+            return None  # --resume found the merge finished
         stage = target.stage
         # Every rank checks a share of the files to reuse: one read of them in all, spread over the ranks.
         shares = group.all_gather(on_every_rank(

@@ -90,6 +90,27 @@ def _mismatch(old: dict, new: dict) -> str | None:
     return None if before == layout else "the output layout changed"
 
 
+def why_not_done(folder: Path, manifest: dict) -> str | None:
+    """Rank 0, `--resume` on a target holding a finished merge: None when it is this very merge (same source,
+    options, version and layout) with every file's bytes intact, else the reason it is not."""
+    try:
+        old = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        return f"its manifest cannot be read ({e})"
+    if not isinstance(old, dict) or old.get("complete") is not True:
+        return "it is not a complete merge"
+    reason = _mismatch(old, manifest)
+    if reason:
+        return reason
+    for name, info in manifest["output_files"].items():
+        try:
+            if sha256_file(folder / name) != old["output_files"][name].get("sha256"):
+                return f"{name} no longer matches its checksum"
+        except OSError:
+            return f"{name} cannot be read"
+    return None
+
+
 def resume_candidates(stage: Path, manifest: dict) -> dict[str, str]:
     """Rank 0: files of `stage` that a resumed merge may keep if their bytes still hash right: name -> sha256.
 

@@ -29,6 +29,10 @@ class Target:
     stage: Path  # where the output is written until it is complete
     lock: Path  # held for the whole merge: one merge per target
     beside_config: bool = False  # the source's HF config folder: weights are added there, nothing replaced
+    earlier: bool = False  # holds an earlier merger output, which only --overwrite replaces
+
+    def refuse_earlier(self) -> None:
+        raise MergerError(f"target folder holds an earlier merge: pass --overwrite to replace it, {self.path}")
 
 
 def earlier_merge(folder: Path) -> dict | None:
@@ -63,9 +67,9 @@ def _check_not_in_source(real: Path, target: Path, sources: list[Path], config_d
                               f"writes into its source: choose a --target_dir outside it, {target}")
 
 
-def resolve_target(target: Path, sources: list[Path], hf_dir: Path | None, data_files: list[str],
-                   overwrite: bool) -> Target:
-    """Check `target` against the source folders and files; create its parent. Rank 0, before any output."""
+def resolve_target(target: Path, sources: list[Path], hf_dir: Path | None, data_files: list[str]) -> Target:
+    """Check `target` against the source folders and files; create its parent. Rank 0, before any output.
+    An earlier merger output there is left for the caller to judge (`Target.earlier`)."""
     target = Path(target).absolute()
     if target.is_symlink():
         raise MergerError(f"target is a symbolic link, which the final rename would replace by a folder: give "
@@ -85,16 +89,13 @@ def resolve_target(target: Path, sources: list[Path], hf_dir: Path | None, data_
         if os.path.ismount(target):
             raise MergerError(f"target is a mount point, which the final rename cannot replace: choose a folder "
                               f"inside it, {target}")
-        if any(target.iterdir()):
-            if earlier_merge(target) is None:
-                raise MergerError(f"target folder is not empty and holds no merger output (no {MANIFEST}): merger "
-                                  f"replaces only an empty folder or an earlier merge; choose another --target_dir, "
-                                  f"{target}")
-            if not overwrite:
-                raise MergerError(f"target folder holds an earlier merge: pass --overwrite to replace it, {target}")
+    earlier = target.is_dir() and any(target.iterdir())
+    if earlier and earlier_merge(target) is None:
+        raise MergerError(f"target folder is not empty and holds no merger output (no {MANIFEST}): merger "
+                          f"replaces only an empty folder or an earlier merge; choose another --target_dir, {target}")
     _check_parent(target.parent)
     return Target(target, target.parent / f".{target.name}.merger-partial",
-                  target.parent / f".{target.name}.merger-lock")
+                  target.parent / f".{target.name}.merger-lock", earlier=earlier)
 
 
 def _check_parent(parent: Path) -> None:

@@ -261,3 +261,19 @@ def test_bad_sizes_are_one_line_naming_the_flag(ckpt, tmp_path):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert f"argument {flag}" in proc.stderr and f"cannot read size '{value}'" in proc.stderr
         assert not (tmp_path / "out").exists()
+
+
+def test_resume_after_a_merge_that_finished_has_nothing_to_do(ckpt, reference, tmp_path, capsys):
+    """README's `--keep-partial`, then `--resume`, when the first run was not interrupted after all."""
+    out = tmp_path / "out"
+    assert merge_here(capsys, "--local_dir", ckpt, "--target_dir", out, "--keep-partial")[0] == 0
+    before = snapshot(out)
+    resumed = run_merger("merge", "--local_dir", ckpt, "--target_dir", out, "--resume", nproc=2)
+    assert "already holds this merge, complete and intact: nothing to do" in resumed.stderr
+    assert snapshot(out) == before
+
+    other = run_merger("merge", "--local_dir", ckpt, "--target_dir", out, "--resume", "--dtype", "float32",
+                       check=False)
+    assert other.returncode == 1 and "options that shape the output changed" in other.stderr
+    assert "pass --overwrite to replace it" in other.stderr and snapshot(out) == before
+    assert_same_weights(out, reference, torch.bfloat16)
