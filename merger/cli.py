@@ -43,6 +43,7 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                    help="folder with config.json and tokenizer (default: huggingface/ inside the checkpoint)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
                    help="output dtype of floating tensors (default bfloat16, as verl); keep = source dtype")
+    _add_overflow_arg(p)
     p.add_argument(*_flag("--tie_word_embedding"), dest="tie_word_embedding", action="store_true",
                    help="write lm_head once, tied to the input embedding, whatever config.json says")
     p.add_argument(*_flag("--trust_remote_code"), dest="trust_remote_code", action="store_true",
@@ -63,6 +64,12 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(*_flag("--adapter_config"), dest="adapter_config", type=Path, default=None,
                    help="adapter-only checkpoints: their adapter_config.json, file or folder (default: look in "
                         "checkpoint-N/ and its parent)")
+
+
+def _add_overflow_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(*_flag("--allow_overflow"), dest="allow_overflow", action="store_true",
+                   help="with --dtype float16: write inf for values beyond float16's range (default: fail, "
+                        "naming the tensors)")
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -86,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument(*_flag("--target_dir"), dest="target_dir", type=Path, required=True)
     merge.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
                        help="largest output safetensors file (default 5GB; 200KB, 2GB or bytes)")
-    merge.add_argument("--overwrite", action="store_true", help="replace a non-empty target folder")
+    merge.add_argument("--overwrite", action="store_true",
+                       help="replace an earlier merger output at the target (never any other folder)")
     merge.add_argument(*_flag("--keep_partial"), dest="keep_partial", action="store_true",
                        help="on failure keep the staging folder .<target>.merger-partial (default: remove it)")
     merge.add_argument("--resume", action="store_true",
@@ -115,8 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument(*_flag("--target_dir"), dest="target_dir", type=Path, required=True)
     lora.add_argument("--dtype", choices=list(DTYPES), default="keep",
                       help="output dtype of floating tensors (default keep: the base's dtype, as PEFT)")
+    _add_overflow_arg(lora)
     lora.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB")
-    lora.add_argument("--overwrite", action="store_true", help="replace a non-empty target folder")
+    lora.add_argument("--overwrite", action="store_true",
+                      help="replace an earlier merger output at the target (never any other folder)")
     _add_run_args(lora)
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint and the planned output, reading no tensor data")

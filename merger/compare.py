@@ -192,10 +192,10 @@ def report(group: Group, sink: CompareSink, planned: set[str], reference: Refere
 
 def compare_with_folder(plan: Plan, catalog: Catalog, group: Group, folder: Path, *, atol: float = 0.0,
                         rtol: float = 0.0, cast: bool = True, label: str = "test",
-                        debug: bool = False) -> CompareResult:
+                        debug: bool = False, allow_overflow: bool = False) -> CompareResult:
     """Stream `plan` and compare every output with `folder` on every rank; the same result on all ranks."""
     reference = on_every_rank(group, lambda: ReferenceModel(Path(folder)), debug)
     sink = CompareSink(reference, atol, rtol, cast)
     progress = Progress(plan.total_bytes, "comparing") if group.rank == 0 else None
-    run_plan(plan, catalog, group, sink, progress, debug)
+    run_plan(plan, catalog, group, sink, progress, debug, allow_overflow=allow_overflow)
     return report(group, sink, set(plan.weight_map), reference, label)

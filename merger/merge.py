@@ -21,14 +21,16 @@ from .mapping import build_mapping, read_config
 from .memory import peak_rss_bytes
 from .model_class import config_updates
 from .options import MergeOptions
-from .output import (FileSink, check_target, finish, hf_files_to_copy, prepare_files, staging_dir, swap_into_place,
-                     write_manifest)
+from .output import FileSink, finish, hf_files_to_copy, prepare_files, write_manifest
 from .plan import Plan, plan_layout
 from .progress import Progress
-from .resume import FileTracker, resume_candidates, skip_finished, start_manifest, verify_share
+from .resume import FileTracker, resume_candidates, skip_finished, start_manifest, verify_share, why_not_done
+from .source_identity import check_unchanged, source_identity
 from .sources import open_catalog
 from .stream import run_plan
 from .summary import write_summary
+from .target import Target, check_config_dir_entries, place, resolve_target
+from .target_lock import TargetLock
 from .units import format_size
 
 log = logging.getLogger("merger")
@@ -101,7 +103,7 @@ def verify_staged(stage: Path, prepared: Prepared, group: Group, options: MergeO
     """Re-run the plan against what was written: every tensor byte-equal to its source after the same cast,
     the files' headers and index sound. Raises on every rank when anything is off."""
     result = compare_with_folder(prepared.plan, prepared.catalog, group, stage, cast=False, label="verify",
-                                 debug=options.debug)
+                                 debug=options.debug, allow_overflow=options.allow_overflow)
     if not result.ok:
         raise MergerError(f"the written output failed verification ({result.differ} tensors differ, "
                           f"{result.missing + result.extra} names disagree, {len(result.problems)} index "
@@ -109,70 +111,123 @@ def verify_staged(stage: Path, prepared: Prepared, group: Group, options: MergeO
     return result
 
 
-def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, target: Path,
-                     started: float) -> CompareResult | None:
+def _source_paths(options: MergeOptions, prepared: Prepared) -> list[Path]:
+    """Every folder and file the merge reads: a target may be none of them, hold none and lie in none."""
+    c = prepared.catalog
+    paths = [Path(options.local_dir), Path(c.root), *{Path(f).parent for f in c.files}]
+    return paths + [Path(p) for p in (prepared.hf_dir, options.base_model, options.adapter_config) if p is not None]
+
+
+def _open_target(options: MergeOptions, prepared: Prepared) -> Target:
+    """Rank 0: where the output goes, checked against the source, before anything is written."""
+    target = resolve_target(Path(options.target_dir), _source_paths(options, prepared), prepared.hf_dir,
+                            prepared.catalog.files)
+    if target.earlier and not (options.overwrite or options.resume):
+        target.refuse_earlier()
+    if target.beside_config:
+        if prepared.config_updates:
+            raise MergerError(f"the merged model needs changes to config.json ({', '.join(prepared.config_updates)}), "
+                              f"and merger does not change the checkpoint's own config folder: choose a --target_dir "
+                              f"outside the checkpoint, {target.path}")
+        added = {f.name.split("/")[0] for f in prepared.plan.files} | {n.split("/")[0] for n in prepared.extra_files}
+        check_config_dir_entries(target, sorted(added | {"model.safetensors.index.json"}), options.overwrite)
+        log.info("merger: adding the weights to the checkpoint's config folder %s, beside its config and tokenizer "
+                 "(config.json is left as it is)", target.path)
+    return target
+
+
+def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, started: float) -> CompareResult | None:
     """Stream into the staging folder, finish it, verify it when asked, rename it into place.
 
     On failure the staging folder is removed (or kept for --keep-partial / --resume): the target only
-    ever holds a complete model.
+    ever holds a complete model. Rank 0 holds the target's lock throughout, so no other merge writes there.
     """
-    plan, stage = prepared.plan, staging_dir(target)
-    reader = open_checked_reader(prepared, group, options.debug)
-    manifest: dict = {}
+    plan = prepared.plan
+    lock: TargetLock | None = None
+    sources: dict = {}  # rank 0: the source files' identity, from before the first tensor byte is read
 
     def setup():
-        check_target(target, options.overwrite)
-        manifest.update(start_manifest(prepared.catalog, options, plan, group.world))
-        if stage.exists() and not options.resume:
-            log.info("merger: removing the partial merge left in %s (--resume would reuse it)", stage)
-        return resume_candidates(stage, manifest) if options.resume else {}
+        nonlocal lock
+        target = _open_target(options, prepared)
+        lock = TargetLock(target.lock, target.path)
+        lock.acquire()  # before the staging folder is touched: it may be another merge's, live
+        sources.update(source_identity(prepared.catalog))
+        manifest = start_manifest(prepared.catalog, sources, options, plan, group.world)
+        if target.earlier and not options.overwrite:  # --resume: the merge may have finished already
+            reason = why_not_done(target.path, manifest)
+            if reason is None:
+                log.info("merger: --resume: %s already holds this merge, complete and intact: nothing to do",
+                         target.path)
+                return target, None, None
+            log.info("merger: --resume: the merge at %s is not this one (%s)", target.path, reason)
+            target.refuse_earlier()
+        if target.stage.exists() and not options.resume:
+            log.info("merger: removing the partial merge left in %s (--resume would reuse it)", target.stage)
+        return target, manifest, resume_candidates(target.stage, manifest) if options.resume else {}
 
-    def create_files():
-        for name in reused:
-            manifest["output_files"][name]["sha256"] = reused[name]
-        if options.resume:
-            log.info("merger: --resume: reusing %d of %d output files (checksums verified) from %s", len(reused),
-                     len(plan.files), stage)
-        prepare_files(stage, plan, keep=frozenset(reused))
-        write_manifest(stage, manifest)
-
-    sink = tracker = None
+    reader = open_checked_reader(prepared, group, options.debug)  # bad input fails before anything is created
+    target = sink = tracker = None
     try:
-        candidates = group.all_gather(on_every_rank(group, setup if group.rank == 0 else dict, options.debug))[0]
+        target, manifest, candidates = group.all_gather(
+            on_every_rank(group, setup if group.rank == 0 else (lambda: (None, None, None)), options.debug))[0]
+        if manifest is None:
+            return None  # --resume found the merge finished
+        stage = target.stage
         # Every rank checks a share of the files to reuse: one read of them in all, spread over the ranks.
         shares = group.all_gather(on_every_rank(
             group, lambda: verify_share(stage, candidates, group.rank, group.world), options.debug))
         reused = {name: candidates[name] for share in shares for name in share}
+
+        def create_files():
+            for name in reused:
+                manifest["output_files"][name]["sha256"] = reused[name]
+            if options.resume:
+                log.info("merger: --resume: reusing %d of %d output files (checksums verified) from %s",
+                         len(reused), len(plan.files), stage)
+            prepare_files(stage, plan, keep=frozenset(reused))
+            write_manifest(stage, manifest)
+
         on_rank_zero(group, create_files, options.debug)
         todo = skip_finished(plan, set(reused))
         sink = FileSink(stage, plan, skip=frozenset(reused))
         one_host = len(set(group.all_gather(socket.gethostname()))) == 1  # one page cache: hash as batches land
         tracker = FileTracker(todo, sink, group, stage, manifest, one_host)
         progress = Progress(sum(b.out_bytes for b in todo.batches)) if group.rank == 0 else None
-        run_plan(todo, prepared.catalog, group, sink, progress, options.debug, reader=reader, observer=tracker)
+        run_plan(todo, prepared.catalog, group, sink, progress, options.debug, reader=reader, observer=tracker,
+                 allow_overflow=options.allow_overflow)
         on_every_rank(group, sink.close, options.debug)  # a sync point: every rank's bytes are on disk
 
         def complete():
-            finish(stage, plan, prepared.hf_dir, options.torch_dtype, tracker.final_manifest(),
-                   prepared.config_updates, prepared.extra_files)
+            finish(stage, plan, None if target.beside_config else prepared.hf_dir, options.torch_dtype,
+                   tracker.final_manifest(), prepared.config_updates, prepared.extra_files,
+                   list_added=target.beside_config)
 
         on_rank_zero(group, complete, options.debug)
         verified = verify_staged(stage, prepared, group, options) if options.verify else None
-        on_rank_zero(group, lambda: swap_into_place(stage, target, options.overwrite), options.debug)
+
+        def move_into_place():
+            check_unchanged(prepared.catalog, sources)  # what was read is what the source still is
+            place(target, options.overwrite)
+
+        on_rank_zero(group, move_into_place, options.debug)
     except BaseException:
         if tracker is not None:
             tracker.stop()  # no checksum thread may write into the staging folder while it is removed
         if sink is not None:
             with contextlib.suppress(Exception):
                 sink.close()
-        if group.rank == 0 and stage.exists():
+        if group.rank == 0 and target is not None and target.stage.exists():
             if options.keep_partial or options.resume:
-                log.info("merger: kept the partial merge in %s (rerun with --resume to continue from it)", stage)
+                log.info("merger: kept the partial merge in %s (rerun with --resume to continue from it)",
+                         target.stage)
             else:
-                shutil.rmtree(stage, ignore_errors=True)
+                shutil.rmtree(target.stage, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
     if group.rank == 0:
-        log.info("merger: wrote %s to %s in %.1fs (peak RSS rank 0: %s)", format_size(plan.total_bytes), target,
+        log.info("merger: wrote %s to %s in %.1fs (peak RSS rank 0: %s)", format_size(plan.total_bytes), target.path,
                  time.monotonic() - started, format_size(peak_rss_bytes()))
     return verified
 
@@ -184,7 +239,7 @@ def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = N
     prepared = prepared or prepare(options, group)
     verified, uploaded = None, None
     try:
-        verified = _stage_and_place(options, group, prepared, target, started)
+        verified = _stage_and_place(options, group, prepared, started)
         if options.hf_upload_path:
             from .publish import upload
 

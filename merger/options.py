@@ -1,7 +1,8 @@
 """Everything a merge is told, as one plain dataclass shared by the CLI, the launcher and the tests."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -9,36 +10,50 @@ import torch
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "keep": None}
 
 
+def _shapes_output(default):
+    """An option that changes the bytes a merge writes: `--resume` reuses files only when these are unchanged.
+
+    Options left unmarked change how a merge runs (ranks, memory, logging, checks, publishing), never its output;
+    which checkpoint is read is compared by identity (resolved folder, each file's inode, size, mtime, ctime).
+    """
+    return field(default=default, metadata={"shapes_output": True})
+
+
 @dataclass
 class MergeOptions:
     local_dir: Path
     target_dir: Path | None = None
-    backend: str = "auto"
-    hf_model_config_path: Path | None = None
-    prefix: str | None = None  # DCP: the nesting prefix to take off names (None: detect)
-    model: str = "auto"  # source naming: auto (detect from names), hf, torchtitan-llama
-    dtype: str = "bfloat16"
-    max_shard_size: int = 5_000_000_000
+    backend: str = "auto"  # the detected format is what a resume compares, so an explicit spelling changes nothing
+    hf_model_config_path: Path | None = _shapes_output(None)
+    prefix: str | None = _shapes_output(None)  # DCP: the nesting prefix to take off names (None: detect)
+    model: str = _shapes_output("auto")  # source naming: auto (detect from names), hf, torchtitan-llama
+    dtype: str = _shapes_output("bfloat16")
+    max_shard_size: int = _shapes_output(5_000_000_000)
     max_inflight: int = 1 << 30
     device: str = "auto"
     overwrite: bool = False
-    tie_word_embedding: bool = False
+    tie_word_embedding: bool = _shapes_output(False)
     trust_remote_code: bool = False
     dist_timeout: float = 600.0
     debug: bool = False
     keep_partial: bool = False  # keep the staging folder when a merge fails
     resume: bool = False  # reuse the finished files of an interrupted merge (implies keep_partial)
-    is_value_model: bool = False  # a critic: token-classification head with one label (`score.weight`)
+    is_value_model: bool = _shapes_output(False)  # a critic: token-classification head (`score.weight`)
     verify: bool = False  # re-read the written output and compare it with the source before the rename
     hf_upload_path: str | None = None  # "user/name": publish the finished folder to the Hugging Face Hub
     private: bool = False
     summary_json: Path | None = None
-    lora: str = "fuse"  # PEFT-wrapped checkpoints: fold the adapter in, or write it apart ("separate")
-    lora_r: int | None = None
-    lora_alpha: float | None = None
-    base_model: Path | None = None  # adapter-only checkpoints: the HF folder to fold the adapter into
-    adapter_config: Path | None = None  # adapter-only checkpoints: their adapter_config.json (file or folder)
+    allow_overflow: bool = _shapes_output(False)  # let values beyond float16's range become inf
+    lora: str = _shapes_output("fuse")  # PEFT-wrapped checkpoints: fold the adapter in, or write it apart
+    lora_r: int | None = _shapes_output(None)
+    lora_alpha: float | None = _shapes_output(None)
+    base_model: Path | None = _shapes_output(None)  # adapter-only checkpoints: the HF folder to fold into
+    adapter_config: Path | None = _shapes_output(None)  # adapter-only checkpoints: their adapter_config.json
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
         return DTYPES[self.dtype]
+
+    def output_shaping(self) -> dict:
+        """The options marked as changing the output's bytes, by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("shapes_output")}

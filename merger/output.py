@@ -23,25 +23,8 @@ _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 MANIFEST = "merge_manifest.json"
 
 
-def staging_dir(target: Path) -> Path:
-    return target.parent / f".{target.name}.merger-partial"
-
-
-def check_target(target: Path, overwrite: bool) -> None:
-    if target.exists() and not target.is_dir():
-        raise MergerError(f"target exists and is not a folder, {target}")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise MergerError(f"target folder is not empty (pass --overwrite to replace it), {target}")
-    parent = target.parent
-    if parent.exists() and not parent.is_dir():
-        raise MergerError(f"target's parent is not a folder, {parent}")
-    if not parent.exists():
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise MergerError(f"cannot create the target's parent folder ({e.strerror}), {parent}") from e
-    if not os.access(parent, os.W_OK):
-        raise MergerError(f"target's parent folder is not writable, {parent}")
+def is_weight_file(name: str) -> bool:
+    return name.endswith(_WEIGHT_SUFFIXES) or name in _WEIGHT_INDEXES
 
 
 def check_free_space(folder: Path, needed: int) -> None:
@@ -65,6 +48,9 @@ def prepare_files(stage: Path, plan: Plan, keep: frozenset[str] = frozenset()) -
     if stage.exists() and not keep:
         shutil.rmtree(stage)
     stage.mkdir(parents=True, exist_ok=True)
+    for f in plan.files:  # a resumed merge's unfinished files: written anew, so their space counts as free
+        if f.name not in keep:
+            (stage / f.name).unlink(missing_ok=True)
     check_free_space(stage, sum(f.size for f in plan.files if f.name not in keep))
     for f in plan.files:
         if f.name in keep:
@@ -156,7 +142,7 @@ def hf_files_to_copy(hf_dir: Path) -> list[Path]:
         roots.append((hf_dir.parent.parent / "blobs").resolve())
     files = []
     for src in sorted(hf_dir.iterdir()):
-        if src.name.endswith(_WEIGHT_SUFFIXES) or src.name in _WEIGHT_INDEXES:
+        if is_weight_file(src.name):
             continue
         real = src.resolve()
         if not real.is_file() or not _inside(real, roots):
@@ -197,11 +183,14 @@ def _write_config(stage: Path, dtype_name: str | None, config_updates: dict) -> 
 
 
 def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype | None, manifest: dict,
-           config_updates: dict | None = None, extra_files: dict[str, str] | None = None) -> None:
+           config_updates: dict | None = None, extra_files: dict[str, str] | None = None,
+           list_added: bool = False) -> None:
     """Rank 0, after every rank wrote its bytes: index, config, tokenizer files, extra files (relative path ->
     text, e.g. an adapter's config), manifest, in the staging folder.
 
-    The rename into place (`swap_into_place`) is separate so `--verify` can check the complete folder first.
+    `list_added`: the output joins a folder of the source's (target.py), so the manifest lists what it adds there,
+    which is all a later merge may replace. The move into place (`target.place`) is separate so that `--verify`
+    can check the complete folder first.
     """
     if len(plan.model_files) > 1:
         total = sum(f.size - len(f.prefix) for f in plan.model_files)
@@ -218,6 +207,8 @@ def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype 
         (stage / name).parent.mkdir(parents=True, exist_ok=True)
         _write_into(stage, name, text.encode())
     manifest = dict(manifest, copied_files=copied, complete=True)
+    if list_added:
+        manifest["added_files"] = sorted(p.name for p in stage.iterdir() if not p.name.startswith(MANIFEST))
     manifest.setdefault("output_files", {f.name: {"size": f.size} for f in plan.files})
     write_manifest(stage, manifest)
 
@@ -230,14 +221,3 @@ def write_manifest(stage: Path, manifest: dict) -> None:
         os.replace(tmp, stage / MANIFEST)
     except OSError as e:
         raise MergerError(f"cannot write the merge manifest ({e.strerror}), {tmp}") from e
-
-
-def swap_into_place(stage: Path, target: Path, overwrite: bool) -> None:
-    old = target.parent / f".{target.name}.merger-old"
-    if target.exists():
-        if any(target.iterdir()) and not overwrite:
-            raise MergerError(f"target folder became non-empty during the merge, {target}")
-        target.rename(old)
-    stage.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
-

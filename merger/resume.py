@@ -1,7 +1,8 @@
 """Resuming an interrupted merge: the manifest that says what a staging folder holds, and what can be reused.
 
 `merge_manifest.json` is written into the staging folder before any tensor byte, and kept up to date: the
-source files (sizes, mtimes), the options that shape the output, each output file's size and header digest,
+resolved source folder and each source file's identity (size, mtime, ctime, inode), the options that shape the
+output (MergeOptions marks them), each output file's size and header digest,
 and each output file's sha256 as soon as every rank has written and flushed all of it. `--resume` reuses the
 files whose bytes still hash to the recorded value when source, options and layout are unchanged, and
 skips the steps whose outputs all live in reused files. The finished model keeps the manifest, complete.
@@ -34,12 +35,10 @@ from .errors import MergerError
 from .options import MergeOptions
 from .output import MANIFEST, FileSink, write_manifest
 from .plan import Batch, Plan
+from .source_identity import source_folder
 
 log = logging.getLogger("merger")
 
-# Options that change how a merge runs but not one byte of what it writes.
-_RUNTIME_OPTIONS = {"local_dir", "target_dir", "max_inflight", "device", "overwrite", "dist_timeout", "debug",
-                    "resume", "keep_partial", "log_level"}
 _CHUNK = 16 << 20
 
 
@@ -62,22 +61,15 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def source_fingerprint(catalog: Catalog) -> dict[str, dict[str, int]]:
-    """Size and mtime of every source file, keyed by its path inside the checkpoint folder."""
-    out = {}
-    for f in catalog.files:
-        st = os.stat(f)
-        out[os.path.relpath(f, catalog.root)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    return out
-
-
-def start_manifest(catalog: Catalog, options: MergeOptions, plan: Plan, world: int) -> dict:
-    """What a staging folder is the start of; everything but the `sha256` values is known before streaming."""
-    shaping = {k: v for k, v in dataclasses.asdict(options).items() if k not in _RUNTIME_OPTIONS}
+def start_manifest(catalog: Catalog, sources: dict[str, dict[str, int]], options: MergeOptions, plan: Plan,
+                   world: int) -> dict:
+    """What a staging folder is the start of; everything but the `sha256` values is known before streaming.
+    `sources` is the source files' identity, taken when the checkpoint was opened (source_identity.py)."""
     return {
         "merger_version": __version__, "source_format": catalog.format,
-        "source_dir": str(Path(catalog.root).absolute()), "source_files": source_fingerprint(catalog),
-        "options": json.loads(json.dumps(shaping, default=str)), "dtype": options.dtype, "merge_ranks": world,
+        "source_dir": source_folder(catalog), "source_files": sources,
+        "options": json.loads(json.dumps(options.output_shaping(), default=str)), "dtype": options.dtype,
+        "merge_ranks": world,
         "output_files": {f.name: {"size": f.size, "header_sha256": hashlib.sha256(f.prefix).hexdigest(),
                                   "sha256": None} for f in plan.files},
         "complete": False,
@@ -85,8 +77,9 @@ def start_manifest(catalog: Catalog, options: MergeOptions, plan: Plan, world: i
 
 
 def _mismatch(old: dict, new: dict) -> str | None:
-    for key, what in (("merger_version", "merger version"), ("source_files", "source files"),
-                      ("options", "options")):
+    for key, what in (("merger_version", "merger version"), ("source_dir", "source folder"),
+                      ("source_format", "source format"), ("source_files", "source files"),
+                      ("options", "options that shape the output")):
         if old.get(key) != new[key]:
             return f"the {what} changed"
     layout = {n: (f["size"], f["header_sha256"]) for n, f in new["output_files"].items()}
@@ -95,6 +88,27 @@ def _mismatch(old: dict, new: dict) -> str | None:
     except (KeyError, TypeError, AttributeError):
         before = None
     return None if before == layout else "the output layout changed"
+
+
+def why_not_done(folder: Path, manifest: dict) -> str | None:
+    """Rank 0, `--resume` on a target holding a finished merge: None when it is this very merge (same source,
+    options, version and layout) with every file's bytes intact, else the reason it is not."""
+    try:
+        old = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        return f"its manifest cannot be read ({e})"
+    if not isinstance(old, dict) or old.get("complete") is not True:
+        return "it is not a complete merge"
+    reason = _mismatch(old, manifest)
+    if reason:
+        return reason
+    for name, info in manifest["output_files"].items():
+        try:
+            if sha256_file(folder / name) != old["output_files"][name].get("sha256"):
+                return f"{name} no longer matches its checksum"
+        except OSError:
+            return f"{name} cannot be read"
+    return None
 
 
 def resume_candidates(stage: Path, manifest: dict) -> dict[str, str]:

@@ -17,7 +17,8 @@ import torch
 
 from .catalog import Catalog, ShardPiece
 from .dist import Group
-from .errors import MergerError, describe_error
+from .errors import AgreedError, MergerError, describe_error
+from .overflow import overflow_message, overflowed
 from .plan import Batch, OutputSpec, Plan, Route, Step, identity
 from .progress import Progress
 
@@ -88,7 +89,8 @@ def _put_parts(catalog: Catalog, sink: Sink, step: Step, pieces: list[tuple[Rout
     return True
 
 
-def _run_step(plan: Plan, catalog: Catalog, si: int, pieces: list[tuple[Route, torch.Tensor]], sink: Sink) -> None:
+def _run_step(plan: Plan, catalog: Catalog, si: int, pieces: list[tuple[Route, torch.Tensor]], sink: Sink,
+              overflows: set[int]) -> None:
     step = plan.steps[si]
     if _put_parts(catalog, sink, step, pieces):
         return
@@ -101,7 +103,10 @@ def _run_step(plan: Plan, catalog: Catalog, si: int, pieces: list[tuple[Route, t
     for spec, tensor in zip(step.outputs, results):
         if tuple(tensor.shape) != spec.shape:
             raise MergerError(f"output {spec.name} came out {tuple(tensor.shape)}, planned {spec.shape}")
-        sink.put(spec, tensor.to(spec.dtype))
+        out = tensor.to(spec.dtype)
+        if overflowed(tensor, out):
+            overflows.add(si)
+        sink.put(spec, out)
 
 
 _ALIGN = 64
@@ -128,10 +133,10 @@ class BatchBuffers:
         return buf if buf.numel() >= size else torch.empty(size, dtype=torch.uint8)
 
 
-def _read_batch(batch: Batch, group: Group, reader, buffers: BatchBuffers) -> tuple[dict[int, torch.Tensor],
-                                                                                       torch.Tensor, list[int]]:
+def _read_batch(batch: Batch, group: Group, reader, buffers: BatchBuffers,
+                overflows: set[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor, list[int]]:
     """This rank's pieces of the batch: those it writes itself by route index, and the block it sends with
-    the bytes for each peer."""
+    the bytes for each peer. Steps whose pieces lost values in the cast are added to `overflows`."""
     me = group.rank
     mine = sorted(((i, r) for i, r in enumerate(batch.routes) if r.reader == me),
                   key=lambda ir: (ir[1].writer == me, ir[1].writer, ir[0]))
@@ -150,6 +155,8 @@ def _read_batch(batch: Batch, group: Group, reader, buffers: BatchBuffers) -> tu
             raise MergerError(f"tensor {route.copy.key} is {tuple(data.shape)} {data.dtype} here, the plan "
                               f"expects {route.piece.sizes} {route.stored}, {route.copy.file}")
         out.copy_(data)
+        if overflowed(data, out):
+            overflows.add(route.step)
         del data
         reader.release()
         if route.writer == me:
@@ -190,21 +197,23 @@ class BatchObserver(Protocol):
 
 
 def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int, local: dict[int, torch.Tensor],
-                 sink: Sink, observer: BatchObserver | None) -> None:
+                 sink: Sink, observer: BatchObserver | None, overflows: set[int]) -> None:
     by_step: dict[int, list[tuple[Route, torch.Tensor]]] = {}
     for i, route in enumerate(batch.routes):
         if route.writer == me:
             by_step.setdefault(route.step, []).append((route, local.pop(i)))
     for si in batch.steps:
         if plan.writers[si] == me:
-            _run_step(plan, catalog, si, by_step.pop(si, []), sink)  # pop: each step's pieces die with it
+            _run_step(plan, catalog, si, by_step.pop(si, []), sink, overflows)  # pop: pieces die with the step
             if observer:
                 observer.step_written(si)
 
 
 def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: Progress | None = None,
-             debug: bool = False, reader=None, observer: BatchObserver | None = None) -> None:
-    """Stream the whole plan through `sink`. Raises MergerError on every rank if any rank fails.
+             debug: bool = False, reader=None, observer: BatchObserver | None = None,
+             allow_overflow: bool = False) -> None:
+    """Stream the whole plan through `sink`. Raises MergerError on every rank if any rank fails, and after the
+    last batch when a cast to float16 lost values (overflow.py), unless `allow_overflow`.
 
     Reading and writing overlap: while a writer thread writes batch k, the main thread reads batch k + 1
     into the other set of buffers (so two batches are in flight; the plan gives each half the budget).
@@ -217,6 +226,7 @@ def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: P
     # full passes would otherwise walk them all again and again while the batches allocate.
     gc.freeze()
     error = None
+    overflows: set[int] = set()  # steps whose float16 cast made an inf; added to by both threads
     if reader is None:
         reader = catalog.open_reader()
         try:
@@ -226,7 +236,7 @@ def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: P
 
     def write(index: int, batch: Batch, local: dict[int, torch.Tensor]) -> str | None:
         try:
-            _write_batch(plan, catalog, batch, group.rank, local, sink, observer)
+            _write_batch(plan, catalog, batch, group.rank, local, sink, observer, overflows)
             if observer:
                 observer.written(index)
         except Exception as e:  # noqa: BLE001 - reported at the next sync point
@@ -242,7 +252,7 @@ def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: P
             local, send, send_split = {}, torch.empty(0, dtype=torch.uint8), [0] * group.world
             if error is None:
                 try:
-                    local, send, send_split = _read_batch(batch, group, reader, buffers[index % 2])
+                    local, send, send_split = _read_batch(batch, group, reader, buffers[index % 2], overflows)
                 except Exception as e:  # noqa: BLE001
                     error = describe_error(e, group.rank, debug)
             if writing is not None:
@@ -260,3 +270,7 @@ def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: P
     group.agree(error)
     if observer:
         observer.confirmed(len(plan.batches))
+    lost = sorted({o.name for share in group.all_gather(sorted(overflows)) for si in share
+                   for o in plan.steps[si].outputs})
+    if lost and not allow_overflow:
+        raise AgreedError(overflow_message(lost, str(catalog.root)))

@@ -1,7 +1,6 @@
 """Human-friendly byte sizes for flags like --max-shard-size 5GB and for log lines."""
+import argparse
 import re
-
-from .errors import MergerError
 
 _UNITS = {
     "": 1, "B": 1,
@@ -11,11 +10,14 @@ _UNITS = {
 
 
 def parse_size(text: str) -> int:
-    """'5GB' -> 5_000_000_000, '200KiB' -> 204800, '1024' -> 1024 (transformers' convention: GB is 1e9)."""
+    """'5GB' -> 5_000_000_000, '200KiB' -> 204800, '1024' -> 1024 (transformers' convention: GB is 1e9).
+
+    An argparse type: a bad value is reported by the parser, in one line naming the flag."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
     unit = match.group(2).upper() if match else None
     if not match or unit not in _UNITS:
-        raise MergerError(f"cannot read size {text!r}: use bytes or a number with KB/MB/GB/KiB/MiB/GiB")
+        raise argparse.ArgumentTypeError(f"cannot read size {text!r}: give bytes, or a number with KB, MB, GB, TB "
+                                         f"(powers of 10) or KiB, MiB, GiB, TiB (powers of 2), e.g. 5GB or 2GiB")
     return int(float(match.group(1)) * _UNITS[unit])
 
 

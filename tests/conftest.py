@@ -2,6 +2,7 @@
 checkpoints once per session, and compare outputs with an oracle that is not our code."""
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -106,3 +107,22 @@ def assert_same_weights(merged: Path, reference: Path, dtype: torch.dtype | None
         want = want.to(dtype) if dtype is not None and want.is_floating_point() else want
         assert ours[name].dtype == want.dtype, name
         assert torch.equal(ours[name], want), name
+
+
+def snapshot(folder: Path) -> dict[str, tuple]:
+    """Every file under `folder` with its content hash, size and mtime: to prove nothing was written there."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            st = p.stat()
+            out[str(p.relative_to(folder))] = (hashlib.sha256(p.read_bytes()).hexdigest(), st.st_size, st.st_mtime_ns)
+    return out
+
+
+def merge_here(capsys, *args) -> tuple[int, list[str]]:
+    """Run `merger merge ARGS` in this process; returns the exit code and the `merger: error:` lines."""
+    from merger.cli import main
+
+    code = main(["merge", *map(str, args)])
+    err = capsys.readouterr().err
+    return code, [line for line in err.splitlines() if line.startswith("merger: error:")]

@@ -30,6 +30,11 @@ def merge(capsys, actor, target, *flags) -> tuple[int, str]:
 def loaded(auto_class, folder, **kwargs):
     model, info = auto_class.from_pretrained(folder, output_loading_info=True, **kwargs)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    # from_pretrained may leave weights in the mapped file, at any 8-byte offset; CPU kernels choose their
+    # vector path by alignment, so bit-identical logits need the weights in fresh allocations like the original's.
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
     return model.eval()
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_same_weights, run_merger, start_merger
+from conftest import assert_same_weights, merge_here, run_merger, snapshot, start_merger
 from merger.cli import main
 
 WORLD = 2
@@ -44,23 +44,6 @@ def ckpt(pristine, tmp_path) -> Path:
 @pytest.fixture
 def reference(pristine) -> Path:
     return pristine[1]
-
-
-def snapshot(folder: Path) -> dict[str, tuple]:
-    """Every file under `folder` with its content hash, size and mtime: to prove nothing was written there."""
-    out = {}
-    for p in sorted(folder.rglob("*")):
-        if p.is_file() and not p.is_symlink():
-            st = p.stat()
-            out[str(p.relative_to(folder))] = (hashlib.sha256(p.read_bytes()).hexdigest(), st.st_size, st.st_mtime_ns)
-    return out
-
-
-def merge_here(capsys, *args) -> tuple[int, list[str]]:
-    """Run `merger merge ARGS` in this process; returns the exit code and the `merger: error:` lines."""
-    code = main(["merge", *map(str, args)])
-    err = capsys.readouterr().err
-    return code, [line for line in err.splitlines() if line.startswith("merger: error:")]
 
 
 def assert_nothing_written(parent: Path, before: set[str]) -> None:
@@ -346,8 +329,15 @@ def test_killed_rank_ends_the_job_and_cleans_up(pause_all, ckpt, tmp_path):
     assert not out.exists() and not (tmp_path / ".out.merger-partial").exists(), proc.stderr
 
 
-def test_resume_after_a_killed_rank_reuses_finished_files(ckpt, reference, tmp_path):
+# Options that change how a merge runs, not what it writes: a resume with them reuses the finished files all the same.
+RUNTIME_FLAGS = {"no flags": [], "verify, summary, explicit backend": ["--verify", "--summary_json", "SUMMARY",
+                                                                       "--backend", "fsdp", "--dist_timeout", "300"]}
+
+
+@pytest.mark.parametrize("flags", list(RUNTIME_FLAGS))
+def test_resume_after_a_killed_rank_reuses_finished_files(flags, ckpt, reference, tmp_path):
     out = tmp_path / "out"
+    extra = [str(tmp_path / "summary.json") if f == "SUMMARY" else f for f in RUNTIME_FLAGS[flags]]
     stage = tmp_path / ".out.merger-partial"
     proc = _kill_rank_mid_merge(ckpt, out, tmp_path, "--keep-partial")
     assert proc.returncode != 0 and not out.exists() and stage.is_dir(), proc.stderr
@@ -357,7 +347,7 @@ def test_resume_after_a_killed_rank_reuses_finished_files(ckpt, reference, tmp_p
     before = {n: (os.stat(stage / n).st_ino, os.stat(stage / n).st_mtime_ns) for n in finished}
 
     # Resumed by 3 ranks, not 2: they verify the finished files between them, and the bytes do not depend on M.
-    resumed = run_merger("merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, "--resume", nproc=3)
+    resumed = run_merger("merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, "--resume", *extra, nproc=3)
     assert f"reusing {len(finished)} of {len(manifest['output_files'])} output files" in resumed.stderr
     assert_same_weights(out, reference, torch.bfloat16)
     assert {n: (os.stat(out / n).st_ino, os.stat(out / n).st_mtime_ns) for n in finished} == before
@@ -367,8 +357,40 @@ def test_resume_after_a_killed_rank_reuses_finished_files(ckpt, reference, tmp_p
         assert info["sha256"] == hashlib.sha256((out / name).read_bytes()).hexdigest()
 
 
-def test_changed_source_invalidates_resume(ckpt, reference, tmp_path, caplog):
+def _newer(ckpt: Path, other: Path) -> Path:
+    """Retrained: the file's mtime moves on."""
+    st = os.stat(ckpt / RANK0)
+    os.utime(ckpt / RANK0, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    return ckpt
+
+
+def _rewritten_mtime_kept(ckpt: Path, other: Path) -> Path:
+    """Other contents of the same size written over the file, its mtime set back: only the ctime tells."""
+    st = os.stat(ckpt / RANK0)
+    (ckpt / RANK0).write_bytes((other / RANK0).read_bytes())
+    os.utime(ckpt / RANK0, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return ckpt
+
+
+def _copy_elsewhere_mtimes_kept(ckpt: Path, other: Path) -> Path:
+    """Another checkpoint with the same file names, sizes and mtimes, in another folder."""
+    copy = Path(shutil.copytree(other, ckpt.parent / "other_actor"))
+    for f in copy.iterdir():
+        if f.is_file():
+            st = os.stat(ckpt / f.name)
+            os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return copy
+
+
+CHANGES = {"newer mtime": _newer, "rewritten, mtime kept": _rewritten_mtime_kept,
+           "copy elsewhere, mtimes kept": _copy_elsewhere_mtimes_kept}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_changed_source_invalidates_resume(change, ckpt, fsdp_checkpoint, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="merger")
+    other, other_reference = fsdp_checkpoint("llama", WORLD, extra=("--seed", "1"))  # same shapes, other values
+    assert (other / RANK0).stat().st_size == (ckpt / RANK0).stat().st_size
     out = tmp_path / "out"
     stage = tmp_path / ".out.merger-partial"
     _kill_rank_mid_merge(ckpt, out, tmp_path, nproc=1, victim=0)  # SIGKILL leaves the staging folder behind
@@ -376,11 +398,11 @@ def test_changed_source_invalidates_resume(ckpt, reference, tmp_path, caplog):
     finished = {n for n, f in manifest["output_files"].items() if f["sha256"]}
     assert finished
     before = {n: (os.stat(stage / n).st_ino, os.stat(stage / n).st_mtime_ns) for n in finished}
-    st = os.stat(ckpt / RANK0)
-    os.utime(ckpt / RANK0, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # "retrained": newer file
+    source = CHANGES[change](ckpt, other)
 
-    assert main(["merge", "--local_dir", str(ckpt), "--target_dir", str(out), *SMALL, "--resume"]) == 0
-    assert "source files changed" in caplog.text
-    assert_same_weights(out, reference, torch.bfloat16)
+    assert main(["merge", "--local_dir", str(source), "--target_dir", str(out), *SMALL, "--resume"]) == 0
+    assert "source files changed" in caplog.text or "source folder changed" in caplog.text
     after = {n: (os.stat(out / n).st_ino, os.stat(out / n).st_mtime_ns) for n in finished}
     assert all(after[n] != before[n] for n in finished)  # every file written again
+    if source != ckpt:
+        assert_same_weights(out, other_reference, torch.bfloat16)  # the other checkpoint's model, not a mix

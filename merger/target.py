@@ -1,0 +1,161 @@
+"""Where a merge's output goes, checked before anything is written, and how the finished model gets there.
+
+The source is never written, moved or deleted, so a target that is the checkpoint, holds it or lies inside it
+is refused, and `--overwrite` replaces only an empty folder or an earlier merger output (a folder with
+`merge_manifest.json`). The output is staged in `.<target>.merger-partial` beside the target and renamed into
+place whole at the end; a target that cannot be renamed over (a mount point, a symbolic link) is refused up front.
+
+One exception, for verl's own flow: `merge --local_dir .../actor --target_dir .../actor/huggingface`, a target
+that is the checkpoint's HF config folder. There the weight files, the index and the manifest are added beside
+the config and tokenizer already there, each moved in by one rename, and nothing else is replaced or deleted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import MergerError
+from .output import MANIFEST, is_weight_file
+
+STAGE_IN_CONFIG_DIR = ".merger-partial"
+
+
+@dataclass(frozen=True)
+class Target:
+    path: Path  # the folder the user named, absolute
+    stage: Path  # where the output is written until it is complete
+    lock: Path  # held for the whole merge: one merge per target
+    beside_config: bool = False  # the source's HF config folder: weights are added there, nothing replaced
+    earlier: bool = False  # holds an earlier merger output, which only --overwrite replaces
+
+    def refuse_earlier(self) -> None:
+        raise MergerError(f"target folder holds an earlier merge: pass --overwrite to replace it, {self.path}")
+
+
+def earlier_merge(folder: Path) -> dict | None:
+    """The manifest of an earlier merger output in `folder`, None when there is none."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def _added_by(earlier: dict | None) -> set[str]:
+    """The top-level names an earlier merge added to a config folder (plain names only: the manifest is a file
+    anyone could have edited, and it must never point a removal outside the folder)."""
+    names = earlier.get("added_files") if earlier else None
+    return {n for n in names if isinstance(n, str) and n not in ("", ".", "..") and "/" not in n
+            and os.sep not in n} if isinstance(names, list) else set()
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _check_not_in_source(real: Path, target: Path, sources: list[Path], config_dir: Path | None) -> None:
+    for source in sources:
+        if _inside(source, real) and source != config_dir:
+            raise MergerError(f"target folder {'is' if source == real else 'holds'} the checkpoint being merged "
+                              f"({source}); merger never writes into its source: choose another --target_dir, "
+                              f"{target}")
+        if _inside(real, source) and real != config_dir:
+            raise MergerError(f"target folder lies inside the checkpoint being merged ({source}); merger never "
+                              f"writes into its source: choose a --target_dir outside it, {target}")
+
+
+def resolve_target(target: Path, sources: list[Path], hf_dir: Path | None, data_files: list[str]) -> Target:
+    """Check `target` against the source folders and files; create its parent. Rank 0, before any output.
+    An earlier merger output there is left for the caller to judge (`Target.earlier`)."""
+    target = Path(target).absolute()
+    if target.is_symlink():
+        raise MergerError(f"target is a symbolic link, which the final rename would replace by a folder: give "
+                          f"the folder it points to ({os.path.realpath(target)}), {target}")
+    real = target.resolve()
+    resolved = sorted({Path(s).resolve() for s in sources})
+    # The config folder is a target only while it holds none of the files being merged.
+    config_dir = Path(hf_dir).resolve() if hf_dir is not None else None
+    if config_dir is not None and any(_inside(Path(f).resolve(), config_dir) for f in data_files):
+        config_dir = None
+    _check_not_in_source(real, target, resolved, config_dir)
+    if real == config_dir:
+        return Target(target, target / STAGE_IN_CONFIG_DIR, target / ".merger-lock", beside_config=True)
+    if target.exists() and not target.is_dir():
+        raise MergerError(f"target exists and is not a folder, {target}")
+    if target.is_dir():
+        if os.path.ismount(target):
+            raise MergerError(f"target is a mount point, which the final rename cannot replace: choose a folder "
+                              f"inside it, {target}")
+    earlier = target.is_dir() and any(target.iterdir())
+    if earlier and earlier_merge(target) is None:
+        raise MergerError(f"target folder is not empty and holds no merger output (no {MANIFEST}): merger "
+                          f"replaces only an empty folder or an earlier merge; choose another --target_dir, {target}")
+    _check_parent(target.parent)
+    return Target(target, target.parent / f".{target.name}.merger-partial",
+                  target.parent / f".{target.name}.merger-lock", earlier=earlier)
+
+
+def _check_parent(parent: Path) -> None:
+    if parent.exists() and not parent.is_dir():
+        raise MergerError(f"target's parent is not a folder, {parent}")
+    if not parent.exists():
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MergerError(f"cannot create the target's parent folder ({e.strerror}), {parent}") from e
+    if not os.access(parent, os.W_OK):
+        raise MergerError(f"target's parent folder is not writable, {parent}")
+
+
+def check_config_dir_entries(target: Target, names: list[str], overwrite: bool) -> None:
+    """Beside the source's config: refuse to replace anything but an earlier merge's files (with --overwrite).
+
+    `names` are the top-level entries the merge adds. Weight files already there that an earlier merge did not
+    write would make two models in one folder, so they are refused as well.
+    """
+    earlier = earlier_merge(target.path)
+    ours = _added_by(earlier)
+    for entry in sorted(target.path.iterdir()):
+        if entry.name in (STAGE_IN_CONFIG_DIR, target.lock.name):
+            continue
+        if entry.name in ours or entry.name == MANIFEST and earlier is not None:
+            if not overwrite:
+                raise MergerError(f"the config folder already holds the weights of an earlier merge: pass "
+                                  f"--overwrite to replace them, {target.path / MANIFEST}")
+        elif entry.name in names or is_weight_file(entry.name):
+            raise MergerError(f"the config folder already holds {entry.name}, which no merger run wrote; merger adds "
+                              f"weights there only beside config and tokenizer files, {entry}")
+
+
+def place(target: Target, overwrite: bool) -> None:
+    """Rank 0, last: the complete staging folder becomes the target (or joins the config folder)."""
+    if target.beside_config:
+        _add_to_config_dir(target)
+        return
+    path, old = target.path, target.path.parent / f".{target.path.name}.merger-old"
+    if path.exists():
+        if any(path.iterdir()) and (earlier_merge(path) is None or not overwrite):
+            raise MergerError(f"target folder became non-empty during the merge, {path}")
+        path.rename(old)
+    target.stage.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _add_to_config_dir(target: Target) -> None:
+    """Move each staged entry into the config folder (the manifest last: it marks the merge complete) and remove
+    what an earlier merge added that this one did not write again."""
+    stale = _added_by(earlier_merge(target.path))
+    entries = sorted((p for p in target.stage.iterdir() if p.name != MANIFEST), key=lambda p: p.name)
+    for src in entries + [target.stage / MANIFEST]:
+        dest = target.path / src.name
+        if src.is_dir() and dest.is_dir():
+            shutil.rmtree(dest)  # an earlier merge's adapter folder, checked before streaming
+        os.replace(src, dest)
+        stale.discard(src.name)
+    for name in stale:
+        victim = target.path / name
+        shutil.rmtree(victim) if victim.is_dir() else victim.unlink(missing_ok=True)
+    target.stage.rmdir()
