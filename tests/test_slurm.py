@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,34 @@ def test_launcher_slurm_reports_a_failed_merge(slurm_env, broken_checkpoint, tmp
     assert "FAILED" in proc.stdout
     assert "merger: error:" in proc.stderr and missing in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_launcher_stops_on_a_job_slurm_can_never_start(slurm_env, tmp_path):
+    """More nodes than the partition has: Slurm accepts the job and keeps it PENDING for a reason that never
+    clears. The launcher shows the reason, cancels the job and fails within seconds."""
+    nodes = len(slurm(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N"], slurm_env).split())
+    started = time.monotonic()
+    proc = launcher("slurm", "--nodes", nodes + 1, "--partition", "debug", "--cpu", "--folder", tmp_path / "%j",
+                    "--", *merge_args(tmp_path / "ckpt", tmp_path / "out"), env=slurm_env, check=False)
+    assert time.monotonic() - started < 60
+    assert proc.returncode == 1
+    job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    reason = re.search(rf"job {job_id} PENDING \((Partition\w+)\)", proc.stdout).group(1)
+    assert f"launcher: error: job {job_id} can never start, Slurm says {reason}" in proc.stderr, proc.stderr
+    assert "cancelled it" in proc.stderr
+    assert "JobState=CANCELLED" in slurm(["scontrol", "show", "job", "-o", job_id], slurm_env)
+
+
+def test_launcher_fails_at_once_on_more_memory_than_a_node_has(slurm_env, tmp_path):
+    """--mem beyond every node's RealMemory: sbatch refuses it, and the launcher says what Slurm said."""
+    real_memory = max(map(int, slurm(["sinfo", "-h", "-N", "-o", "%m"], slurm_env).split()))
+    started = time.monotonic()
+    proc = launcher("slurm", "--mem", f"{2 * real_memory}M", "--cpu", "--folder", tmp_path / "%j", "--",
+                    *merge_args(tmp_path / "ckpt", tmp_path / "out"), env=slurm_env, check=False)
+    assert time.monotonic() - started < 60
+    assert proc.returncode == 1 and "submitted job" not in proc.stdout
+    assert "launcher: error: could not submit the Slurm job: Memory specification can not be satisfied" \
+        in proc.stderr, proc.stderr
 
 
 def test_launcher_local_merges_as_a_gloo_group(fsdp_checkpoint, tmp_path):
