@@ -137,12 +137,12 @@ def test_launcher_slurm_reports_a_failed_merge(slurm_env, broken_checkpoint, tmp
 
 
 def test_launcher_stops_on_a_job_slurm_can_never_start(slurm_env, tmp_path):
-    """More nodes than the partition has: Slurm accepts the job and keeps it PENDING for a reason that never
+    """More nodes than the cluster has: Slurm accepts the job and keeps it PENDING for a reason that never
     clears. The launcher shows the reason, cancels the job and fails within seconds."""
-    nodes = len(slurm(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N"], slurm_env).split())
+    nodes = len(set(slurm(["sinfo", "-h", "-N", "-o", "%N"], slurm_env).split()))
     started = time.monotonic()
-    proc = launcher("slurm", "--nodes", nodes + 1, "--partition", "debug", "--cpu", "--folder", tmp_path / "%j",
-                    "--", *merge_args(tmp_path / "ckpt", tmp_path / "out"), env=slurm_env, check=False)
+    proc = launcher("slurm", "--nodes", nodes + 1, "--cpu", "--folder", tmp_path / "%j", "--",
+                    *merge_args(tmp_path / "ckpt", tmp_path / "out"), env=slurm_env, check=False)
     assert time.monotonic() - started < 60
     assert proc.returncode == 1
     job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
