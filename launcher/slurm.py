@@ -17,6 +17,7 @@ import sys
 import time
 
 from .paths import ROOT
+from .pending import never_starts
 
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
           "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "PREEMPTED"}
@@ -43,22 +44,28 @@ def run_rank(merger_args: list[str], cwd: str) -> int:
     return status
 
 
-def job_state(job_id: str) -> str:
-    """The job's state as Slurm reports it now: PENDING, RUNNING, COMPLETED, FAILED, ... or UNKNOWN."""
+def job_state(job_id: str) -> tuple[str, str | None]:
+    """The job's state as Slurm reports it now (PENDING, RUNNING, COMPLETED, FAILED, ... or UNKNOWN) and, from
+    `scontrol`, the reason Slurm gives for it (None when there is none, or only `sacct` still knows the job)."""
     queries = (["scontrol", "show", "job", "-o", job_id], ["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id])
     for cmd in queries:
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
         except (OSError, subprocess.TimeoutExpired):
             continue
-        found = re.search(r"JobState=(\S+)", out) if cmd[0] == "scontrol" else re.match(r"\s*([A-Z_]+)", out)
-        if found:
-            return found.group(1)
-    return "UNKNOWN"
+        if cmd[0] == "scontrol":
+            found = re.search(r"JobState=(\S+)", out)
+            reason = re.search(r"\bReason=(\S+)", out)
+            if found:
+                return found.group(1), (reason.group(1) if reason and reason.group(1) != "None" else None)
+        elif found := re.match(r"\s*([A-Z_]+)", out):
+            return found.group(1), None
+    return "UNKNOWN", None
 
 
-def wait_for(job, unknown_limit_s: float = 120) -> str:
-    """Wait until the job ends; print each state change; return the last state.
+def wait_for(job, unknown_limit_s: float = 120) -> tuple[str, str | None]:
+    """Wait until the job ends, or Slurm says it can never start; print each change of state or pending
+    reason; return the last state and reason.
 
     Slurm is asked quickly at first, then every 10 s at most; between questions, the tasks' result files
     (submitit writes one per task as it ends) say when to ask again at once, so short jobs return promptly.
@@ -68,18 +75,30 @@ def wait_for(job, unknown_limit_s: float = 120) -> str:
     while True:
         now = time.monotonic()
         if now >= next_query or all(p.exists() for p in results):
-            state = job_state(job.job_id)
-            if state != last:
-                print(f"launcher: job {job.job_id} {state}", flush=True)
-                last = state
+            state, reason = job_state(job.job_id)
+            if (state, reason) != last:
+                shown = f" ({reason.replace('_', ' ')})" if reason and state == "PENDING" else ""
+                print(f"launcher: job {job.job_id} {state}{shown}", flush=True)
+                last = (state, reason)
             if state not in ACTIVE and state != "UNKNOWN":
-                return state
+                return state, reason
+            if state == "PENDING" and never_starts(reason):
+                return state, reason
             unknown_since = (unknown_since or now) if state == "UNKNOWN" else None
             if unknown_since is not None and now - unknown_since > unknown_limit_s:
-                return state
+                return state, reason
             interval = min(interval * 1.5, 10.0)
             next_query = now + interval
         time.sleep(0.25)
+
+
+def give_up(job, reason: str) -> None:
+    """The job can never start: cancel it and say why, in Slurm's words and ours."""
+    cancel = subprocess.run(["scancel", job.job_id], capture_output=True, text=True, timeout=60)
+    done = ("cancelled it" if cancel.returncode == 0
+            else f"scancel failed ({cancel.stderr.strip() or cancel.returncode}): scancel {job.job_id} by hand")
+    print(f"launcher: error: job {job.job_id} can never start, Slurm says {reason}: {never_starts(reason)}; "
+          f"{done}; change the request (--nodes, --mem, --time, --partition, --account)", file=sys.stderr)
 
 
 def report_failure(job, state: str) -> None:
@@ -118,8 +137,10 @@ def submit(args: argparse.Namespace, merger_args: list[str]) -> int:
     merger_args = merger_args + (["--device", "cpu"] if args.cpu else [])
     try:
         job = make_executor(args).submit(run_rank, merger_args, os.getcwd())
-    except FailedJobError as e:  # sbatch refused the job; its message's last line says why
-        print(f"launcher: error: could not submit the Slurm job: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+    except FailedJobError as e:  # sbatch refused the job; its error lines say why (the last one alone is vague)
+        lines = str(e).strip().splitlines()
+        said = [line.split("error:", 1)[1].strip() for line in lines if "sbatch: error:" in line] or lines[-1:]
+        print(f"launcher: error: could not submit the Slurm job: {'; '.join(said)}", file=sys.stderr)
         return 1
     ranks = args.nodes * args.tasks_per_node
     print(f"launcher: submitted job {job.job_id}: {ranks} ranks on {args.nodes} node(s); logs in {job.paths.folder}",
@@ -127,11 +148,14 @@ def submit(args: argparse.Namespace, merger_args: list[str]) -> int:
     if args.no_wait:
         return 0
     try:
-        state = wait_for(job)
+        state, reason = wait_for(job)
     except KeyboardInterrupt:
         print(f"launcher: stopped waiting; job {job.job_id} goes on (scancel {job.job_id} stops it)", file=sys.stderr)
         return 130
     if state == "COMPLETED":
         return 0
+    if state == "PENDING":  # wait_for stops on a pending job only when it can never start
+        give_up(job, reason)
+        return 1
     report_failure(job, state)
     return 1

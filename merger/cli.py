@@ -129,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="replace an earlier merger output at the target (never any other folder)")
     _add_run_args(lora)
 
+    upload = sub.add_parser("upload", help="publish a folder a merge finished to the Hugging Face Hub (e.g. to retry "
+                                           "a failed --hf_upload_path)")
+    upload.add_argument(*_flag("--target_dir"), dest="target_dir", type=Path, required=True,
+                        help="the merged model: a folder with merge_manifest.json saying it is complete")
+    upload.add_argument(*_flag("--hf_upload_path"), dest="hf_upload_path", required=True, metavar="USER/NAME",
+                        help="Hub repo to create (kept if it exists) and upload into")
+    upload.add_argument("--private", action="store_true", help="create a private repo")
+    upload.add_argument("--debug", action="store_true", help="show tracebacks")
+
     inspect = sub.add_parser("inspect", help="describe a checkpoint and the planned output, reading no tensor data")
     _add_source_args(inspect)
     inspect.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB")
@@ -170,6 +179,11 @@ def _inspect(options: MergeOptions, as_json: bool) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "upload":
+        from .publish import publish_folder
+
+        print(publish_folder(args.target_dir.absolute(), args.hf_upload_path, args.private))
+        return 0
     options = options_from_args(args)
     if args.command == "inspect":
         return _inspect(options, args.json)

@@ -241,11 +241,11 @@ def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = N
     try:
         verified = _stage_and_place(options, group, prepared, started)
         if options.hf_upload_path:
-            from .publish import upload
+            from .publish import upload_merged
 
             def publish():
                 nonlocal uploaded
-                uploaded = upload(target, options.hf_upload_path, options.private)
+                uploaded = upload_merged(target, options.hf_upload_path, options.private)
 
             on_rank_zero(group, publish, options.debug)  # one rank uploads; every rank learns if it failed
     except MergerError as e:

@@ -1,19 +1,22 @@
 """`--hf_upload_path user/name [--private]`: put a finished merge on the Hugging Face Hub.
 
 Called on rank 0 only, after the rename into place (and after `--verify` when asked), so nothing partial is
-ever published. The token comes from where huggingface_hub always looks (HF_TOKEN, `hf auth login`'s
+ever published. `merger upload --target_dir DIR --hf_upload_path user/name` publishes a folder such a merge
+finished, for a retry after a failed upload: only one whose manifest says it is complete. The token comes from where huggingface_hub always looks (HF_TOKEN, `hf auth login`'s
 cache); merger never reads, prints or logs it. Big outputs go through `upload_large_folder`, which is
 resumable and uploads in parallel; smaller ones are one commit with `upload_folder`.
 """
 from __future__ import annotations
 
+import json
 import logging
+import shlex
 from pathlib import Path
 
 from huggingface_hub import HfApi
 
 from .errors import MergerError
-from .output import MANIFEST
+from .output import MANIFEST, staging_dir
 from .units import format_size
 
 log = logging.getLogger("merger")
@@ -45,3 +48,49 @@ def upload(folder: Path, repo_id: str, private: bool) -> str:
         raise MergerError(f"upload to the Hugging Face Hub repo {repo_id} failed ({first_line}), {folder}") from e
     log.info("merger: uploaded %s (%s) to %s%s", folder, format_size(size), repo_id, " (private)" if private else "")
     return str(url)
+
+
+def upload_command(folder: Path, repo_id: str, private: bool) -> str:
+    """The `merger upload` command line that publishes `folder`, as the user can paste it."""
+    words = ["merger", "upload", "--target_dir", str(folder), "--hf_upload_path", repo_id]
+    return shlex.join(words + (["--private"] if private else []))
+
+
+def upload_merged(folder: Path, repo_id: str, private: bool) -> str:
+    """`merge --hf_upload_path`: upload the model just merged; if that fails, say how to retry without merging."""
+    try:
+        return upload(folder, repo_id, private)
+    except MergerError as e:
+        raise MergerError(f"{e}; the merged model is complete there, retry the upload alone with: "
+                          f"{upload_command(folder, repo_id, private)}") from e
+
+
+def _check_finished(folder: Path) -> None:
+    """Refuse anything but a folder a merge finished: its manifest exists and says `"complete": true`, every
+    output file it lists is there with its size, and it is not a staging folder left by a failed merge."""
+    if not folder.is_dir():
+        raise MergerError(f"no such folder, {folder}")
+    if folder.name.startswith(".") and staging_dir(folder.parent / folder.name[1:].rsplit(".", 1)[0]) == folder:
+        raise MergerError(f"this is the staging folder of a merge that did not finish, not a merged model, {folder}")
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MergerError(f"not a folder merger wrote: it has no {MANIFEST}, {folder}") from None
+    except (OSError, ValueError) as e:
+        raise MergerError(f"cannot read the merge manifest ({e}), {path}") from e
+    if not isinstance(manifest, dict) or manifest.get("complete") is not True:
+        raise MergerError(f'the merge that wrote this folder did not finish ({MANIFEST} lacks "complete": true), '
+                          f"{path}")
+    for name, entry in (manifest.get("output_files") or {}).items():
+        file = folder / name
+        size = file.stat().st_size if file.is_file() else None
+        if size is None or size != entry.get("size", size):
+            what = "is missing" if size is None else f"has {size} bytes where the manifest says {entry['size']}"
+            raise MergerError(f"the merged model is damaged: {name} {what}, {file}")
+
+
+def publish_folder(folder: Path, repo_id: str, private: bool) -> str:
+    """`merger upload`: publish a finished merge (see _check_finished); returns the repo's URL."""
+    _check_finished(folder)
+    return upload(folder, repo_id, private)

@@ -7,6 +7,7 @@ save_pretrained output and the safetensors library's reading of our files.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import struct
 import sys
@@ -16,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_same_weights, load_safetensors_folder, run_merger
+from conftest import _free_port, assert_same_weights, load_safetensors_folder, run_merger
 from merger import cli, publish
 from merger.compare import _differences
 from merger.dist import Group
@@ -223,3 +224,55 @@ def test_only_rank_zero_uploads(checkpoint, tmp_path):
     recorded = calls(log)
     assert [(c["rank"], c["method"]) for c in recorded] == [(0, "create_repo"), (0, "upload_folder")]
     assert recorded[0]["kwargs"]["private"] is False
+
+
+def test_a_failed_upload_is_retried_with_merger_upload(checkpoint, tmp_path, hub, capsys):
+    """The real huggingface_hub, aimed at a closed port, fails the upload after a good merge. The model stays
+    complete at the target, and the error line gives the command that uploads it without merging again: run
+    (with the recorder as the Hub), it publishes that folder."""
+    actor, reference = checkpoint
+    target = tmp_path / "out"
+    proc = run_merger("merge", "--local_dir", actor, "--target_dir", target, "--hf_upload_path", "someone/m",
+                      "--private", check=False,
+                      env={"HF_ENDPOINT": f"http://127.0.0.1:{_free_port()}", "HF_TOKEN": "hf_secret_sentinel_token"})
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "upload to the Hugging Face Hub repo someone/m failed" in errors[0]
+    assert "hf_secret_sentinel_token" not in proc.stdout + proc.stderr
+    assert_same_weights(target, reference, torch.bfloat16)
+
+    retry = shlex.split(errors[0].split("retry the upload alone with: ", 1)[1])
+    assert retry == ["merger", "upload", "--target_dir", str(target), "--hf_upload_path", "someone/m", "--private"]
+    assert cli.main(retry[1:]) == 0
+    recorded = calls(hub)
+    assert [c["method"] for c in recorded] == ["create_repo", "upload_folder"]
+    assert recorded[0]["kwargs"]["private"] is True and recorded[0]["kwargs"]["repo_id"] == "someone/m"
+    assert Path(recorded[1]["kwargs"]["folder_path"]) == target
+    assert capsys.readouterr().out.strip() == "https://huggingface.co/someone/m"
+
+
+@pytest.mark.parametrize("case", ["missing", "not_merged", "unfinished", "truncated", "staging"])
+def test_upload_refuses_anything_but_a_finished_merge(merged, checkpoint, tmp_path, hub, capsys, case):
+    """`merger upload` publishes only what a merge finished, and says in one line why it will not."""
+    out, _, _ = merged
+    _, reference = checkpoint
+    folder = {"missing": tmp_path / "nowhere", "not_merged": reference,  # save_pretrained's own folder
+              "staging": tmp_path / ".out.merger-partial"}.get(case, tmp_path / "out")
+    if case in ("unfinished", "truncated", "staging"):
+        shutil.copytree(out, folder)
+    if case == "unfinished":  # what the manifest of a merge still running or interrupted says
+        manifest = json.loads((folder / "merge_manifest.json").read_text())
+        (folder / "merge_manifest.json").write_text(json.dumps(dict(manifest, complete=False)))
+    if case == "truncated":
+        shard = sorted(folder.glob("*.safetensors"))[-1]
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size - 1)
+    capsys.readouterr()
+    code = cli.main(["upload", "--target_dir", str(folder), "--hf_upload_path", "someone/m"])
+    err = capsys.readouterr().err
+    assert code == 1 and calls(hub) == []
+    assert len(err.strip().splitlines()) == 1 and err.startswith("merger: error: "), err
+    assert {"missing": "no such folder", "not_merged": "it has no merge_manifest.json",
+            "unfinished": 'did not finish (merge_manifest.json lacks "complete": true)',
+            "truncated": "the merged model is damaged", "staging": "the staging folder of a merge"}[case] in err
