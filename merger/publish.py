@@ -2,8 +2,8 @@
 
 Called on rank 0 only, after the rename into place (and after `--verify` when asked), so nothing partial is
 ever published. `merger upload --target_dir DIR --hf_upload_path user/name` publishes a folder such a merge
-finished, for a retry after a failed upload: only one whose manifest says it is complete. The token comes from where huggingface_hub always looks (HF_TOKEN, `hf auth login`'s
-cache); merger never reads, prints or logs it. Big outputs go through `upload_large_folder`, which is
+finished, for a retry after a failed upload: only one whose manifest says it is complete. The token comes from
+where huggingface_hub always looks (HF_TOKEN, `hf auth login`'s cache); merger never reads, prints or logs it. Big outputs go through `upload_large_folder`, which is
 resumable and uploads in parallel; smaller ones are one commit with `upload_folder`.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 from huggingface_hub import HfApi
 
 from .errors import MergerError
-from .output import MANIFEST, staging_dir
+from .output import MANIFEST
+from .target import is_staging
 from .units import format_size
 
 log = logging.getLogger("merger")
@@ -70,7 +71,7 @@ def _check_finished(folder: Path) -> None:
     output file it lists is there with its size, and it is not a staging folder left by a failed merge."""
     if not folder.is_dir():
         raise MergerError(f"no such folder, {folder}")
-    if folder.name.startswith(".") and staging_dir(folder.parent / folder.name[1:].rsplit(".", 1)[0]) == folder:
+    if is_staging(folder):
         raise MergerError(f"this is the staging folder of a merge that did not finish, not a merged model, {folder}")
     path = folder / MANIFEST
     try:

@@ -20,7 +20,8 @@ from pathlib import Path
 from .errors import MergerError
 from .output import MANIFEST, is_weight_file
 
-STAGE_IN_CONFIG_DIR = ".merger-partial"
+STAGE_SUFFIX = ".merger-partial"
+STAGE_IN_CONFIG_DIR = STAGE_SUFFIX
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,11 @@ class Target:
 
     def refuse_earlier(self) -> None:
         raise MergerError(f"target folder holds an earlier merge: pass --overwrite to replace it, {self.path}")
+
+
+def is_staging(folder: Path) -> bool:
+    """A folder a merge writes before it is complete: never a merged model, whatever its manifest says."""
+    return folder.name == STAGE_IN_CONFIG_DIR or (folder.name.startswith(".") and folder.name.endswith(STAGE_SUFFIX))
 
 
 def earlier_merge(folder: Path) -> dict | None:
@@ -94,7 +100,7 @@ def resolve_target(target: Path, sources: list[Path], hf_dir: Path | None, data_
         raise MergerError(f"target folder is not empty and holds no merger output (no {MANIFEST}): merger "
                           f"replaces only an empty folder or an earlier merge; choose another --target_dir, {target}")
     _check_parent(target.parent)
-    return Target(target, target.parent / f".{target.name}.merger-partial",
+    return Target(target, target.parent / f".{target.name}{STAGE_SUFFIX}",
                   target.parent / f".{target.name}.merger-lock", earlier=earlier)
 
 
