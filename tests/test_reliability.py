@@ -406,3 +406,36 @@ def test_changed_source_invalidates_resume(change, ckpt, fsdp_checkpoint, tmp_pa
     assert all(after[n] != before[n] for n in finished)  # every file written again
     if source != ckpt:
         assert_same_weights(out, other_reference, torch.bfloat16)  # the other checkpoint's model, not a mix
+
+
+def test_resume_counts_only_the_bytes_still_to_write_against_free_space(ckpt, tmp_path):
+    """After a disk-full failure the kept staging folder's unfinished files fill the disk; --resume writes them
+    anew, so their space counts as free (it used to refuse the resume that would fit)."""
+    from merger.dist import Group
+    from merger.merge import prepare
+    from merger.options import MergeOptions
+    from merger.output import prepare_files
+
+    plan = prepare(MergeOptions(local_dir=ckpt, max_shard_size=20_000), Group()).plan
+    assert len(plan.files) > 2
+    total = sum(f.size for f in plan.files)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    size = sum(-(-f.size // 4096) * 4096 for f in plan.files) + 2 * 4096  # every file, two pages to spare
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        stage = mnt / ".model.merger-partial"
+        stage.mkdir()
+        for f in plan.files:  # every file written to its full size, none finished but the first
+            (stage / f.name).write_bytes(os.urandom(f.size))
+        st = os.statvfs(mnt)
+        assert st.f_bavail * st.f_frsize < total - plan.files[0].size  # the old check would refuse
+        keep = plan.files[0].name
+        kept = (stage / keep).read_bytes()
+        prepare_files(stage, plan, keep=frozenset({keep}))
+        assert (stage / keep).read_bytes() == kept
+        assert all((stage / f.name).stat().st_size == f.size for f in plan.files)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
