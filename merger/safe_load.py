@@ -11,15 +11,18 @@ import re
 import torch
 
 from .errors import MergerError
+from .pickled_enums import member_lookup
 
 
 def torch_load(path: str, what: str, mmap: bool = True, safe_globals: tuple = ()) -> object:
     """`torch.load(path, weights_only=True)`; `what` names the file in errors ("rank file").
 
-    `safe_globals` allows extra plain classes a format stores beside tensors (e.g. argparse.Namespace).
+    `safe_globals` allows extra plain classes a format stores beside tensors (e.g. argparse.Namespace);
+    enums among them may also be pickled by name (see pickled_enums).
     """
+    getattr_enum_member = member_lookup(safe_globals)
     try:
-        with torch.serialization.safe_globals(list(safe_globals)):
+        with torch.serialization.safe_globals([*safe_globals, (getattr_enum_member, "builtins.getattr")]):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError as e:
         raise MergerError(f"{what} is missing, {path}") from e
@@ -30,5 +33,8 @@ def torch_load(path: str, what: str, mmap: bool = True, safe_globals: tuple = ()
             # weights_only refuses a global it does not know before calling it: the payload never ran.
             raise MergerError(f"refusing to load {what}: its pickle calls {found.group(1)}, which a weights-only "
                               f"load does not allow (the file is damaged or not a checkpoint), {path}") from e
+        found = re.search(r"refusing to call getattr\(.*", text)
+        if found:
+            raise MergerError(f"refusing to load {what}: {found.group(0)}, {path}") from e
         first_line = text.strip().splitlines()[0] if text.strip() else type(e).__name__
         raise MergerError(f"cannot load {what} ({first_line}), {path}") from e
