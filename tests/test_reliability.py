@@ -120,7 +120,7 @@ BAD_INPUT = {
     "missing rank file": (_delete_rank1, "missing", RANK1),
     "truncated rank 0": (_truncate(RANK0), "cannot load rank file", RANK0),
     "truncated rank 1": (_truncate(RANK1), "cannot load rank file", RANK1),
-    "random bytes": (_random_bytes, "cannot load rank file", RANK1),
+    "random bytes": (_random_bytes, "cannot load rank file: not a torch.save file", RANK1),
     "world size contradicted": (_world_size_lie, "world_size 4", "fsdp_config.json"),
     "shards disagree across ranks": (_rank0_as_rank1, "local shape", RANK1),
     "unknown layout": (_no_rank_files, "no known checkpoint layout", "actor"),
