@@ -17,6 +17,7 @@ from pathlib import Path
 from .dist import init_group
 from .errors import AgreedError, MergerError
 from .options import DTYPES, MergeOptions
+from .torchrun_error import record_for_torchrun
 from .units import format_size, parse_size
 
 
@@ -216,6 +217,15 @@ def _terminated(signum, frame):
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+def _fail(message: str, code: int = 1, show: bool = True) -> int:
+    """The `merger: error:` line on stderr (when this rank shows it) and, under torchrun, in its error record."""
+    line = f"merger: error: {message}"
+    if show:
+        print(line, file=sys.stderr)
+    record_for_torchrun(line)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(message)s", stream=sys.stderr)
@@ -225,22 +235,16 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except AgreedError as e:
         # Every rank raised the same line at a sync point: print it once, from rank 0.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"merger: error: {e}", file=sys.stderr)
-        return 1
+        return _fail(str(e), show=os.environ.get("RANK", "0") == "0")
     except MergerError as e:
-        print(f"merger: error: {e}", file=sys.stderr)
-        return 1
+        return _fail(str(e))
     except KeyboardInterrupt as e:
         rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
-        print(f"merger: error: interrupted by {e or 'SIGINT'}{rank}", file=sys.stderr)
-        return 130
+        return _fail(f"interrupted by {e or 'SIGINT'}{rank}", code=130)
     except Exception as e:  # noqa: BLE001 - a bug still gets one line unless --debug
         if args.debug:
             raise
-        print(f"merger: error: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
-              file=sys.stderr)
-        return 1
+        return _fail(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)")
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)

@@ -6,23 +6,44 @@ everywhere, before anything in it is called, and a damaged file names itself.
 """
 from __future__ import annotations
 
+import pickle
 import re
 
 import torch
 
 from .errors import MergerError
+from .pickled_enums import member_lookup
+
+_ZIP = b"PK\x03\x04"  # torch.save since torch 1.6: a zip archive
+# Before that, a plain pickle stream that starts with torch's magic number (after the protocol opcodes).
+_LEGACY = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[2:-1]
 
 
 def torch_load(path: str, what: str, mmap: bool = True, safe_globals: tuple = ()) -> object:
     """`torch.load(path, weights_only=True)`; `what` names the file in errors ("rank file").
 
-    `safe_globals` allows extra plain classes a format stores beside tensors (e.g. argparse.Namespace).
+    `safe_globals` allows extra plain classes a format stores beside tensors (e.g. argparse.Namespace);
+    enums among them may also be pickled by name (see pickled_enums).
     """
+    getattr_enum_member = member_lookup(safe_globals)
     try:
-        with torch.serialization.safe_globals(list(safe_globals)):
+        with open(path, "rb") as f:
+            head = f.read(32)
+        if not head:
+            raise MergerError(f"cannot load {what}: the file is empty, {path}")
+        if not head.startswith(_ZIP):
+            if _LEGACY not in head:
+                raise MergerError(f"cannot load {what}: not a torch.save file (neither a zip archive nor "
+                                  f"torch's legacy pickle format), {path}")
+            if mmap:
+                raise MergerError(f"cannot load {what}: saved in torch's legacy (before 1.6) format, which cannot "
+                                  f"be memory-mapped, {path}")
+        with torch.serialization.safe_globals([*safe_globals, (getattr_enum_member, "builtins.getattr")]):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError as e:
         raise MergerError(f"{what} is missing, {path}") from e
+    except MergerError:
+        raise
     except Exception as e:  # damaged files raise RuntimeError, UnpicklingError, zip or EOF errors
         text = str(e)
         found = re.search(r"GLOBAL ([\w.]+)", text) if "Weights only load failed" in text else None
@@ -30,5 +51,8 @@ def torch_load(path: str, what: str, mmap: bool = True, safe_globals: tuple = ()
             # weights_only refuses a global it does not know before calling it: the payload never ran.
             raise MergerError(f"refusing to load {what}: its pickle calls {found.group(1)}, which a weights-only "
                               f"load does not allow (the file is damaged or not a checkpoint), {path}") from e
+        found = re.search(r"refusing to call getattr\(.*", text)
+        if found:
+            raise MergerError(f"refusing to load {what}: {found.group(0)}, {path}") from e
         first_line = text.strip().splitlines()[0] if text.strip() else type(e).__name__
         raise MergerError(f"cannot load {what} ({first_line}), {path}") from e

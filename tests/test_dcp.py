@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import assert_same_weights, run_merger, run_writer
+from enums_by_name import repickle
 
 
 def _need_torchtitan():
@@ -93,6 +94,14 @@ def test_hostile_metadata_is_refused_without_running_code(dcp_root, tmp_path):
     assert proc.returncode == 1
     assert "refusing to load global" in proc.stderr and "mkdir" in proc.stderr, proc.stderr
     assert not marker.exists()
+
+
+def test_metadata_with_enums_by_name_merges_the_same(dcp_root, tmp_path):
+    """The .metadata as Python 3.11.0-3.11.4 write it (enum members as getattr(EnumClass, NAME)), two ranks."""
+    folder = Path(shutil.copytree(dcp_root / "plain", tmp_path / "by_name"))
+    repickle(folder / ".metadata")
+    run_merger("merge", "--local_dir", folder, "--target_dir", tmp_path / "out", nproc=2)
+    assert_same_weights(tmp_path / "out", dcp_root / "reference", torch.bfloat16)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "chunk overwritten"])

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import assert_same_weights, run_merger, run_writer
+from enums_by_name import repickle
 
 CASES = {
     "tp2_gqa_bias": "arch=qwen2,tp=2",  # Qwen2: qkv bias, 4 heads in 2 groups, split over 2 TP ranks
@@ -147,6 +148,15 @@ def test_verl_hf_safetensors_beside_an_empty_dist_ckpt(megatron_root, merged, tm
     assert_same_weights(out, actor / "huggingface", torch.bfloat16)
     sources = json.loads((out / "merge_manifest.json").read_text())["source_files"]
     assert sources and all(Path(f).parent.name == "huggingface" for f in sources)  # read from there
+
+
+def test_torch_dist_metadata_with_enums_by_name(megatron_root, merged, tmp_path):
+    """The .metadata as Python 3.11.0-3.11.4 write it (enum members as getattr(EnumClass, NAME)) merges alike."""
+    case = "tp2_gqa_bias"
+    src = Path(shutil.copytree(megatron_root / case / "dist", tmp_path / "dist"))
+    repickle(src / "iter_0000001" / ".metadata")
+    out = merge(src, tmp_path / "out", "--hf_model_config_path", megatron_root / case / "hf", "--dtype", "float32")
+    assert_same_weights(out, merged(case, "legacy"), None)
 
 
 def test_iteration_folder_and_default_bf16(megatron_root, merged, tmp_path):

@@ -103,7 +103,7 @@ BAD_INPUT = {
     "missing rank file": (_delete_rank1, "missing", RANK1),
     "truncated rank 0": (_truncate(RANK0), "cannot load rank file", RANK0),
     "truncated rank 1": (_truncate(RANK1), "cannot load rank file", RANK1),
-    "random bytes": (_random_bytes, "cannot load rank file", RANK1),
+    "random bytes": (_random_bytes, "cannot load rank file: not a torch.save file", RANK1),
     "world size contradicted": (_world_size_lie, "world_size 4", "fsdp_config.json"),
     "shards disagree across ranks": (_rank0_as_rank1, "local shape", RANK1),
     "unknown layout": (_no_rank_files, "no known checkpoint layout", "actor"),
@@ -279,6 +279,19 @@ def test_error_on_one_rank_stops_every_rank(ckpt, tmp_path):
     assert errors[0].startswith("merger: error: rank 1: cannot load rank file") and errors[0].endswith(str(ckpt / RANK1))
     assert not (tmp_path / "out").exists()
     assert not (tmp_path / ".out.merger-partial").exists()
+
+
+def test_torchrun_report_names_the_error_as_root_cause(ckpt, tmp_path):
+    """torchrun ends a failed job with its own report: it must show merger's line, read from the error record
+    (TORCHELASTIC_ERROR_FILE) each failing rank wrote, not `error_file: <N/A>`."""
+    (ckpt / RANK0).write_bytes(b"")
+    proc = run_merger("merge", "--local_dir", ckpt, "--target_dir", tmp_path / "out", nproc=2, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr
+    assert "cannot load rank file: the file is empty" in errors[0] and errors[0].endswith(str(ckpt / RANK0))
+    report = proc.stderr.split("Root Cause (first observed failure):", 1)[1]
+    assert f"traceback : {errors[0]}" in report, proc.stderr
+    assert "error_file: <N/A>" not in proc.stderr and "error_file: /" in report
 
 
 def _alive(pid: int) -> bool:

@@ -10,14 +10,14 @@ import json
 import shlex
 import shutil
 import struct
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import _free_port, assert_same_weights, load_safetensors_folder, run_merger
+from conftest import _free_port, assert_same_weights, load_safetensors_folder, run, run_merger, torchrun_cmd
+from hub_recorder import RecordingHfApi, calls
 from merger import cli, publish
 from merger.compare import _differences
 from merger.dist import Group
@@ -164,9 +164,7 @@ def test_tolerances_pass_the_right_reference_and_fail_a_wrong_one(checkpoint, tm
     assert len(rows) == 2 and all("q_proj.weight" in r for r in rows)
 
 
-HUB_RECORDER = Path(__file__).parent / "hub_recorder"
-sys.path.insert(0, str(HUB_RECORDER))
-from sitecustomize import RecordingHfApi, calls  # noqa: E402  (the recorder: inert unless its log is set)
+HUB_RECORDER = Path(__file__).parent / "hub_recorder.py"  # as a script: merger's main() with the recorder
 
 
 @pytest.fixture
@@ -219,8 +217,9 @@ def test_only_rank_zero_uploads(checkpoint, tmp_path):
     """Two ranks, each with the recorder in place of huggingface_hub.HfApi: one create, one upload, from rank 0."""
     actor, _ = checkpoint
     log = tmp_path / "hub_calls.jsonl"
-    run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", "--hf_upload_path", "someone/m",
-               nproc=2, env={"PYTHONPATH": str(HUB_RECORDER), "MERGER_TEST_HUB_LOG": str(log)})
+    run(torchrun_cmd(2) + [str(HUB_RECORDER), "merge", "--local_dir", str(actor), "--target_dir",
+                           str(tmp_path / "out"), "--hf_upload_path", "someone/m"],
+        env={"MERGER_TEST_HUB_LOG": str(log)})
     recorded = calls(log)
     assert [(c["rank"], c["method"]) for c in recorded] == [(0, "create_repo"), (0, "upload_folder")]
     assert recorded[0]["kwargs"]["private"] is False

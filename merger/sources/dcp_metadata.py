@@ -3,16 +3,20 @@
 `.metadata` is a plain pickle, and torch's own `FileSystemReader.read_metadata()` loads it with
 `pickle.load`, so a crafted file runs whatever it names. This unpickler resolves only the handful of
 globals DCP itself pickles (its metadata dataclasses, torch.Size, dtypes, layouts, the checkpoint path)
-and refuses everything else before any of it is called.
+and refuses everything else before any of it is called. getattr resolves to a lookup among the members of
+the enums in that list, nothing more (Python 3.11.0-3.11.4 pickle an enum member as
+`getattr(EnumClass, "NAME")`; see pickled_enums).
 """
 from __future__ import annotations
 
+import importlib
 import pickle
 from pathlib import Path
 
 import torch
 
 from ..errors import MergerError
+from ..pickled_enums import GETATTR, member_lookup
 
 METADATA_FILE = ".metadata"
 
@@ -37,6 +41,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
+        if (module, name) in GETATTR:
+            return member_lookup(getattr(importlib.import_module(m), n) for m, n in _ALLOWED)
         if (module, name) not in _ALLOWED:
             raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
         return super().find_class(module, name)

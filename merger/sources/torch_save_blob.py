@@ -8,6 +8,8 @@ copy it once, casting on the way, into its batch buffer (torch.load would copy i
 
 The pickle is read by an unpickler that knows only the names torch.save uses for a plain tensor and builds
 nothing but a description of it: a crafted blob runs no code, as with torch.load(weights_only=True).
+A tensor's pickle holds no enum, so builtins.getattr (how Python 3.11.0-3.11.4 pickle enum members, see
+pickled_enums) stays refused here like every other global.
 """
 from __future__ import annotations
 

@@ -1,14 +1,16 @@
 """A stand-in for the Hugging Face Hub API in tests (there is no network here).
 
 `RecordingHfApi` has the HfApi methods merger calls, checks each call's arguments against the real method's
-signature, and appends each call, with the calling process's RANK, as
-one JSON line to a log file. In-process tests patch it in directly; for torchrun tests this folder goes first
-on PYTHONPATH with MERGER_TEST_HUB_LOG set, and Python's startup import of `sitecustomize` puts the recorder in
-place of huggingface_hub.HfApi in every rank before merger imports it.
+signature, and appends each call, with the calling process's RANK, as one JSON line to a log file.
+In-process tests patch it in directly. Run as a script (`torchrun tests/hub_recorder.py merge ...`, with
+MERGER_TEST_HUB_LOG set), it puts the recorder in place of huggingface_hub.HfApi and then runs merger's own
+main(), so every rank uploads through it. No interpreter start-up hook is used (a `sitecustomize` on
+PYTHONPATH loses to the one some interpreters ship, e.g. Debian's).
 """
 import inspect
 import json
 import os
+import sys
 
 
 class RecordingHfApi:
@@ -39,7 +41,10 @@ def calls(log) -> list[dict]:
     return [json.loads(line) for line in open(log)] if os.path.exists(log) else []
 
 
-if os.environ.get("MERGER_TEST_HUB_LOG"):
+if __name__ == "__main__":
     import huggingface_hub
 
-    huggingface_hub.HfApi = RecordingHfApi
+    huggingface_hub.HfApi = RecordingHfApi  # before merger imports it
+    from merger.cli import main
+
+    sys.exit(main())
