@@ -204,7 +204,21 @@ def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int, local: dic
 
 def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: Progress | None = None,
              debug: bool = False, reader=None, observer: BatchObserver | None = None) -> None:
-    """Stream the whole plan through `sink`. Raises MergerError on every rank if any rank fails.
+    """Stream the whole plan through `sink`. Raises MergerError on every rank if any rank fails."""
+    # The catalog, the plan and torch's modules live to the end: exempt them from the garbage collector, whose
+    # full passes would otherwise walk them all again and again while the batches allocate. Unfrozen after, or
+    # whatever was alive now (a caller's garbage cycles, triton's bindings: nanobind then reports them as leaked
+    # at exit) could never be collected in a process that goes on.
+    gc.freeze()
+    try:
+        _stream_plan(plan, catalog, group, sink, progress, debug, reader, observer)
+    finally:
+        gc.unfreeze()
+
+
+def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: Progress | None, debug: bool,
+                 reader, observer: BatchObserver | None) -> None:
+    """run_plan's work.
 
     Reading and writing overlap: while a writer thread writes batch k, the main thread reads batch k + 1
     into the other set of buffers (so two batches are in flight; the plan gives each half the budget).
@@ -213,9 +227,6 @@ def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: P
     the next exchange), and the exchange itself.
     `reader`, when given, was opened and checked already (the merge checks files before creating output).
     """
-    # The catalog, the plan and torch's modules live to the end: exempt them from the garbage collector, whose
-    # full passes would otherwise walk them all again and again while the batches allocate.
-    gc.freeze()
     error = None
     if reader is None:
         reader = catalog.open_reader()
