@@ -1,11 +1,12 @@
 """Peak memory of folding a LoRA adapter into a multi-GB base: `merger lora` vs PEFT's own route
 (from_pretrained, PeftModel.from_pretrained, merge_and_unload, save_pretrained), side by side in one run.
 
-    python benchmarks/lora_bench.py --work /tmp/lora_bench --layers 4 16
+    python benchmarks/lora_bench.py --work /tmp/lora_bench --layers 4 16 [--keep]
 
 For each base size it writes a bf16 Llama-shaped base (random weights, sharded safetensors) and one PEFT
 adapter (r=16 on every linear layer), runs both routes as separate processes and reports each one's peak
-RSS (the kernel's ru_maxrss of that process) and wall time. Both outputs are checked equal at the end.
+RSS (the kernel's ru_maxrss of that process) and wall time. Both outputs are checked equal at the end. Each base's
+folder (GiBs) is removed once measured, unless --keep (a kept folder's base and adapter are reused next time).
 """
 from __future__ import annotations
 
@@ -104,24 +105,31 @@ def main() -> None:
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--layers", type=int, nargs="+", default=[4, 16])
     p.add_argument("--max-inflight", default="256MiB")
+    p.add_argument("--keep", action="store_true", help="keep the bases, adapters and outputs under --work")
     args = p.parse_args()
     from safetensors.torch import load_file
 
     rows = []
     for layers in args.layers:
         folder = args.work / f"layers{layers}"
+        print(f"[{layers} layers] writing the base and the adapter (or reusing them) in {folder} ...", flush=True)
         base, adapter = write_base_and_adapter(folder, layers)
         base_bytes = sum(f.stat().st_size for f in base.glob("*.safetensors"))
         for out in ("out_merger", "out_peft"):
             shutil.rmtree(folder / out, ignore_errors=True)
+        print(f"[{layers} layers] merger lora ...", flush=True)
         merger = measure([sys.executable, "-m", "merger", "lora", "--base", str(base), "--adapter", str(adapter),
                           "--target_dir", str(folder / "out_merger"), "--max-inflight", args.max_inflight])
+        print(f"[{layers} layers] PEFT's route ...", flush=True)
         peft_route = measure([sys.executable, "-c", PEFT_ROUTE, str(base), str(adapter), str(folder / "out_peft")])
+        print(f"[{layers} layers] comparing the two outputs ...", flush=True)
         ours = {k: v for f in sorted((folder / "out_merger").glob("*.safetensors")) for k, v in load_file(f).items()}
         theirs = {k: v for f in sorted((folder / "out_peft").glob("*.safetensors")) for k, v in load_file(f).items()}
         same = sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
         rows.append((layers, base_bytes / 2**30, *merger, *peft_route, same))
         del ours, theirs
+        if not args.keep:
+            shutil.rmtree(folder)
     print("| layers | base (GiB) | merger peak RSS (GiB) | merger s | PEFT peak RSS (GiB) | PEFT s | outputs equal |")
     print("|---|---|---|---|---|---|---|")
     for layers, gib, m_rss, m_s, p_rss, p_s, same in rows:

@@ -1,6 +1,6 @@
 """Speed and memory of `merger merge` side by side with the usual ways to merge and the copy floor, in one run.
 
-    python benchmarks/run.py [--formats fsdp,dcp] [--sizes 7,19] [--repeats 3] [--cap 2GiB] [--hidden 2048]
+    python benchmarks/run.py [--formats fsdp,dcp] [--sizes 7,19] [--repeats 3] [--cap 2GiB] [--hidden 2048] [--keep]
 
 For each format and checkpoint size (fp32 FSDP2 on 2 ranks, built once under bench_out/ on the meta device
 by benchmarks/build_checkpoint.py) it times, with warm page cache, alternating and repeated: `cp` of the
@@ -10,7 +10,8 @@ data files (the floor: bytes read and written once), the baselines, and merger w
   `merge_fsdp_weights` (benchmarks/dcp_baselines.py); both keep fp32, so merger runs with `--dtype keep`.
 Wall times are medians; peak RSS is the largest resident set of any single process of the run (i.e. per
 rank); ratios are against the cp floor and the format's first baseline. With --cap, each merge also runs
-under a hard cgroup-v1 memory limit to show which ones fit.
+under a hard cgroup-v1 memory limit to show which ones fit. The checkpoints this run builds (GBs) are removed at
+the end unless --keep; kept ones are reused by the next run.
 """
 from __future__ import annotations
 
@@ -56,10 +57,12 @@ def measure(cmd: list[str], cap: int | None = None) -> tuple[float, int, int]:
     return float(wall), int(rss_kib) * 1024, int(rc)
 
 
-def build(fmt: str, layers: int, hidden: int) -> Path:
+def build(fmt: str, layers: int, hidden: int, built: list[Path]) -> Path:
+    """The checkpoint, built unless a complete one is there; what is built here is appended to `built`."""
     ckpt = OUT / f"llama_{hidden}h_{layers}l" / ("actor" if fmt == "fsdp" else "dcp")
     if not (ckpt / DONE[fmt]).exists():
-        print(f"building the {layers}-layer {fmt} checkpoint ...", flush=True)
+        print(f"building the {layers}-layer {fmt} checkpoint in {ckpt} ...", flush=True)
+        built.append(ckpt)
         proc = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                                str(ROOT / "benchmarks" / "build_checkpoint.py"), "--out", str(ckpt),
                                "--layers", str(layers), "--hidden", str(hidden), "--format", fmt],
@@ -89,12 +92,15 @@ def commands(fmt: str, ckpt: Path, dst: Path) -> dict[str, list[str]]:
             "merger, 2 ranks": [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", *merge]}
 
 
-def time_all(cmds: dict[str, list[str]], dst: Path, repeats: int) -> dict[str, list[tuple[float, int, int]]]:
+def time_all(cmds: dict[str, list[str]], dst: Path, repeats: int,
+             label: str) -> dict[str, list[tuple[float, int, int]]]:
     results: dict[str, list[tuple[float, int, int]]] = {k: [] for k in cmds}
     for rep in range(repeats + 1):  # the first round warms the page cache and is dropped
         for name, cmd in cmds.items():
             shutil.rmtree(dst, ignore_errors=True)
+            print(f"{label}: {name}, {f'run {rep} of {repeats}' if rep else 'warm-up'} ...", end=" ", flush=True)
             r = measure(cmd)
+            print(f"{r[0]:.1f} s", flush=True)
             if r[2] != 0:
                 raise SystemExit(f"{name} failed with exit code {r[2]}: {' '.join(cmd)}")
             if rep:
@@ -108,6 +114,7 @@ def fits_under(cmds: dict[str, list[str]], dst: Path, cap: int) -> dict[str, str
     for name, cmd in cmds.items():
         if name != FLOOR:
             shutil.rmtree(dst, ignore_errors=True)
+            print(f"{name} under a {format_size(cap)} cap ...", flush=True)
             verdicts[name] = "fits" if measure(cmd, cap)[2] == 0 else "killed"
     return verdicts
 
@@ -147,22 +154,33 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=2048, help="hidden size of the model (smaller for quick checks)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cap", type=parse_size, default=None, help="also run each merge under this hard memory cap")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints built under bench_out/ for the next run")
     args = p.parse_args()
     formats = args.formats.split(",")
     if not set(formats) <= set(FORMATS):
         p.error(f"--formats: choose from {', '.join(FORMATS)}")
 
-    rows = []
+    rows, built = [], []
     dst = OUT / "target"
-    for fmt in formats:
-        for layers in (int(x) for x in args.sizes.split(",")):
-            ckpt = build(fmt, layers, args.hidden)
-            size = sum(f.stat().st_size for f in data_files(fmt, ckpt))
-            cmds = commands(fmt, ckpt, dst)
-            results = time_all(cmds, dst, args.repeats)
-            capped = fits_under(cmds, dst, args.cap) if args.cap else {}
-            shutil.rmtree(dst, ignore_errors=True)
-            rows += rows_for(fmt, size, results, capped)
+    try:
+        for fmt in formats:
+            for layers in (int(x) for x in args.sizes.split(",")):
+                ckpt = build(fmt, layers, args.hidden, built)
+                size = sum(f.stat().st_size for f in data_files(fmt, ckpt))
+                cmds = commands(fmt, ckpt, dst)
+                results = time_all(cmds, dst, args.repeats, f"{fmt} {format_size(size)}")
+                capped = fits_under(cmds, dst, args.cap) if args.cap else {}
+                shutil.rmtree(dst, ignore_errors=True)
+                rows += rows_for(fmt, size, results, capped)
+    finally:
+        shutil.rmtree(dst, ignore_errors=True)
+        for ckpt in [] if args.keep else built:
+            print(f"removing {ckpt} (--keep keeps it)", flush=True)
+            shutil.rmtree(ckpt, ignore_errors=True)
+            if ckpt.parent.is_dir() and not any(ckpt.parent.iterdir()):
+                ckpt.parent.rmdir()
+        if OUT.is_dir() and not any(OUT.iterdir()):
+            OUT.rmdir()
     print_table(rows, args.cap, args.repeats)
 
 

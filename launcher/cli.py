@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 USAGE_TAIL = "put the merger's arguments after `--`, e.g. `-- merge --local_dir CKPT --target_dir OUT`"
+LOGS = "merger_slurm_logs"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,15 +26,28 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("--time", type=int, default=120, help="time limit in minutes (default 120)")
     slurm.add_argument("--cpu", action="store_true",
                        help="no GPUs: ranks talk over gloo (the merger runs with --device cpu)")
-    slurm.add_argument("--folder", type=Path, default=Path("merger_slurm_logs/%j"),
-                       help="submitit's folder for the job's pickles and logs; %%j is the job id "
-                            "(default merger_slurm_logs/%%j); must be on a filesystem the nodes share")
+    slurm.add_argument("--folder", type=Path, default=None,
+                       help=f"submitit's folder for the job's pickles and logs; %%j is the job id (default "
+                            f"{LOGS}/%%j beside the target folder, else in the current folder); must be on a "
+                            f"filesystem the nodes share")
     slurm.add_argument("--no-wait", action="store_true", help="print the job id and log folder and return")
 
     local = sub.add_parser("local", help="run N ranks on this machine as a gloo group (no torchrun needed)",
                            epilog=USAGE_TAIL)
     local.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
     return parser
+
+
+def default_folder(merger_args: list[str]) -> Path:
+    """LOGS/%j in the target's parent folder (a place the nodes share, since they write the target there), not
+    in whatever folder the launcher was started from; the current folder when the command has no target."""
+    for i, arg in enumerate(merger_args):
+        flag, eq, value = arg.partition("=")
+        if flag in ("--target_dir", "--target-dir"):
+            target = value if eq else (merger_args[i + 1] if i + 1 < len(merger_args) else None)
+            if target:
+                return Path(target).absolute().parent / LOGS / "%j"
+    return Path(LOGS) / "%j"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,4 +63,6 @@ def main(argv: list[str] | None = None) -> int:
         return run_local(args.nproc, merger_args)
     from .slurm import submit
 
+    if args.folder is None:
+        args.folder = default_folder(merger_args)
     return submit(args, merger_args)

@@ -6,6 +6,7 @@ Errors reach the user as one line `merger: error: <what>, <which file>` and exit
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
@@ -17,8 +18,38 @@ from pathlib import Path
 from .dist import init_group
 from .errors import AgreedError, MergerError
 from .options import DTYPES, MergeOptions
+from .sources import BACKENDS
 from .torchrun_error import record_for_torchrun
 from .units import format_size, parse_size
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, plus a hint for a misspelled flag: argparse reports the required flag the typo left out, or
+    "unrecognized arguments", but never which known flag was meant."""
+
+    _args: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._args = list(sys.argv[1:] if args is None else args)  # a subcommand's parser gets its own part
+        return super().parse_known_args(args, namespace)
+
+    def _command_parser(self) -> argparse.ArgumentParser | None:
+        """The parser whose flags the arguments are: this one, or for the top level the chosen subcommand's
+        (argparse reports a subcommand's unrecognized arguments from the top level)."""
+        if self._subparsers is None:
+            return self
+        commands = next(a.choices for a in self._subparsers._group_actions if a.choices)
+        return next((commands[arg] for arg in self._args if arg in commands), None)
+
+    def error(self, message):
+        parser = self._command_parser()
+        known = [s for s in parser._option_string_actions if s.startswith("--")] if parser else []
+        for arg in self._args if parser else []:
+            flag = arg.split("=", 1)[0]
+            if flag.startswith("--") and not any(s.startswith(flag) for s in known):  # abbreviations are known
+                close = difflib.get_close_matches(flag, known, n=1)
+                message += f"; unknown flag {flag}" + (f" (did you mean {close[0]}?)" if close else "")
+        super().error(message)
 
 
 def _flag(*names: str) -> list[str]:
@@ -31,9 +62,9 @@ def _flag(*names: str) -> list[str]:
 
 def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(*_flag("--local_dir"), dest="local_dir", type=Path, required=True,
-                   help="checkpoint folder (e.g. global_step_100/actor)")
-    p.add_argument("--backend", default="auto",
-                   help="checkpoint format: auto (default), fsdp, dcp, dcp_hf, megatron, hf")
+                   help="the checkpoint folder (e.g. global_step_100/actor)")
+    p.add_argument("--backend", default="auto", choices=["auto", *BACKENDS],
+                   help="checkpoint format (default auto: detect it)")
     p.add_argument("--prefix", default=None,
                    help="DCP: prefix to take off tensor names and keep only those under it, e.g. 'model' "
                         "(default: 'model.' when accelerate nested the state dict; '' keeps names as saved)")
@@ -41,7 +72,8 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                    help="naming of the source tensors (default: detect; torchtitan-llama converts to HF Llama "
                         "and needs --hf_model_config_path)")
     p.add_argument(*_flag("--hf_model_config_path"), dest="hf_model_config_path", type=Path, default=None,
-                   help="folder with config.json and tokenizer (default: huggingface/ inside the checkpoint)")
+                   help="folder with config.json, tokenizer, processor, chat template, remote code (default: "
+                        "huggingface/ in the checkpoint)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
                    help="output dtype of floating tensors (default bfloat16, as verl); keep = source dtype")
     _add_overflow_arg(p)
@@ -81,21 +113,25 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(*_flag("--dist_timeout"), dest="dist_timeout", type=float, default=600.0,
                    help="seconds a rank waits for its peers before giving up (default 600)")
     p.add_argument(*_flag("--log_level"), dest="log_level", default="INFO",
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="what to log (default INFO)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
+TARGET_HELP = "where the HF model goes; it appears whole or not at all"
+SHARD_HELP = "largest output safetensors file (default 5GB; 200KB, 2GB, 2GiB or bytes)"
+OVERWRITE_HELP = "replace an earlier merger output at the target (never any other folder, never the source)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="merger", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="merger", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     merge = sub.add_parser("merge", help="merge a checkpoint into a HF model folder")
     _add_source_args(merge)
-    merge.add_argument(*_flag("--target_dir"), dest="target_dir", type=Path, required=True)
+    merge.add_argument(*_flag("--target_dir"), dest="target_dir", type=Path, required=True, help=TARGET_HELP)
     merge.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
-                       help="largest output safetensors file (default 5GB; 200KB, 2GB or bytes)")
-    merge.add_argument("--overwrite", action="store_true",
-                       help="replace an earlier merger output at the target (never any other folder)")
+                       help=SHARD_HELP)
+    merge.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     merge.add_argument(*_flag("--keep_partial"), dest="keep_partial", action="store_true",
                        help="on failure keep the staging folder .<target>.merger-partial (default: remove it)")
     merge.add_argument("--resume", action="store_true",
@@ -112,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     test = sub.add_parser("test", help="merge in memory and compare with a reference HF folder")
     _add_source_args(test)
-    test.add_argument(*_flag("--test_hf_dir"), dest="test_hf_dir", type=Path, required=True)
+    test.add_argument(*_flag("--test_hf_dir"), dest="test_hf_dir", type=Path, required=True,
+                      help="the HF model folder to compare the merge with")
     test.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bytes must match)")
     test.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     _add_run_args(test)
@@ -121,13 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--base", dest="local_dir", type=Path, required=True, help="HF model folder (safetensors)")
     lora.add_argument("--adapter", dest="adapters", type=Path, action="append", required=True,
                       help="PEFT adapter folder; repeat to apply several in order")
-    lora.add_argument(*_flag("--target_dir"), dest="target_dir", type=Path, required=True)
+    lora.add_argument(*_flag("--target_dir"), dest="target_dir", type=Path, required=True, help=TARGET_HELP)
     lora.add_argument("--dtype", choices=list(DTYPES), default="keep",
                       help="output dtype of floating tensors (default keep: the base's dtype, as PEFT)")
     _add_overflow_arg(lora)
-    lora.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB")
-    lora.add_argument("--overwrite", action="store_true",
-                      help="replace an earlier merger output at the target (never any other folder)")
+    lora.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
+                      help=SHARD_HELP)
+    lora.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     _add_run_args(lora)
 
     upload = sub.add_parser("upload", help="publish a folder a merge finished to the Hugging Face Hub (e.g. to retry "
@@ -141,9 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint and the planned output, reading no tensor data")
     _add_source_args(inspect)
-    inspect.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB")
+    inspect.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
+                         help=SHARD_HELP)
     inspect.add_argument("--json", action="store_true", help="print the description as JSON")
-    inspect.add_argument("--debug", action="store_true")
+    inspect.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
 

@@ -69,11 +69,13 @@ class Mapping:
     steps: list[Step]
     config_updates: dict = field(default_factory=dict)  # keys to set in the target's config.json
     extra_files: dict[str, str] = field(default_factory=dict)  # path relative to the target -> text
+    notes: tuple[str, ...] = ()  # what the merge found and does, for the log
 
 
 def build_mapping(catalog: Catalog, config: dict, options: MergeOptions, hf_dir: Path) -> Mapping:
-    from .lora.peft_state import is_peft_state, peft_state_mapping
+    from .lora.peft_state import is_peft_state, peft_state_mapping, refuse_lora_flags
 
     if is_peft_state(catalog):  # a PEFT-wrapped model: fold its LoRA adapter, write it as lora_adapter/
         return peft_state_mapping(catalog, config, options)
+    refuse_lora_flags(options, catalog)
     return Mapping(build_steps(catalog, config, options, hf_dir))

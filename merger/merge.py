@@ -44,6 +44,7 @@ class Prepared:
     plan: Plan
     config_updates: dict = field(default_factory=dict)
     extra_files: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # what the merge found and does, logged once by rank 0
 
 
 def resolve_hf_dir(catalog: Catalog, options: MergeOptions) -> Path:
@@ -75,7 +76,7 @@ def prepare(options: MergeOptions, group: Group) -> Prepared:
         plan = plan_layout(catalog, mapping.steps, group.world, options.max_shard_size, options.max_inflight)
         outputs = {s.name: s.shape for step in plan.steps for s in step.outputs}
         updates = {**config_updates(config, outputs, options.is_value_model, hf_dir), **mapping.config_updates}
-        return Prepared(catalog, hf_dir, config, plan, updates, mapping.extra_files)
+        return Prepared(catalog, hf_dir, config, plan, updates, mapping.extra_files, mapping.notes)
 
     return log_prepared(on_every_rank(group, build, options.debug), group)
 
@@ -86,6 +87,8 @@ def log_prepared(prepared: Prepared, group: Group) -> Prepared:
         log.info("merger: %s checkpoint, %d tensors (%s) in %d files -> %d output files (%s), %d batches, "
                  "%d merge ranks", c.format, len(c.tensors), format_size(c.nbytes), len(c.files), len(p.files),
                  format_size(p.total_bytes), len(p.batches), group.world)
+        for note in prepared.notes:
+            log.info(note)
     return prepared
 
 

@@ -213,7 +213,21 @@ def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: P
              debug: bool = False, reader=None, observer: BatchObserver | None = None,
              allow_overflow: bool = False) -> None:
     """Stream the whole plan through `sink`. Raises MergerError on every rank if any rank fails, and after the
-    last batch when a cast to float16 lost values (overflow.py), unless `allow_overflow`.
+    last batch when a cast to float16 lost values (overflow.py), unless `allow_overflow`."""
+    # The catalog, the plan and torch's modules live to the end: exempt them from the garbage collector, whose
+    # full passes would otherwise walk them all again and again while the batches allocate. Unfrozen after, or
+    # whatever was alive now (a caller's garbage cycles, triton's bindings: nanobind then reports them as leaked
+    # at exit) could never be collected in a process that goes on.
+    gc.freeze()
+    try:
+        _stream_plan(plan, catalog, group, sink, progress, debug, reader, observer, allow_overflow)
+    finally:
+        gc.unfreeze()
+
+
+def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: Progress | None, debug: bool,
+                 reader, observer: BatchObserver | None, allow_overflow: bool) -> None:
+    """run_plan's work.
 
     Reading and writing overlap: while a writer thread writes batch k, the main thread reads batch k + 1
     into the other set of buffers (so two batches are in flight; the plan gives each half the budget).
@@ -222,9 +236,6 @@ def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: P
     the next exchange), and the exchange itself.
     `reader`, when given, was opened and checked already (the merge checks files before creating output).
     """
-    # The catalog, the plan and torch's modules live to the end: exempt them from the garbage collector, whose
-    # full passes would otherwise walk them all again and again while the batches allocate.
-    gc.freeze()
     error = None
     overflows: set[int] = set()  # steps whose float16 cast made an inf; added to by both threads
     if reader is None:

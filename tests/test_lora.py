@@ -4,6 +4,7 @@ merge_and_unload state dict, PeftModel.from_pretrained on the extracted adapter,
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -61,9 +62,13 @@ def _cli(*args) -> int:
 
 # ---- FSDP checkpoints of PEFT-wrapped models ---------------------------------------------------------------
 
-def test_fsdp_lora_fused_matches_peft(peft_lora_checkpoint, tmp_path):
+def test_fsdp_lora_fused_matches_peft(peft_lora_checkpoint, tmp_path, caplog):
     actor, ref_dir = peft_lora_checkpoint / "global_step_1" / "actor", peft_lora_checkpoint / "reference"
+    caplog.set_level(logging.INFO, logger="merger")
     assert _cli("merge", "--local_dir", actor, "--target_dir", tmp_path / "fp32", "--dtype", "float32") == 0
+    # the log says what was found (the writer's r, alpha; 7 linear modules x 2 layers + the embedding) and done
+    assert ("LoRA adapter found (r=4, lora_alpha=16, 15 adapted modules): folded into the base weights (--lora fuse); "
+            "the adapter goes to lora_adapter/ in the target") in caplog.text
     assert _cli("merge", "--local-dir", actor, "--target-dir", tmp_path / "bf16") == 0
     run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "ranks2", "--dtype", "float32", nproc=2)
     reference = load_safetensors_folder(ref_dir / "merged")
@@ -79,10 +84,12 @@ def test_fsdp_lora_fused_matches_peft(peft_lora_checkpoint, tmp_path):
     torch.testing.assert_close(_logits(tmp_path / "fp32"), torch.load(ref_dir / "logits.pt"), atol=1e-5, rtol=1e-5)
 
 
-def test_fsdp_lora_separate_and_alpha(peft_lora_checkpoint, tmp_path, capsys):
+def test_fsdp_lora_separate_and_alpha(peft_lora_checkpoint, tmp_path, capsys, caplog):
     actor, ref_dir = peft_lora_checkpoint / "global_step_1" / "actor", peft_lora_checkpoint / "reference"
+    caplog.set_level(logging.INFO, logger="merger")
     assert _cli("merge", "--local_dir", actor, "--target_dir", tmp_path / "sep", "--dtype", "float32",
                 "--lora", "separate") == 0
+    assert "the base weights written unfused (--lora separate)" in caplog.text
     ours, base = load_safetensors_folder(tmp_path / "sep"), load_safetensors_folder(ref_dir / "base")
     assert sorted(ours) == sorted(base) and all(torch.equal(ours[n], base[n]) for n in base)
     torch.testing.assert_close(_logits(tmp_path / "sep", tmp_path / "sep" / "lora_adapter"),

@@ -54,6 +54,13 @@ class LoraAdapter:
     replacements: dict[str, str] = field(default_factory=dict)
 
 
+def describe(config: dict, modules: int) -> str:
+    """r, alpha and what varies per module, for the log line that says an adapter was found."""
+    patterns = [f"{key} for {len(config[key])} modules" for key in ("rank_pattern", "alpha_pattern") if config.get(key)]
+    return ", ".join([f"r={config['r']}", f"lora_alpha={config['lora_alpha']:g}", *patterns,
+                      *(["rsLoRA"] if config.get("use_rslora") else []), f"{modules} adapted modules"])
+
+
 def split_key(key: str) -> tuple[str, str] | None:
     """`<module>.lora_A.weight` -> (module, 'a'); None for a key that is no LoRA part."""
     for suffix, part in _LORA_PARTS.items():

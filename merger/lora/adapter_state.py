@@ -25,10 +25,10 @@ from ..merge import Prepared
 from ..options import MergeOptions
 from ..plan import OutputSpec, Step, plan_layout
 from ..sources.dcp import ACCELERATE_DIR
-from .adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, adapter_from_catalog, config_from_tensors, file_keys,
-                      read_config_file, split_key)
+from .adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, adapter_from_catalog, config_from_tensors, describe,
+                      file_keys, read_config_file, split_key)
 from .into_base import fold_into_base, open_base
-from .peft_state import ADAPTER_DIR, is_peft_state, resolve_flag
+from .peft_state import ADAPTER_DIR, is_peft_state, lora_note, resolve_flag
 
 log = logging.getLogger("merger")
 ADAPTER_PART = "adapter:"  # name prefix of the adapter's tensors in the catalog shared with a base model
@@ -106,11 +106,13 @@ def prepare_adapter_state(catalog: Catalog, options: MergeOptions, world: int) -
             raise MergerError(f"--verify checks a merged model; the output here is an adapter folder (pass "
                               f"--base_model to merge one, or drop --verify), {catalog.root}")
         config, name = peft_config(catalog, keys, options, None)
-        adapter_from_catalog(name, config, "", catalog)  # checks the config against the tensors
+        adapter = adapter_from_catalog(name, config, "", catalog)  # checks the config against the tensors
         plan = plan_layout(catalog, _adapter_steps(catalog, "", ""), world, options.max_shard_size,
                            options.max_inflight)
         # No HF folder: the target is an adapter folder, not a model (no config.json to complete).
-        return Prepared(catalog, None, {}, plan, {}, {CONFIG_FILE: json.dumps(config, indent=2) + "\n"})
+        note = (f"merger: adapter-only LoRA checkpoint ({describe(config, len(adapter.modules))}): the target is a "
+                f"PEFT adapter folder (--base_model DIR folds it into a base model)")
+        return Prepared(catalog, None, {}, plan, {}, {CONFIG_FILE: json.dumps(config, indent=2) + "\n"}, (note,))
     base_dir = Path(options.base_model)
     base = open_base(base_dir)
     config, name = peft_config(catalog, keys, options, {n: n for n in base.tensors})
@@ -118,4 +120,5 @@ def prepare_adapter_state(catalog: Catalog, options: MergeOptions, world: int) -
     return fold_into_base(base_dir, base, {ADAPTER_PART: catalog}, [adapter] if options.lora == "fuse" else [],
                           options, world, "hf_safetensors+dcp_adapter",
                           tuple(_adapter_steps(catalog, ADAPTER_PART, ADAPTER_DIR)),
-                          {f"{ADAPTER_DIR}/{CONFIG_FILE}": json.dumps(config, indent=2) + "\n"})
+                          {f"{ADAPTER_DIR}/{CONFIG_FILE}": json.dumps(config, indent=2) + "\n"},
+                          (lora_note(config, len(adapter.modules), options.lora, f"the base model {base_dir}"),))

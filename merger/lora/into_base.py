@@ -32,7 +32,7 @@ def open_base(base_dir: Path) -> Catalog:
 
 def fold_into_base(base_dir: Path, base: Catalog, parts: dict[str, Catalog], adapters: list[LoraAdapter],
                    options: MergeOptions, world: int, fmt: str, side_steps: tuple[Step, ...] = (),
-                   extra_files: dict[str, str] | None = None) -> Prepared:
+                   extra_files: dict[str, str] | None = None, notes: tuple[str, ...] = ()) -> Prepared:
     """The plan writing `base` with `adapters` folded in; `parts` maps each adapter catalog to its name prefix.
     `side_steps` and `extra_files` add outputs beside the model (an adapter folder)."""
     catalog = union_catalog({"": base, **parts}, base_dir, fmt)
@@ -41,7 +41,7 @@ def fold_into_base(base_dir: Path, base: Catalog, parts: dict[str, Catalog], ada
                         options.tie_word_embedding)
     plan = plan_layout(catalog, result.steps + list(side_steps), world, options.max_shard_size, options.max_inflight)
     updates = {"tie_word_embeddings": False} if result.untied else {}
-    return Prepared(catalog, base_dir, config, plan, updates, dict(extra_files or {}))
+    return Prepared(catalog, base_dir, config, plan, updates, dict(extra_files or {}), notes)
 
 
 def prepare_lora(options: MergeOptions, adapter_dirs: list[Path], group: Group) -> Prepared:

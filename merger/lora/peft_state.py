@@ -16,7 +16,7 @@ from ..catalog import Catalog
 from ..errors import MergerError
 from ..options import MergeOptions
 from ..plan import OutputSpec, Step
-from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, build_adapter, config_from_tensors, split_key
+from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, build_adapter, config_from_tensors, describe, split_key
 from .steps import fold_steps
 
 ADAPTER_DIR = "lora_adapter"
@@ -85,6 +85,23 @@ def adapter_config(catalog: Catalog, config: dict, options: MergeOptions, keys: 
     return config_from_tensors(keys, shapes, config, base, r, alpha, meta)
 
 
+def refuse_lora_flags(options: MergeOptions, catalog: Catalog) -> None:
+    """--lora separate / --lora_r / --lora_alpha on a checkpoint with no adapter would be ignored: say so instead."""
+    for flag, given in (("--lora separate", options.lora == "separate"), ("--lora_r", options.lora_r is not None),
+                        ("--lora_alpha", options.lora_alpha is not None)):
+        if given:
+            raise MergerError(f"{flag} applies to checkpoints with a LoRA adapter, and this {catalog.format} "
+                              f"checkpoint has none (no lora_A / lora_B tensors), {catalog.root}")
+
+
+def lora_note(config: dict, modules: int, mode: str, into: str) -> str:
+    """The log line for a merge that found an adapter: what it is and what becomes of it."""
+    done = (f"folded into {into} (--lora fuse)" if mode == "fuse"
+            else f"{into} written unfused (--lora separate)")
+    return f"merger: LoRA adapter found ({describe(config, modules)}): {done}; the adapter goes to {ADAPTER_DIR}/ " \
+           f"in the target"
+
+
 def peft_state_mapping(catalog: Catalog, config: dict, options: MergeOptions):
     from ..mapping import Mapping
 
@@ -102,4 +119,5 @@ def peft_state_mapping(catalog: Catalog, config: dict, options: MergeOptions):
                                                     catalog.tensors[src].dtype, ADAPTER_FILE),))
                            for key, src in keys.items()]
     return Mapping(steps, {"tie_word_embeddings": False} if fused.untied else {},
-                   {f"{ADAPTER_DIR}/{CONFIG_FILE}": json.dumps(peft_config, indent=2) + "\n"})
+                   {f"{ADAPTER_DIR}/{CONFIG_FILE}": json.dumps(peft_config, indent=2) + "\n"},
+                   (lora_note(peft_config, len(adapter.modules), options.lora, "the base weights"),))

@@ -27,11 +27,18 @@ def _module(name: str):
     return importlib.import_module(f"{__name__}.{BACKENDS[name]}")
 
 
+def _detect(root: Path) -> str | None:
+    return next((name for name in BACKENDS if _module(name).detect(root)), None)
+
+
 def detect_backend(root: Path) -> str:
-    for name in BACKENDS:
-        if _module(name).detect(root):
-            return name
-    raise MergerError(f"no known checkpoint layout (looked for: {', '.join(BACKENDS)}), {root}")
+    if found := _detect(root):
+        return found
+    # A common slip: --local_dir one level too high (global_step_N/ instead of global_step_N/actor).
+    below = [(sub, name) for sub in sorted(p for p in root.iterdir() if p.is_dir()) if (name := _detect(sub))]
+    hint = "".join(f"; {sub.name}/ below it looks like a checkpoint (--backend {name}): pass --local_dir {sub}"
+                   for sub, name in below)
+    raise MergerError(f"no known checkpoint layout (looked for: {', '.join(BACKENDS)}), {root}{hint}")
 
 
 def open_catalog(root: Path, backend: str = "auto", prefix: str | None = None) -> Catalog:

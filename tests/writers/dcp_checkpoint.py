@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from leave_group import leave_group
 from tiny_models import build_model, save_hf_folder
 
 
@@ -71,8 +72,7 @@ def main() -> None:
     shard(model, init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("ddp", "fsdp")))
     state = {"model": get_model_state_dict(model), "optimizer": optimizer_state(model)}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(args.out / "checkpoint-1" / "pytorch_model_fsdp_0"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 import peft
 import torch
 
+from leave_group import leave_group
 from peft_adapters import TOKENS
 from tiny_models import build_model, save_hf_folder
 
@@ -66,8 +67,7 @@ def main() -> None:
     fully_shard(wrapped, mesh=mesh)
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
     save_fsdp_model(plugin, accelerator, wrapped, args.out / "output" / "checkpoint-1", adapter_only=True)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    leave_group()
 
 
 if __name__ == "__main__":

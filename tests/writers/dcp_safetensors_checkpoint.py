@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dcp_checkpoint import optimizer_state, shard
+from leave_group import leave_group
 from tiny_models import build_model, save_hf_folder
 
 
@@ -59,8 +60,7 @@ def main() -> None:
     shard(model, mesh)
     dcp.save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(args.out / "hf_sharded",
                                                                           save_distributed=True))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":

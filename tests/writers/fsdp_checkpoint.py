@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from leave_group import leave_group
 from tiny_models import HEADS, build_model, save_hf_folder
 
 REMOTE_CODE = Path(__file__).parent / "remote_code"
@@ -73,7 +74,7 @@ def main() -> None:
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     shard_and_save(model, mesh, args.out)
-    dist.destroy_process_group()
+    leave_group()
 
 
 def shard_and_save(model, mesh, out: Path) -> None:
@@ -86,7 +87,6 @@ def shard_and_save(model, mesh, out: Path) -> None:
                 fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     torch.save(model.state_dict(), out / f"model_world_size_{dist.get_world_size()}_rank_{dist.get_rank()}.pt")
-    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_checkpoint import shard_and_save
+from leave_group import leave_group
 from peft_adapters import TOKENS
 from tiny_models import build_model, save_hf_folder
 
@@ -59,7 +60,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     shard_and_save(wrapped, mesh, args.out)
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from leave_group import leave_group
+
 DIM, HEADS, KV_HEADS, LAYERS, VOCAB, FFN, THETA = 32, 4, 2, 2, 101, 72, 10000.0
 
 
@@ -75,8 +77,7 @@ def main() -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     dcp.save(model.state_dict(), checkpoint_id=args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,19 @@
+"""The launcher's command line, without Slurm: where the job's logs go by default."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.cli import build_parser, default_folder
+
+
+@pytest.mark.parametrize("target", [["--target_dir", "{t}"], ["--target-dir={t}"]])
+def test_logs_default_to_beside_the_target(tmp_path, target):
+    merger_args = ["merge", "--local_dir", "ckpt", *[a.format(t=tmp_path / "hf" / "step_1") for a in target]]
+    assert default_folder(merger_args) == tmp_path / "hf" / "merger_slurm_logs" / "%j"
+    assert build_parser().parse_args(["slurm"]).folder is None  # the default is decided from the target
+
+
+def test_logs_without_a_target_go_to_the_current_folder():
+    assert default_folder(["test", "--local_dir", "ckpt", "--test_hf_dir", "ref"]) == Path("merger_slurm_logs/%j")
