@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from merger.errors import MergerError
 from merger.safe_load import torch_load
-from merger.sources.crc32 import crc32_combine
+from merger.sources.crc32 import crc32, crc32_combine
 from merger.sources.file_reads import SourceReads
 from merger.sources.mapped_states import MappedStates
 
@@ -24,6 +24,13 @@ from merger.sources.mapped_states import MappedStates
 @given(st.binary(max_size=300), st.binary(max_size=300))
 def test_crc32_combine_equals_zlib_of_the_concatenation(a, b):
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=5000), st.integers(0, 2**32 - 1))
+def test_crc32_equals_zlib(data, start):
+    """The read path's CRC-32 (libdeflate's where the system has it) is zlib's, continued from any value."""
+    assert crc32(memoryview(bytearray(data)), start) == zlib.crc32(data, start)
 
 
 def _pieces(states: MappedStates, file: str, name: str, rows: list[tuple[int, int]]):

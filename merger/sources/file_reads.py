@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import io
 import os
-import zlib
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import MergerError
-from .crc32 import crc32_combine
+from .crc32 import crc32, crc32_combine
 from .zip_records import ZipRecord
 
 CHUNK = 1 << 20  # bytes per pread: small enough to stay in cache between the read, the checksum and the cast
@@ -199,7 +198,7 @@ class SourceReads:
             part = view[lo:lo + CHUNK]
             self.files.read_into(stored.file, part, stored.start + at + lo)
             if stored.record is not None:
-                crc = zlib.crc32(part, crc)
+                crc = crc32(part, crc)
         return crc
 
     def _record(self, stored: Stored, begin: int, end: int, crc: int, name: str) -> None:
@@ -226,7 +225,7 @@ class SourceReads:
         for lo in range(begin, end, CHUNK):
             part = memoryview(self.scratch.numpy())[:min(CHUNK, end - lo)]
             self.files.read_into(check.file, part, check.record.start + lo)
-            crc = zlib.crc32(part, crc)
+            crc = crc32(part, crc)
         check.add(begin, end, crc)
 
     def finish(self) -> None:
