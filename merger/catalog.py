@@ -70,7 +70,7 @@ class PieceReader(Protocol):
     def check_files(self, files: list[str]) -> None:
         """Open `files` and check them against the catalog (shapes, placements); raise MergerError."""
 
-    def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> "Stored":
+    def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:
         """Where the piece's data lies in `copy.file` (sources/file_reads.Stored), from metadata alone; the stream
         checks it has shape `piece.sizes` and dtype `dtype` and reads it."""
 
