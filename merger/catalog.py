@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from .sources.file_reads import Stored
 
 
 @dataclass(frozen=True)
@@ -67,12 +70,9 @@ class PieceReader(Protocol):
     def check_files(self, files: list[str]) -> None:
         """Open `files` and check them against the catalog (shapes, placements); raise MergerError."""
 
-    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
-        """The piece's data as stored (the stream checks it has shape `piece.sizes` and dtype `dtype`); may be a
-        view into a mapped file."""
-
-    def release(self) -> None:
-        """Drop whatever the last reads kept resident (mapped pages), so memory stays flat."""
+    def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:
+        """Where the piece's data lies in `copy.file` (sources/file_reads.Stored), from metadata alone; the stream
+        checks it has shape `piece.sizes` and dtype `dtype` and reads it."""
 
 
 @dataclass

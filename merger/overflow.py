@@ -6,6 +6,11 @@ from __future__ import annotations
 import torch
 
 
+def may_have_overflowed(cast: torch.Tensor) -> bool:
+    """A float16 result with an inf: whether a cast made it, only the source can tell (`overflowed`)."""
+    return cast.dtype == torch.float16 and bool(torch.isinf(cast).any())
+
+
 def overflowed(source: torch.Tensor, cast: torch.Tensor) -> bool:
     """True when `cast`, a float16 copy of `source`, holds an inf that `source` does not."""
     if cast.dtype != torch.float16 or source.dtype == torch.float16 or not source.is_floating_point():

@@ -18,9 +18,10 @@ import torch
 from .catalog import Catalog, ShardPiece
 from .dist import Group
 from .errors import AgreedError, MergerError, describe_error
-from .overflow import overflow_message, overflowed
+from .overflow import may_have_overflowed, overflow_message, overflowed
 from .plan import Batch, OutputSpec, Plan, Route, Step, identity
 from .progress import Progress
+from .sources.file_reads import SourceReads
 
 
 class Sink(Protocol):
@@ -133,7 +134,7 @@ class BatchBuffers:
         return buf if buf.numel() >= size else torch.empty(size, dtype=torch.uint8)
 
 
-def _read_batch(batch: Batch, group: Group, reader, buffers: BatchBuffers,
+def _read_batch(batch: Batch, group: Group, reader, reads: SourceReads, buffers: BatchBuffers,
                 overflows: set[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor, list[int]]:
     """This rank's pieces of the batch: those it writes itself by route index, and the block it sends with
     the bytes for each peer. Steps whose pieces lost values in the cast are added to `overflows`."""
@@ -147,18 +148,17 @@ def _read_batch(batch: Batch, group: Group, reader, buffers: BatchBuffers,
     for i, route in mine:
         out = buf[at:at + route.nbytes].view(route.dtype).view(route.piece.sizes)
         at += _slot(route)
-        # Copy (and cast) out of the mapped file at once, then hand its pages back: at most one piece of
-        # the source is ever resident, however large the batch.
-        data = reader.read(route.copy, route.piece, route.stored)
-        # One check for every format: copy_ would broadcast a wrong shape and cast a wrong dtype silently.
-        if tuple(data.shape) != route.piece.sizes or data.dtype != route.stored:
-            raise MergerError(f"tensor {route.copy.key} is {tuple(data.shape)} {data.dtype} here, the plan "
-                              f"expects {route.piece.sizes} {route.stored}, {route.copy.file}")
-        out.copy_(data)
-        if overflowed(data, out):
-            overflows.add(route.step)
-        del data
-        reader.release()
+        stored = reader.locate(route.copy, route.piece, route.stored)
+        # One check for every format: the copy would otherwise fill a wrong shape and cast a wrong dtype silently.
+        if tuple(stored.view.shape) != route.piece.sizes or stored.view.dtype != route.stored:
+            raise MergerError(f"tensor {route.copy.key} is {tuple(stored.view.shape)} {stored.view.dtype} here, "
+                              f"the plan expects {route.piece.sizes} {route.stored}, {route.copy.file}")
+        reads.copy(stored, out, route.copy.key)
+        if may_have_overflowed(out):  # rare: only then is the piece read again, as stored, to compare
+            source = torch.empty(route.piece.sizes, dtype=route.stored)
+            reads.copy(stored, source, route.copy.key)
+            if overflowed(source, out):
+                overflows.add(route.step)
         if route.writer == me:
             local[i] = out
         else:
@@ -257,13 +257,15 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
         return None
 
     buffers = (BatchBuffers(), BatchBuffers())
+    reads = SourceReads()
     writing: Future | None = None
     with ThreadPoolExecutor(1, thread_name_prefix="merger-write") as writer:
         for index, batch in enumerate(plan.batches):
             local, send, send_split = {}, torch.empty(0, dtype=torch.uint8), [0] * group.world
             if error is None:
                 try:
-                    local, send, send_split = _read_batch(batch, group, reader, buffers[index % 2], overflows)
+                    local, send, send_split = _read_batch(batch, group, reader, reads, buffers[index % 2],
+                                                          overflows)
                 except Exception as e:  # noqa: BLE001
                     error = describe_error(e, group.rank, debug)
             if writing is not None:
@@ -278,6 +280,13 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
             del local
         if writing is not None:
             error = error or writing.result()
+    try:
+        if error is None:
+            reads.finish()
+    except Exception as e:  # noqa: BLE001 - reported at the sync point
+        error = describe_error(e, group.rank, debug)
+    finally:
+        reads.close()
     group.agree(error)
     if observer:
         observer.confirmed(len(plan.batches))

@@ -126,3 +126,20 @@ def merge_here(capsys, *args) -> tuple[int, list[str]]:
     code = main(["merge", *map(str, args)])
     err = capsys.readouterr().err
     return code, [line for line in err.splitlines() if line.startswith("merger: error:")]
+
+
+def flip_bit_in_tensor(file: Path, tensor: torch.Tensor) -> None:
+    """Flip one bit in the middle of `tensor`'s bytes where they lie in `file` (found by content: the oracle is the
+    tensor torch.load returned, not merger's idea of the file's layout)."""
+    data = bytearray(file.read_bytes())
+    needle = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    at = data.find(needle)
+    assert at >= 0 and data.find(needle, at + 1) < 0, "the tensor's bytes must occur once in the file"
+    data[at + len(needle) // 2] ^= 0x04
+    file.write_bytes(data)
+
+
+def single_error_line(stderr: str) -> str:
+    errors = [line for line in stderr.splitlines() if line.startswith("merger: error:")]
+    assert len(errors) == 1, stderr
+    return errors[0]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_same_weights, run_merger, run_writer
+from conftest import assert_same_weights, flip_bit_in_tensor, run_merger, run_writer, single_error_line
 from enums_by_name import repickle
 
 
@@ -123,6 +123,26 @@ def test_damaged_chunk_file_names_the_file(damage, dcp_root, tmp_path):
     assert len(errors) == 1 and errors[0].endswith(str(victim)), proc.stderr
     assert ("truncated" if damage == "truncated" else "not a torch.save blob") in errors[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_flipped_bit_in_a_chunk_fails_its_checksum(dcp_root, tmp_path):
+    """A bit flipped inside a chunk's tensor data is caught by the CRC-32 of the chunk's torch.save record."""
+    import io
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = tmp_path / "damaged"
+    shutil.copytree(dcp_root / "plain", folder)
+    storage = FileSystemReader(str(folder)).read_metadata().storage_data
+    index, info = max(storage.items(), key=lambda item: item[1].length)  # located by torch's own reader
+    victim = folder / info.relative_path
+    blob = victim.read_bytes()[info.offset:info.offset + info.length]
+    flip_bit_in_tensor(victim, torch.load(io.BytesIO(blob), weights_only=True))
+    proc = run_merger("merge", "--local_dir", folder, "--target_dir", tmp_path / "out", check=False)
+    assert proc.returncode == 1
+    error = single_error_line(proc.stderr)
+    assert f"checksum mismatch in tensor {index.fqn}" in error and error.endswith(str(victim)), error
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.merger-partial").exists()
 
 
 def test_torchtitan_llama_to_hf(torchtitan_root, tmp_path):

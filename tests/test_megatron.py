@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_same_weights, run_merger, run_writer
+from conftest import assert_same_weights, flip_bit_in_tensor, run_merger, run_writer, single_error_line
 from enums_by_name import repickle
 
 CASES = {
@@ -175,6 +175,21 @@ def test_missing_rank_file_is_reported(megatron_root, tmp_path):
     assert proc.returncode == 1
     assert "merger: error: rank file for tp 1 pp 0 ep 0 is missing" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_flipped_bit_in_a_rank_file_fails_its_checksum(megatron_root, tmp_path):
+    """A bit flipped in a gated fc1 (read as two pieces, its gate and up halves) fails the record's CRC-32."""
+    src = tmp_path / "ckpt"
+    shutil.copytree(megatron_root / "tp2_gqa_bias" / "legacy", src)
+    victim = src / "iter_0000001" / "mp_rank_01" / "model_optim_rng.pt"
+    name = "decoder.layers.1.mlp.linear_fc1.weight"
+    flip_bit_in_tensor(victim, torch.load(victim, weights_only=False)["model"][name])  # our own test file
+    proc = run_merger("merge", "--local_dir", src, "--target_dir", tmp_path / "out", "--hf_model_config_path",
+                      megatron_root / "tp2_gqa_bias" / "hf", check=False)
+    assert proc.returncode == 1
+    error = single_error_line(proc.stderr)
+    assert "checksum mismatch in tensor" in error and name in error and error.endswith(str(victim)), error
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.merger-partial").exists()
 
 
 def test_unknown_family_is_reported(megatron_root, tmp_path, capsys):

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_same_weights, merge_here, run_merger, snapshot, start_merger
+from conftest import (assert_same_weights, flip_bit_in_tensor, merge_here, run_merger, single_error_line, snapshot,
+                      start_merger)
 from merger.cli import main
 
 WORLD = 2
@@ -452,3 +453,44 @@ def test_resume_counts_only_the_bytes_still_to_write_against_free_space(ckpt, tm
         assert all((stage / f.name).stat().st_size == f.size for f in plan.files)
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_flipped_bit_in_a_rank_file_fails_its_checksum(ckpt, tmp_path):
+    """A bit flipped inside a tensor's bytes is caught by the CRC-32 the rank file's zip records."""
+    import torch.distributed.tensor  # noqa: F401  DTensor for the weights_only load
+
+    name = "model.embed_tokens.weight"
+    local = torch.load(ckpt / RANK1, weights_only=True)[name]._local_tensor
+    flip_bit_in_tensor(ckpt / RANK1, local)
+    out = tmp_path / "out"
+    proc = run_merger("merge", "--local_dir", ckpt, "--target_dir", out, check=False)
+    assert proc.returncode == 1
+    error = single_error_line(proc.stderr)
+    assert f"checksum mismatch in tensor {name}" in error and error.endswith(str(ckpt / RANK1)), error
+    assert not out.exists() and not (tmp_path / ".out.merger-partial").exists()
+
+
+def test_source_truncated_during_the_merge_is_an_error_not_sigbus(ckpt, tmp_path):
+    """A rank file cut short while the merge streams (paused with SIGSTOP once its first output bytes are on
+    disk) gives one error line naming the file; the staging folder is removed. Reading through a mapping would
+    die of SIGBUS (returncode -7) here."""
+    out, stage = tmp_path / "out", tmp_path / ".out.merger-partial"
+    proc = start_merger("merge", "--local_dir", ckpt, "--target_dir", out, *SMALL)
+    deadline = time.monotonic() + 120
+    while not (stage.is_dir() and any(p.suffix == ".safetensors" and p.stat().st_size for p in stage.iterdir())):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        for rank_file in (RANK0, RANK1):
+            os.truncate(ckpt / rank_file, (ckpt / rank_file).stat().st_size // 2)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, (proc.returncode, stderr)
+    error = single_error_line(stderr)
+    # Cut short while it is read, or (if the reads were done when the test stopped the merge) caught by the
+    # identity check before the final rename: either way one line, never SIGBUS.
+    assert "source file shrank while being read" in error or "source file changed while" in error, error
+    assert error.endswith((str(ckpt / RANK0), str(ckpt / RANK1))), error
+    assert not out.exists() and not stage.exists()

@@ -3,13 +3,15 @@ accelerate (SHARDED_STATE_DICT, `checkpoint-N/pytorch_model_fsdp_0/`) and torcht
 
 The catalog comes from `.metadata` alone: every tensor's global shape and dtype, its chunks (N-dimensional
 boxes with offsets) and the byte range of each chunk in its .distcp file, where DCP's FileSystemWriter
-stores one `torch.save` blob per chunk. A merge rank maps the files it opened and reads exactly those
-byte ranges, in place (torch_save_blob.py), nothing else.
+stores one `torch.save` blob per chunk. A merge rank reads exactly those byte ranges (torch_save_blob.py
+finds the tensor in each), nothing else.
 Optimizer state and non-tensor entries are skipped; the `model.` nesting accelerate adds is stripped.
 """
 from __future__ import annotations
 
+import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,7 +20,7 @@ from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from .dcp_metadata import METADATA_FILE, load_metadata
 from .dcp_safetensors import DcpSafetensorsReader, holds_safetensors
-from .mapped_states import MappedStates, map_file
+from .file_reads import RangeFile, SourceFiles, Stored
 from .torch_save_blob import BlobError, tensor_in_blob
 
 CHUNK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
@@ -148,23 +150,24 @@ def open_catalog(root: Path, prefix: str | None = None) -> Catalog:
     )
 
 
-def chunk_view(maps: MappedStates, copy: PieceCopy) -> torch.Tensor:
-    """The tensor one DCP chunk holds (its byte range is a torch.save blob), viewed in the mapped file."""
+def chunk_stored(files: SourceFiles, copy: PieceCopy) -> Stored:
+    """Where the tensor one DCP chunk holds lies (its byte range is a torch.save blob), from the blob's directory."""
     offset, length = copy.byte_range
-    blob = maps.bytes_at(copy.file, offset, length)
     try:
-        return tensor_in_blob(memoryview(blob.numpy()))
+        view, record = tensor_in_blob(RangeFile(files, copy.file, offset, length), length)
     except BlobError as e:
         raise MergerError(f"tensor {copy.key}: chunk at byte {offset} is not a torch.save blob of a tensor "
                           f"({e}), {copy.file}") from e
+    record = replace(record, start=offset + record.start)
+    return Stored(copy.file, record.start, view, record)
 
 
 class DcpReader:
-    """Views each chunk in its mapped .distcp file; the stream copies it out and the pages are handed back."""
+    """Locates each chunk in its .distcp file; the stream copies it out, checking the blob's CRC-32."""
 
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
-        self.maps = MappedStates(map_file)
+        self.files = SourceFiles()
 
     def check_files(self, files: list[str]) -> None:
         ends: dict[str, int] = {}
@@ -173,13 +176,13 @@ class DcpReader:
                 for c in piece.copies:
                     ends[c.file] = max(ends.get(c.file, 0), c.byte_range[0] + c.byte_range[1])
         for file in files:
-            size = len(self.maps[file])
+            try:
+                size = os.path.getsize(file)
+            except FileNotFoundError as e:
+                raise MergerError(f"source file is missing, {file}") from e
             if size < ends.get(file, 0):
                 raise MergerError(f"DCP chunk file is {size} bytes but .metadata places data up to byte "
                                   f"{ends[file]} (truncated?), {file}")
 
-    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
-        return chunk_view(self.maps, copy)
-
-    def release(self) -> None:
-        self.maps.release()
+    def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:
+        return chunk_stored(self.files, copy)

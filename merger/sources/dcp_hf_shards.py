@@ -5,7 +5,7 @@ DCP fqns, and `__metadata__["DCP_SHARDING_INFO"]` giving each chunk's offsets in
 no `.metadata`. The catalog comes from the safetensors headers: a tensor's global shape is the furthest extent
 of its chunks (as torch's HuggingFaceStorageReader takes it), which must then be covered exactly; chunks saved
 by several ranks at the same offsets (replicas) are one piece with several copies. Each piece is a byte range
-viewed in the mapped file, like any safetensors tensor.
+read at its byte range, like any safetensors tensor.
 """
 from __future__ import annotations
 

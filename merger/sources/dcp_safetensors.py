@@ -6,7 +6,7 @@ tensor chunks, keyed by DCP fqn, whose `__metadata__["DCP_SHARDING_INFO"]` is JS
 safetensors part and the raw length (torch's own FileSystemReader cannot load such a folder). So the catalog
 comes from `.metadata` as for any DCP folder, and this reader finds each chunk's bytes in the safetensors header
 of its file: it reads the headers of the files its rank opened, checks every chunk placed there (dtype, shape,
-saved offsets) and views the exact range in the mapped file.
+saved offsets) and reads the exact range.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from ..safetensors_io import TensorEntry, read_header
-from .mapped_states import MappedStates, map_file
+from .file_reads import Stored
 
 SHARDING_INFO = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_utils.CUSTOM_METADATA_KEY
 _ZIP_MAGIC = b"PK\x03\x04"  # a torch.save blob, DCP's default serialization
@@ -53,7 +53,7 @@ def saved_offsets(metadata: dict[str, str], file: str) -> dict[str, tuple[int, .
 
 
 class DcpSafetensorsReader:
-    """Finds each chunk in the safetensors header of its .distcp file, checked against `.metadata`, and views it."""
+    """Finds each chunk in the safetensors header of its .distcp file, checked against `.metadata`."""
 
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
@@ -63,7 +63,6 @@ class DcpSafetensorsReader:
                 for c in piece.copies:
                     self.chunks_in.setdefault(c.file, []).append((t, piece, c))
         self.located: dict[str, tuple[int, dict[str, TensorEntry]]] = {}
-        self.maps = MappedStates(map_file)
 
     def _locate(self, file: str) -> tuple[int, dict[str, TensorEntry]]:
         """(data start, fqn -> entry) for one file, every chunk `.metadata` places there checked against it."""
@@ -96,11 +95,7 @@ class DcpSafetensorsReader:
         for file in files:
             self._locate(file)
 
-    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
+    def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:
         data_start, entries = self._locate(copy.file)
         entry = entries[copy.key]
-        return self.maps.bytes_at(copy.file, data_start + entry.begin, entry.end - entry.begin) \
-            .view(entry.dtype).view(entry.shape)
-
-    def release(self) -> None:
-        self.maps.release()
+        return Stored(copy.file, data_start + entry.begin, torch.empty(entry.shape, dtype=entry.dtype, device="meta"))

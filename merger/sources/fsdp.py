@@ -18,6 +18,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from ..safe_load import torch_load
+from .file_reads import Stored
 from .mapped_states import MappedStates
 
 RANK_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
@@ -45,7 +46,7 @@ def _world_size(root: Path) -> int:
 
 
 def load_rank_file(path: str) -> dict:
-    """A rank's state dict, memory-mapped: nothing is read until a tensor's bytes are touched."""
+    """A rank's state dict, memory-mapped: no tensor's bytes are read."""
     import torch.distributed.tensor  # noqa: F401  registers DTensor for the weights_only unpickler
 
     # Unpickling a DeviceMesh outside its process group warns about torch.compile; we only read its layout.
@@ -189,11 +190,6 @@ class FsdpReader:
                     raise MergerError(f"tensor {name} has local shape {tuple(local.shape)} but its placements "
                                       f"give {want}, {file}")
 
-    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
+    def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:
         value = self.states[copy.file][copy.key]
-        local = getattr(value, "_local_tensor", value)
-        self.states.touch(local)
-        return local
-
-    def release(self) -> None:
-        self.states.release()
+        return self.states.stored(copy.file, getattr(value, "_local_tensor", value))

@@ -2,8 +2,7 @@
 
 Used for a HF folder given as the checkpoint (a cast and reshard), for a LoRA base model, and for verl's
 Megatron workers that save the weights this way into `huggingface/` beside a `dist_ckpt/` holding none.
-Headers alone give every tensor's name, shape, dtype and exact byte range, so reading views that range
-in the mapped file.
+Headers alone give every tensor's name, shape, dtype and exact byte range, which is all reading needs.
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from ..safetensors_io import read_header
-from .mapped_states import MappedStates, map_file
+from .file_reads import Stored
 
 INDEX = "model.safetensors.index.json"
 
@@ -61,20 +60,15 @@ def open_catalog(root: Path, format_root: Path | None = None) -> Catalog:
 
 
 class SafetensorsReader:
-    """Views each piece's planned byte range in its mapped file; the stream copies it out, pages handed back."""
+    """Each piece is its planned byte range, a contiguous tensor (safetensors records no checksum)."""
 
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
-        self.maps = MappedStates(map_file)
 
     def check_files(self, files: list[str]) -> None:
         for f in files:
             if not Path(f).is_file():
                 raise MergerError(f"safetensors file is missing, {f}")
 
-    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
-        begin, length = copy.byte_range
-        return self.maps.bytes_at(copy.file, begin, length).view(dtype).view(piece.sizes)
-
-    def release(self) -> None:
-        self.maps.release()
+    def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:
+        return Stored(copy.file, copy.byte_range[0], torch.empty(piece.sizes, dtype=dtype, device="meta"))

@@ -19,9 +19,9 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
-from .dcp import chunk_location, chunk_view
+from .dcp import chunk_location, chunk_stored
 from .dcp_metadata import load_metadata
-from .mapped_states import MappedStates, map_file
+from .file_reads import SourceFiles, Stored
 from ..megatron.keys import split_key, take, with_index
 from ..megatron.layout import checkpoint_dir
 
@@ -97,19 +97,17 @@ def open_catalog(root: Path) -> Catalog:
 
 
 class DistReader:
-    """Views the chunk a piece lies in (a DCP chunk, in its mapped file) and takes the piece's layer out of it."""
+    """Locates the chunk a piece lies in (a DCP chunk) and takes the piece's layer out of it."""
 
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
-        self.maps = MappedStates(map_file)
+        self.files = SourceFiles()
 
     def check_files(self, files: list[str]) -> None:
         for file in files:
             if not os.path.isfile(file):
                 raise MergerError(f"DCP data file is missing, {file}")
 
-    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
-        return take(chunk_view(self.maps, copy), split_key(copy.key)[1])
-
-    def release(self) -> None:
-        self.maps.release()
+    def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:
+        chunk = chunk_stored(self.files, copy)
+        return chunk.narrowed(take(chunk.view, split_key(copy.key)[1]))

@@ -24,6 +24,7 @@ from ..errors import MergerError
 from ..megatron.keys import split_key, take, with_slice
 from ..megatron.layout import checkpoint_dir
 from ..safe_load import torch_load
+from .file_reads import Stored
 from .mapped_states import MappedStates
 
 FILE = "model_optim_rng.pt"
@@ -188,7 +189,7 @@ def open_catalog(root: Path) -> Catalog:
 
 
 class LegacyReader:
-    """Reads TP-local tensors (or a half of a gated fc1) from the memory-mapped rank files."""
+    """Locates TP-local tensors (or a half of a gated fc1) in the rank files."""
 
     def __init__(self, catalog: Catalog):
         self.states = MappedStates(load_file)
@@ -197,14 +198,10 @@ class LegacyReader:
         for file in files:
             self.states[file]  # loads and checks it
 
-    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
+    def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:
         key, sl = split_key(copy.key)
         chunk, name = key.split("/", 1)
         value = self.states[copy.file][chunk].get(name)
         if not isinstance(value, torch.Tensor):
             raise MergerError(f"tensor {name} is missing from this rank's file, {copy.file}")
-        self.states.touch(value)
-        return take(value, sl)
-
-    def release(self) -> None:
-        self.states.release()
+        return self.states.stored(copy.file, take(value, sl))

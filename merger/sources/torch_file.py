@@ -8,6 +8,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from ..safe_load import torch_load
+from .file_reads import Stored
 from .mapped_states import MappedStates
 
 
@@ -34,18 +35,14 @@ def open_file_catalog(path: Path, fmt: str = "torch_file") -> Catalog:
 
 class TorchFileReader:
     def __init__(self, catalog: Catalog):
-        # Never touched: the fallback for pre-zip files loads into ordinary memory, whose pages must stay.
         self.states = MappedStates(load_state)
 
     def check_files(self, files: list[str]) -> None:
         for f in files:
             self.states[f]  # loads and checks it
 
-    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
+    def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:
         value = self.states[copy.file].get(copy.key)
         if not isinstance(value, torch.Tensor):
             raise MergerError(f"tensor {copy.key} is missing since planning, {copy.file}")
-        return value
-
-    def release(self) -> None:
-        pass  # adapter files are small: their mapped pages are not worth dropping
+        return self.states.stored(copy.file, value)

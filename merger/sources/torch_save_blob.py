@@ -1,10 +1,10 @@
-"""The tensor inside one torch.save blob, as a view of the bytes where they lie, without copying them.
+"""Where the tensor inside one torch.save blob lies, read from the blob's zip directory and pickle alone.
 
 torch.save writes an uncompressed zip: `<archive>/data.pkl`, a pickle saying which storage the tensor uses
 and with which dtype, offset, shape and strides, and `<archive>/data/<key>`, each storage's raw bytes. DCP's
 FileSystemWriter appends one such blob per chunk to a .distcp file. The zip's directory and the small
-pickle give the storage's byte range, so a reader that has the file mapped can view the tensor in place and
-copy it once, casting on the way, into its batch buffer (torch.load would copy it into a fresh tensor first).
+pickle give the storage's byte range and CRC-32, so the reader copies the tensor's bytes once, casting on
+the way, into its batch buffer (torch.load would copy them into a fresh tensor first).
 
 The pickle is read by an unpickler that knows only the names torch.save uses for a plain tensor and builds
 nothing but a description of it: a crafted blob runs no code, as with torch.load(weights_only=True).
@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import io
 import pickle
-import struct
 import warnings
-import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import BinaryIO
 
 import torch
 
-_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature ... file name length, extra field length
-_LOCAL_SIGNATURE = b"PK\x03\x04"
+from ..errors import MergerError
+from .file_reads import geometry
+from .zip_records import ZipRecord, ZipRecordError, open_archive, storage_record
 
 
 class BlobError(ValueError):
@@ -80,76 +80,37 @@ class _Unpickler(pickle.Unpickler):
         return _Storage(pid[2], pid[1], pid[4])
 
 
-class _ViewFile(io.RawIOBase):
-    """A read-only file over a memoryview: zipfile reads the directory through it without copying the blob."""
-
-    def __init__(self, view: memoryview):
-        self.view, self.pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = max(0, offset + (0, self.pos, len(self.view))[whence])
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        chunk = self.view[self.pos:self.pos + len(buffer)]
-        memoryview(buffer).cast("B")[:len(chunk)] = chunk
-        self.pos += len(chunk)
-        return len(chunk)
-
-
-def _describe(blob: memoryview) -> tuple[_TensorRef, int]:
-    """The tensor the blob holds and where its storage's bytes start, relative to the blob."""
+def tensor_in_blob(blob: BinaryIO, length: int) -> tuple[torch.Tensor, ZipRecord]:
+    """The tensor saved in `blob` (a file of `length` bytes) as a data-less view with its geometry, and the
+    record of its storage (its start relative to the blob)."""
     try:
-        archive = zipfile.ZipFile(_ViewFile(blob))  # reads the directory at the end, not the data
-        records = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
-        if records.get("byteorder") is not None and archive.read(records["byteorder"]) != b"little":
-            raise BlobError("saved big-endian")
-        if "data.pkl" not in records:
+        archive, entries = open_archive(blob)
+        if "data.pkl" not in entries:
             raise BlobError("no data.pkl record")
-        ref = _Unpickler(io.BytesIO(archive.read(records["data.pkl"]))).load()
-    except BlobError:
+        ref = _Unpickler(io.BytesIO(archive.read(entries["data.pkl"]))).load()
+    except (BlobError, MergerError):  # MergerError: the file shrank while being read
         raise
     except Exception as e:  # noqa: BLE001 - damaged zips and pickles fail in many ways; all mean "not a blob"
         raise BlobError(f"not a torch.save blob ({type(e).__name__}: {e})") from e
     if not isinstance(ref, _TensorRef):
         raise BlobError(f"holds a {type(ref).__name__}, not a tensor")
-    info = records.get(f"data/{ref.storage.key}")
-    if info is None or info.compress_type != zipfile.ZIP_STORED:
-        raise BlobError(f"storage {ref.storage.key} is missing or compressed")
-    try:
-        if info.header_offset < 0:
-            raise struct.error("negative offset")
-        signature, name_len, extra_len = _LOCAL_HEADER.unpack_from(blob, info.header_offset)
-    except struct.error as e:
-        raise BlobError(f"storage {ref.storage.key} has no local zip header") from e
-    if signature != _LOCAL_SIGNATURE:
-        raise BlobError(f"storage {ref.storage.key} has no local zip header")
-    start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-    if info.file_size != ref.storage.numel * ref.storage.dtype.itemsize or start + info.file_size > len(blob):
-        raise BlobError(f"storage {ref.storage.key} holds {info.file_size} bytes, not {ref.storage.numel} "
-                        f"{ref.storage.dtype} elements")
-    return ref, start
-
-
-def tensor_in_blob(blob: memoryview) -> torch.Tensor:
-    """A view of the tensor saved in `blob` (writable memory, e.g. a private file mapping; never written)."""
-    ref, start = _describe(blob)
     storage = ref.storage
+    info = entries.get(f"data/{storage.key}")
+    if info is None:
+        raise BlobError(f"storage {storage.key} is missing")
+    try:
+        record = storage_record(blob, info)
+    except ZipRecordError as e:
+        raise BlobError(str(e)) from e
+    nbytes = storage.numel * storage.dtype.itemsize
+    if record.size != nbytes or record.start + record.size > length:
+        raise BlobError(f"storage {storage.key} holds {record.size} bytes, not {storage.numel} {storage.dtype} "
+                        f"elements")
     if len(ref.size) != len(ref.stride) or any(s < 0 for s in (*ref.size, *ref.stride)) or ref.offset < 0:
         raise BlobError(f"tensor has bad geometry {ref.size} / {ref.stride}")
     last = ref.offset + sum((n - 1) * st for n, st in zip(ref.size, ref.stride)) if all(ref.size) else -1
     if last >= storage.numel:
         raise BlobError(f"tensor reaches element {last} of a {storage.numel}-element storage")
-    nbytes = storage.numel * storage.dtype.itemsize
-    flat = torch.frombuffer(blob, dtype=torch.uint8, count=nbytes, offset=start) if nbytes else \
-        torch.empty(0, dtype=torch.uint8)
-    return flat.view(storage.dtype).as_strided(ref.size, ref.stride, ref.offset)
+    used = (ref.offset * storage.dtype.itemsize, (last + 1) * storage.dtype.itemsize) if last >= 0 else (0, 0)
+    view = geometry(storage.dtype, ref.size, ref.stride, ref.offset, storage.numel)
+    return view, replace(record, used=used)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
+from .file_reads import Stored
 
 
 def union_catalog(parts: dict[str, Catalog], root: Path, fmt: str) -> Catalog:
@@ -31,9 +32,5 @@ class UnionReader:
         for reader in self.readers:
             reader.check_files([f for f in files if self.reader_of[f] is reader])
 
-    def read(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
-        return self.reader_of[copy.file].read(copy, piece, dtype)
-
-    def release(self) -> None:
-        for reader in self.readers:
-            reader.release()
+    def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:
+        return self.reader_of[copy.file].locate(copy, piece, dtype)

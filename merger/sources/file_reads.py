@@ -1,0 +1,242 @@
+"""Pieces copied out of source files with pread, checked against the CRC-32 that torch.save records.
+
+Readers say where a piece's elements lie (`Stored`); `SourceReads` copies them into the batch buffer.
+pread rather than a memory mapping: a source file that shrinks while the merge runs (a trainer rewriting its
+checkpoint) then gives a short read and one clear error, where touching a mapped page past the new end
+kills the process with SIGBUS, which no handler turns into an error line. Nothing of the source stays in
+the process's resident set either.
+
+torch.save files (verl FSDP rank files, DCP .distcp chunks, Megatron legacy .pt, legacy adapter .bin) record
+a CRC-32 of every storage; it is computed over the bytes as they are copied, each piece's part separately
+(pieces of one storage may come in any order), and compared once the storage has been read whole. Bytes no
+piece reads (padding before or after the tensors in a storage) are read for the check alone.
+Safetensors files record no checksum.
+"""
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import MergerError
+from .crc32 import crc32, crc32_combine
+from .zip_records import ZipRecord
+
+CHUNK = 1 << 20  # bytes per pread: small enough to stay in cache between the read, the checksum and the cast
+
+
+class SourceFiles:
+    """Source files, each opened once, read at offsets."""
+
+    def __init__(self):
+        self.opened: dict[str, io.FileIO] = {}
+
+    def fd(self, file: str) -> int:
+        f = self.opened.get(file)
+        if f is None:
+            try:
+                f = self.opened[file] = open(file, "rb", buffering=0)
+            except FileNotFoundError as e:
+                raise MergerError(f"source file is missing, {file}") from e
+        return f.fileno()
+
+    def read_into(self, file: str, view: memoryview, offset: int) -> None:
+        """Fill `view` with the file's bytes from `offset`; a file that ends first is an error."""
+        fd, done = self.fd(file), 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                raise MergerError(f"source file shrank while being read: it ends before byte {offset + len(view)}, "
+                                  f"where data was when the merge began (rewritten during the merge?), {file}")
+            done += got
+
+    def close(self) -> None:
+        for f in self.opened.values():
+            f.close()
+        self.opened.clear()
+
+
+class RangeFile(io.RawIOBase):
+    """Bytes [start, start + length) of a source file as a read-only file (zipfile reads a DCP blob through it)."""
+
+    def __init__(self, files: SourceFiles, file: str, start: int, length: int):
+        self.files, self.file, self.start, self.length, self.pos = files, file, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = max(0, offset + (0, self.pos, self.length)[whence])
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        self.files.read_into(self.file, memoryview(buffer).cast("B")[:n], self.start + self.pos)
+        self.pos += n
+        return n
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Where a piece's elements lie: `view` gives their geometry (dtype, shape, strides, storage offset; its data
+    is never touched) in a storage whose bytes start at byte `start` of `file`. `record` is that storage's zip
+    record when the format checksums it (its start is `start`). `start` None: `view` holds the data itself (a
+    pre-zip torch file, loaded whole)."""
+
+    file: str
+    start: int | None
+    view: torch.Tensor
+    record: ZipRecord | None = None
+
+    def narrowed(self, view: torch.Tensor) -> Stored:
+        return Stored(self.file, self.start, view, self.record)
+
+
+def geometry(dtype: torch.dtype, size, stride, offset: int, numel: int) -> torch.Tensor:
+    """A data-less (meta) tensor with this geometry in a storage of `numel` elements, to describe a view."""
+    return torch.empty(numel, dtype=dtype, device="meta").as_strided(size, stride, offset)
+
+
+class _Check:
+    """The CRC-32 of a record's bytes read so far: disjoint (begin, end, crc) spans, adjacent ones combined."""
+
+    def __init__(self, file: str, record: ZipRecord, name: str):
+        self.file, self.record, self.name = file, record, name
+        self.spans: list[list[int]] = []
+
+    def add(self, begin: int, end: int, crc: int) -> None:
+        i = 0
+        while i < len(self.spans) and self.spans[i][1] <= begin:
+            i += 1
+        if i < len(self.spans) and self.spans[i][0] < end:
+            return  # bytes read before (a piece read twice): their first reading counts
+        self.spans.insert(i, [begin, end, crc])
+        if i + 1 < len(self.spans) and self.spans[i + 1][0] == end:
+            nxt = self.spans.pop(i + 1)
+            self.spans[i][1:] = [nxt[1], crc32_combine(self.spans[i][2], nxt[2], nxt[1] - nxt[0])]
+        if i > 0 and self.spans[i - 1][1] == begin:
+            cur = self.spans.pop(i)
+            self.spans[i - 1][1:] = [cur[1], crc32_combine(self.spans[i - 1][2], cur[2], cur[1] - cur[0])]
+
+    def gaps(self) -> list[tuple[int, int]]:
+        gaps, at = [], 0
+        for begin, end, _ in self.spans:
+            if begin > at:
+                gaps.append((at, begin))
+            at = end
+        if at < self.record.size:
+            gaps.append((at, self.record.size))
+        return gaps
+
+    def complete(self) -> bool:
+        return len(self.spans) == 1 and self.spans[0][:2] == [0, self.record.size]
+
+    def verify(self) -> None:
+        crc = self.spans[0][2] if self.spans else 0  # an empty record
+        if crc != self.record.crc:
+            raise MergerError(f"checksum mismatch in tensor {self.name}: the CRC-32 of zip record "
+                              f"{self.record.name} is {crc:08x} where the file records {self.record.crc:08x} "
+                              f"(damaged, or changed during the merge), {self.file}")
+
+
+class SourceReads:
+    """Copies pieces from source files into batch buffers, checking torch.save records as they complete."""
+
+    def __init__(self):
+        self.files = SourceFiles()
+        self.scratch = torch.empty(CHUNK, dtype=torch.uint8)
+        self.checks: dict[tuple[str, int], _Check | None] = {}  # None: verified
+
+    def copy(self, stored: Stored, out: torch.Tensor, name: str) -> None:
+        """Copy (casting to `out`'s dtype) the piece into `out`, a contiguous tensor of its shape."""
+        view = stored.view
+        if stored.start is None:
+            out.copy_(view)
+            return
+        if view.numel() == 0:
+            return
+        size = view.element_size()
+        first = view.storage_offset() * size
+        if view.is_contiguous():
+            end, crc = self._copy_run(stored, first, out.view(-1))
+        else:
+            # A strided view (a column block, a transpose): read the span it covers, then pick its elements.
+            end = (view.storage_offset() + sum((n - 1) * s for n, s in zip(view.shape, view.stride())) + 1) * size
+            span = torch.empty(end - first, dtype=torch.uint8)
+            crc = self._read(stored, first, span)
+            out.copy_(span.view(view.dtype).as_strided(view.shape, view.stride(), 0))
+        if stored.record is not None:
+            self._record(stored, first, end, crc, name)
+
+    def _copy_run(self, stored: Stored, first: int, flat: torch.Tensor) -> tuple[int, int]:
+        """Copy a contiguous run of elements from byte `first` of the storage; (end byte, CRC-32 of the run)."""
+        dtype = stored.view.dtype
+        end = first + flat.numel() * dtype.itemsize
+        if flat.dtype == dtype:  # no cast: straight into the batch buffer
+            return end, self._read(stored, first, flat.view(torch.uint8))
+        crc, step = 0, CHUNK // dtype.itemsize
+        for lo in range(0, flat.numel(), step):
+            hi = min(lo + step, flat.numel())
+            part = self.scratch[:(hi - lo) * dtype.itemsize]
+            crc = self._read(stored, first + lo * dtype.itemsize, part, crc)
+            flat[lo:hi].copy_(part.view(dtype))
+        return end, crc
+
+    def _read(self, stored: Stored, at: int, dest: torch.Tensor, crc: int = 0) -> int:
+        """Bytes [at, at + len) of the storage into the uint8 tensor `dest`; returns their CRC-32 continuing `crc`
+        (0 when the storage has no record), computed chunk by chunk while the bytes are in cache."""
+        view = memoryview(dest.numpy())
+        for lo in range(0, len(view), CHUNK):
+            part = view[lo:lo + CHUNK]
+            self.files.read_into(stored.file, part, stored.start + at + lo)
+            if stored.record is not None:
+                crc = crc32(part, crc)
+        return crc
+
+    def _record(self, stored: Stored, begin: int, end: int, crc: int, name: str) -> None:
+        """Count bytes [begin, end) of the storage's record as read; read what only padding leaves unread, and
+        verify the record once it is read whole."""
+        key = (stored.file, stored.start)
+        if key not in self.checks:
+            self.checks[key] = _Check(stored.file, stored.record, name)
+        check = self.checks[key]
+        if check is None:
+            return  # verified already: a piece read twice adds nothing
+        check.add(begin, end, crc)
+        used_begin, used_end = stored.record.used
+        for gap in check.gaps():
+            if gap[1] <= used_begin or gap[0] >= used_end:
+                self._fill(check, *gap)
+        if check.complete():
+            check.name = name
+            check.verify()
+            self.checks[key] = None
+
+    def _fill(self, check: _Check, begin: int, end: int) -> None:
+        crc = 0
+        for lo in range(begin, end, CHUNK):
+            part = memoryview(self.scratch.numpy())[:min(CHUNK, end - lo)]
+            self.files.read_into(check.file, part, check.record.start + lo)
+            crc = crc32(part, crc)
+        check.add(begin, end, crc)
+
+    def finish(self) -> None:
+        """Check the records that were read only in part (a storage shared with a tensor that is not merged)."""
+        for key, check in self.checks.items():
+            if check is not None:
+                for gap in check.gaps():
+                    self._fill(check, *gap)
+                check.verify()
+                self.checks[key] = None
+
+    def close(self) -> None:
+        self.files.close()
+
