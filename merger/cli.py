@@ -183,6 +183,10 @@ def _run(args: argparse.Namespace) -> int:
         result = compare_with_folder(prepared.plan, prepared.catalog, group, args.test_hf_dir, atol=args.atol,
                                      rtol=args.rtol, debug=options.debug)
         return 0 if result.ok else 1
+    except KeyboardInterrupt as e:
+        if str(e) == "SIGTERM":  # under torchrun: its agent stops the others when a rank dies; say which died
+            group.explain_interrupt()
+        raise
     finally:
         group.close()
 
@@ -209,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt as e:
         rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
-        print(f"merger: error: interrupted by {e or 'SIGINT'}{rank}", file=sys.stderr)
+        print(f"merger: error: interrupted by {str(e) or 'SIGINT'}{rank}", file=sys.stderr)  # Ctrl-C: no args
         return 130
     except Exception as e:  # noqa: BLE001 - a bug still gets one line unless --debug
         if args.debug:

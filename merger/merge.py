@@ -21,6 +21,7 @@ from .mapping import build_mapping, read_config
 from .memory import peak_rss_bytes
 from .model_class import config_updates
 from .options import MergeOptions
+from .peer_watch import Cleanup
 from .output import (FileSink, check_target, finish, hf_files_to_copy, prepare_files, staging_dir, swap_into_place,
                      write_manifest)
 from .plan import Plan, plan_layout
@@ -137,6 +138,20 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, ta
         write_manifest(stage, manifest)
 
     sink = tracker = None
+
+    def discard() -> None:
+        """The staging folder after a failure: kept for --keep-partial / --resume, else removed. Run by rank 0
+        on the failure path, or by the lowest surviving rank's peer watch when a rank is lost."""
+        if tracker is not None:
+            tracker.stop()  # no checksum thread may write into the staging folder while it is removed
+        if stage.exists():
+            if options.keep_partial or options.resume:
+                log.info("merger: kept the partial merge in %s (rerun with --resume to continue from it)", stage)
+            else:
+                shutil.rmtree(stage, ignore_errors=True)
+
+    cleanup = Cleanup(discard)
+    group.clean_up_on_loss(cleanup)
     try:
         candidates = group.all_gather(on_every_rank(group, setup if group.rank == 0 else dict, options.debug))[0]
         # Every rank checks a share of the files to reuse: one read of them in all, spread over the ranks.
@@ -158,18 +173,17 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, ta
 
         on_rank_zero(group, complete, options.debug)
         verified = verify_staged(stage, prepared, group, options) if options.verify else None
-        on_rank_zero(group, lambda: swap_into_place(stage, target, options.overwrite), options.debug)
+        # Never at once with the cleanup: a rename during a removal would move a half-removed folder.
+        on_rank_zero(group, lambda: cleanup.instead(lambda: swap_into_place(stage, target, options.overwrite)),
+                     options.debug)
     except BaseException:
         if tracker is not None:
-            tracker.stop()  # no checksum thread may write into the staging folder while it is removed
+            tracker.stop()  # no checksum thread may outlive the files it reads
         if sink is not None:
             with contextlib.suppress(Exception):
                 sink.close()
-        if group.rank == 0 and stage.exists():
-            if options.keep_partial or options.resume:
-                log.info("merger: kept the partial merge in %s (rerun with --resume to continue from it)", stage)
-            else:
-                shutil.rmtree(stage, ignore_errors=True)
+        if group.rank == 0:
+            cleanup()
         raise
     if group.rank == 0:
         log.info("merger: wrote %s to %s in %.1fs (peak RSS rank 0: %s)", format_size(plan.total_bytes), target,
