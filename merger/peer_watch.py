@@ -52,8 +52,8 @@ class Cleanup:
     def __call__(self) -> None:
         with self._lock:
             if self._pending:
-                self._pending = False
                 self._fn()
+                self._pending = False  # only once done: a cleanup cut short (a second signal) runs again
 
     def instead(self, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -119,11 +119,11 @@ class PeerWatch:
         self.missed = dict.fromkeys(self.peers, 0)
         self.left: set[int] = set()
         self.dead: set[int] = set()  # this rank's own verdicts, for who reports when ranks disagree
-        self.counted_at = 0.0
+        self.counted_at = self.asked_at = 0.0
         self.cleanup: Callable[[], None] | None = None  # what a loss must clean up here, set by the merge
         self.lock = threading.Lock()  # held by `stop` to end the watch, or for good by `_end`
         self.stopped = False
-        self.wake, self.hurry, self.ending = threading.Event(), threading.Event(), threading.Event()
+        self.wake, self.hurry, self.settled, self.ending = (threading.Event() for _ in range(4))
         self.thread = threading.Thread(target=self._run, name="merger-peer-watch", daemon=True)
         self.thread.start()
 
@@ -141,28 +141,33 @@ class PeerWatch:
 
     def explain(self, wait_s: float = PERIOD_S * STALE_BEATS + 2) -> None:
         """A collective failed or a signal came: if a peer is lost, the watch ends the process (this never
-        returns); else return after `wait_s` and let the caller report its own error."""
+        returns). Else return once every peer is known alive or gone normally, or after `wait_s` (a peer on
+        another host needs its missed beats), and let the caller report its own error."""
+        self.settled.clear()
+        self.asked_at = time.monotonic()
         self.hurry.set()
         self.wake.set()
-        if self.ending.wait(wait_s):
-            while True:  # the watch thread prints the line and exits: nothing else may happen meanwhile
-                try:
-                    with self.lock:
-                        pass
-                except KeyboardInterrupt:  # torchrun's SIGTERM, say: the ending is under way already
+        deadline = time.monotonic() + wait_s
+        while not self.ending.wait(HURRIED_S):
+            if self.settled.is_set() or time.monotonic() > deadline:
+                self.hurry.clear()
+                return
+        while True:  # the watch thread prints the line and exits: nothing else may happen meanwhile
+            try:
+                with self.lock:
                     pass
-        self.hurry.clear()
+            except KeyboardInterrupt:  # torchrun's SIGTERM, say: the ending is under way already
+                pass
 
     def _run(self) -> None:
         try:
             while not self.stopped:
-                if self.wake.wait(HURRIED_S if self.hurry.is_set() else PERIOD_S):
-                    # Asked at once (a collective failed): a peer whose sockets just closed may still be
-                    # exiting; give it the moment to be gone before judging it, and before its store is used.
-                    time.sleep(HURRIED_S)
+                woken = self.wake.wait(HURRIED_S if self.hurry.is_set() else PERIOD_S)
                 self.wake.clear()
                 if self.stopped:
                     return
+                if woken:  # asked at once (a collective failed): a peer whose sockets just closed may still be
+                    time.sleep(HURRIED_S)  # exiting; let it be gone before it is judged and its store used
                 found = self._check()
                 if found is not None:
                     self._end(*found)
@@ -172,6 +177,7 @@ class PeerWatch:
 
     def _check(self) -> tuple[int | None, str] | None:
         """One look at the peers: (lost rank, or None for torchrun's agent; the message) or None if all is well."""
+        started = time.monotonic()
         found = self._dead_process()
         if found is not None:
             return self._record(*found)
@@ -184,7 +190,7 @@ class PeerWatch:
         except Exception as e:  # noqa: BLE001 - any store failure means its host is gone or cut off
             found = self._dead_process()  # the store's host may have just died: then say that
             if found is not None:
-                return found
+                return self._record(*found)
             why = f"the rendezvous store it hosts, {self.store_name}, stopped answering ({str(e).splitlines()[0]})"
             return (None, f"lost torchrun's agent: {why}") if self.agent_store else (0, f"rank 0 was lost: {why}")
         if values[-1]:
@@ -205,6 +211,9 @@ class PeerWatch:
                 host = self.who[r].host if r in self.who else "its host"
                 return self._record(r, f"rank {r} was lost: no heartbeat from it on {host} for "
                                        f"{self.missed[r]} beats of {PERIOD_S:g} s")
+        if self.hurry.is_set() and started > self.asked_at and all(
+                r in self.left or r in self.who and self.who[r].alive(self.me) for r in self.peers):
+            self.settled.set()  # nothing to wait for: every peer runs on this host, or left the group
         return None
 
     def _dead_process(self) -> tuple[int, str] | None:
