@@ -366,23 +366,25 @@ def _lost_line(rank: int, pid: int) -> str:
 
 # Within 15 s of the kill every rank has ended: one line names the lost rank, the staging folder is gone (or
 # kept). Asleep, the survivors sit in Python (under torchrun its agent's SIGTERM reaches them; without it only
-# the peer watch does); in a collective they sit in gloo's C++. Rank 0 hosts the store under plain env://.
-LOST_RANK = {
-    "torchrun, peers in a collective": ("torchrun", 1, False, False),
-    "torchrun, peers asleep": ("torchrun", 1, True, False),
-    "torchrun, rank 0 lost, keep partial": ("torchrun", 0, False, True),
-    "env, peers in a collective": ("env", 1, False, False),
-    "env, peers asleep": ("env", 1, True, False),
-    "env, rank 0 lost, keep partial": ("env", 0, True, True),
+# the peer watch does); in a collective they sit in gloo's C++. Rank 0 hosts the store under plain env://;
+# when it is lost, rank 1 keeps or removes the staging folder and prints the line, rank 2 stays silent.
+LOST_RANK = {  # launch, lost rank, all ranks paused, --keep-partial, ranks
+    "torchrun, peers in a collective": ("torchrun", 1, False, False, 2),
+    "torchrun, peers asleep": ("torchrun", 1, True, False, 2),
+    "torchrun, rank 0 lost, keep partial": ("torchrun", 0, False, True, 2),
+    "env, peers in a collective": ("env", 1, False, False, 2),
+    "env, peers asleep": ("env", 1, True, False, 2),
+    "env, rank 0 lost, keep partial": ("env", 0, True, True, 3),
 }
 
 
 @pytest.mark.parametrize("case", list(LOST_RANK))
 def test_killed_rank_ends_the_job_and_cleans_up(case, ckpt, tmp_path):
-    launch, victim, pause_all, keep = LOST_RANK[case]
+    launch, victim, pause_all, keep, nproc = LOST_RANK[case]
     out, stage = tmp_path / "out", tmp_path / ".out.merger-partial"
     proc, took, killed = _kill_rank_mid_merge(ckpt, out, tmp_path, *(["--keep-partial"] if keep else []),
-                                              after_batch=3, pause_all=pause_all, launch=launch, victim=victim)
+                                              after_batch=3, pause_all=pause_all, launch=launch, victim=victim,
+                                              nproc=nproc)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
     assert took < 15 and proc.returncode != 0, (took, proc.stderr)
     assert errors == [_lost_line(victim, killed)], proc.stderr
