@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,14 +25,20 @@ from .peer_watch import Cleanup, PeerWatch
 def _collective(rank: int, watch: PeerWatch | None):
     """A peer that crashed, was killed or stopped answering makes gloo/NCCL raise: say so in one line, naming
     the lost rank when the peer watch finds one (it then ends the process itself)."""
+    if watch is not None:
+        watch.collective_since = time.monotonic()  # a signal arriving now may never reach the main thread
     try:
         yield
     except RuntimeError as e:  # DistBackendError and gloo's connection errors are RuntimeErrors
         if watch is not None:
+            watch.collective_since = None
             watch.explain()
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MergerError(f"rank {rank}: lost contact with the other ranks: one crashed, was killed or timed "
                           f"out ({first})") from e
+    finally:
+        if watch is not None:
+            watch.collective_since = None
 
 
 @dataclass

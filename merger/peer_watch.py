@@ -25,6 +25,7 @@ import datetime
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -36,6 +37,7 @@ PERIOD_S = 1.0
 STALE_BEATS = 10
 HURRIED_S = 0.1  # between checks while the main thread waits for a verdict (a collective just failed)
 _STORE_TIMEOUT_S = 10.0
+SIGNAL_GRACE_S = 2.0  # a SIGTERM / SIGINT the main thread has not acted on by then, inside a collective, never will
 _LEFT = b"left"
 
 log = logging.getLogger("merger")
@@ -123,6 +125,15 @@ class PeerWatch:
         self.cleanup: Callable[[], None] | None = None  # what a loss must clean up here, set by the merge
         self.lock = threading.Lock()  # held by `stop` to end the watch, or for good by `_end`
         self.stopped = False
+        # Signals reach this thread too: Python runs its handlers only on the main thread, and only between
+        # bytecodes, which a rank waiting inside a collective for a peer that will never come does not reach.
+        self.signals, self.restore_fd, self.signalled = None, None, None
+        self.collective_since: float | None = None  # set by the group around each collective
+        if threading.current_thread() is threading.main_thread():
+            self.signals, wakeup = os.pipe()
+            for fd in (self.signals, wakeup):
+                os.set_blocking(fd, False)
+            self.restore_fd = signal.set_wakeup_fd(wakeup, warn_on_full_buffer=False)
         self.wake, self.hurry, self.settled, self.ending = (threading.Event() for _ in range(4))
         self.thread = threading.Thread(target=self._run, name="merger-peer-watch", daemon=True)
         self.thread.start()
@@ -134,6 +145,9 @@ class PeerWatch:
             self.stopped = True
         self.wake.set()
         self.thread.join()
+        if self.signals is not None:
+            os.close(signal.set_wakeup_fd(self.restore_fd))
+            os.close(self.signals)
         try:
             self.store.set(f"beat/{self.rank}", _LEFT)
         except Exception:  # noqa: BLE001 - the store is gone with its host: nobody is left to tell
@@ -172,6 +186,7 @@ class PeerWatch:
                 if found is not None:
                     self._end(*found)
                     return
+                self._unheard_signal()
         except Exception as e:  # noqa: BLE001 - a bug here must not take the merge down; the timeout still holds
             log.warning("merger: rank %d stopped watching its peers: %s: %s", self.rank, type(e).__name__, e)
 
@@ -234,21 +249,41 @@ class PeerWatch:
             pass
         return rank, message
 
-    def _end(self, lost: int | None, message: str) -> None:
+    def _unheard_signal(self) -> None:
+        """A SIGTERM or SIGINT (scancel, torchrun stopping its workers) while the main thread waits in a
+        collective for peers that handled theirs and left: end this rank as its handler would have."""
+        try:
+            received = os.read(self.signals, 512) if self.signals is not None else b""
+        except BlockingIOError:
+            received = b""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            if signum in received and self.signalled is None:
+                self.signalled = (signum, time.monotonic())
+        since = self.collective_since
+        if self.signalled is not None and since is not None and since < self.signalled[1] and \
+                time.monotonic() - self.signalled[1] > SIGNAL_GRACE_S:
+            where = f" (rank {self.rank})"
+            self._end(None, f"interrupted by {signal.Signals(self.signalled[0]).name}{where}", every_rank=True,
+                      status=130)
+
+    def _end(self, lost: int | None, message: str, every_rank: bool = False, status: int = 1) -> None:
+        """End the process: the reporting rank (the lowest survivor; each rank for its own interruption) runs the
+        cleanup and prints the line."""
         self.lock.acquire()  # never released: this thread ends the process
         if self.stopped:
             self.lock.release()
             return
         self.ending.set()
         gone = self.dead | self.left | ({lost} if lost is not None else set())
-        reporter = min(r for r in range(self.world) if r not in gone or r == self.rank)
+        reporter = self.rank if every_rank else min(r for r in range(self.world) if r not in gone or r == self.rank)
         try:
-            if self.rank == reporter and self.cleanup is not None:
+            if self.cleanup is not None and (self.rank == reporter if not every_rank else self.rank == 0):
                 self.cleanup()
         except Exception as e:  # noqa: BLE001 - the line below must still be printed
             log.warning("merger: cleanup after the lost rank failed: %s: %s", type(e).__name__, e)
         finally:
             if self.rank == reporter:
-                print(f"merger: error: {message}; every other rank stopped", file=sys.stderr, flush=True)
+                tail = "" if every_rank else "; every other rank stopped"
+                print(f"merger: error: {message}{tail}", file=sys.stderr, flush=True)
             sys.stdout.flush()
-            os._exit(1)
+            os._exit(status)

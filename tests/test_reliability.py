@@ -463,6 +463,28 @@ def test_silent_rank_is_lost_by_its_heartbeat(ckpt, tmp_path):
     assert not (tmp_path / ".out.merger-partial").exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("launch", ["torchrun", "env"])
+def test_sigterm_reaches_a_rank_waiting_in_a_collective(launch, ckpt, tmp_path):
+    # scancel, or torchrun stopped: every rank gets SIGTERM. Rank 1 sits in Python and handles it; rank 0 waits
+    # in gloo's C++ for rank 1, where its Python handler cannot run. Both must end, clean up and say why.
+    pause = tmp_path / "paused"
+    env = {"MERGER_TEST_PAUSE_AFTER_BATCH": "3", "MERGER_TEST_PAUSE_FILE": str(pause), "MERGER_TEST_PAUSE_RANK": "1"}
+    args = ["merge", "--local_dir", ckpt, "--target_dir", tmp_path / "out", *SMALL]
+    procs = _start(launch, args, WORLD, env)
+    deadline = time.monotonic() + 120
+    while not (Path(f"{pause}.1").exists() and Path(f"{pause}.1").read_text()):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, _wait_all(procs, args)
+        time.sleep(0.2)
+    time.sleep(1)  # rank 0 is in the next collective by now
+    for p in procs:
+        p.send_signal(signal.SIGTERM)  # torchrun's agent passes it on to its workers
+    proc, took = _wait_all(procs, args)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
+    assert took < 15 and proc.returncode != 0, (took, proc.stderr)
+    assert sorted(errors) == [f"merger: error: interrupted by SIGTERM (rank {r})" for r in range(WORLD)], proc.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.merger-partial").exists()
+
+
 def test_ranks_that_finish_leave_without_a_word(ckpt, reference, tmp_path):
     # Plain env:// ranks: rank 0's store goes away with it when it is done; no rank may take that for a loss.
     args = ["merge", "--local_dir", ckpt, "--target_dir", tmp_path / "out", *SMALL]
