@@ -10,9 +10,12 @@ rendezvoused on (torchrun's agent hosts it; under plain env:// rank 0 does):
 - it judges each peer: one on this kernel and pid namespace is lost as soon as its process is gone (a
   certain answer, found in a second); one elsewhere after STALE_BEATS checks in a row saw no new beat.
   Checks, not seconds, are counted: a stall of this thread or a slow store delays the verdict instead of
-  faking one, and a peer must miss ten beats, not one slow write, before it counts as lost. A store that
+  faking one, and a peer must miss ten beats, not one slow write, before it counts as lost (torch ops,
+  hashing and file I/O release the GIL, so a rank busy casting or fsyncing still beats). A store that
   stops answering is the loss of the rank that hosts it;
-- a rank leaving the group marks its counter `left` first, so its exit is no loss.
+- a rank leaving the group marks its counter `left` first, so its exit is no loss;
+- it sees every SIGTERM / SIGINT (signal.set_wakeup_fd): one the main thread cannot act on, because it has
+  been waiting in a collective since before it came (its peers handled theirs and left), it acts on itself.
 
 The first rank to find a loss records it in the store, so all ranks name the same lost rank. Every survivor
 then ends itself from its watch thread (its main thread may never come back): the lowest surviving rank runs
