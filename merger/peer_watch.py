@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 PERIOD_S = 1.0
@@ -79,7 +80,7 @@ class ProcessId:
     @classmethod
     def of_this_process(cls) -> ProcessId:
         try:
-            boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+            boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
             kernel = f"{boot}:{os.readlink('/proc/self/ns/pid')}"
         except OSError:  # no procfs (not Linux): peers are judged by their heartbeats alone
             kernel = ""
@@ -95,7 +96,7 @@ class ProcessId:
 def _start_time(pid: int) -> str | None:
     """Field 22 of /proc/PID/stat; None when the process is gone or a zombie (dead, not yet reaped)."""
     try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
     return None if fields[0] in ("Z", "X") else fields[19]
@@ -116,8 +117,8 @@ class PeerWatch:
         self.me = ProcessId.of_this_process()
         self.store.set(f"who/{rank}", json.dumps(asdict(self.me)))
         self.store.compare_set("lost", "", "")  # exists from now on: read with the beats, never waited for
-        for r in range(world):
-            self.store.add(f"beat/{r}", 0)
+        for r in range(world):  # every key exists from now on; this rank's first beat tells who it is at once
+            self.store.add(f"beat/{r}", int(r == rank))
         self.peers = [r for r in range(world) if r != rank]
         self.who: dict[int, ProcessId] = {}
         self.last: dict[int, bytes] = {}
@@ -206,11 +207,8 @@ class PeerWatch:
                 if r not in self.who and value not in (b"0", _LEFT):
                     self.who[r] = ProcessId(**json.loads(self.store.get(f"who/{r}")))
         except Exception as e:  # noqa: BLE001 - any store failure means its host is gone or cut off
-            found = self._dead_process()  # the store's host may have just died: then say that
-            if found is not None:
-                return self._record(*found)
-            why = f"the rendezvous store it hosts, {self.store_name}, stopped answering ({str(e).splitlines()[0]})"
-            return (None, f"lost torchrun's agent: {why}") if self.agent_store else (0, f"rank 0 was lost: {why}")
+            found = None if self.agent_store else self._dead_process()  # rank 0 may have just died: say that
+            return self._record(*found) if found is not None else self._store_lost(e)
         if values[-1]:
             record = json.loads(values[-1])
             return record["rank"], record["message"]
@@ -240,16 +238,22 @@ class PeerWatch:
                 return r, f"rank {r} was lost: its process (pid {self.who[r].pid} on {self.who[r].host}) ended"
         return None
 
-    def _record(self, rank: int, message: str) -> tuple[int, str]:
+    def _store_lost(self, e: Exception) -> tuple[int | None, str]:
+        why = f"the rendezvous store it hosts, {self.store_name}, stopped answering ({str(e).splitlines()[0]})"
+        return (None, f"rank {self.rank} lost torchrun's agent: {why}") if self.agent_store else \
+            (0, f"rank 0 was lost: {why}")
+
+    def _record(self, rank: int, message: str) -> tuple[int | None, str]:
         """Publish this verdict unless a peer published one first; either way, the first one is the one told."""
         self.dead.add(rank)
         try:
             first = self.store.compare_set("lost", "", json.dumps({"rank": rank, "message": message}))
-            if first:
-                record = json.loads(first)
-                return record["rank"], record["message"]
-        except Exception:  # noqa: BLE001 - no store: every survivor judges alone (they see the same death)
-            pass
+        except Exception as e:  # noqa: BLE001 - no store: under torchrun its agent is gone, the root cause (the
+            # peer may have ended for that very reason); else every survivor judges alone and sees the same death
+            return self._store_lost(e) if self.agent_store else (rank, message)
+        if first:
+            record = json.loads(first)
+            return record["rank"], record["message"]
         return rank, message
 
     def _unheard_signal(self) -> None:
@@ -270,17 +274,19 @@ class PeerWatch:
                       status=130)
 
     def _end(self, lost: int | None, message: str, every_rank: bool = False, status: int = 1) -> None:
-        """End the process: the reporting rank (the lowest survivor; each rank for its own interruption) runs the
-        cleanup and prints the line."""
+        """End the process: the lowest surviving rank runs the cleanup; it prints the line, or every rank does
+        (`every_rank`: its own interruption, or torchrun's agent lost, which may have taken rank 0 along)."""
         self.lock.acquire()  # never released: this thread ends the process
         if self.stopped:
             self.lock.release()
             return
         self.ending.set()
         gone = self.dead | self.left | ({lost} if lost is not None else set())
-        reporter = self.rank if every_rank else min(r for r in range(self.world) if r not in gone or r == self.rank)
+        every_rank = every_rank or lost is None
+        cleaner = min(r for r in range(self.world) if r not in gone or r == self.rank)
+        reporter = self.rank if every_rank else cleaner
         try:
-            if self.cleanup is not None and (self.rank == reporter if not every_rank else self.rank == 0):
+            if self.cleanup is not None and self.rank == cleaner:
                 self.cleanup()
         except Exception as e:  # noqa: BLE001 - the line below must still be printed
             log.warning("merger: cleanup after the lost rank failed: %s: %s", type(e).__name__, e)
