@@ -246,6 +246,10 @@ def _run(args: argparse.Namespace) -> int:
         result = compare_with_folder(prepared.plan, prepared.catalog, group, args.test_hf_dir, atol=args.atol,
                                      rtol=args.rtol, debug=options.debug)
         return 0 if result.ok else 1
+    except KeyboardInterrupt as e:
+        if str(e) == "SIGTERM":  # under torchrun: its agent stops the others when a rank dies; say which died
+            group.explain_interrupt()
+        raise
     finally:
         group.close()
 
@@ -278,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e))
     except KeyboardInterrupt as e:
         rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
-        return _fail(f"interrupted by {e or 'SIGINT'}{rank}", code=130)
+        return _fail(f"interrupted by {str(e) or 'SIGINT'}{rank}", code=130)  # Ctrl-C's KeyboardInterrupt has no args
     except Exception as e:  # noqa: BLE001 - a bug still gets one line unless --debug
         if args.debug:
             raise

@@ -3,29 +3,42 @@
 Data (piece bytes) moves with one all_to_all_single per batch, over NCCL when CUDA is there and gloo
 otherwise. Control (did every rank succeed?) always goes over a gloo group on the CPU, so a failing rank
 is noticed at the next sync point and every rank stops within the collective timeout instead of hanging.
+A rank that dies (killed, out of memory, its node gone) is noticed within seconds by every rank's peer
+watch (peer_watch.py), which ends the survivors even while they are stuck in a collective.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .errors import AgreedError, MergerError, describe_error
+from .peer_watch import Cleanup, PeerWatch
 
 
 @contextlib.contextmanager
-def _collective(rank: int):
-    """A peer that crashed, was killed or stopped answering makes gloo/NCCL raise: say so in one line."""
+def _collective(rank: int, watch: PeerWatch | None):
+    """A peer that crashed, was killed or stopped answering makes gloo/NCCL raise: say so in one line, naming
+    the lost rank when the peer watch finds one (it then ends the process itself)."""
+    if watch is not None:
+        watch.collective_since = time.monotonic()  # a signal arriving now may never reach the main thread
     try:
         yield
     except RuntimeError as e:  # DistBackendError and gloo's connection errors are RuntimeErrors
+        if watch is not None:
+            watch.collective_since = None
+            watch.explain()
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MergerError(f"rank {rank}: lost contact with the other ranks: one crashed, was killed or timed "
                           f"out ({first})") from e
+    finally:
+        if watch is not None:
+            watch.collective_since = None
 
 
 @dataclass
@@ -34,6 +47,7 @@ class Group:
     world: int = 1
     device: torch.device = torch.device("cpu")
     control: object = None  # gloo process group for status and small objects; None when world == 1
+    watch: PeerWatch | None = None  # None when world == 1
 
     @property
     def distributed(self) -> bool:
@@ -47,7 +61,7 @@ class Group:
 
         on_device = recv if recv.device == self.device else torch.empty(recv.numel(), dtype=torch.uint8,
                                                                         device=self.device)
-        with _collective(self.rank):
+        with _collective(self.rank, self.watch):
             dist.all_to_all_single(on_device, send.to(self.device), recv_split, send_split)
         if on_device is not recv:
             recv.copy_(on_device)
@@ -71,7 +85,7 @@ class Group:
         import torch.distributed as dist
 
         values: list = [None] * self.world
-        with _collective(self.rank):
+        with _collective(self.rank, self.watch):
             dist.all_gather_object(values, value, group=self.control)
         return values
 
@@ -79,14 +93,28 @@ class Group:
         if self.distributed:
             import torch.distributed as dist
 
-            with _collective(self.rank):
+            with _collective(self.rank, self.watch):
                 dist.barrier(group=self.control)
+
+    def clean_up_on_loss(self, cleanup: Cleanup) -> None:
+        """From now until the group closes, a lost rank makes the lowest surviving rank run `cleanup` before
+        the group ends (it may have run already: a Cleanup runs once)."""
+        if self.watch is not None:
+            self.watch.cleanup = cleanup
+
+    def explain_interrupt(self) -> None:
+        """A SIGTERM under torchrun usually means its agent saw a rank die: if so, report that loss instead
+        (this ends the process). Waits briefly: a death on this host is certain at once."""
+        if self.watch is not None:
+            self.watch.explain(wait_s=2.0)
 
     def close(self) -> None:
         """Leave the group together: a rank tearing gloo down while a peer still talks to it can abort the peer."""
         if self.distributed:
             import torch.distributed as dist
 
+            if self.watch is not None:
+                self.watch.stop()  # first: from here on this rank's exit is no loss to its peers
             with contextlib.suppress(Exception):  # peers already gone (a failed merge): nothing left to wait for
                 dist.barrier(group=self.control)
             dist.destroy_process_group()
@@ -109,9 +137,9 @@ def init_group(device: str = "auto", timeout_s: float = 600) -> Group:
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
         control = dist.new_group(backend="gloo", timeout=timeout)
-        return Group(rank, world, torch.device("cuda", local), control)
+        return Group(rank, world, torch.device("cuda", local), control, PeerWatch(rank, world))
     dist.init_process_group("gloo", timeout=timeout)
-    return Group(rank, world, torch.device("cpu"), dist.group.WORLD)
+    return Group(rank, world, torch.device("cpu"), dist.group.WORLD, PeerWatch(rank, world))
 
 
 def on_every_rank(group: Group, fn: Callable[[], object], debug: bool = False):

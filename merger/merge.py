@@ -22,6 +22,7 @@ from .memory import peak_rss_bytes
 from .model_class import config_updates
 from .options import MergeOptions
 from .output import FileSink, finish, hf_files_to_copy, prepare_files, write_manifest
+from .peer_watch import Cleanup
 from .plan import Plan, plan_layout
 from .progress import Progress
 from .resume import FileTracker, resume_candidates, skip_finished, start_manifest, verify_share, why_not_done
@@ -170,6 +171,24 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
 
     reader = open_checked_reader(prepared, group, options.debug)  # bad input fails before anything is created
     target = sink = tracker = None
+
+    def discard() -> None:
+        """After a failure: the staging folder kept for --keep-partial / --resume, else removed; the target's
+        lock released. Run by rank 0 on the failure path, or by the lowest surviving rank's peer watch when a
+        rank is lost (every rank knows the target once setup is agreed)."""
+        if tracker is not None:
+            tracker.stop()  # no checksum thread may write into the staging folder while it is removed
+        if target is not None and target.stage.exists():
+            if options.keep_partial or options.resume:
+                log.info("merger: kept the partial merge in %s (rerun with --resume to continue from it)",
+                         target.stage)
+            else:
+                shutil.rmtree(target.stage, ignore_errors=True)
+        if lock is not None:
+            lock.release()
+
+    cleanup = Cleanup(discard)
+    group.clean_up_on_loss(cleanup)
     try:
         target, manifest, candidates = group.all_gather(
             on_every_rank(group, setup if group.rank == 0 else (lambda: (None, None, None)), options.debug))[0]
@@ -212,19 +231,16 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
             check_unchanged(prepared.catalog, sources)  # what was read is what the source still is
             place(target, options.overwrite)
 
-        on_rank_zero(group, move_into_place, options.debug)
+        # Never at once with the cleanup: a rename during a removal would move a half-removed folder.
+        on_rank_zero(group, lambda: cleanup.instead(move_into_place), options.debug)
     except BaseException:
         if tracker is not None:
-            tracker.stop()  # no checksum thread may write into the staging folder while it is removed
+            tracker.stop()  # no checksum thread may outlive the files it reads
         if sink is not None:
             with contextlib.suppress(Exception):
                 sink.close()
-        if group.rank == 0 and target is not None and target.stage.exists():
-            if options.keep_partial or options.resume:
-                log.info("merger: kept the partial merge in %s (rerun with --resume to continue from it)",
-                         target.stage)
-            else:
-                shutil.rmtree(target.stage, ignore_errors=True)
+        if group.rank == 0:
+            cleanup()
         raise
     finally:
         if lock is not None:

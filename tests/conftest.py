@@ -64,6 +64,21 @@ def start_merger(*args, nproc: int = 1, env: dict | None = None) -> subprocess.P
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def start_ranks(*args, nproc: int, env: dict | None = None, wrap: dict | None = None) -> list[subprocess.Popen]:
+    """`python -m merger ARGS` as the `nproc` ranks of a plain env:// gloo group, as Slurm tasks or
+    `launcher local` start them: no torchrun agent, rank 0 hosts the store. `wrap` maps a rank to a command
+    prefix (e.g. `unshare ...`)."""
+    port = _free_port()
+    procs = []
+    for rank in range(nproc):
+        ranked = {**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                  "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        cmd = [*(wrap or {}).get(rank, []), sys.executable, "-m", "merger", *map(str, args)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(ranked), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
 def run_writer(script: str, *args, nproc: int = 1) -> subprocess.CompletedProcess:
     prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
     return run(prefix + [str(WRITERS / script), *map(str, args)])

@@ -7,6 +7,7 @@ processes' exit codes; single-process cases call the CLI in this process to stay
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -14,6 +15,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -22,7 +24,7 @@ import pytest
 import torch
 
 from conftest import (assert_same_weights, flip_bit_in_tensor, merge_here, run_merger, single_error_line, snapshot,
-                      start_merger)
+                      start_merger, start_ranks)
 from merger.cli import main
 
 WORLD = 2
@@ -303,9 +305,29 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _start(launch: str, args: list, nproc: int, env: dict | None = None, wrap: dict | None = None
+           ) -> list[subprocess.Popen]:
+    """A merge under torchrun (one process: the agent), or as plain env:// ranks (one process each)."""
+    if launch == "torchrun":
+        return [start_merger(*args, nproc=nproc, env=env)]
+    return start_ranks(*args, nproc=nproc, env=env, wrap=wrap)
+
+
+def _wait_all(procs: list[subprocess.Popen], args) -> tuple[subprocess.CompletedProcess, float]:
+    """Wait for every process; their exit status (the first failure's) and stderr together, and the
+    seconds until the last one ended."""
+    started = time.monotonic()
+    outs = [p.communicate(timeout=120) for p in procs]
+    took = time.monotonic() - started
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    return subprocess.CompletedProcess(args, code, "".join(o for o, _ in outs), "".join(e for _, e in outs)), took
+
+
 def _kill_rank_mid_merge(ckpt: Path, out: Path, tmp_path: Path, *extra, nproc: int = 2, victim: int = 1,
-                         after_batch: int = 12, pause_all: bool = True) -> subprocess.CompletedProcess:
+                         after_batch: int = 12, pause_all: bool = True, launch: str = "torchrun"
+                         ) -> tuple[subprocess.CompletedProcess, float, int]:
     """Start a real merge, let it pause after `after_batch` (test hook), SIGKILL one rank, wait for the end.
+    Returns what the processes said, the seconds from the kill until every process ended, and the pid killed.
 
     With pause_all=False only the victim pauses: the other ranks are inside a collective when it dies.
     """
@@ -313,19 +335,19 @@ def _kill_rank_mid_merge(ckpt: Path, out: Path, tmp_path: Path, *extra, nproc: i
     env = {"MERGER_TEST_PAUSE_AFTER_BATCH": str(after_batch), "MERGER_TEST_PAUSE_FILE": str(pause)}
     if not pause_all:
         env["MERGER_TEST_PAUSE_RANK"] = str(victim)
-    proc = start_merger("merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, *extra, nproc=nproc, env=env)
+    args = ["merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, *extra]
+    procs = _start(launch, args, nproc, env)
     files = [Path(f"{pause}.{r}") for r in (range(nproc) if pause_all else [victim])]
     deadline = time.monotonic() + 120
     while not all(f.exists() and f.read_text() for f in files):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, _wait_all(procs, args)
         time.sleep(0.2)
-    workers = _children(proc.pid)
-    os.kill(int(Path(f"{pause}.{victim}").read_text()), signal.SIGKILL)
-    started = time.monotonic()
-    stdout, stderr = proc.communicate(timeout=120)
-    assert time.monotonic() - started < 60  # torchrun stops the other ranks; nothing waits for the dead one
+    workers = [w for p in procs for w in _children(p.pid)]
+    killed = int(Path(f"{pause}.{victim}").read_text())
+    os.kill(killed, signal.SIGKILL)
+    proc, took = _wait_all(procs, args)
     assert not any(_alive(p) for p in workers)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return proc, took, killed
 
 
 def _children(pid: int) -> list[int]:
@@ -334,13 +356,154 @@ def _children(pid: int) -> list[int]:
     return [int(k) for k in kids] or [pid]
 
 
-@pytest.mark.parametrize("pause_all", [True, False], ids=["peers asleep", "peers in a collective"])
-def test_killed_rank_ends_the_job_and_cleans_up(pause_all, ckpt, tmp_path):
-    out = tmp_path / "out"
-    proc = _kill_rank_mid_merge(ckpt, out, tmp_path, after_batch=3, pause_all=pause_all)
-    assert proc.returncode != 0
-    assert "merger: error:" in proc.stderr and "SIGKILL" in proc.stderr  # ours, and torchrun's root cause
-    assert not out.exists() and not (tmp_path / ".out.merger-partial").exists(), proc.stderr
+def _lost_line(rank: int, pid: int) -> str:
+    return (f"merger: error: rank {rank} was lost: its process (pid {pid} on {socket.gethostname()}) ended; "
+            f"every other rank stopped")
+
+
+# Within 15 s of the kill every rank has ended: one line names the lost rank, the staging folder is gone (or
+# kept). Asleep, the survivors sit in Python (under torchrun its agent's SIGTERM reaches them; without it only
+# the peer watch does); in a collective they sit in gloo's C++. Rank 0 hosts the store under plain env://;
+# when it is lost, rank 1 keeps or removes the staging folder and prints the line, rank 2 stays silent.
+LOST_RANK = {  # launch, lost rank, all ranks paused, --keep-partial, ranks
+    "torchrun, peers in a collective": ("torchrun", 1, False, False, 2),
+    "torchrun, peers asleep": ("torchrun", 1, True, False, 2),
+    "torchrun, rank 0 lost, keep partial": ("torchrun", 0, False, True, 2),
+    "env, peers in a collective": ("env", 1, False, False, 2),
+    "env, peers asleep": ("env", 1, True, False, 2),
+    "env, rank 0 lost, keep partial": ("env", 0, True, True, 3),
+}
+
+
+@pytest.mark.parametrize("case", list(LOST_RANK))
+def test_killed_rank_ends_the_job_and_cleans_up(case, ckpt, tmp_path):
+    launch, victim, pause_all, keep, nproc = LOST_RANK[case]
+    out, stage = tmp_path / "out", tmp_path / ".out.merger-partial"
+    proc, took, killed = _kill_rank_mid_merge(ckpt, out, tmp_path, *(["--keep-partial"] if keep else []),
+                                              after_batch=3, pause_all=pause_all, launch=launch, victim=victim,
+                                              nproc=nproc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
+    assert took < 15 and proc.returncode != 0, (took, proc.stderr)
+    assert errors == [_lost_line(victim, killed)], proc.stderr
+    assert launch == "env" or "SIGKILL" in proc.stderr  # torchrun's root cause: the same rank
+    assert not out.exists()
+    assert stage.is_dir() == keep, proc.stderr
+    assert not keep or (stage / "merge_manifest.json").is_file() and "kept the partial merge" in proc.stderr
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of merge rank `rank` among the processes started by `launcher` (torchrun, unshare) or itself."""
+    for pid in [*_children(launcher), launcher]:
+        with contextlib.suppress(OSError):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in env and b"-m\0merger" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    raise AssertionError(f"no rank {rank} under {launcher}")
+
+
+@pytest.mark.parametrize("launch", ["torchrun", "env"])
+def test_rank_killed_during_an_exchange(launch, fsdp_checkpoint, tmp_path):
+    # No test hook: the merge runs freely. Once its staging folder exists, rank 1 is stopped: its peer goes on
+    # into the next collective and waits there. Then rank 1 is killed.
+    ckpt = fsdp_checkpoint("llama", WORLD, extra=("--layers", "6", "--hidden", "64"))[0]
+    out, stage = tmp_path / "out", tmp_path / ".out.merger-partial"
+    args = ["merge", "--local_dir", ckpt, "--target_dir", out, *SMALL]
+    procs = _start(launch, args, WORLD)
+    deadline = time.monotonic() + 120
+    while not stage.exists():
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, _wait_all(procs, args)
+        time.sleep(0.01)
+    victim = _rank_pid(procs[0].pid, 1) if launch == "torchrun" else procs[1].pid
+    os.kill(victim, signal.SIGSTOP)
+    time.sleep(1)
+    assert all(p.poll() is None for p in procs) and stage.exists() and not out.exists()
+    os.kill(victim, signal.SIGKILL)
+    proc, took = _wait_all(procs, args)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
+    assert took < 15 and proc.returncode != 0, (took, proc.stderr)
+    assert errors == [_lost_line(1, victim)], proc.stderr
+    assert not out.exists() and not stage.exists()
+
+
+def test_silent_rank_is_lost_by_its_heartbeat(ckpt, tmp_path):
+    # Rank 1 runs in a pid namespace of its own, as if on another host: rank 0 cannot see its process, only
+    # its heartbeats. Stopped (a frozen node: no socket closes, gloo waits for the full --dist_timeout), it
+    # beats no more, and rank 0, stuck in a collective, ends within the staleness threshold.
+    from merger.peer_watch import PERIOD_S, STALE_BEATS
+
+    unshare = ["unshare", "--pid", "--fork", "--mount-proc"]
+    if subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a pid namespace here (unshare needs CAP_SYS_ADMIN)")
+    pause = tmp_path / "paused"
+    env = {"MERGER_TEST_PAUSE_AFTER_BATCH": "3", "MERGER_TEST_PAUSE_FILE": str(pause), "MERGER_TEST_PAUSE_RANK": "1"}
+    args = ["merge", "--local_dir", ckpt, "--target_dir", tmp_path / "out", *SMALL, "--dist_timeout", "300"]
+    procs = start_ranks(*args, nproc=WORLD, env=env, wrap={1: unshare})
+    deadline = time.monotonic() + 120
+    while not (Path(f"{pause}.1").exists() and Path(f"{pause}.1").read_text()):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, _wait_all(procs, args)
+        time.sleep(0.2)
+    victim = _rank_pid(procs[1].pid, 1)
+    os.kill(victim, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        out, err = procs[0].communicate(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        os.kill(victim, signal.SIGKILL)
+        procs[1].communicate(timeout=60)
+    errors = [line for line in err.splitlines() if line.startswith("merger: error:")]
+    assert errors == [f"merger: error: rank 1 was lost: no heartbeat from it on {socket.gethostname()} for "
+                      f"{STALE_BEATS} beats of {PERIOD_S:g} s; every other rank stopped"], err
+    assert procs[0].returncode == 1
+    # The verdict needs STALE_BEATS missed beats, not less; then the end is quick (not the 300 s timeout).
+    assert STALE_BEATS * PERIOD_S * 0.9 - PERIOD_S < took < STALE_BEATS * PERIOD_S + 15, took
+    assert not (tmp_path / ".out.merger-partial").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("launch", ["torchrun", "env"])
+def test_sigterm_reaches_a_rank_waiting_in_a_collective(launch, ckpt, tmp_path):
+    # scancel, or torchrun stopped: every rank gets SIGTERM. Rank 1 sits in Python and handles it; rank 0 waits
+    # in gloo's C++ for rank 1, where its Python handler cannot run. Both must end, clean up and say why.
+    pause = tmp_path / "paused"
+    env = {"MERGER_TEST_PAUSE_AFTER_BATCH": "3", "MERGER_TEST_PAUSE_FILE": str(pause), "MERGER_TEST_PAUSE_RANK": "1"}
+    args = ["merge", "--local_dir", ckpt, "--target_dir", tmp_path / "out", *SMALL]
+    procs = _start(launch, args, WORLD, env)
+    deadline = time.monotonic() + 120
+    while not (Path(f"{pause}.1").exists() and Path(f"{pause}.1").read_text()):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, _wait_all(procs, args)
+        time.sleep(0.2)
+    time.sleep(1)  # rank 0 is in the next collective by now
+    for p in procs:
+        p.send_signal(signal.SIGTERM)  # torchrun's agent passes it on to its workers
+    proc, took = _wait_all(procs, args)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
+    assert took < 15 and proc.returncode != 0, (took, proc.stderr)
+    assert sorted(errors) == [f"merger: error: interrupted by SIGTERM (rank {r})" for r in range(WORLD)], proc.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.merger-partial").exists()
+
+
+def test_ranks_that_finish_leave_without_a_word(ckpt, reference, tmp_path):
+    # Plain env:// ranks: rank 0's store goes away with it when it is done; no rank may take that for a loss.
+    args = ["merge", "--local_dir", ckpt, "--target_dir", tmp_path / "out", *SMALL]
+    proc, _ = _wait_all(start_ranks(*args, nproc=WORLD), args)
+    assert proc.returncode == 0 and "merger: error" not in proc.stderr, proc.stderr
+    assert_same_weights(tmp_path / "out", reference, torch.bfloat16)
+
+
+def test_ctrl_c_names_the_signal(ckpt, tmp_path):
+    pause = tmp_path / "paused"
+    env = {"MERGER_TEST_PAUSE_AFTER_BATCH": "3", "MERGER_TEST_PAUSE_FILE": str(pause)}
+    proc = start_merger("merge", "--local_dir", ckpt, "--target_dir", tmp_path / "out", *SMALL, env=env)
+    deadline = time.monotonic() + 120
+    while not (Path(f"{pause}.0").exists() and Path(f"{pause}.0").read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert [line for line in err.splitlines() if line.startswith("merger: error:")] == [
+        "merger: error: interrupted by SIGINT"], err
+    assert not (tmp_path / ".out.merger-partial").exists()
 
 
 # Options that change how a merge runs, not what it writes: a resume with them reuses the finished files all the same.
@@ -353,7 +516,7 @@ def test_resume_after_a_killed_rank_reuses_finished_files(flags, ckpt, reference
     out = tmp_path / "out"
     extra = [str(tmp_path / "summary.json") if f == "SUMMARY" else f for f in RUNTIME_FLAGS[flags]]
     stage = tmp_path / ".out.merger-partial"
-    proc = _kill_rank_mid_merge(ckpt, out, tmp_path, "--keep-partial")
+    proc = _kill_rank_mid_merge(ckpt, out, tmp_path, "--keep-partial")[0]
     assert proc.returncode != 0 and not out.exists() and stage.is_dir(), proc.stderr
     manifest = json.loads((stage / "merge_manifest.json").read_text())
     finished = {n for n, f in manifest["output_files"].items() if f["sha256"]}
