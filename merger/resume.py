@@ -9,11 +9,6 @@ skips the steps whose outputs all live in reused files. The finished model keeps
 
 Checksums cost one read of the output on rank 0, done in a background thread while later batches stream;
 verifying reused files on resume costs one read of them, shared among the ranks.
-
-Test hook, read only here: with MERGER_TEST_PAUSE_AFTER_BATCH=N and MERGER_TEST_PAUSE_FILE=P, once batches
-0..N are written on every rank (and rank 0 has checksummed the files they completed) each rank writes its
-pid to `P.<rank>` and sleeps, so tests can kill a real merge at a known point. MERGER_TEST_PAUSE_RANK=r
-pauses only rank r: the others go on into the next collective and wait there for it.
 """
 from __future__ import annotations
 
@@ -24,7 +19,6 @@ import json
 import logging
 import os
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -207,8 +201,6 @@ class FileTracker:
         self.futures: list[Future] = []
         self.lock = threading.Lock()  # the manifest, written by the hashing thread
         self.handing = threading.Lock()  # the cursors: steps are written on stream.py's writer thread
-        pause, only = os.environ.get("MERGER_TEST_PAUSE_AFTER_BATCH"), os.environ.get("MERGER_TEST_PAUSE_RANK")
-        self.pause_at = int(pause) + 1 if pause and (only is None or int(only) == group.rank) else None
 
     def step_written(self, step: int) -> None:
         if self.pool is not None:
@@ -225,8 +217,6 @@ class FileTracker:
             with self.handing:
                 self.confirmed_count = count
                 self._hand_over()
-        if count == self.pause_at:
-            self._pause()
 
     def _hand_over(self) -> None:
         """Give the hashing thread every file's newly complete stretch, front to back (`handing` held)."""
@@ -262,10 +252,3 @@ class FileTracker:
         """On failure: drop queued checksums and wait for the one running."""
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
-
-    def _pause(self) -> None:
-        if self.pool is not None:
-            for future in self.futures:
-                future.result()
-        Path(f"{os.environ['MERGER_TEST_PAUSE_FILE']}.{self.group.rank}").write_text(str(os.getpid()))
-        time.sleep(3600)

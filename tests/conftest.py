@@ -34,6 +34,14 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
+PAUSED_MERGER = ROOT / "tests" / "paused_merger.py"
+
+
+def merger_entry(env: dict | None) -> list[str]:
+    """How to start merger: `-m merger`, or the paused_merger.py script when the environment asks for a pause."""
+    return [str(PAUSED_MERGER)] if env and "MERGER_TEST_PAUSE_AFTER_BATCH" in env else ["-m", "merger"]
+
+
 def torchrun_cmd(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
@@ -53,14 +61,14 @@ def run_merger(*args, nproc: int = 1, check: bool = True, timeout: float = 300,
                env: dict | None = None, preexec_fn=None) -> subprocess.CompletedProcess:
     """`python -m merger ARGS` as one process, or under torchrun with `nproc` gloo ranks."""
     prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
-    return run(prefix + ["-m", "merger", *map(str, args)], timeout=timeout, check=check, env=env,
+    return run(prefix + [*merger_entry(env), *map(str, args)], timeout=timeout, check=check, env=env,
                preexec_fn=preexec_fn)
 
 
 def start_merger(*args, nproc: int = 1, env: dict | None = None) -> subprocess.Popen:
     """Like run_merger, but returns the running process (for tests that interrupt a merge)."""
     prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
-    return subprocess.Popen(prefix + ["-m", "merger", *map(str, args)], cwd=ROOT, env=_env(env),
+    return subprocess.Popen(prefix + [*merger_entry(env), *map(str, args)], cwd=ROOT, env=_env(env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -73,7 +81,7 @@ def start_ranks(*args, nproc: int, env: dict | None = None, wrap: dict | None = 
     for rank in range(nproc):
         ranked = {**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        cmd = [*(wrap or {}).get(rank, []), sys.executable, "-m", "merger", *map(str, args)]
+        cmd = [*(wrap or {}).get(rank, []), sys.executable, *merger_entry(env), *map(str, args)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(ranked), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     return procs

@@ -21,7 +21,6 @@ from safetensors.torch import load_file, save_file
 
 import merger.merge
 from conftest import assert_same_weights, load_safetensors_folder, merge_here, run_merger, snapshot
-from merger.cli import main
 from merger.target_lock import STALE_AFTER_S
 
 WORLD = 2

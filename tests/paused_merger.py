@@ -1,0 +1,38 @@
+"""`python -m merger`, paused after a given batch: tests stop a real merge at a known point with it.
+
+Run in place of `-m merger` (conftest does so when the environment asks for a pause), as one process or under
+torchrun: with MERGER_TEST_PAUSE_AFTER_BATCH=N and MERGER_TEST_PAUSE_FILE=P, once batches 0..N are written on
+every rank (and rank 0 has checksummed the files they completed), each rank writes its pid to `P.<rank>` and
+sleeps, for the test to kill, stop or signal it. MERGER_TEST_PAUSE_RANK=r pauses only rank r: the others go on
+into the next collective and wait there for it. The pause wraps `FileTracker.confirmed`, where a rank learns at
+a sync point that every rank wrote the batches so far; merger itself knows nothing of it.
+"""
+import os
+import sys
+import time
+from pathlib import Path
+
+from merger import resume
+from merger.cli import main
+
+
+def _pause_after(batch: int, file: str, only: int | None):
+    confirmed = resume.FileTracker.confirmed
+
+    def confirmed_then_pause(self, count: int) -> None:
+        confirmed(self, count)
+        if count == batch + 1 and only in (None, self.group.rank):
+            for future in self.futures:  # rank 0's checksums of the files finished so far
+                future.result()
+            Path(f"{file}.{self.group.rank}").write_text(str(os.getpid()))
+            time.sleep(3600)
+
+    return confirmed_then_pause
+
+
+if __name__ == "__main__":
+    only = os.environ.get("MERGER_TEST_PAUSE_RANK")
+    resume.FileTracker.confirmed = _pause_after(int(os.environ["MERGER_TEST_PAUSE_AFTER_BATCH"]),
+                                                os.environ["MERGER_TEST_PAUSE_FILE"],
+                                                int(only) if only is not None else None)
+    sys.exit(main())
