@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (assert_same_weights, flip_bit_in_tensor, merge_here, run_merger, single_error_line, snapshot,
-                      start_merger, start_ranks)
+from conftest import (PAUSED_MERGER, assert_same_weights, flip_bit_in_tensor, merge_here, run_merger,
+                      single_error_line, snapshot, start_merger, start_ranks)
 from merger.cli import main
 
 WORLD = 2
@@ -396,7 +396,8 @@ def _rank_pid(launcher: int, rank: int) -> int:
     for pid in [*_children(launcher), launcher]:
         with contextlib.suppress(OSError):
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            if f"RANK={rank}".encode() in env and b"-m\0merger" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if f"RANK={rank}".encode() in env and (b"-m\0merger" in cmdline or bytes(PAUSED_MERGER) in cmdline):
                 return pid
     raise AssertionError(f"no rank {rank} under {launcher}")
 
