@@ -37,6 +37,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from .torchrun_error import record_for_torchrun
+
 PERIOD_S = 1.0
 STALE_BEATS = 10
 HURRIED_S = 0.1  # between checks while the main thread waits for a verdict (a collective just failed)
@@ -291,8 +293,9 @@ class PeerWatch:
         except Exception as e:  # noqa: BLE001 - the line below must still be printed
             log.warning("merger: cleanup after the lost rank failed: %s: %s", type(e).__name__, e)
         finally:
+            line = f"merger: error: {message}{'' if every_rank else '; every other rank stopped'}"
             if self.rank == reporter:
-                tail = "" if every_rank else "; every other rank stopped"
-                print(f"merger: error: {message}{tail}", file=sys.stderr, flush=True)
+                print(line, file=sys.stderr, flush=True)
+            record_for_torchrun(line)  # every rank that ends here: torchrun's report names the loss
             sys.stdout.flush()
             os._exit(status)

@@ -37,6 +37,7 @@ def crc32(view: memoryview, crc: int = 0) -> int:
         return zlib.crc32(view, crc)
     return fast(crc, ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view))
 
+
 _POLY = 0xEDB88320  # reflected x^32 + x^26 + ... + 1
 _ONE = 1 << 31  # the polynomial 1, reflected
 
