@@ -127,7 +127,8 @@ class FileSink:
         self.sync(list(self.fds))
 
 
-def _inside(path: Path, roots: list[Path]) -> bool:
+def is_inside(path: Path, *roots: Path) -> bool:
+    """`path` is one of `roots` or lies below one (paths compared as given: resolve them first)."""
     return any(path == root or root in path.parents for root in roots)
 
 
@@ -145,7 +146,7 @@ def hf_files_to_copy(hf_dir: Path) -> list[Path]:
         if is_weight_file(src.name):
             continue
         real = src.resolve()
-        if not real.is_file() or not _inside(real, roots):
+        if not real.is_file() or not is_inside(real, *roots):
             continue  # folders hold no loadable config; a link out of the folder is never followed
         files.append(src)
     return files

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import MergerError
-from .output import MANIFEST, is_weight_file
+from .output import MANIFEST, is_inside, is_weight_file
 
 STAGE_SUFFIX = ".merger-partial"
 STAGE_IN_CONFIG_DIR = STAGE_SUFFIX
@@ -58,17 +58,13 @@ def _added_by(earlier: dict | None) -> set[str]:
             and os.sep not in n} if isinstance(names, list) else set()
 
 
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
-
-
 def _check_not_in_source(real: Path, target: Path, sources: list[Path], config_dir: Path | None) -> None:
     for source in sources:
-        if _inside(source, real) and source != config_dir:
+        if is_inside(source, real) and source != config_dir:
             raise MergerError(f"target folder {'is' if source == real else 'holds'} the checkpoint being merged "
                               f"({source}); merger never writes into its source: choose another --target_dir, "
                               f"{target}")
-        if _inside(real, source) and real != config_dir:
+        if is_inside(real, source) and real != config_dir:
             raise MergerError(f"target folder lies inside the checkpoint being merged ({source}); merger never "
                               f"writes into its source: choose a --target_dir outside it, {target}")
 
@@ -84,7 +80,7 @@ def resolve_target(target: Path, sources: list[Path], hf_dir: Path | None, data_
     resolved = sorted({Path(s).resolve() for s in sources})
     # The config folder is a target only while it holds none of the files being merged.
     config_dir = Path(hf_dir).resolve() if hf_dir is not None else None
-    if config_dir is not None and any(_inside(Path(f).resolve(), config_dir) for f in data_files):
+    if config_dir is not None and any(is_inside(Path(f).resolve(), config_dir) for f in data_files):
         config_dir = None
     _check_not_in_source(real, target, resolved, config_dir)
     if real == config_dir:

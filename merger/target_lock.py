@@ -2,9 +2,10 @@
 
 The lock is a file created with O_CREAT | O_EXCL, which is atomic on local filesystems and on NFS (v3 and
 later), Lustre and GPFS, unlike flock, which some shared filesystems ignore or keep per node. It records who
-holds it (host, pid, the process's start time, the command). A lock is stale when its holder is provably gone:
-on the same host, no process with that pid and start time exists (a pid alone may have been reused); from
-another host, the holder has not refreshed the lock's mtime for STALE_AFTER_S (it does so every REFRESH_S).
+holds it (process_id.py: host, pid, kernel, start time; and the command). A lock is stale when its holder is
+provably gone: on the same kernel, no process with that pid and start time exists (a pid alone may have been
+reused); from another host, the holder has not refreshed the lock's mtime for STALE_AFTER_S (it does so every
+REFRESH_S).
 A stale lock is broken under a second, short-lived lock, so two merges that find it stale at once cannot
 both take it.
 """
@@ -14,36 +15,18 @@ import contextlib
 import datetime
 import json
 import os
-import socket
 import sys
 import threading
 import time
 import uuid
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from .errors import MergerError
+from .process_id import ProcessId
 
 REFRESH_S = 30.0
 STALE_AFTER_S = 300.0
-
-
-def _process_start(pid: int) -> str | None:
-    """The start time of process `pid` in clock ticks since boot (Linux), None when there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: it exists
-    return True
 
 
 class TargetLock:
@@ -86,8 +69,7 @@ class TargetLock:
                 os.unlink(self.path)
 
     def _record(self) -> dict:
-        pid = os.getpid()
-        return {"host": socket.gethostname(), "pid": pid, "pid_start": _process_start(pid),
+        return {**asdict(ProcessId.of_this_process()),
                 "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                 "command": " ".join(sys.argv), "token": self.token}
 
@@ -106,11 +88,14 @@ class TargetLock:
             age = time.time() - os.stat(self.path).st_mtime
         except FileNotFoundError:
             return True
-        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-            pid = holder["pid"]
-            return not _alive(pid) or (holder.get("pid_start") is not None
-                                       and _process_start(pid) not in (None, holder["pid_start"]))
-        return age > STALE_AFTER_S  # another host, or a record never finished: only the refresh tells
+        try:
+            holder_process = ProcessId(*(holder[f.name] for f in fields(ProcessId)))
+        except KeyError:
+            holder_process = None  # a record never finished
+        running = holder_process.alive(ProcessId.of_this_process()) if holder_process else None
+        if running is not None:
+            return not running
+        return age > STALE_AFTER_S  # another host (or kernel): only the refresh tells
 
     def _busy(self, holder: dict) -> str:
         who = (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}: "

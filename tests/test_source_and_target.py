@@ -6,6 +6,7 @@ the processes' exit codes, and a second, real merge process run while the first 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 import merger.merge
 from conftest import assert_same_weights, load_safetensors_folder, merge_here, run_merger, snapshot
+from merger.process_id import ProcessId
 from merger.target_lock import STALE_AFTER_S
 
 WORLD = 2
@@ -181,7 +184,8 @@ def test_a_stale_lock_is_broken_and_a_live_one_from_another_host_is_not(ckpt, re
     out = tmp_path / "out"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a pid that no longer runs: its merge was killed
-    _lock_of(out).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "pid_start": "1",
+    here = ProcessId.of_this_process()
+    _lock_of(out).write_text(json.dumps({**asdict(dataclasses.replace(here, pid=dead.pid, start="1")),
                                          "started": "earlier", "command": "merger merge", "token": "x"}))
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", out)
     assert code == 0, errors
