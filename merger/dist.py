@@ -118,6 +118,11 @@ class Group:
             with contextlib.suppress(Exception):  # peers already gone (a failed merge): nothing left to wait for
                 dist.barrier(group=self.control)
             dist.destroy_process_group()
+            # gloo's worker threads free the last collectives' tensors after those return, which takes the GIL.
+            # Kept alive by this reference until interpreter finalization, they would do it mid-teardown and
+            # abort the process ("terminate called without an active exception"); the last reference
+            # dropped here joins them now, with the GIL released.
+            self.control = None
 
 
 def init_group(device: str = "auto", timeout_s: float = 600) -> Group:
@@ -126,6 +131,11 @@ def init_group(device: str = "auto", timeout_s: float = 600) -> Group:
     if world <= 1:
         return Group()
     import torch.distributed as dist
+
+    # Before the group exists: torch.distributed.nn.functional, which torch.distributed.checkpoint imports,
+    # has `group=group.WORLD` default arguments. Evaluated with the group up, they would hold it past
+    # destroy_process_group into interpreter finalization (see Group.close).
+    import torch.distributed.nn.functional  # noqa: F401
 
     rank = int(os.environ.get("RANK", "0"))
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())

@@ -3,6 +3,7 @@ checkpoints once per session, and compare outputs with an oracle that is not our
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -37,6 +38,9 @@ def _env(extra: dict | None = None) -> dict:
 PAUSED_MERGER = ROOT / "tests" / "paused_merger.py"
 
 
+THREADS_AFTER_MERGE = ROOT / "tests" / "threads_after_merge.py"
+
+
 def merger_entry(env: dict | None) -> list[str]:
     """How to start merger: `-m merger`, or the paused_merger.py script when the environment asks for a pause."""
     return [str(PAUSED_MERGER)] if env and "MERGER_TEST_PAUSE_AFTER_BATCH" in env else ["-m", "merger"]
@@ -63,6 +67,18 @@ def run_merger(*args, nproc: int = 1, check: bool = True, timeout: float = 300,
     prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
     return run(prefix + [*merger_entry(env), *map(str, args)], timeout=timeout, check=check, env=env,
                preexec_fn=preexec_fn)
+
+
+def run_merger_leaving_no_thread(*args, nproc: int) -> subprocess.CompletedProcess:
+    """Like run_merger under torchrun; then every rank must have returned from merger's main with only its main
+    thread left, as the kernel lists the process's threads (tests/threads_after_merge.py)."""
+    proc = run(torchrun_cmd(nproc) + [str(THREADS_AFTER_MERGE), *map(str, args)])
+    reports = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+                     key=lambda report: report["rank"])
+    assert [report["rank"] for report in reports] == list(range(nproc)), proc.stdout
+    for report in reports:
+        assert report["after"] == report["before"] == ["python"], report
+    return proc
 
 
 def start_merger(*args, nproc: int = 1, env: dict | None = None) -> subprocess.Popen:
