@@ -21,7 +21,7 @@ from .errors import AgreedError, MergerError
 from .options import DTYPES, MergeOptions
 from .sources import BACKENDS
 from .torchrun_error import record_for_torchrun
-from .units import format_size, parse_size
+from .units import format_size, parse_size, positive_int
 
 
 class _Parser(argparse.ArgumentParser):
@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_source_args(inspect)
     inspect.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
                          help=SHARD_HELP)
+    inspect.add_argument(*_flag("--merge_ranks"), dest="merge_ranks", type=positive_int, default=1, metavar="N",
+                         help="plan for N merge ranks (torchrun's --nproc_per_node times --nnodes): what each "
+                              "reads, exchanges and writes")
     inspect.add_argument("--json", action="store_true", help="print the description as JSON")
     inspect.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
@@ -191,17 +194,19 @@ def options_from_args(args: argparse.Namespace) -> MergeOptions:
     return MergeOptions(**{k: v for k, v in vars(args).items() if k in fields})
 
 
-def _inspect(options: MergeOptions, as_json: bool) -> int:
-    from .merge import prepare
+def _inspect(options: MergeOptions, as_json: bool, merge_ranks: int) -> int:
     from .dist import Group
+    from .merge import prepare
+    from .plan import rerouted, traffic
 
     prepared = prepare(options, Group())
-    c, plan = prepared.catalog, prepared.plan
+    c, plan = prepared.catalog, rerouted(prepared.plan, prepared.catalog, world=merge_ranks)
     info = {
         "format": c.format, "root": str(c.root), "source_files": len(c.files), **c.details,
         "tensors": len(c.tensors), "source_bytes": c.nbytes, "hf_dir": str(prepared.hf_dir),
         "output_dtype": options.dtype, "output_tensors": len(plan.location), "output_bytes": plan.total_bytes,
         "output_files": [{"name": f.name, "bytes": f.size, "tensors": len(f.entries)} for f in plan.files],
+        "merge_ranks": merge_ranks, "bytes_per_rank": traffic(plan),
     }
     if as_json:
         print(json.dumps(info, indent=2, default=str))
@@ -211,6 +216,11 @@ def _inspect(options: MergeOptions, as_json: bool) -> int:
             print("output_files:")
             for f in value:
                 print(f"  {f['name']}  {format_size(f['bytes'])}  {f['tensors']} tensors")
+        elif key == "bytes_per_rank":
+            print("bytes_per_rank:")
+            for rank, moved in enumerate(value):
+                print(f"  rank {rank}: " + ", ".join(f"{what.removesuffix('_bytes')} {format_size(n)}"
+                                                      for what, n in moved.items()))
         elif key.endswith("bytes"):
             print(f"{key}: {value} ({format_size(value)})")
         else:
@@ -226,7 +236,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     options = options_from_args(args)
     if args.command == "inspect":
-        return _inspect(options, args.json)
+        return _inspect(options, args.json, args.merge_ranks)
     with _one_intra_op_thread():
         return _run_on_group(args, options)
 

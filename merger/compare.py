@@ -17,7 +17,7 @@ import torch
 from .catalog import Catalog
 from .dist import Group, on_every_rank
 from .errors import MergerError
-from .plan import OutputSpec, Plan
+from .plan import OutputSpec, Plan, rerouted
 from .progress import Progress
 from .safetensors_io import TensorEntry, read_header, read_tensor
 from .stream import run_plan
@@ -197,5 +197,6 @@ def compare_with_folder(plan: Plan, catalog: Catalog, group: Group, folder: Path
     reference = on_every_rank(group, lambda: ReferenceModel(Path(folder)), debug)
     sink = CompareSink(reference, atol, rtol, cast)
     progress = Progress(plan.total_bytes, "comparing") if group.rank == 0 else None
-    run_plan(plan, catalog, group, sink, progress, debug, allow_overflow=allow_overflow)
+    whole = rerouted(plan, catalog, direct=False)  # each tensor compared whole, by one rank
+    run_plan(whole, catalog, group, sink, progress, debug, allow_overflow=allow_overflow)
     return report(group, sink, set(plan.weight_map), reference, label)

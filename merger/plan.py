@@ -8,6 +8,8 @@ The plan is a plain value: every rank computes the same one, `inspect` prints it
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -48,7 +50,8 @@ class Step:
 
 @dataclass(frozen=True)
 class Route:
-    """One piece of one step input, from the rank that reads it to the rank that writes the step.
+    """One piece of one step input, from the rank that reads it to the rank that writes it: the step's writer,
+    or the reader itself when the step is placed directly (`Plan.writers[step]` is None).
 
     `dtype` is the dtype the piece travels and is assembled in: the output dtype for a pure cast (the reader
     casts, so fp32 -> bf16 moves half the bytes), the source dtype when a transform needs the original values.
@@ -90,11 +93,17 @@ class OutputFile:
 @dataclass
 class Plan:
     steps: list[Step]
-    writers: list[int]
+    # The rank that writes each step; None: placed directly, each piece written by the rank that read it.
+    writers: list[int | None]
     files: list[OutputFile]
     location: dict[str, tuple[int, TensorEntry]]  # output name -> (file index, entry)
     batches: list[Batch]
     world: int
+    max_inflight: int
+
+    @property
+    def direct(self) -> bool:
+        return any(w is None for w in self.writers)
 
     @property
     def total_bytes(self) -> int:
@@ -147,8 +156,36 @@ def _check_steps(catalog: Catalog, steps: list[Step]) -> None:
             seen.add(spec.name)
 
 
+def contiguous_start(shape: tuple[int, ...], piece: ShardPiece) -> int | None:
+    """The element index where `piece` starts in its tensor's row-major layout when its elements form one run
+    there (a Shard(0) block, a row), else None (e.g. a Shard(1) column block)."""
+    d = len(shape) - 1
+    while d > 0 and piece.sizes[d] == shape[d]:
+        d -= 1
+    if any(s != 1 for s in piece.sizes[:d]):
+        return None
+    start, stride = 0, 1
+    for o, n in zip(reversed(piece.offsets), reversed(shape)):
+        start += o * stride
+        stride *= n
+    return start
+
+
+def places_directly(catalog: Catalog, step: Step) -> bool:
+    """A pure cast whose every piece is one run of the output's bytes (verl FSDP and FSDP2 Shard(0) blocks,
+    Megatron's column-parallel ones): the rank that reads a piece casts it and writes it at its offset, and
+    nothing crosses ranks. Pieces that do not cover the tensor exactly go the assembling way, which says so."""
+    if step.fn is not identity or len(step.inputs) != 1 or len(step.outputs) != 1:
+        return False
+    tensor, spec = catalog.tensors[step.inputs[0]], step.outputs[0]
+    return tensor.shape == spec.shape and sum(p.numel for p in tensor.pieces) == math.prod(spec.shape) and \
+        all(contiguous_start(spec.shape, p) is not None for p in tensor.pieces)
+
+
 def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size: int,
-                max_inflight: int) -> Plan:
+                max_inflight: int, direct: bool = True) -> Plan:
+    """`direct`: place pure casts directly (the sink writes parts of a tensor at their offsets, as the file
+    writer does); False assembles every output whole at one rank (a comparison needs whole tensors)."""
     _check_steps(catalog, steps)
     steps = sorted(steps, key=lambda s: natural_key(s.outputs[0].name) if s.outputs else ())
     outputs = [spec for step in steps for spec in step.outputs]
@@ -168,40 +205,80 @@ def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size:
         for entry in entries:
             location[entry.name] = (i, entry)
 
-    # Writers: each step goes to the rank with the fewest output bytes so far, so writing spreads evenly.
-    load = [0] * world
-    writers = []
-    for step in steps:
-        w = min(range(world), key=lambda r: (load[r], r))
-        writers.append(w)
-        load[w] += sum(s.nbytes for s in step.outputs)
+    writers, batches = _route(catalog, steps, world, max_inflight, direct)
+    return Plan(steps, writers, files, location, batches, world, max_inflight)
 
-    # Readers: a piece is read from a copy the writer opened itself when there is one, else from the copy
-    # whose owner has read the least so far.
+
+def rerouted(plan: Plan, catalog: Catalog, world: int | None = None, direct: bool | None = None) -> Plan:
+    """The same outputs in the same files, routed for `world` ranks, placing steps directly or not (`direct`
+    False: every step written whole by one rank, as a comparison needs); None keeps the plan's own."""
+    world = plan.world if world is None else world
+    direct = plan.direct if direct is None else direct
+    if world == plan.world and direct == plan.direct:
+        return plan
+    writers, batches = _route(catalog, plan.steps, world, plan.max_inflight, direct)
+    return dataclasses.replace(plan, writers=writers, batches=batches, world=world)
+
+
+def traffic(plan: Plan) -> list[dict[str, int]]:
+    """Per rank, the bytes the plan has it read from the source, send to and receive from other ranks, and
+    write to the output."""
+    ranks = [dict(read_bytes=0, sent_bytes=0, received_bytes=0, written_bytes=0) for _ in range(plan.world)]
+    for batch in plan.batches:
+        for r in batch.routes:
+            ranks[r.reader]["read_bytes"] += r.piece.numel * r.stored.itemsize
+            if r.reader != r.writer:
+                ranks[r.reader]["sent_bytes"] += r.nbytes
+                ranks[r.writer]["received_bytes"] += r.nbytes
+            if plan.writers[r.step] is None:
+                ranks[r.writer]["written_bytes"] += r.nbytes
+        for si in batch.steps:
+            if plan.writers[si] is not None:
+                ranks[plan.writers[si]]["written_bytes"] += sum(o.nbytes for o in plan.steps[si].outputs)
+    return ranks
+
+
+def _route(catalog: Catalog, steps: list[Step], world: int, max_inflight: int,
+           direct: bool) -> tuple[list[int | None], list[Batch]]:
+    """Who writes each step, who reads each piece, and the batches."""
+    # Writers: each step goes to the rank with the fewest output bytes so far, so writing spreads evenly; a
+    # directly placed step is written where its pieces are read. Readers: a piece is read from a copy the
+    # writer opened itself when there is one, else from the copy whose owner has read the least so far.
     owner = catalog.file_owner(world)
-    read_load = [0] * world
+    load, read_load = [0] * world, [0] * world
+    writers: list[int | None] = []
     step_routes: list[list[Route]] = []
     for si, step in enumerate(steps):
+        writer = None if direct and places_directly(catalog, step) else min(range(world), key=lambda r: (load[r], r))
+        writers.append(writer)
         routes = []
         for ii, name in enumerate(step.inputs):
             tensor = catalog.tensors[name]
             wire = step.outputs[0].dtype if step.fn is identity and len(step.inputs) == 1 else tensor.dtype
             for piece in tensor.pieces:
-                local = [c for c in piece.copies if owner[c.file] == writers[si]]
+                local = [c for c in piece.copies if owner[c.file] == writer]
                 copy = local[0] if local else min(piece.copies, key=lambda c: (read_load[owner[c.file]], owner[c.file]))
-                route = Route(si, ii, piece, copy, owner[copy.file], writers[si], wire, tensor.dtype)
-                read_load[route.reader] += route.nbytes
+                reader = owner[copy.file]
+                route = Route(si, ii, piece, copy, reader, reader if writer is None else writer, wire, tensor.dtype)
+                read_load[reader] += route.nbytes
+                if writer is None:
+                    load[reader] += route.nbytes
                 routes.append(route)
+        if writer is not None:
+            load[writer] += sum(s.nbytes for s in step.outputs)
         step_routes.append(routes)
 
     # Two batches are in flight at once (stream.py reads one while it writes the other): each gets half.
-    return Plan(steps, writers, files, location, _batches(steps, writers, step_routes, world, max_inflight // 2),
-                world)
+    return writers, _batches(steps, writers, step_routes, world, max_inflight // 2)
 
 
-def _step_memory(step: Step, writer: int, routes: list[Route], world: int) -> list[int]:
-    """Bytes each rank holds at once for one step: sent and received pieces, assembled inputs, outputs."""
+def _step_memory(step: Step, writer: int | None, routes: list[Route], world: int) -> list[int]:
+    """Bytes each rank holds at once for one step: read, sent and received pieces, assembled inputs, outputs."""
     mem = [0] * world
+    if writer is None:  # each piece is read, cast and written where it is
+        for r in routes:
+            mem[r.reader] += r.nbytes
+        return mem
     mem[writer] += sum(r.nbytes for r in routes) + sum(s.nbytes for s in step.outputs)  # assembled inputs, outputs
     for r in routes:
         if r.reader != r.writer:
@@ -210,7 +287,7 @@ def _step_memory(step: Step, writer: int, routes: list[Route], world: int) -> li
     return mem
 
 
-def _batches(steps: list[Step], writers: list[int], step_routes: list[list[Route]],
+def _batches(steps: list[Step], writers: list[int | None], step_routes: list[list[Route]],
              world: int, max_inflight: int) -> list[Batch]:
     """Consecutive steps grouped while no rank's memory for the group exceeds max_inflight.
 

@@ -9,25 +9,24 @@ written), bounded by the plan's budget.
 from __future__ import annotations
 
 import gc
-import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
 
-from .catalog import Catalog, ShardPiece
+from .catalog import Catalog
 from .dist import Group
 from .errors import AgreedError, MergerError, describe_error
 from .overflow import may_have_overflowed, overflow_message, overflowed
-from .plan import Batch, OutputSpec, Plan, Route, Step, identity
+from .plan import Batch, OutputSpec, Plan, Route, contiguous_start
 from .progress import Progress
 from .sources.file_reads import SourceReads
 
 
 class Sink(Protocol):
-    """Receives finished outputs. A sink that can also take part of a tensor (the file writer) defines
-    `put_part(spec, byte_offset, piece)`: a plain cast then goes straight from its pieces to the sink,
-    without assembling the tensor first."""
+    """Receives finished outputs. A plan that places steps directly (plan.py) needs a sink that also takes part
+    of a tensor, `put_part(spec, byte_offset, piece)`, as the file writer does: each rank then hands over the
+    pieces it read, cast, at their offsets, and no tensor is assembled."""
 
     def put(self, spec: OutputSpec, tensor: torch.Tensor) -> None:
         """Receive one finished output tensor, already in `spec`'s dtype and shape."""
@@ -54,47 +53,9 @@ def _assemble(catalog: Catalog, name: str, routes: list[tuple[Route, torch.Tenso
     return box
 
 
-def _contiguous_start(shape: tuple[int, ...], piece: ShardPiece) -> int | None:
-    """The element index where `piece` starts in its tensor's row-major layout when its elements form one run
-    there (a Shard(0) block, a row), else None (e.g. a Shard(1) column block)."""
-    d = len(shape) - 1
-    while d > 0 and piece.sizes[d] == shape[d]:
-        d -= 1
-    if any(s != 1 for s in piece.sizes[:d]):
-        return None
-    start, stride = 0, 1
-    for o, n in zip(reversed(piece.offsets), reversed(shape)):
-        start += o * stride
-        stride *= n
-    return start
-
-
-def _put_parts(catalog: Catalog, sink: Sink, step: Step, pieces: list[tuple[Route, torch.Tensor]]) -> bool:
-    """A plain cast whose pieces are each one run of the output: hand them to the sink as they are, saving the
-    assembly copy. False when the step needs its inputs whole (the caller assembles them)."""
-    put_part = getattr(sink, "put_part", None)
-    if put_part is None or step.fn is not identity or len(step.inputs) != 1 or not pieces:
-        return False
-    spec = step.outputs[0]
-    if catalog.tensors[step.inputs[0]].shape != spec.shape:
-        return False
-    starts = [_contiguous_start(spec.shape, r.piece) for r, _ in pieces]
-    if any(s is None for s in starts) or any(r.dtype != spec.dtype for r, _ in pieces):
-        return False
-    covered = sum(r.piece.numel for r, _ in pieces)
-    if covered != math.prod(spec.shape):
-        raise MergerError(f"pieces of tensor {step.inputs[0]} cover {covered} of {math.prod(spec.shape)} elements, "
-                           f"{catalog.root}")
-    for start, (_, data) in zip(starts, pieces):
-        put_part(spec, start * spec.dtype.itemsize, data)
-    return True
-
-
 def _run_step(plan: Plan, catalog: Catalog, si: int, pieces: list[tuple[Route, torch.Tensor]], sink: Sink,
               overflows: set[int]) -> None:
     step = plan.steps[si]
-    if _put_parts(catalog, sink, step, pieces):
-        return
     inputs = [_assemble(catalog, name, [(r, t) for r, t in pieces if r.input == ii])
               for ii, name in enumerate(step.inputs)]
     results = step.fn(inputs)
@@ -199,14 +160,24 @@ class BatchObserver(Protocol):
 def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int, local: dict[int, torch.Tensor],
                  sink: Sink, observer: BatchObserver | None, overflows: set[int]) -> None:
     by_step: dict[int, list[tuple[Route, torch.Tensor]]] = {}
+    elsewhere: set[int] = set()  # directly placed steps that other ranks write part of
     for i, route in enumerate(batch.routes):
         if route.writer == me:
             by_step.setdefault(route.step, []).append((route, local.pop(i)))
-    for si in batch.steps:
-        if plan.writers[si] == me:
-            _run_step(plan, catalog, si, by_step.pop(si, []), sink, overflows)  # pop: pieces die with the step
-            if observer:
-                observer.step_written(si)
+        else:
+            elsewhere.add(route.step)
+    for si in batch.steps:  # pop: pieces die with their step
+        writer = plan.writers[si]
+        if writer == me:
+            _run_step(plan, catalog, si, by_step.pop(si, []), sink, overflows)
+        elif writer is None and si in by_step:
+            spec = plan.steps[si].outputs[0]
+            for route, piece in by_step.pop(si):  # cast by the reader already (the route's dtype is spec's)
+                sink.put_part(spec, contiguous_start(spec.shape, route.piece) * spec.dtype.itemsize, piece)
+        else:
+            continue
+        if observer and si not in elsewhere:
+            observer.step_written(si)  # every byte of the step's outputs was written here
 
 
 def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: Progress | None = None,

@@ -10,6 +10,7 @@ from .compare import CompareResult
 from .dist import Group
 from .memory import peak_rss_bytes
 from .options import MergeOptions
+from .plan import traffic
 
 if TYPE_CHECKING:
     from .merge import Prepared
@@ -30,6 +31,7 @@ def write_summary(path: Path, prepared: Prepared, options: MergeOptions, group: 
         "tensors": len(plan.location), "bytes": plan.total_bytes,
         "output_files": [{"name": f.name, "bytes": f.size, "tensors": len(f.entries)} for f in plan.files],
         "wall_time_s": round(time.monotonic() - started, 3), "peak_rss_bytes_per_rank": peaks,
+        "bytes_per_rank": traffic(plan),
         "verify": verify.as_dict() if verify else None, "uploaded_to": uploaded,
     }
     Path(path).write_text(json.dumps(summary, indent=2) + "\n")

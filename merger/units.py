@@ -21,6 +21,13 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a count of at least 1."""
+    if not str(text).strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: give a whole number of at least 1")
+    return int(text)
+
+
 def format_size(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:

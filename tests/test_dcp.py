@@ -7,6 +7,7 @@ torchtitan and transformers for the permutation alone.
 """
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 from pathlib import Path
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_same_weights, flip_bit_in_tensor, run_merger, run_writer, single_error_line
+from conftest import (assert_same_weights, flip_bit_in_tensor, load_safetensors_folder, run_merger, run_writer,
+                      single_error_line)
 from enums_by_name import repickle
 
 
@@ -53,10 +55,17 @@ def test_fsdp2_dcp_save_one_process(dcp_root, tmp_path):
 
 
 def test_accelerate_hsdp_torchrun_other_world_size(dcp_root, tmp_path):
-    """checkpoint-N given: pytorch_model_fsdp_0/ found, `model.` nesting and the optimizer dropped, 3 ranks."""
+    """checkpoint-N given: pytorch_model_fsdp_0/ found, `model.` nesting and the optimizer dropped, 3 ranks.
+    FSDP2's Shard(0) chunks are written where they are read: nothing crosses ranks, replicas are read once."""
     run_merger("merge", "--local_dir", dcp_root / "checkpoint-1", "--target_dir", tmp_path / "out",
-               "--hf_model_config_path", dcp_root / "hf", "--dtype", "keep", "--device", "cpu", nproc=3)
+               "--hf_model_config_path", dcp_root / "hf", "--dtype", "keep", "--device", "cpu",
+               "--summary_json", tmp_path / "summary.json", nproc=3)
     assert_same_weights(tmp_path / "out", dcp_root / "reference", None)
+    moved = json.loads((tmp_path / "summary.json").read_text())["bytes_per_rank"]
+    assert [m["sent_bytes"] + m["received_bytes"] for m in moved] == [0, 0, 0]
+    merged = load_safetensors_folder(tmp_path / "out")
+    assert sum(m["read_bytes"] for m in moved) == sum(m["written_bytes"] for m in moved) == \
+        sum(t.numel() * t.element_size() for t in merged.values())
 
 
 def test_accelerate_model_folder_with_prefix_flag(dcp_root, tmp_path):

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_same_weights, flip_bit_in_tensor, run_merger, run_merger_leaving_no_thread, run_writer, single_error_line
+from conftest import (assert_same_weights, flip_bit_in_tensor, run_merger, run_merger_leaving_no_thread, run_writer,
+                      single_error_line)
 from enums_by_name import repickle
 
 CASES = {
@@ -118,13 +119,15 @@ def test_moe_experts_are_numbered_globally(merged):
 
 
 def test_torchrun_merge_equals_single_process(megatron_root, merged, tmp_path):
-    """Two merge ranks split the 4 rank files: experts, gate/up halves and EP copies cross ranks; no rank
-    leaves a thread behind when it is done."""
+    """Two merge ranks split the 4 rank files: experts, gate/up halves and EP copies cross ranks, every byte
+    sent is received; no rank leaves a thread behind when it is done."""
     case, fmt = "moe_tp2_ep2", "legacy"
     run_merger_leaving_no_thread("merge", "--local_dir", megatron_root / case / fmt, "--target_dir",
                                  tmp_path / "out", "--hf_model_config_path", megatron_root / case / "hf",
-                                 "--dtype", "float32", nproc=2)
+                                 "--dtype", "float32", "--summary_json", tmp_path / "summary.json", nproc=2)
     assert_same_weights(tmp_path / "out", merged(case, fmt), None)
+    moved = json.loads((tmp_path / "summary.json").read_text())["bytes_per_rank"]
+    assert sum(m["sent_bytes"] for m in moved) == sum(m["received_bytes"] for m in moved) > 0
 
 
 @pytest.mark.parametrize("layout", ["actor", "actor/model"])

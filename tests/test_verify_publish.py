@@ -99,6 +99,36 @@ def test_verify_passes_and_summary_describes_the_merge(merged, checkpoint):
     assert summary["verify"]["bytes"] == nbytes and summary["uploaded_to"] is None
 
 
+def _stored_bytes(actor: Path) -> list[int]:
+    """Tensor bytes in each verl rank file, as torch.load sees them."""
+    from torch.distributed.tensor import DTensor
+
+    sizes = []
+    for path in sorted(actor.glob("model_world_size_*_rank_*.pt")):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        local = [v.to_local() if isinstance(v, DTensor) else v for v in state.values()]
+        sizes.append(sum(t.numel() * t.element_size() for t in local))
+    return sizes
+
+
+def test_fsdp_merge_moves_no_byte_between_ranks(merged, checkpoint, capsys):
+    """verl FSDP slices are Shard(0): each rank casts what it read and writes it in place, so nothing is
+    exchanged; each rank read its own rank file's tensors, and the writes add up to the output. `inspect
+    --merge_ranks 2` says the same before any data moves."""
+    out, summary, _ = merged
+    actor, _ = checkpoint
+    moved = summary["bytes_per_rank"]
+    assert [m["sent_bytes"] for m in moved] == [m["received_bytes"] for m in moved] == [0, 0]
+    assert [m["read_bytes"] for m in moved] == _stored_bytes(actor)
+    written = load_safetensors_folder(out)
+    assert sum(m["written_bytes"] for m in moved) == sum(t.numel() * t.element_size() for t in written.values())
+    assert all(m["written_bytes"] > 0 for m in moved)
+
+    capsys.readouterr()
+    assert cli.main(["inspect", "--local_dir", str(actor), "--merge_ranks", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes_per_rank"] == moved
+
+
 def test_flipped_byte_is_caught_by_verify_and_test(merged, checkpoint, tmp_path):
     out, _, _ = merged
     actor, _ = checkpoint
