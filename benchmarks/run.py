@@ -1,6 +1,7 @@
 """Speed and memory of `merger merge` side by side with the usual ways to merge and the copy floor, in one run.
 
     python benchmarks/run.py [--formats fsdp,dcp] [--sizes 7,19] [--repeats 3] [--cap 2GiB] [--hidden 2048] [--keep]
+                             [--chart docs/benchmark.png]
 
 For each format and checkpoint size (fp32 FSDP2 on 2 ranks, built once under bench_out/ on the meta device
 by benchmarks/build_checkpoint.py) it times, with warm page cache, alternating and repeated: `cp` of the
@@ -9,7 +10,8 @@ data files (the floor: bytes read and written once), the baselines, and merger w
 - dcp (`dcp.save` folder): baselines torch's `dcp_to_torch_save` + `save_file` and accelerate's
   `merge_fsdp_weights` (benchmarks/dcp_baselines.py); both keep fp32, so merger runs with `--dtype keep`.
 Wall times are medians; peak RSS is the largest resident set of any single process of the run (i.e. per
-rank); ratios are against the cp floor and the format's first baseline. With --cap, each merge also runs
+rank); ratios are against the cp floor and the format's first baseline; the same figures are drawn into
+docs/benchmark.png (benchmarks/chart.py). With --cap, each merge also runs
 under a hard cgroup-v1 memory limit to show which ones fit. The checkpoints this run builds (GBs) are removed at
 the end unless --keep; kept ones are reused by the next run.
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.chart import draw_chart  # noqa: E402
 from merger.units import format_size, parse_size  # noqa: E402
 
 OUT = ROOT / "bench_out"
@@ -129,8 +132,7 @@ def rows_for(fmt: str, size: int, results: dict, capped: dict[str, str]) -> list
     for name, rs in results.items():
         wall = statistics.median(r[0] for r in rs)
         rss = max(r[1] for r in rs)
-        rows.append((fmt, format_size(size), name, wall, wall / floor, wall / base, rss, rss / base_rss,
-                     capped.get(name, "")))
+        rows.append((fmt, size, name, wall, wall / floor, wall / base, rss, rss / base_rss, capped.get(name, "")))
     return rows
 
 
@@ -141,7 +143,7 @@ def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
     print("\n" + header)
     print("-" * len(header))
     for fmt, size, name, wall, vs_cp, vs_base, rss, vs_rss, capped in rows:
-        print(f"{fmt:<6} | {size:>10} | {name:<17} | {wall:6.2f} | {vs_cp:6.2f} | {vs_base:6.2f} | "
+        print(f"{fmt:<6} | {format_size(size):>10} | {name:<17} | {wall:6.2f} | {vs_cp:6.2f} | {vs_base:6.2f} | "
               f"{format_size(rss):>13} | {vs_rss:10.2f} | {capped}")
     print(f"\nmedians of {repeats} warm runs; {os.cpu_count()} cores; peak RSS = largest process of the run; "
           "x base = against the naive merge (fsdp) or dcp_to_torch_save + save_file (dcp)")
@@ -155,6 +157,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cap", type=parse_size, default=None, help="also run each merge under this hard memory cap")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints built under bench_out/ for the next run")
+    p.add_argument("--chart", type=Path, default=ROOT / "docs" / "benchmark.png",
+                   help="where to draw wall time and peak RSS against checkpoint size (PNG)")
     args = p.parse_args()
     formats = args.formats.split(",")
     if not set(formats) <= set(FORMATS):
@@ -182,6 +186,8 @@ def main() -> None:
         if OUT.is_dir() and not any(OUT.iterdir()):
             OUT.rmdir()
     print_table(rows, args.cap, args.repeats)
+    draw_chart([(fmt, size, name, wall, rss) for fmt, size, name, wall, _, _, rss, _, _ in rows], args.chart, FLOOR)
+    print(f"chart: {args.chart}")
 
 
 if __name__ == "__main__":
