@@ -155,6 +155,18 @@ def test_verl_hf_safetensors_beside_an_empty_dist_ckpt(megatron_root, merged, tm
     assert sources and all(Path(f).parent.name == "huggingface" for f in sources)  # read from there
 
 
+@pytest.mark.parametrize("given", ["save dir", "iteration folder"])
+def test_megatron_lm_save_dir_with_huggingface_beside_the_iterations(given, megatron_root, merged, tmp_path):
+    """A Megatron-LM save dir (tracker file, iter_*/) holding the HF config as huggingface/: found without
+    --hf_model_config_path, whether the save dir or its iteration folder is given."""
+    case = "tp2_gqa_bias"
+    save = Path(shutil.copytree(megatron_root / case / "legacy", tmp_path / "save"))
+    shutil.copytree(megatron_root / case / "hf", save / "huggingface")
+    out = merge(save if given == "save dir" else save / "iter_0000001", tmp_path / "out", "--dtype", "float32")
+    assert_same_weights(out, merged(case, "legacy"), None)
+    assert (out / "tokenizer.json").is_file() == (save / "huggingface" / "tokenizer.json").is_file()
+
+
 def test_torch_dist_metadata_with_enums_by_name(megatron_root, merged, tmp_path):
     """The .metadata as Python 3.11.0-3.11.4 write it (enum members as getattr(EnumClass, NAME)) merges alike."""
     case = "tp2_gqa_bias"

@@ -3,6 +3,8 @@
 - verl: `actor/{huggingface,dist_ckpt}` (older) or `actor/model/{huggingface,dist_ckpt}` (newer);
 - Megatron-LM: `latest_checkpointed_iteration.txt` (a number or `release`) beside `iter_XXXXXXX/`;
 - or the iteration folder itself.
+A Megatron-LM save dir may hold the model's HF config folder as `huggingface/` beside the iterations (verl's
+converters and Megatron-Bridge put it there): it is found there as in verl's folders.
 """
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ from pathlib import Path
 from ..errors import MergerError
 
 TRACKER = "latest_checkpointed_iteration.txt"
+HF_DIR = "huggingface"
 
 
 def verl_dirs(root: Path) -> tuple[Path, Path] | None:
     """(dist_ckpt, huggingface) of a verl actor/critic folder, or None."""
     for base in (root / "model", root):
         if (base / "dist_ckpt").is_dir():
-            return base / "dist_ckpt", base / "huggingface"
+            return base / "dist_ckpt", base / HF_DIR
     return None
 
 
@@ -31,9 +34,15 @@ def checkpoint_dir(root: Path) -> tuple[Path, Path | None]:
     if tracker.is_file():
         text = tracker.read_text().strip()
         if text == "release":
-            return root / "release", None
+            return root / "release", _hf_beside(root)
         try:
-            return root / f"iter_{int(text):07d}", None
+            return root / f"iter_{int(text):07d}", _hf_beside(root)
         except ValueError as e:
             raise MergerError(f"{TRACKER} holds {text!r}, not an iteration number, {tracker}") from e
-    return root, None
+    # An iteration folder given itself: its save dir is the parent when the tracker file says so.
+    return root, _hf_beside(root.parent) if (root.parent / TRACKER).is_file() else None
+
+
+def _hf_beside(save_dir: Path) -> Path | None:
+    hf = save_dir / HF_DIR
+    return hf if hf.is_dir() else None
