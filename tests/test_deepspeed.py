@@ -1,0 +1,178 @@
+"""DeepSpeed ZeRO checkpoints merged to HF, checked against DeepSpeed's own zero_to_fp32.
+
+Real DeepSpeed writes every checkpoint (tests/writers/deepspeed_checkpoint.py, one torchrun launch of 3 gloo
+ranks on the CPU accelerator): stage 1 (HF Trainer), 2 and 3, bf16 and fp32, tied embeddings, a frozen module.
+The oracle is `get_fp32_state_dict_from_zero_checkpoint`'s output, saved by the writer: the fp32 merge must
+equal it bit for bit, from one process and from 3 torchrun ranks.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import WRITERS, load_safetensors_folder, merge_here, run, run_merger, single_error_line, torchrun_cmd
+from deepspeed_checkpoint import CASES
+
+TIED = {name for name, (_, _, tied, _, _) in CASES.items() if tied}
+
+
+@pytest.fixture(scope="session")
+def ds_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("deepspeed")
+    run(torchrun_cmd(3) + [str(WRITERS / "deepspeed_checkpoint.py"), "--out", str(root)],
+        env={"DS_ACCELERATOR": "cpu"})
+    return root
+
+
+def source(root: Path, case: str) -> tuple[Path, list[str]]:
+    """The folder to merge and the flags it needs: HF Trainer's checkpoint-N/ carries its own config.json."""
+    if CASES[case][4]:
+        return root / case / "out" / "checkpoint-1", []
+    return root / case / "out", ["--hf_model_config_path", root / case / "hf"]
+
+
+def merge(source_dir: Path, target: Path, *extra) -> Path:
+    """One merge in this process (the CLI's own entry point): no interpreter start-up per merge."""
+    from merger.cli import main
+
+    assert main(["merge", "--local_dir", str(source_dir), "--target_dir", str(target), *map(str, extra)]) == 0
+    return target
+
+
+@pytest.fixture(scope="session")
+def merged(ds_root, tmp_path_factory):
+    """merged(case) -> the fp32 merge of ROOT/case with one process, built once."""
+    cache: dict = {}
+
+    def make(case: str) -> Path:
+        if case not in cache:
+            folder, flags = source(ds_root, case)
+            cache[case] = merge(folder, tmp_path_factory.mktemp(case) / "hf", *flags, "--dtype", "float32")
+        return cache[case]
+
+    return make
+
+
+def assert_matches_zero_to_fp32(merged_dir: Path, root: Path, case: str) -> dict[str, torch.Tensor]:
+    """Every tensor zero_to_fp32 reconstructs is in the merge, bit for bit (a tied lm_head written once, as
+    save_pretrained does); returns what the merge holds beyond it."""
+    ours = load_safetensors_folder(merged_dir)
+    reference = torch.load(root / case / "reference.pt", weights_only=True)
+    if case in TIED:
+        assert "lm_head.weight" not in ours and torch.equal(reference.pop("lm_head.weight"),
+                                                            reference["model.embed_tokens.weight"])
+    for name, want in reference.items():
+        assert ours[name].dtype == torch.float32 and torch.equal(ours[name], want), name
+    return {name: t for name, t in ours.items() if name not in reference}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_merge_equals_zero_to_fp32(ds_root, merged, case):
+    import transformers
+
+    extra = assert_matches_zero_to_fp32(merged(case), ds_root, case)
+    if CASES[case][4]:
+        # HF Trainer's stage 1 bf16 save lists its frozen module in no frozen_param_shapes, so zero_to_fp32
+        # drops it; the merge takes it from the saved module, as the Trainer's own model.safetensors holds it.
+        from safetensors.torch import load_file
+
+        trainer = load_file(source(ds_root, case)[0] / "model.safetensors")
+        assert sorted(extra) == [f"model.layers.0.mlp.{p}_proj.weight" for p in ("down", "gate", "up")]
+        assert all(torch.equal(t.bfloat16(), trainer[name]) for name, t in extra.items())
+    else:
+        assert not extra
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(merged(case), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+@pytest.mark.parametrize("case", ["s3_fp32_tied_frozen", "s2_fp32_frozen"])
+def test_three_torchrun_ranks(ds_root, merged, tmp_path, case):
+    """3 merge ranks over the 3 partitions (6 files at stage 3), small shards: the same tensors as one process."""
+    folder, flags = source(ds_root, case)
+    run_merger("merge", "--local_dir", folder, "--target_dir", tmp_path / "hf", *flags, "--dtype", "float32",
+               "--max_shard_size", "30000", nproc=3)
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+    assert not assert_matches_zero_to_fp32(tmp_path / "hf", ds_root, case)
+    ones = load_safetensors_folder(merged(case))
+    assert all(torch.equal(t, ones[name]) for name, t in load_safetensors_folder(tmp_path / "hf").items())
+
+
+def test_every_local_dir_layout(ds_root, merged, tmp_path):
+    """The output dir (follows `latest`), global_stepN/ itself, and HF Trainer's checkpoint-N/ and its
+    global_stepN/ (config.json found one level up) merge to the same tensors."""
+    want = load_safetensors_folder(merged("trainer_s1_bf16"))
+    step = ds_root / "trainer_s1_bf16" / "out" / "checkpoint-1" / "global_step1"
+    assert load_safetensors_folder(merge(step, tmp_path / "a", "--dtype", "float32")).keys() == want.keys()
+    s2 = ds_root / "s2_fp32_frozen"
+    got = merge(s2 / "out" / "global_step1", tmp_path / "b", "--hf_model_config_path", s2 / "hf", "--dtype", "float32")
+    assert all(torch.equal(t, load_safetensors_folder(merged("s2_fp32_frozen"))[n])
+               for n, t in load_safetensors_folder(got).items())
+
+
+def test_default_bf16_equals_trainer_save(ds_root, tmp_path):
+    """The default --dtype bfloat16: HF Trainer's own model.safetensors (its bf16 model) bit for bit."""
+    from safetensors.torch import load_file
+
+    folder = source(ds_root, "trainer_s1_bf16")[0]
+    ours = load_safetensors_folder(merge(folder, tmp_path / "hf"))
+    trainer = load_file(folder / "model.safetensors")
+    assert ours.keys() == trainer.keys() and all(torch.equal(ours[n], trainer[n]) for n in trainer)
+
+
+def test_never_imports_deepspeed(ds_root, tmp_path):
+    folder, flags = source(ds_root, "s3_bf16")
+    code = ("import sys; from merger.cli import main; "
+            f"assert main(['merge', '--local_dir', {str(folder)!r}, '--target_dir', {str(tmp_path / 'hf')!r}, "
+            f"'--hf_model_config_path', {str(flags[1])!r}]) == 0; "
+            "assert not [m for m in sys.modules if m.startswith('deepspeed')], 'deepspeed was imported'")
+    run([sys.executable, "-c", code])
+
+
+def copy_case(root: Path, case: str, tmp_path: Path) -> Path:
+    dest = tmp_path / case
+    shutil.copytree(root / case, dest)
+    return dest
+
+
+def test_truncated_partition_is_one_error_under_torchrun(ds_root, tmp_path):
+    case = copy_case(ds_root, "s3_bf16", tmp_path)
+    part = case / "out" / "global_step1" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    with open(part, "r+b") as f:
+        f.truncate(part.stat().st_size // 2)
+    proc = run_merger("merge", "--local_dir", case / "out", "--target_dir", tmp_path / "hf",
+                      "--hf_model_config_path", case / "hf", nproc=3, check=False, timeout=120)
+    assert proc.returncode != 0
+    line = single_error_line(proc.stderr)
+    assert "cannot load optim_states" in line and line.endswith(str(part)), line
+    # torchrun's agent prints its own traceback when a rank fails; none may come from merger's code
+    assert not [l for l in proc.stderr.splitlines() if l.strip().startswith("File") and "/merger/" in l]
+    assert not (tmp_path / "hf").exists()
+
+
+def test_model_parallel_is_refused(ds_root, tmp_path, capsys):
+    case = copy_case(ds_root, "s2_fp32_frozen", tmp_path)
+    step = case / "out" / "global_step1"
+    extra = step / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    shutil.copy(step / "zero_pp_rank_0_mp_rank_00_optim_states.pt", extra)
+    code, errors = merge_here(capsys, "--local_dir", case / "out", "--target_dir", tmp_path / "hf",
+                              "--hf_model_config_path", case / "hf")
+    assert code != 0 and len(errors) == 1 and errors[0].endswith(str(extra)), errors
+    assert "model-parallel" in errors[0] and not (tmp_path / "hf").exists()
+
+
+def test_foreign_global_in_optim_states_is_refused(ds_root, tmp_path, capsys):
+    """Only the three DeepSpeed names map to stand-ins: any other global is refused before it is called."""
+    case = copy_case(ds_root, "s2_fp32_frozen", tmp_path)
+    part = case / "out" / "global_step1" / "zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    data = part.read_bytes()
+    renamed = data.replace(b"deepspeed.runtime.fp16.loss_scaler\nLossScaler",
+                           b"deepspeed.runtime.fp16.loss_scaler\nLossScalet")
+    assert renamed != data
+    part.write_bytes(renamed)
+    code, errors = merge_here(capsys, "--local_dir", case / "out", "--target_dir", tmp_path / "hf",
+                              "--hf_model_config_path", case / "hf")
+    assert code != 0 and len(errors) == 1 and "LossScalet" in errors[0] and errors[0].endswith(str(part)), errors
