@@ -15,6 +15,7 @@ reads only the bytes of the files it opened.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -44,7 +45,7 @@ def step_dir(root: Path) -> Path | None:
             tag = latest.read_text().strip()
         except (OSError, UnicodeDecodeError):
             return None
-        if tag and "/" not in tag and (root / tag).is_dir():
+        if tag not in ("", ".", "..") and "/" not in tag and (root / tag).is_dir():
             return root / tag
     return None
 
@@ -111,6 +112,19 @@ def _flat_groups(opt: dict, stage: int, file: str) -> list[torch.Tensor]:
     return list(groups)
 
 
+def _partition_numels(opt: dict, stage: int, file: str) -> list[int]:
+    """Each group's partition size. Stage 1/2 save the last rank's partition without the group's end padding
+    (`group_paddings`, 0 on the other ranks), so sizes plus paddings are every rank's, and rank r's partition
+    starts at r times that in the group's full vector."""
+    sizes = [g.numel() for g in _flat_groups(opt, stage, file)]
+    paddings = opt.get("group_paddings") if stage < 3 else None
+    if paddings is None:
+        return sizes
+    if not (isinstance(paddings, list) and len(paddings) == len(sizes) and all(type(p) is int for p in paddings)):
+        raise MergerError(f"group_paddings is not one count per param group, {file}")
+    return [n + p for n, p in zip(sizes, paddings)]
+
+
 def _shape_groups(model: dict, file: str) -> list[dict[str, tuple[int, ...]]]:
     groups = model.get("param_shapes")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
@@ -146,6 +160,9 @@ def _stage12_tensors(shape_groups, paddings, optim_files, part_sizes, step) -> d
     if len(shape_groups) != len(part_sizes):
         raise MergerError(f"param_shapes has {len(shape_groups)} groups but the partitions {len(part_sizes)}, "
                           f"{optim_files[0]}")
+    if paddings is not None and not (isinstance(paddings, list) and len(paddings) == len(shape_groups) and all(
+            isinstance(g, list) and all(type(p) is int and p >= 0 for p in g) for g in paddings)):
+        raise MergerError(f"param_alignment_paddings is not one list of counts per param group, {optim_files[0]}")
     for g, (shapes, part) in enumerate(zip(shape_groups, part_sizes)):
         pads = paddings[g] if paddings is not None else [0] * len(shapes)
         if len(pads) != len(shapes):
@@ -250,7 +267,7 @@ def open_catalog(root: Path) -> Catalog:
     if world != len(optim_files):
         raise MergerError(f"partition_count is {world} but there are {len(optim_files)} optim_states files, "
                           f"{optim_files[0]}")
-    part_sizes = [g.numel() for g in _flat_groups(opt, stage, optim_files[0])]
+    part_sizes = _partition_numels(opt, stage, optim_files[0])
     model_files = _model_files(step, stage, world)
     model = load_states(model_files[0], "model_states")
     _refuse_parallel_dims(model, model_files[0])
@@ -264,13 +281,13 @@ def open_catalog(root: Path) -> Catalog:
     tensors.update(_module_tensors(model, model_files[0], stage, set(tensors) | set(shared)))
     for tied, source in shared.items():
         if source in tensors:  # written once when config.json ties them, as save_pretrained does
-            tensors[tied] = SourceTensor(tied, *(lambda t: (t.shape, t.dtype, t.pieces))(tensors[source]))
+            tensors[tied] = dataclasses.replace(tensors[source], name=tied)
     hf_dir = step.parent if (step.parent / "config.json").is_file() else None
     return Catalog(format="deepspeed", root=root, tensors=tensors, files=optim_files + model_files,
                    reader_factory=DeepSpeedReader, hf_dir=hf_dir,
                    details={"zero_stage": stage, "dp_world_size": world, "checkpoint": str(step),
                             "ds_version": str(model.get("ds_version")),
-                            "param_groups": len(shape_groups)})
+                            "param_groups": len(shape_groups), "partition_numels": part_sizes})
 
 
 class DeepSpeedReader:
@@ -313,6 +330,12 @@ class DeepSpeedReader:
 
     def check_files(self, files: list[str]) -> None:
         mine = set(files)
+        for file in files:
+            if file.endswith("_optim_states.pt"):
+                sizes = _partition_numels(_optimizer_state(self.states[file], file), self.stage, file)
+                if sizes != self.catalog.details["partition_numels"]:
+                    raise MergerError(f"this rank's partitions (with their padding) hold {sizes} elements where "
+                                      f"rank 0's hold {self.catalog.details['partition_numels']}, {file}")
         for tensor in self.catalog.tensors.values():
             for piece in tensor.pieces:
                 for copy in piece.copies:

@@ -26,7 +26,7 @@ CASES = {
     "s2_fp32_frozen": (2, False, False, True, False),
     "s2_bf16_tied": (2, True, True, False, False),
     "s3_fp32_tied_frozen": (3, False, True, True, False),
-    "s3_bf16": (3, True, False, False, False),
+    "s3_bf16_frozen": (3, True, False, True, False),
     "trainer_s1_bf16": (1, True, False, True, True),
 }
 SEQ = 6
@@ -59,6 +59,14 @@ def build(stage: int, tied: bool, frozen: bool, cfg: dict):
     return model
 
 
+def param_groups(model) -> list[dict]:
+    """Two groups, as HF Trainer makes them: matrices with weight decay, vectors (norms) without."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    is_vector = [len(getattr(p, "ds_shape", p.shape)) < 2 for p in trainable]  # stage 3: p itself is empty
+    return [{"params": [p for p, v in zip(trainable, is_vector) if not v]},
+            {"params": [p for p, v in zip(trainable, is_vector) if v], "weight_decay": 0.0}]
+
+
 def batch() -> torch.Tensor:
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     return torch.randint(0, 101, (1, SEQ), generator=g)
@@ -69,7 +77,7 @@ def engine_case(folder: Path, stage: int, bf16: bool, tied: bool, frozen: bool) 
 
     cfg = ds_config(stage, bf16)
     model = build(stage, tied, frozen, cfg)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
     tokens = batch()
     loss = engine(input_ids=tokens, labels=tokens).loss
