@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (WRITERS, load_safetensors_folder, merge_here, run, run_merger, run_merger_leaving_no_thread,
-                      single_error_line, torchrun_cmd)
+from conftest import (WRITERS, load_safetensors_folder, merge_here, merge_in_process, run, run_merger,
+                      run_merger_leaving_no_thread, single_error_line, torchrun_cmd)
 from deepspeed_checkpoint import CASES
 
 TIED = {name for name, (_, _, tied, _, _) in CASES.items() if tied}
@@ -36,14 +36,6 @@ def source(root: Path, case: str) -> tuple[Path, list[str]]:
     return root / case / "out", ["--hf_model_config_path", root / case / "hf"]
 
 
-def merge(source_dir: Path, target: Path, *extra) -> Path:
-    """One merge in this process (the CLI's own entry point): no interpreter start-up per merge."""
-    from merger.cli import main
-
-    assert main(["merge", "--local_dir", str(source_dir), "--target_dir", str(target), *map(str, extra)]) == 0
-    return target
-
-
 @pytest.fixture(scope="session")
 def merged(ds_root, tmp_path_factory):
     """merged(case) -> the fp32 merge of ROOT/case with one process, built once."""
@@ -52,7 +44,7 @@ def merged(ds_root, tmp_path_factory):
     def make(case: str) -> Path:
         if case not in cache:
             folder, flags = source(ds_root, case)
-            cache[case] = merge(folder, tmp_path_factory.mktemp(case) / "hf", *flags, "--dtype", "float32")
+            cache[case] = merge_in_process(folder, tmp_path_factory.mktemp(case) / "hf", *flags, "--dtype", "float32")
         return cache[case]
 
     return make
@@ -104,15 +96,15 @@ def test_three_torchrun_ranks(ds_root, merged, tmp_path, case):
 
 
 def test_every_local_dir_layout(ds_root, merged, tmp_path):
-    """The output dir (follows `latest`), global_stepN/ itself, and HF Trainer's checkpoint-N/ and its
-    global_stepN/ (config.json found one level up) merge to the same tensors."""
-    want = load_safetensors_folder(merged("trainer_s1_bf16"))
-    step = ds_root / "trainer_s1_bf16" / "out" / "checkpoint-1" / "global_step1"
-    assert load_safetensors_folder(merge(step, tmp_path / "a", "--dtype", "float32")).keys() == want.keys()
+    """The output dir (follows `latest`: the `merged` fixture), global_stepN/ itself, and HF Trainer's
+    checkpoint-N/ and its global_stepN/ (config.json found one level up) merge to the same tensors."""
     s2 = ds_root / "s2_fp32_frozen"
-    got = merge(s2 / "out" / "global_step1", tmp_path / "b", "--hf_model_config_path", s2 / "hf", "--dtype", "float32")
-    assert all(torch.equal(t, load_safetensors_folder(merged("s2_fp32_frozen"))[n])
-               for n, t in load_safetensors_folder(got).items())
+    trainer_step = source(ds_root, "trainer_s1_bf16")[0] / "global_step1"
+    for case, folder, flags in [("s2_fp32_frozen", s2 / "out" / "global_step1", ["--hf_model_config_path", s2 / "hf"]),
+                                ("trainer_s1_bf16", trainer_step, [])]:
+        got = load_safetensors_folder(merge_in_process(folder, tmp_path / case, *flags, "--dtype", "float32"))
+        want = load_safetensors_folder(merged(case))
+        assert got.keys() == want.keys() and all(torch.equal(t, want[n]) for n, t in got.items()), case
 
 
 def test_default_bf16_equals_trainer_save(ds_root, tmp_path):
@@ -120,7 +112,7 @@ def test_default_bf16_equals_trainer_save(ds_root, tmp_path):
     from safetensors.torch import load_file
 
     folder = source(ds_root, "trainer_s1_bf16")[0]
-    ours = load_safetensors_folder(merge(folder, tmp_path / "hf"))
+    ours = load_safetensors_folder(merge_in_process(folder, tmp_path / "hf"))
     trainer = load_file(folder / "model.safetensors")
     assert ours.keys() == trainer.keys() and all(torch.equal(ours[n], trainer[n]) for n in trainer)
 
