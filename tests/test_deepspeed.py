@@ -147,15 +147,20 @@ def test_truncated_partition_is_one_error_under_torchrun(ds_root, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_model_parallel_is_refused(ds_root, tmp_path, capsys):
+@pytest.mark.parametrize("extra, says", [
+    ("zero_pp_rank_0_mp_rank_01_optim_states.pt", "model-parallel"),
+    ("layer_01-model_states.pt", "pipeline-parallel"),
+    ("layer_0_expert_0_mp_rank_00_model_states.pt", "MoE"),
+])
+def test_model_parallel_is_refused(ds_root, tmp_path, capsys, extra, says):
+    """A file of a layout merger does not read (copied from a real one: only its name matters) is named."""
     case = copy_case(ds_root, "s2_fp32_frozen", tmp_path)
     step = case / "out" / "global_step1"
-    extra = step / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
-    shutil.copy(step / "zero_pp_rank_0_mp_rank_00_optim_states.pt", extra)
+    shutil.copy(step / "zero_pp_rank_0_mp_rank_00_optim_states.pt", step / extra)
     code, errors = merge_here(capsys, "--local_dir", case / "out", "--target_dir", tmp_path / "hf",
                               "--hf_model_config_path", case / "hf")
-    assert code != 0 and len(errors) == 1 and errors[0].endswith(str(extra)), errors
-    assert "model-parallel" in errors[0] and not (tmp_path / "hf").exists()
+    assert code != 0 and len(errors) == 1 and errors[0].endswith(str(step / extra)), errors
+    assert says in errors[0] and not (tmp_path / "hf").exists()
 
 
 def test_foreign_global_in_optim_states_is_refused(ds_root, tmp_path, capsys):

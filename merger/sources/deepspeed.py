@@ -32,6 +32,7 @@ from .mapped_states import MappedStates
 OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 MODEL_FILE = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 PIPELINE_FILE = re.compile(r"layer_\d+-model_\d+-model_states\.pt|layer_\d+-model_states\.pt")
+EXPERT_FILE = re.compile(r".*expert.*_model_states\.pt")  # MoE: `layer_{l}_expert_{e}_mp_rank_00_model_states.pt`
 FLAT_GROUPS = {1: "single_partition_of_fp32_groups", 2: "single_partition_of_fp32_groups", 3: "fp32_flat_groups"}
 
 
@@ -63,6 +64,9 @@ def _refuse_model_parallel(step: Path) -> None:
                               f"merger reads data-parallel ZeRO checkpoints only (mp_rank_00), {p}")
         if PIPELINE_FILE.fullmatch(p.name):
             raise MergerError(f"pipeline-parallel DeepSpeed checkpoint (per-layer model_states): merger reads "
+                              f"data-parallel ZeRO checkpoints only, {p}")
+        if EXPERT_FILE.fullmatch(p.name):
+            raise MergerError(f"DeepSpeed MoE checkpoint (experts saved in files of their own): merger reads "
                               f"data-parallel ZeRO checkpoints only, {p}")
 
 
