@@ -33,8 +33,11 @@ SEQ = 6
 
 
 def ds_config(stage: int, bf16: bool) -> dict:
+    # Stage 3 splits each param group into sub-groups of about sub_group_size elements, one flat fp32 tensor
+    # each: small ones here, so the partitions come in several tensors.
+    zero = {"stage": stage, **({"sub_group_size": 2000} if stage == 3 else {})}
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
+            "zero_optimization": zero, "bf16": {"enabled": bf16},
             "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
 
 
