@@ -107,6 +107,14 @@ def test_every_local_dir_layout(ds_root, merged, tmp_path):
         assert got.keys() == want.keys() and all(torch.equal(t, want[n]) for n, t in got.items()), case
 
 
+def test_trainer_output_dir_names_its_checkpoint(ds_root, tmp_path, capsys):
+    """HF Trainer's output_dir holds checkpoint-N/ folders and no `latest`: the one error line names the one to pass."""
+    out = ds_root / "trainer_s1_bf16" / "out"
+    code, errors = merge_here(capsys, "--local_dir", out, "--target_dir", tmp_path / "hf")
+    assert code != 0 and len(errors) == 1, errors
+    assert errors[0].endswith(f"(--backend deepspeed): pass --local_dir {out / 'checkpoint-1'}"), errors
+
+
 def test_default_bf16_equals_trainer_save(ds_root, tmp_path):
     """The default --dtype bfloat16: HF Trainer's own model.safetensors (its bf16 model) bit for bit."""
     from safetensors.torch import load_file
