@@ -30,6 +30,7 @@ CASES = {
     "trainer_s1_bf16": (1, True, False, True, True),
 }
 SEQ = 6
+BUFFER = "model.merge_check"
 
 
 def ds_config(stage: int, bf16: bool) -> dict:
@@ -59,6 +60,8 @@ def build(stage: int, tied: bool, frozen: bool, cfg: dict):
         model = transformers.LlamaForCausalLM(config)
     if frozen:
         freeze(model)
+    # A persistent buffer (Llama has none): DeepSpeed lists it in buffer_names and saves it in module whole.
+    model.model.register_buffer(BUFFER.split(".", 1)[1], torch.arange(7.0) / 2)
     return model
 
 
