@@ -1,7 +1,7 @@
 """Speed and memory of `merger merge` side by side with the usual ways to merge and the copy floor, in one run.
 
-    python benchmarks/run.py [--formats fsdp,dcp] [--sizes 7,19] [--repeats 3] [--cap 2GiB] [--hidden 2048] [--keep]
-                             [--chart docs/benchmark.png]
+    python benchmarks/run.py [--formats fsdp,dcp,deepspeed] [--sizes 7,19] [--repeats 3] [--cap 2GiB] [--hidden 2048]
+                             [--keep] [--chart docs/benchmark.png]
 
 For each format and checkpoint size (fp32 FSDP2 on 2 ranks, built once under bench_out/ on the meta device
 by benchmarks/build_checkpoint.py) it times, with warm page cache, alternating and repeated: `cp` of the
@@ -9,6 +9,8 @@ data files (the floor: bytes read and written once), the baselines, and merger w
 - fsdp (verl's `model_world_size_W_rank_r.pt`): baseline the naive merge (benchmarks/naive_merge.py).
 - dcp (`dcp.save` folder): baselines torch's `dcp_to_torch_save` + `save_file` and accelerate's
   `merge_fsdp_weights` (benchmarks/dcp_baselines.py); both keep fp32, so merger runs with `--dtype keep`.
+- deepspeed (ZeRO-3 fp32, 2 ranks, by real DeepSpeed: benchmarks/build_deepspeed_checkpoint.py): baseline
+  DeepSpeed's own `zero_to_fp32.py --safe_serialization`; merger runs with `--dtype keep`.
 Wall times are medians; peak RSS is the largest resident set of any single process of the run (i.e. per
 rank); ratios are against the cp floor and the format's first baseline; the same figures are drawn into
 docs/benchmark.png (benchmarks/chart.py). With --cap, each merge also runs
@@ -33,10 +35,11 @@ from merger.units import format_size, parse_size  # noqa: E402
 OUT = ROOT / "bench_out"
 PY = sys.executable
 CGROUP = Path("/sys/fs/cgroup/memory/merger_bench")
-FORMATS = ("fsdp", "dcp")
+FORMATS = ("fsdp", "dcp", "deepspeed")
 FLOOR = "cp (floor)"
 # Written last by build_checkpoint.py: its presence means the checkpoint is complete.
-DONE = {"fsdp": "fsdp_config.json", "dcp": "huggingface/config.json"}
+DONE = {"fsdp": "fsdp_config.json", "dcp": "huggingface/config.json", "deepspeed": "config.json"}
+BUILDERS = {"fsdp": "build_checkpoint.py", "dcp": "build_checkpoint.py", "deepspeed": "build_deepspeed_checkpoint.py"}
 
 # Runs `cmd`, then prints wall seconds, the max RSS (KiB) over every descendant process, and the exit code.
 _MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
@@ -62,13 +65,14 @@ def measure(cmd: list[str], cap: int | None = None) -> tuple[float, int, int]:
 
 def build(fmt: str, layers: int, hidden: int, built: list[Path]) -> Path:
     """The checkpoint, built unless a complete one is there; what is built here is appended to `built`."""
-    ckpt = OUT / f"llama_{hidden}h_{layers}l" / ("actor" if fmt == "fsdp" else "dcp")
+    ckpt = OUT / f"llama_{hidden}h_{layers}l" / {"fsdp": "actor"}.get(fmt, fmt)
     if not (ckpt / DONE[fmt]).exists():
         print(f"building the {layers}-layer {fmt} checkpoint in {ckpt} ...", flush=True)
         built.append(ckpt)
         proc = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               str(ROOT / "benchmarks" / "build_checkpoint.py"), "--out", str(ckpt),
-                               "--layers", str(layers), "--hidden", str(hidden), "--format", fmt],
+                               str(ROOT / "benchmarks" / BUILDERS[fmt]), "--out", str(ckpt),
+                               "--layers", str(layers), "--hidden", str(hidden),
+                               *(["--format", fmt] if fmt != "deepspeed" else [])],
                               env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"building {ckpt} failed:\n{proc.stderr[-4000:]}")
@@ -76,7 +80,8 @@ def build(fmt: str, layers: int, hidden: int, built: list[Path]) -> Path:
 
 
 def data_files(fmt: str, ckpt: Path) -> list[Path]:
-    return sorted(ckpt.glob("model_world_size_*.pt" if fmt == "fsdp" else "*.distcp"))
+    return sorted(ckpt.glob({"fsdp": "model_world_size_*.pt", "dcp": "*.distcp",
+                             "deepspeed": "global_step1/*_states.pt"}[fmt]))
 
 
 def commands(fmt: str, ckpt: Path, dst: Path) -> dict[str, list[str]]:
@@ -86,6 +91,10 @@ def commands(fmt: str, ckpt: Path, dst: Path) -> dict[str, list[str]]:
              "--log_level", "WARNING"]
     if fmt == "fsdp":
         baselines = {"naive merge": [PY, str(ROOT / "benchmarks" / "naive_merge.py"), str(ckpt), str(dst)]}
+    elif fmt == "deepspeed":
+        merge += ["--dtype", "keep"]  # zero_to_fp32 writes fp32: write the same bytes
+        # DeepSpeed's own script, copied into the checkpoint by save_checkpoint (it imports deepspeed)
+        baselines = {"zero_to_fp32": [PY, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(dst), "--safe_serialization"]}
     else:
         merge += ["--dtype", "keep"]  # the DCP baselines write fp32: write the same bytes
         baselines = {name: [PY, str(ROOT / "benchmarks" / "dcp_baselines.py"), name, str(ckpt), str(dst)]
@@ -138,20 +147,22 @@ def rows_for(fmt: str, size: int, results: dict, capped: dict[str, str]) -> list
 
 def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
     cap_col = f"under {format_size(cap)}" if cap else ""
-    header = (f"{'format':<6} | {'checkpoint':>10} | {'run':<17} | {'wall s':>6} | {'x cp':>6} | {'x base':>6} | "
+    header = (f"{'format':<9} | {'checkpoint':>10} | {'run':<17} | {'wall s':>6} | {'x cp':>6} | {'x base':>6} | "
               f"{'peak RSS/rank':>13} | {'x base RSS':>10} | {cap_col}")
     print("\n" + header)
     print("-" * len(header))
     for fmt, size, name, wall, vs_cp, vs_base, rss, vs_rss, capped in rows:
-        print(f"{fmt:<6} | {format_size(size):>10} | {name:<17} | {wall:6.2f} | {vs_cp:6.2f} | {vs_base:6.2f} | "
+        print(f"{fmt:<9} | {format_size(size):>10} | {name:<17} | {wall:6.2f} | {vs_cp:6.2f} | {vs_base:6.2f} | "
               f"{format_size(rss):>13} | {vs_rss:10.2f} | {capped}")
     print(f"\nmedians of {repeats} warm runs; {os.cpu_count()} cores; peak RSS = largest process of the run; "
-          "x base = against the naive merge (fsdp) or dcp_to_torch_save + save_file (dcp)")
+          "x base = against the naive merge (fsdp), dcp_to_torch_save + save_file (dcp), DeepSpeed's zero_to_fp32.py "
+          "--safe_serialization (deepspeed)")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--formats", default=",".join(FORMATS), help="checkpoint formats to run: fsdp, dcp or both")
+    p.add_argument("--formats", default="fsdp,dcp", help=f"checkpoint formats to run, of {', '.join(FORMATS)} "
+                   "(deepspeed needs the test extra's deepspeed)")
     p.add_argument("--sizes", default="7,19", help="layer counts of the checkpoints (7 ~ 2 GB, 19 ~ 4.5 GB fp32)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size of the model (smaller for quick checks)")
     p.add_argument("--repeats", type=int, default=3)

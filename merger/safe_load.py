@@ -22,10 +22,11 @@ _LEGACY = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[2:-1]
 def torch_load(path: str, what: str, mmap: bool = True, safe_globals: tuple = ()) -> object:
     """`torch.load(path, weights_only=True)`; `what` names the file in errors ("rank file").
 
-    `safe_globals` allows extra plain classes a format stores beside tensors (e.g. argparse.Namespace);
-    enums among them may also be pickled by name (see pickled_enums).
+    `safe_globals` allows extra plain classes a format stores beside tensors (e.g. argparse.Namespace), or
+    `(stand_in, "module.Name")` pairs that resolve a name to a class of ours; enums among them may also be
+    pickled by name (see pickled_enums).
     """
-    getattr_enum_member = member_lookup(safe_globals)
+    getattr_enum_member = member_lookup(g[0] if isinstance(g, tuple) else g for g in safe_globals)
     try:
         with open(path, "rb") as f:
             head = f.read(32)

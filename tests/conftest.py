@@ -158,6 +158,14 @@ def snapshot(folder: Path) -> dict[str, tuple]:
     return out
 
 
+def merge_in_process(source: Path, target: Path, *extra) -> Path:
+    """One merge in this process (the CLI's own entry point): no interpreter start-up per merge."""
+    from merger.cli import main
+
+    assert main(["merge", "--local_dir", str(source), "--target_dir", str(target), *map(str, extra)]) == 0
+    return target
+
+
 def merge_here(capsys, *args) -> tuple[int, list[str]]:
     """Run `merger merge ARGS` in this process; returns the exit code and the `merger: error:` lines."""
     from merger.cli import main

@@ -16,6 +16,7 @@ import torch
 
 from conftest import (assert_same_weights, flip_bit_in_tensor, run_merger, run_merger_leaving_no_thread, run_writer,
                       single_error_line)
+from conftest import merge_in_process as merge
 from enums_by_name import repickle
 
 CASES = {
@@ -37,14 +38,6 @@ def megatron_root(tmp_path_factory) -> Path:
     run_writer("megatron_checkpoint.py", "--out", root,
                *[arg for name, spec in CASES.items() for arg in ("--case", f"{name}:{spec}")], nproc=4)
     return root
-
-
-def merge(source: Path, target: Path, *extra) -> Path:
-    """One merge in this process (the CLI's own entry point): no interpreter start-up per merge."""
-    from merger.cli import main
-
-    assert main(["merge", "--local_dir", str(source), "--target_dir", str(target), *map(str, extra)]) == 0
-    return target
 
 
 @pytest.fixture(scope="session")

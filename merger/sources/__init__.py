@@ -14,6 +14,7 @@ from ..errors import MergerError
 # name -> module under merger.sources; order matters for auto-detection (most specific first).
 BACKENDS = {
     "fsdp": "fsdp",
+    "deepspeed": "deepspeed",  # before hf: HF Trainer's checkpoint-N/ may hold a model.safetensors beside it
     "megatron": "megatron",
     "dcp": "dcp",  # after formats that wrap a DCP folder in their own layout (Megatron torch_dist)
     "dcp_hf": "dcp_hf_shards",  # before hf: its shard-*.safetensors files would pass for a HF folder's
