@@ -6,7 +6,8 @@ Every rank builds the same seeded model, wraps it with PEFT (init_lora_weights=F
 shards it with `fully_shard` and saves `model_world_size_{W}_rank_{r}.pt` from `model.state_dict()`, as verl
 does, plus `lora_train_meta.json` and `huggingface/`. Rank 0 also writes the oracle next to the checkpoint:
 `reference/base` (the base model, save_pretrained), `reference/merged` (PEFT's merge_and_unload, saved by
-save_pretrained) and `reference/logits.pt` (the unmerged PEFT model's logits on TOKENS).
+save_pretrained), `reference/adapter` (PEFT's save_pretrained of the adapter) and `reference/logits.pt` (the unmerged
+PEFT model's logits on TOKENS).
 
 With `--lora-only DIR`, the same launch also writes verl's `checkpoint.save_lora_only=True` saves of the adapters
 in LORA_ONLY, each on a fresh copy of the same base: `DIR/<variant>/global_step_1/actor` holds rank files with only
@@ -74,6 +75,7 @@ def main() -> None:
         with torch.no_grad():
             torch.save(wrapped(TOKENS).logits, reference / "logits.pt")
         copy.deepcopy(wrapped).merge_and_unload().save_pretrained(reference / "merged")
+        wrapped.save_pretrained(reference / "adapter")
 
     from torch.distributed.device_mesh import init_device_mesh
 
