@@ -124,7 +124,11 @@ def test_fsdp_lora_adapter_config(peft_lora_checkpoint, tmp_path, capsys):
     code, errors = merge_here(capsys, "--local_dir", actor, "--target_dir", tmp_path / "x", "--adapter_config", other)
     assert code == 1 and len(errors) == 1 and str(actor / "lora_train_meta.json") in errors[0], errors
     assert "lora_alpha=16 but other.json gives lora_alpha=8" in errors[0] and str(other) in errors[0], errors
-    assert not (tmp_path / "x").exists()
+    # a checkpoint without an adapter: the flag would be ignored, so it is refused
+    code, errors = merge_here(capsys, "--local_dir", ref_dir / "merged", "--target_dir", tmp_path / "y",
+                              "--adapter_config", ref_dir / "adapter")
+    assert code == 1 and errors and "--adapter_config applies to checkpoints with a LoRA adapter" in errors[0]
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 # ---- verl's LoRA-only saves (checkpoint.save_lora_only=True): the adapter's DTensors and lora_train_meta.json
