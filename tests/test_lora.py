@@ -170,7 +170,7 @@ def test_verl_lora_only_into_base_torchrun(peft_lora_checkpoint, tmp_path):
     _assert_peft_adapter(tmp_path / "merged" / "lora_adapter", base, ref_dir)
 
 
-def test_verl_lora_only_adapter_config(peft_lora_checkpoint, tmp_path, capsys):
+def test_verl_lora_only_adapter_config(peft_lora_checkpoint, tmp_path, capsys, caplog):
     """An adapter with rsLoRA, rank_pattern and alpha_pattern (which lora_train_meta.json cannot record): with
     --adapter_config it merges as PEFT merges it; a meta file that contradicts the config names both files."""
     actor, ref_dir = _lora_only(peft_lora_checkpoint, "rslora")
@@ -181,6 +181,17 @@ def test_verl_lora_only_adapter_config(peft_lora_checkpoint, tmp_path, capsys):
     _assert_peft_adapter(tmp_path / "merged" / "lora_adapter", base, ref_dir)
     saved = json.loads((ref_dir / "adapter" / "adapter_config.json").read_text())
     assert json.loads((tmp_path / "merged" / "lora_adapter" / "adapter_config.json").read_text()) == saved
+
+    # a config naming modules_to_save, whose copies verl's filter dropped: those modules keep the base's values, the
+    # written config leaves them out (PEFT fails to load a folder whose config names weights it lacks), the log says so
+    with_saved = tmp_path / "with_saved.json"
+    with_saved.write_text(json.dumps(dict(saved, modules_to_save=["model.norm"])))
+    caplog.set_level(logging.INFO, logger="merger")
+    assert _cli("merge", "--local_dir", actor, "--target_dir", tmp_path / "saved", "--base_model", base,
+                "--dtype", "keep", "--adapter_config", with_saved) == 0
+    assert "names modules_to_save ['model.norm'], but the checkpoint holds no weights for them" in caplog.text
+    assert_same_weights(tmp_path / "saved", ref_dir / "merged", None)
+    _assert_peft_adapter(tmp_path / "saved" / "lora_adapter", base, ref_dir)
 
     other_run = tmp_path / "other_run"
     shutil.copytree(actor, other_run)

@@ -24,7 +24,8 @@ from ..mapping import read_config
 from ..merge import Prepared
 from ..options import MergeOptions
 from ..plan import OutputSpec, Step, plan_layout
-from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, adapter_from_catalog, describe, file_keys, split_key
+from .adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, LoraAdapter, adapter_from_catalog, describe, file_keys,
+                      split_key)
 from .checkpoint_config import checkpoint_config
 from .into_base import fold_into_base, open_base
 from .peft_state import ADAPTER_DIR, is_peft_state, lora_note, split_state_names, state_keys
@@ -91,6 +92,18 @@ def _adapter_steps(catalog: Catalog, keys: dict[str, str], prefix: str, folder: 
             for key, src in keys.items()]
 
 
+def _drop_unsaved_modules(config: dict, adapter: LoraAdapter) -> tuple[dict, tuple[str, ...]]:
+    """verl's save_lora_only keeps no modules_to_save copies. A given config that names some would make an adapter
+    folder PEFT fails to load (it looks for their weights): they leave the written config, those modules keep the
+    base model's values, and the log says so."""
+    if not config.get("modules_to_save") or adapter.replacements:
+        return config, ()
+    return dict(config, modules_to_save=None), (
+        f"merger: the adapter config names modules_to_save {config['modules_to_save']}, but the checkpoint holds no "
+        f"weights for them (verl's save_lora_only keeps only lora_ tensors): they keep the base model's values and "
+        f"are left out of the written adapter_config.json",)
+
+
 def prepare_adapter_state(catalog: Catalog, options: MergeOptions, world: int) -> Prepared:
     """The plan for an adapter-only checkpoint: an adapter folder, or with --base_model the folded model."""
     keys = _adapter_keys(catalog)
@@ -100,18 +113,22 @@ def prepare_adapter_state(catalog: Catalog, options: MergeOptions, world: int) -
                               f"--base_model to merge one, or drop --verify), {catalog.root}")
         config, name = peft_config(catalog, keys, options, None)
         adapter = adapter_from_catalog(name, config, "", catalog, keys)  # checks the config against the tensors
+        config, dropped = _drop_unsaved_modules(config, adapter)
         plan = plan_layout(catalog, _adapter_steps(catalog, keys, "", ""), world, options.max_shard_size,
                            options.max_inflight)
         # No HF folder: the target is an adapter folder, not a model (no config.json to complete).
         note = (f"merger: adapter-only LoRA checkpoint ({describe(config, len(adapter.modules))}): the target is a "
                 f"PEFT adapter folder (--base_model DIR folds it into a base model)")
-        return Prepared(catalog, None, {}, plan, {}, {CONFIG_FILE: json.dumps(config, indent=2) + "\n"}, (note,))
+        return Prepared(catalog, None, {}, plan, {}, {CONFIG_FILE: json.dumps(config, indent=2) + "\n"},
+                        (note, *dropped))
     base_dir = Path(options.base_model)
     base = open_base(base_dir)
     config, name = peft_config(catalog, keys, options, {n: n for n in base.tensors})
     adapter = adapter_from_catalog(name, config, ADAPTER_PART, catalog, keys)
+    config, dropped = _drop_unsaved_modules(config, adapter)
     return fold_into_base(base_dir, base, {ADAPTER_PART: catalog}, [adapter] if options.lora == "fuse" else [],
                           options, world, f"hf_safetensors+{catalog.format}_adapter",
                           tuple(_adapter_steps(catalog, keys, ADAPTER_PART, ADAPTER_DIR)),
                           {f"{ADAPTER_DIR}/{CONFIG_FILE}": json.dumps(config, indent=2) + "\n"},
-                          (lora_note(config, len(adapter.modules), options.lora, f"the base model {base_dir}"),))
+                          (lora_note(config, len(adapter.modules), options.lora, f"the base model {base_dir}"),
+                           *dropped))
