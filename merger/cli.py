@@ -93,11 +93,13 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(*_flag("--lora_alpha"), dest="lora_alpha", type=float, default=None,
                    help="LoRA alpha, when the checkpoint has no lora_train_meta.json")
     p.add_argument(*_flag("--base_model"), dest="base_model", type=Path, default=None,
-                   help="adapter-only checkpoints (accelerate adapter_only DCP): HF safetensors folder to fold the "
-                        "adapter into (default: write the adapter as a PEFT adapter folder)")
+                   help="adapter-only checkpoints (accelerate adapter_only DCP, verl save_lora_only): HF "
+                        "safetensors folder to fold the adapter into (default: write the adapter as a PEFT adapter "
+                        "folder)")
     p.add_argument(*_flag("--adapter_config"), dest="adapter_config", type=Path, default=None,
-                   help="adapter-only checkpoints: their adapter_config.json, file or folder (default: look in "
-                        "checkpoint-N/ and its parent)")
+                   help="checkpoints with a LoRA adapter: its adapter_config.json, file or folder (r, lora_alpha, "
+                        "use_rslora, rank/alpha patterns; default: checkpoint-N/ and its parent for accelerate, "
+                        "lora_train_meta.json and the tensors for verl)")
 
 
 def _add_overflow_arg(p: argparse.ArgumentParser) -> None:

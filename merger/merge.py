@@ -68,7 +68,7 @@ def prepare(options: MergeOptions, group: Group) -> Prepared:
         catalog = open_catalog(Path(options.local_dir), options.backend, options.prefix)
         from .lora.adapter_state import is_adapter_state, prepare_adapter_state, refuse_adapter_flags
 
-        if is_adapter_state(catalog):  # accelerate's adapter-only save of a PEFT model: no base weights in it
+        if is_adapter_state(catalog):  # a PEFT model's adapter saved alone (accelerate, verl): no base weights
             return prepare_adapter_state(catalog, options, group.world)
         refuse_adapter_flags(options, catalog)
         hf_dir = resolve_hf_dir(catalog, options)

@@ -48,7 +48,7 @@ class MergeOptions:
     lora_r: int | None = _shapes_output(None)
     lora_alpha: float | None = _shapes_output(None)
     base_model: Path | None = _shapes_output(None)  # adapter-only checkpoints: the HF folder to fold into
-    adapter_config: Path | None = _shapes_output(None)  # adapter-only checkpoints: their adapter_config.json
+    adapter_config: Path | None = _shapes_output(None)  # LoRA checkpoints: the adapter's adapter_config.json
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

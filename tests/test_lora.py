@@ -1,6 +1,6 @@
 """LoRA end to end, against PEFT itself: FSDP checkpoints of PEFT-wrapped models (fused and separate, one
-process and torchrun), and `merger lora` folding adapter folders into a HF base. Oracles: PEFT's
-merge_and_unload state dict, PeftModel.from_pretrained on the extracted adapter, the unmerged PEFT forward."""
+process and torchrun; verl's LoRA-only saves too), and `merger lora` folding adapter folders into a HF base. Oracles:
+PEFT's merge_and_unload state dict, PeftModel.from_pretrained on the extracted adapter, the unmerged PEFT forward."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import load_safetensors_folder, run_merger, run_writer
+from conftest import assert_same_weights, load_safetensors_folder, merge_here, run_merger, run_writer
 from merger.cli import main as merger_main
 from peft_adapters import CASES, TOKENS, write_all
 
@@ -21,7 +21,8 @@ from peft_adapters import CASES, TOKENS, write_all
 @pytest.fixture(scope="session")
 def peft_lora_checkpoint(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fsdp_lora")
-    run_writer("fsdp_lora_checkpoint.py", "--out", root / "global_step_1" / "actor", nproc=2)
+    run_writer("fsdp_lora_checkpoint.py", "--out", root / "global_step_1" / "actor", "--lora-only", root / "lora_only",
+               nproc=2)
     return root
 
 
@@ -107,6 +108,101 @@ def test_fsdp_lora_separate_and_alpha(peft_lora_checkpoint, tmp_path, capsys, ca
     assert _cli("merge", "--local_dir", bare, "--target_dir", tmp_path / "flag", "--dtype", "float32",
                 "--lora_alpha", "16") == 0
     _assert_close_fp32(load_safetensors_folder(tmp_path / "flag"), load_safetensors_folder(ref_dir / "merged"))
+
+
+def test_fsdp_lora_adapter_config(peft_lora_checkpoint, tmp_path, capsys):
+    """--adapter_config on a whole-model LoRA checkpoint: the config PEFT saved is used as saved; one whose
+    lora_alpha contradicts lora_train_meta.json is an error naming both files."""
+    actor, ref_dir = peft_lora_checkpoint / "global_step_1" / "actor", peft_lora_checkpoint / "reference"
+    assert _cli("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", "--dtype", "float32",
+                "--adapter_config", ref_dir / "adapter") == 0
+    _assert_close_fp32(load_safetensors_folder(tmp_path / "out"), load_safetensors_folder(ref_dir / "merged"))
+    saved = json.loads((ref_dir / "adapter" / "adapter_config.json").read_text())
+    assert json.loads((tmp_path / "out" / "lora_adapter" / "adapter_config.json").read_text()) == saved
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(dict(saved, lora_alpha=8)))
+    code, errors = merge_here(capsys, "--local_dir", actor, "--target_dir", tmp_path / "x", "--adapter_config", other)
+    assert code == 1 and len(errors) == 1 and str(actor / "lora_train_meta.json") in errors[0], errors
+    assert "lora_alpha=16 but other.json gives lora_alpha=8" in errors[0] and str(other) in errors[0], errors
+    # a checkpoint without an adapter: the flag would be ignored, so it is refused
+    code, errors = merge_here(capsys, "--local_dir", ref_dir / "merged", "--target_dir", tmp_path / "y",
+                              "--adapter_config", ref_dir / "adapter")
+    assert code == 1 and errors and "--adapter_config applies to checkpoints with a LoRA adapter" in errors[0]
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+# ---- verl's LoRA-only saves (checkpoint.save_lora_only=True): the adapter's DTensors and lora_train_meta.json
+
+def _lora_only(root: Path, variant: str) -> tuple[Path, Path]:
+    return root / "lora_only" / variant / "global_step_1" / "actor", root / "lora_only" / variant / "reference"
+
+
+def _assert_peft_adapter(folder: Path, base: Path, ref_dir: Path) -> None:
+    """Tensors as PEFT saved them, under its names, bit for bit (PEFT also saves the targeted embedding's base layer,
+    which a LoRA-only save does not hold and PEFT does not need); PEFT loads the folder and gives the trained logits."""
+    ours, ref = load_safetensors_folder(folder), load_safetensors_folder(ref_dir / "adapter")
+    assert sorted(ours) == sorted(n for n in ref if ".base_layer." not in n)
+    for name, got in ours.items():
+        assert got.dtype == ref[name].dtype and torch.equal(got, ref[name]), name
+    torch.testing.assert_close(_logits(base, folder), torch.load(ref_dir / "logits.pt"), atol=1e-5, rtol=1e-5)
+
+
+def test_verl_lora_only_adapter_folder(peft_lora_checkpoint, tmp_path, caplog):
+    """No base model: the target is a PEFT adapter folder, r and alpha from lora_train_meta.json, ranks per module
+    from the tensors."""
+    actor, ref_dir = _lora_only(peft_lora_checkpoint, "plain")
+    caplog.set_level(logging.INFO, logger="merger")
+    assert _cli("merge", "--local_dir", actor, "--target_dir", tmp_path / "adapter") == 0
+    assert "adapter-only LoRA checkpoint (r=4, lora_alpha=16, rank_pattern for 2 modules" in caplog.text
+    _assert_peft_adapter(tmp_path / "adapter", peft_lora_checkpoint / "reference" / "base", ref_dir)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["task_type"]) == (4, 16, "CAUSAL_LM")
+    assert not (tmp_path / "adapter" / "config.json").exists()
+
+
+def test_verl_lora_only_into_base_torchrun(peft_lora_checkpoint, tmp_path):
+    """--base_model: the base with the adapter folded in as merge_and_unload folds it, bit for bit, on 2 ranks."""
+    actor, ref_dir = _lora_only(peft_lora_checkpoint, "plain")
+    base = peft_lora_checkpoint / "reference" / "base"
+    run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "merged", "--base_model", base,
+               "--dtype", "keep", nproc=2)
+    assert_same_weights(tmp_path / "merged", ref_dir / "merged", None)
+    _assert_peft_adapter(tmp_path / "merged" / "lora_adapter", base, ref_dir)
+
+
+def test_verl_lora_only_adapter_config(peft_lora_checkpoint, tmp_path, capsys, caplog):
+    """An adapter with rsLoRA, rank_pattern and alpha_pattern (which lora_train_meta.json cannot record): with
+    --adapter_config it merges as PEFT merges it; a meta file that contradicts the config names both files."""
+    actor, ref_dir = _lora_only(peft_lora_checkpoint, "rslora")
+    base = peft_lora_checkpoint / "reference" / "base"
+    assert _cli("merge", "--local_dir", actor, "--target_dir", tmp_path / "merged", "--base_model", base,
+                "--dtype", "keep", "--adapter_config", ref_dir / "adapter" / "adapter_config.json") == 0
+    assert_same_weights(tmp_path / "merged", ref_dir / "merged", None)
+    _assert_peft_adapter(tmp_path / "merged" / "lora_adapter", base, ref_dir)
+    saved = json.loads((ref_dir / "adapter" / "adapter_config.json").read_text())
+    assert json.loads((tmp_path / "merged" / "lora_adapter" / "adapter_config.json").read_text()) == saved
+
+    # a config naming modules_to_save, whose copies verl's filter dropped: those modules keep the base's values, the
+    # written config leaves them out (PEFT fails to load a folder whose config names weights it lacks), the log says so
+    with_saved = tmp_path / "with_saved.json"
+    with_saved.write_text(json.dumps(dict(saved, modules_to_save=["model.norm"])))
+    caplog.set_level(logging.INFO, logger="merger")
+    assert _cli("merge", "--local_dir", actor, "--target_dir", tmp_path / "saved", "--base_model", base,
+                "--dtype", "keep", "--adapter_config", with_saved) == 0
+    assert "names modules_to_save ['model.norm'], but the checkpoint holds no weights for them" in caplog.text
+    assert_same_weights(tmp_path / "saved", ref_dir / "merged", None)
+    _assert_peft_adapter(tmp_path / "saved" / "lora_adapter", base, ref_dir)
+
+    other_run = tmp_path / "other_run"
+    shutil.copytree(actor, other_run)
+    (other_run / "lora_train_meta.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "task_type": "CAUSAL_LM"}))
+    code, errors = merge_here(capsys, "--local_dir", other_run, "--target_dir", tmp_path / "x",
+                              "--adapter_config", ref_dir / "adapter")
+    assert code == 1 and len(errors) == 1, errors
+    assert "lora_train_meta.json records r=8 but adapter_config.json gives r=4" in errors[0], errors
+    assert str(other_run / "lora_train_meta.json") in errors[0] and str(ref_dir / "adapter" / "adapter_config.json") \
+        in errors[0], errors
+    assert not (tmp_path / "x").exists()
 
 
 # ---- merger lora: adapter folders into a HF base ---------------------------------------------------------

@@ -153,9 +153,11 @@ def file_keys(catalog: Catalog, where: object) -> dict[str, str]:
     return keys
 
 
-def adapter_from_catalog(name: str, config: dict, prefix: str, catalog: Catalog) -> LoraAdapter:
-    """The adapter whose tensors `catalog` holds by adapter-file name, found in a merge catalog under `prefix`."""
-    keys = {key: prefix + tensor for key, tensor in file_keys(catalog, name).items()}
+def adapter_from_catalog(name: str, config: dict, prefix: str, catalog: Catalog,
+                         keys: dict[str, str] | None = None) -> LoraAdapter:
+    """The adapter whose tensors `catalog` holds, found in a merge catalog under `prefix`; `keys` maps
+    adapter-file-form keys to the catalog's names (default: the catalog holds them by adapter-file name)."""
+    keys = {key: prefix + tensor for key, tensor in (keys or file_keys(catalog, name)).items()}
     shapes = {prefix + k: t.shape for k, t in catalog.tensors.items()}
     return build_adapter(name, config, keys, shapes)
 

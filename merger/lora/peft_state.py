@@ -4,37 +4,37 @@ write it as a PEFT adapter folder `lora_adapter/` that PEFT loads onto the merge
 The state dict of a PEFT-wrapped model names base weights `base_model.model.<m>.base_layer.weight` and the
 adapter `<m>.lora_A.<adapter>.weight`; modules_to_save appear as `<m>.original_module.*` beside
 `<m>.modules_to_save.<adapter>.*`. r and lora_alpha are not in the weights: they come from
-`lora_train_meta.json` beside the rank files (verl writes it), or from --lora-r / --lora-alpha.
+`lora_train_meta.json` beside the rank files (verl writes it), --lora-r / --lora-alpha, or --adapter_config
+(checkpoint_config.py). A state without base weights (verl's save_lora_only) is lora/adapter_state.py's.
 """
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 from ..catalog import Catalog
 from ..errors import MergerError
 from ..options import MergeOptions
 from ..plan import OutputSpec, Step
-from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, build_adapter, config_from_tensors, describe, split_key
+from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, build_adapter, describe, split_key
+from .checkpoint_config import checkpoint_config
 from .steps import fold_steps
 
 ADAPTER_DIR = "lora_adapter"
 ADAPTER_FILE = f"{ADAPTER_DIR}/{WEIGHTS_FILE}"
-META = "lora_train_meta.json"
 _PART = re.compile(r"^(.*)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)"
                    r"(\.weight|\.bias)?$")
 _SAVED = re.compile(r"^(.*)\.modules_to_save\.([^.]+)\.(.*)$")
 
 
 def is_peft_state(catalog: Catalog) -> bool:
-    """A PEFT-wrapped model's state: LoRA parts named with their adapter (`lora_A.default.weight`). An adapter-only
-    state (`lora_A.weight`, as in an adapter file) is lora/adapter_state.py's."""
+    """A PEFT-wrapped model's state: LoRA parts named with their adapter (`lora_A.default.weight`). Adapter-only
+    states (`lora_A.weight` as in an adapter file, or such a state without base weights) are adapter_state.py's."""
     names = list(catalog.tensors)
     return all(n.startswith(PEFT_PREFIX) for n in names) and any(_PART.match(n) and not split_key(n) for n in names)
 
 
-def _split_names(catalog: Catalog) -> tuple[dict[str, str], dict[str, str], set[str]]:
+def split_state_names(catalog: Catalog) -> tuple[dict[str, str], dict[str, str], set[str]]:
     """(HF name -> base source tensor, adapter-file-form key -> source tensor, adapter names seen)."""
     base, keys, names = {}, {}, set()
     for name in catalog.tensors:
@@ -51,38 +51,13 @@ def _split_names(catalog: Catalog) -> tuple[dict[str, str], dict[str, str], set[
     return base, keys, names
 
 
-def _read_meta(root: Path) -> dict:
-    path = root / META
-    if not path.is_file():
-        return {}
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise MergerError(f"cannot read {META} ({e}), {path}") from e
-    if not isinstance(meta, dict):
-        raise MergerError(f"{META} is not a JSON object, {path}")
-    return meta
-
-
-def resolve_flag(known, flag, key: str, flag_name: str, source: Path):
-    """A value the checkpoint records, else the flag; both given and different is an error, not a guess."""
-    if known is not None and flag is not None and float(known) != float(flag):
-        raise MergerError(f"{flag_name} {flag} disagrees with {source.name}'s {key}={known}, {source}")
-    return known if known is not None else flag
-
-
-def adapter_config(catalog: Catalog, config: dict, options: MergeOptions, keys: dict[str, str],
-                   base: dict[str, str]) -> dict:
-    """adapter_config.json for the checkpoint's adapter: r and alpha from the meta file or flags, the rest
-    from the tensors themselves."""
-    meta = _read_meta(catalog.root)
-    r = resolve_flag(meta.get("r"), options.lora_r, "r", "--lora-r", catalog.root / META)
-    alpha = resolve_flag(meta.get("lora_alpha"), options.lora_alpha, "lora_alpha", "--lora-alpha", catalog.root / META)
-    if not alpha:
-        raise MergerError(f"the checkpoint holds a LoRA adapter but its lora_alpha is unknown: no {META} with "
-                          f"lora_alpha; pass --lora-alpha (and --lora-r) as used in training, {catalog.root}")
-    shapes = {n: t.shape for n, t in catalog.tensors.items()}
-    return config_from_tensors(keys, shapes, config, base, r, alpha, meta)
+def state_keys(catalog: Catalog) -> tuple[dict[str, str], dict[str, str]]:
+    """(HF name -> base source tensor, adapter-file-form key -> source tensor) of the one adapter the state holds."""
+    base, keys, names = split_state_names(catalog)
+    if len(names) > 1:
+        raise MergerError(f"the checkpoint holds several LoRA adapters {sorted(names)}; merger folds one, "
+                          f"{catalog.root}")
+    return base, keys
 
 
 def refuse_lora_flags(options: MergeOptions, catalog: Catalog) -> None:
@@ -105,13 +80,10 @@ def lora_note(config: dict, modules: int, mode: str, into: str) -> str:
 def peft_state_mapping(catalog: Catalog, config: dict, options: MergeOptions):
     from ..mapping import Mapping
 
-    base, keys, names = _split_names(catalog)
-    if len(names) > 1:
-        raise MergerError(f"the checkpoint holds several LoRA adapters {sorted(names)}; merger folds one, "
-                          f"{catalog.root}")
-    peft_config = adapter_config(catalog, config, options, keys, base)
-    adapter = build_adapter(f"adapter in {catalog.root}", peft_config, keys,
-                            {n: t.shape for n, t in catalog.tensors.items()})
+    base, keys = state_keys(catalog)
+    peft_config, found = checkpoint_config(catalog, keys, options, config, base)
+    adapter = build_adapter(f"adapter in {catalog.root}" + (f" with config {found}" if found else ""), peft_config,
+                            keys, {n: t.shape for n, t in catalog.tensors.items()})
     fused = fold_steps(base, [adapter] if options.lora == "fuse" else [], catalog.tensors, config,
                        options.torch_dtype, options.tie_word_embedding)
     # The adapter keeps its own dtype: it is small, and PEFT upcasts it to fp32 on load anyway.

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -77,8 +78,9 @@ def main() -> None:
     leave_group()
 
 
-def shard_and_save(model, mesh, out: Path) -> None:
-    """fully_shard each block, then the root, and save this rank's state dict (DTensors) as verl does."""
+def shard_and_save(model, mesh, out: Path, keep: Callable[[str], bool] = lambda name: True) -> None:
+    """fully_shard each block, then the root, and save this rank's state dict (DTensors) as verl does; `keep`
+    filters the names saved, as verl's LoRA-only save does."""
     from torch.distributed.fsdp import fully_shard
 
     for name, blocks in model.named_modules():  # decoder layers, and a VLM's vision blocks too
@@ -86,7 +88,8 @@ def shard_and_save(model, mesh, out: Path) -> None:
             for layer in blocks:
                 fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    torch.save(model.state_dict(), out / f"model_world_size_{dist.get_world_size()}_rank_{dist.get_rank()}.pt")
+    state = {name: t for name, t in model.state_dict().items() if keep(name)}
+    torch.save(state, out / f"model_world_size_{dist.get_world_size()}_rank_{dist.get_rank()}.pt")
 
 
 if __name__ == "__main__":
