@@ -7,6 +7,7 @@ import re
 import pytest
 
 from conftest import assert_same_weights, run_merger
+from merger.sources import BACKENDS
 
 
 def test_local_dir_one_level_too_high_names_the_checkpoint_below(fsdp_checkpoint, tmp_path):
@@ -15,7 +16,7 @@ def test_local_dir_one_level_too_high_names_the_checkpoint_below(fsdp_checkpoint
     proc = run_merger("merge", "--local_dir", step, "--target_dir", tmp_path / "out", check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"merger: error: no known checkpoint layout (looked for: fsdp, megatron, dcp, dcp_hf, hf), "
+    assert line.startswith(f"merger: error: no known checkpoint layout (looked for: {', '.join(BACKENDS)}), "
                            f"{step}; actor/ below it looks like a checkpoint (--backend fsdp): pass --local_dir ")
     assert not (tmp_path / "out").exists()
     # following the hint merges the model
