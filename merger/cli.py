@@ -109,8 +109,8 @@ def _add_overflow_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(*_flag("--max_inflight"), dest="max_inflight", type=parse_size, default="1GiB",
-                   help="memory budget per rank for pieces in flight (default 1GiB; a larger tensor goes alone)")
+    p.add_argument(*_flag("--max_inflight"), dest="max_inflight", type=parse_size, default="512MiB",
+                   help="memory budget per rank for pieces in flight (default 512MiB; a larger tensor goes alone)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where pieces travel under torchrun: cuda uses NCCL, cpu gloo (default: cuda if present)")
     p.add_argument(*_flag("--dist_timeout"), dest="dist_timeout", type=float, default=600.0,

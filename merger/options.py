@@ -29,7 +29,7 @@ class MergeOptions:
     model: str = _shapes_output("auto")  # source naming: auto (detect from names), hf, torchtitan-llama
     dtype: str = _shapes_output("bfloat16")
     max_shard_size: int = _shapes_output(5_000_000_000)
-    max_inflight: int = 1 << 30
+    max_inflight: int = 512 << 20
     device: str = "auto"
     overwrite: bool = False
     tie_word_embedding: bool = _shapes_output(False)
