@@ -49,6 +49,15 @@ class ShardPiece:
         return n
 
 
+def row_major_index(shape: tuple[int, ...], offsets: tuple[int, ...]) -> int:
+    """The element at `offsets` of a row-major tensor of `shape`, counted from its first element."""
+    index, stride = 0, 1
+    for o, n in zip(reversed(offsets), reversed(shape)):
+        index += o * stride
+        stride *= n
+    return index
+
+
 @dataclass(frozen=True)
 class SourceTensor:
     name: str

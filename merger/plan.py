@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .catalog import Catalog, PieceCopy, ShardPiece
+from .catalog import Catalog, PieceCopy, ShardPiece, row_major_index
 from .errors import MergerError
 from .safetensors_io import TensorEntry, build_header, nbytes_of
 
@@ -164,11 +164,7 @@ def contiguous_start(shape: tuple[int, ...], piece: ShardPiece) -> int | None:
         d -= 1
     if any(s != 1 for s in piece.sizes[:d]):
         return None
-    start, stride = 0, 1
-    for o, n in zip(reversed(piece.offsets), reversed(shape)):
-        start += o * stride
-        stride *= n
-    return start
+    return row_major_index(shape, piece.offsets)
 
 
 def places_directly(catalog: Catalog, step: Step) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
+from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, row_major_index
 from ..errors import MergerError
 from .deepspeed_states import load_states
 from .file_reads import Stored
@@ -142,7 +142,7 @@ def _pieces(shape: tuple[int, ...], runs: list[tuple[str, str, int, int, int]]) 
     pieces = []
     for file, group, start, begin, end in runs:
         for offsets, sizes in run_boxes(shape, begin, end):
-            first = sum(o * math.prod(shape[d + 1:]) for d, o in enumerate(offsets))
+            first = row_major_index(shape, offsets)
             pieces.append(ShardPiece(offsets, sizes, (PieceCopy(file, f"{group}:{start + first - begin}"),)))
     return tuple(pieces)
 
