@@ -42,6 +42,7 @@ PERIOD_S = 1.0
 STALE_BEATS = 10
 HURRIED_S = 0.1  # between checks while the main thread waits for a verdict (a collective just failed)
 _STORE_TIMEOUT_S = 10.0
+STORE_HOST_EXIT_S = 2.0  # from a dying rank 0's sockets closing to its process being seen gone
 SIGNAL_GRACE_S = 2.0  # a SIGTERM / SIGINT the main thread has not acted on by then, inside a collective, never will
 _LEFT = b"left"
 
@@ -175,7 +176,7 @@ class PeerWatch:
                 if r not in self.who and value not in (b"0", _LEFT):
                     self.who[r] = ProcessId(**json.loads(self.store.get(f"who/{r}")))
         except Exception as e:  # noqa: BLE001 - any store failure means its host is gone or cut off
-            found = None if self.agent_store else self._dead_process()  # rank 0 may have just died: say that
+            found = None if self.agent_store else self._host_died()  # rank 0 may have just died: say that
             return self._record(*found) if found is not None else self._store_lost(e)
         if values[-1]:
             record = json.loads(values[-1])
@@ -205,6 +206,18 @@ class PeerWatch:
             if r in self.who and r not in self.left and self.who[r].alive(self.me) is False:
                 return r, f"rank {r} was lost: its process (pid {self.who[r].pid} on {self.who[r].host}) ended"
         return None
+
+    def _host_died(self) -> tuple[int, str] | None:
+        """Rank 0 hosts the store: if it runs on this kernel, wait up to STORE_HOST_EXIT_S for its process to be
+        seen gone. A dying process closes its sockets before it becomes a zombie, so the store can fail while
+        /proc still shows it running; the verdict names the process ending, not the store it took along."""
+        deadline = time.monotonic() + STORE_HOST_EXIT_S
+        while True:
+            found = self._dead_process()
+            if found is not None or 0 not in self.who or self.who[0].alive(self.me) is None or \
+                    time.monotonic() > deadline:
+                return found
+            time.sleep(HURRIED_S / 10)
 
     def _store_lost(self, e: Exception) -> tuple[int | None, str]:
         why = f"the rendezvous store it hosts, {self.store_name}, stopped answering ({str(e).splitlines()[0]})"
