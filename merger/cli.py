@@ -16,11 +16,11 @@ import sys
 import threading
 from pathlib import Path
 
-from .dist import init_group
+from .engine.dist import init_group
+from .engine.torchrun_error import record_for_torchrun
 from .errors import AgreedError, MergerError
 from .options import DTYPES, MergeOptions
 from .sources import BACKENDS
-from .torchrun_error import record_for_torchrun
 from .units import format_size, parse_size, positive_int
 
 
@@ -197,9 +197,9 @@ def options_from_args(args: argparse.Namespace) -> MergeOptions:
 
 
 def _inspect(options: MergeOptions, as_json: bool, merge_ranks: int) -> int:
-    from .dist import Group
+    from .engine.dist import Group
     from .merge import prepare
-    from .plan import rerouted, traffic
+    from .engine.plan import rerouted, traffic
 
     prepared = prepare(options, Group())
     c, plan = prepared.catalog, rerouted(prepared.plan, prepared.catalog, world=merge_ranks)
@@ -232,7 +232,7 @@ def _inspect(options: MergeOptions, as_json: bool, merge_ranks: int) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "upload":
-        from .publish import publish_folder
+        from .output.publish import publish_folder
 
         print(publish_folder(args.target_dir.absolute(), args.hf_upload_path, args.private))
         return 0
@@ -268,13 +268,13 @@ def _run_on_group(args: argparse.Namespace, options: MergeOptions) -> int:
             from .merge import run_merge
 
             if args.command == "lora":
-                from .lora.into_base import prepare_lora
+                from .mapping.lora.adapter_folders import prepare_lora
 
                 run_merge(options, group, prepare_lora(options, args.adapters, group))
             else:
                 run_merge(options, group)
             return 0
-        from .compare import compare_with_folder
+        from .engine.compare import compare_with_folder
         from .merge import prepare
 
         options.dtype = "keep"  # compare in the reference's own dtype: each tensor is cast to it

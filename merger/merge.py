@@ -14,24 +14,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .catalog import Catalog
-from .compare import CompareResult, compare_with_folder
-from .dist import Group, on_every_rank, on_rank_zero
+from .engine.compare import CompareResult, compare_with_folder
+from .engine.dist import Group, on_every_rank, on_rank_zero
+from .engine.memory import peak_rss_bytes
+from .engine.peer_watch import Cleanup
+from .engine.plan import Plan, plan_layout
+from .engine.progress import Progress
+from .engine.stream import run_plan
 from .errors import MergerError
-from .mapping import build_mapping, read_config
-from .memory import peak_rss_bytes
-from .model_class import config_updates
+from .mapping.model_class import config_updates
+from .mapping.registry import build_mapping, read_config
 from .options import MergeOptions
-from .output import FileSink, finish, hf_files_to_copy, prepare_files, write_manifest
-from .peer_watch import Cleanup
-from .plan import Plan, plan_layout
-from .progress import Progress
-from .resume import FileTracker, resume_candidates, skip_finished, start_manifest, verify_share, why_not_done
-from .source_identity import check_unchanged, source_identity
+from .output.files import FileSink, finish, hf_files_to_copy, prepare_files, write_manifest
+from .output.resume import FileTracker, resume_candidates, skip_finished, start_manifest, verify_share, why_not_done
+from .output.source_identity import check_unchanged, source_identity
+from .output.summary import write_summary
+from .output.target import Target, check_config_dir_entries, place, resolve_target
+from .output.target_lock import TargetLock
 from .sources import open_catalog
-from .stream import run_plan
-from .summary import write_summary
-from .target import Target, check_config_dir_entries, place, resolve_target
-from .target_lock import TargetLock
 from .units import format_size
 
 log = logging.getLogger("merger")
@@ -66,7 +66,7 @@ def prepare(options: MergeOptions, group: Group) -> Prepared:
     """Catalog and plan, identical on every rank, from metadata alone."""
     def build():
         catalog = open_catalog(Path(options.local_dir), options.backend, options.prefix)
-        from .lora.adapter_state import is_adapter_state, prepare_adapter_state, refuse_adapter_flags
+        from .mapping.lora.adapter_state import is_adapter_state, prepare_adapter_state, refuse_adapter_flags
 
         if is_adapter_state(catalog):  # a PEFT model's adapter saved alone (accelerate, verl): no base weights
             return prepare_adapter_state(catalog, options, group.world)
@@ -260,7 +260,7 @@ def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = N
     try:
         verified = _stage_and_place(options, group, prepared, started)
         if options.hf_upload_path:
-            from .publish import upload_merged
+            from .output.publish import upload_merged
 
             def publish():
                 nonlocal uploaded

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from merger import resume
+from merger.output import resume
 from merger.cli import main
 
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from merger.errors import MergerError
-from merger.safe_load import torch_load
+from merger.sources.safe_load import torch_load
 from merger.sources.crc32 import crc32, crc32_combine
 from merger.sources.file_reads import SourceReads
 from merger.sources.mapped_states import MappedStates

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from merger.lora.fold import LoraDelta, fold_module, lora_scale, pattern_value
+from merger.mapping.lora.fold import LoraDelta, fold_module, lora_scale, pattern_value
 
 
 class Tiny(nn.Module):

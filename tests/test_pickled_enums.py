@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from enums_by_name import PICKLE_MODULE, repickle
 from merger.errors import MergerError
-from merger.safe_load import torch_load
+from merger.sources.safe_load import torch_load
 from merger.sources.dcp_metadata import load_metadata
 from merger.sources.megatron_legacy import load_file
 

@@ -430,7 +430,7 @@ def test_silent_rank_is_lost_by_its_heartbeat(ckpt, tmp_path):
     # Rank 1 runs in a pid namespace of its own, as if on another host: rank 0 cannot see its process, only
     # its heartbeats. Stopped (a frozen node: no socket closes, gloo waits for the full --dist_timeout), it
     # beats no more, and rank 0, stuck in a collective, ends within the staleness threshold.
-    from merger.peer_watch import PERIOD_S, STALE_BEATS
+    from merger.engine.peer_watch import PERIOD_S, STALE_BEATS
 
     unshare = ["unshare", "--pid", "--fork", "--mount-proc"]
     if subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
@@ -589,10 +589,10 @@ def test_changed_source_invalidates_resume(change, ckpt, fsdp_checkpoint, tmp_pa
 def test_resume_counts_only_the_bytes_still_to_write_against_free_space(ckpt, tmp_path):
     """After a disk-full failure the kept staging folder's unfinished files fill the disk; --resume writes them
     anew, so their space counts as free (it used to refuse the resume that would fit)."""
-    from merger.dist import Group
+    from merger.engine.dist import Group
     from merger.merge import prepare
     from merger.options import MergeOptions
-    from merger.output import prepare_files
+    from merger.output.files import prepare_files
 
     plan = prepare(MergeOptions(local_dir=ckpt, max_shard_size=20_000), Group()).plan
     assert len(plan.files) > 2

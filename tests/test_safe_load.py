@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from merger.errors import MergerError
-from merger.safe_load import torch_load
+from merger.sources.safe_load import torch_load
 from merger.sources.torch_file import load_state
 
 

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 
 import merger.merge
 from conftest import assert_same_weights, load_safetensors_folder, merge_here, run_merger, snapshot
-from merger.process_id import ProcessId
-from merger.target_lock import STALE_AFTER_S
+from merger.engine.process_id import ProcessId
+from merger.output.target_lock import STALE_AFTER_S
 
 WORLD = 2
 RANK1 = f"model_world_size_{WORLD}_rank_1.pt"

@@ -18,9 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from conftest import _free_port, assert_same_weights, load_safetensors_folder, run, run_merger, torchrun_cmd
 from hub_recorder import RecordingHfApi, calls
-from merger import cli, publish
-from merger.compare import _differences
-from merger.dist import Group
+from merger import cli
+from merger.output import publish
+from merger.engine.compare import _differences
+from merger.engine.dist import Group
 from merger.errors import MergerError
 from merger.merge import prepare, verify_staged
 from merger.options import MergeOptions

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MergerError
-from ..pickled_enums import GETATTR, member_lookup
+from .pickled_enums import GETATTR, member_lookup
 
 METADATA_FILE = ".metadata"
 

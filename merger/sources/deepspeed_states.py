@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 
 from ..errors import MergerError
-from ..safe_load import torch_load
+from .safe_load import torch_load
 
 
 class ZeroStageEnum(int, enum.Enum):

@@ -17,9 +17,9 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
-from ..safe_load import torch_load
 from .file_reads import Stored
 from .mapped_states import MappedStates
+from .safe_load import torch_load
 
 RANK_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
 

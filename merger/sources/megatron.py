@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..catalog import Catalog
-from ..megatron.layout import checkpoint_dir
 from . import hf_safetensors, megatron_dist, megatron_legacy
+from .megatron_layout import checkpoint_dir
 
 
 def detect(root: Path) -> bool:

@@ -22,8 +22,8 @@ from ..errors import MergerError
 from .dcp import chunk_location, chunk_stored
 from .dcp_metadata import load_metadata
 from .file_reads import SourceFiles, Stored
-from ..megatron.keys import split_key, take, with_index
-from ..megatron.layout import checkpoint_dir
+from .megatron_keys import split_key, take, with_index
+from .megatron_layout import checkpoint_dir
 
 STACKED = "decoder.layers."
 EXPERTS = "mlp.experts.experts."  # SequentialMLP experts, stacked on an expert axis

@@ -21,11 +21,11 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
-from ..megatron.keys import split_key, take, with_slice
-from ..megatron.layout import checkpoint_dir
-from ..safe_load import torch_load
 from .file_reads import Stored
 from .mapped_states import MappedStates
+from .megatron_keys import split_key, take, with_slice
+from .megatron_layout import checkpoint_dir
+from .safe_load import torch_load
 
 FILE = "model_optim_rng.pt"
 MP_DIR = re.compile(r"mp_rank_(\d{2})((?:_\d{3}){0,2})")

@@ -7,9 +7,9 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
-from ..safe_load import torch_load
 from .file_reads import Stored
 from .mapped_states import MappedStates
+from .safe_load import torch_load
 
 
 def load_state(path: str) -> dict:

@@ -18,16 +18,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..catalog import Catalog
-from ..errors import MergerError
-from ..mapping import read_config
-from ..merge import Prepared
-from ..options import MergeOptions
-from ..plan import OutputSpec, Step, plan_layout
+from ...catalog import Catalog
+from ...engine.plan import OutputSpec, Step, plan_layout
+from ...errors import MergerError
+from ...merge import Prepared
+from ...options import MergeOptions
+from ..registry import read_config
 from .adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, LoraAdapter, adapter_from_catalog, describe, file_keys,
                       split_key)
+from .adapter_folders import fold_into_base, open_base
 from .checkpoint_config import checkpoint_config
-from .into_base import fold_into_base, open_base
 from .peft_state import ADAPTER_DIR, is_peft_state, lora_note, split_state_names, state_keys
 
 ADAPTER_PART = "adapter:"  # name prefix of the adapter's tensors in the catalog shared with a base model

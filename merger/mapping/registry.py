@@ -10,12 +10,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import torchtitan_llama
-from .catalog import Catalog
-from .errors import MergerError
-from .hf_names import rename_outputs, saved_names
-from .options import MergeOptions
-from .plan import OutputSpec, Step, output_dtype
+from ..catalog import Catalog
+from ..engine.plan import OutputSpec, Step, output_dtype
+from ..errors import MergerError
+from ..options import MergeOptions
+from . import torchtitan as torchtitan_llama
+from .saved_names import rename_outputs, saved_names
 
 TIED_OUTPUT = "lm_head.weight"
 
@@ -51,7 +51,7 @@ def hf_steps(catalog: Catalog, config: dict, options: MergeOptions) -> list[Step
 
 def build_steps(catalog: Catalog, config: dict, options: MergeOptions, hf_dir: Path) -> list[Step]:
     if catalog.format.startswith("megatron"):
-        from .megatron.families import megatron_steps  # Megatron names need their family's table
+        from .megatron import megatron_steps  # Megatron names need their family's table
 
         return megatron_steps(catalog, config, options)
     if torchtitan_llama.wanted(catalog, options):

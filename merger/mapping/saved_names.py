@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .plan import OutputSpec, Step
+from ..engine.plan import OutputSpec, Step
 
 log = logging.getLogger("merger")
 

@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from .catalog import Catalog, PieceCopy, ShardPiece, row_major_index
-from .errors import MergerError
-from .safetensors_io import TensorEntry, build_header, nbytes_of
+from ..catalog import Catalog, PieceCopy, ShardPiece, row_major_index
+from ..errors import MergerError
+from ..safetensors_io import TensorEntry, build_header, nbytes_of
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import MergerError
+from ..errors import MergerError
 
 HEAD = "score.weight"
 SUFFIXES = ("ForCausalLM", "ForTokenClassification", "ForSequenceClassification", "Model")

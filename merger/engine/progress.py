@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 import time
 
-from .units import format_size
+from ..units import format_size
 
 
 class Progress:

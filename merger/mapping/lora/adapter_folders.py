@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..catalog import Catalog
-from ..dist import Group, on_every_rank
-from ..errors import MergerError
-from ..mapping import read_config
-from ..merge import Prepared, log_prepared
-from ..options import MergeOptions
-from ..plan import Step, plan_layout
-from ..sources import hf_safetensors
-from ..sources.union import union_catalog
+from ...catalog import Catalog
+from ...engine.dist import Group, on_every_rank
+from ...engine.plan import Step, plan_layout
+from ...errors import MergerError
+from ...merge import Prepared, log_prepared
+from ...options import MergeOptions
+from ...sources import hf_safetensors
+from ...sources.union import union_catalog
+from ..registry import read_config
 from .adapter import LoraAdapter, adapter_from_folder, open_adapter_catalog
-from .steps import fold_steps
+from .fold_steps import fold_steps
 
 
 def open_base(base_dir: Path) -> Catalog:

@@ -17,8 +17,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import MergerError
-from .output import MANIFEST, is_inside, is_weight_file
+from ..errors import MergerError
+from .files import MANIFEST, is_inside, is_weight_file
 
 STAGE_SUFFIX = ".merger-partial"
 STAGE_IN_CONFIG_DIR = STAGE_SUFFIX

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from .errors import MergerError
-from .memory import start_writeback
-from .plan import OutputSpec, Plan
-from .units import format_size
+from ..engine.memory import start_writeback
+from ..engine.plan import OutputSpec, Plan
+from ..errors import MergerError
+from ..units import format_size
 
 # Weight files of the source's HF folder are never copied: the merge writes the weights.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .errors import AgreedError, MergerError, describe_error
+from ..errors import AgreedError, MergerError, describe_error
 from .peer_watch import Cleanup, PeerWatch
 
 

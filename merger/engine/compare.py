@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from .catalog import Catalog
+from ..catalog import Catalog
+from ..errors import MergerError
+from ..safetensors_io import TensorEntry, read_header, read_tensor
 from .dist import Group, on_every_rank
-from .errors import MergerError
 from .plan import OutputSpec, Plan, rerouted
 from .progress import Progress
-from .safetensors_io import TensorEntry, read_header, read_tensor
 from .stream import run_plan
 
 INDEX = "model.safetensors.index.json"

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import re
 
-from ..catalog import Catalog
-from ..errors import MergerError
-from ..options import MergeOptions
-from ..plan import OutputSpec, Step
+from ...catalog import Catalog
+from ...engine.plan import OutputSpec, Step
+from ...errors import MergerError
+from ...options import MergeOptions
 from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, build_adapter, describe, split_key
 from .checkpoint_config import checkpoint_config
-from .steps import fold_steps
+from .fold_steps import fold_steps
 
 ADAPTER_DIR = "lora_adapter"
 ADAPTER_FILE = f"{ADAPTER_DIR}/{WEIGHTS_FILE}"
@@ -78,7 +78,7 @@ def lora_note(config: dict, modules: int, mode: str, into: str) -> str:
 
 
 def peft_state_mapping(catalog: Catalog, config: dict, options: MergeOptions):
-    from ..mapping import Mapping
+    from ..registry import Mapping
 
     base, keys = state_keys(catalog)
     peft_config, found = checkpoint_config(catalog, keys, options, config, base)

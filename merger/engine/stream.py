@@ -14,13 +14,13 @@ from typing import Protocol
 
 import torch
 
-from .catalog import Catalog
+from ..catalog import Catalog
+from ..errors import AgreedError, MergerError, describe_error
+from ..sources.file_reads import SourceReads
 from .dist import Group
-from .errors import AgreedError, MergerError, describe_error
 from .overflow import may_have_overflowed, overflow_message, overflowed
 from .plan import Batch, OutputSpec, Plan, Route, contiguous_start
 from .progress import Progress
-from .sources.file_reads import SourceReads
 
 
 class Sink(Protocol):

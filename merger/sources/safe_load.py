@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from .errors import MergerError
+from ..errors import MergerError
 from .pickled_enums import member_lookup
 
 _ZIP = b"PK\x03\x04"  # torch.save since torch 1.6: a zip archive

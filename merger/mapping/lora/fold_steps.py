@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..catalog import SourceTensor
-from ..errors import MergerError
-from ..mapping import TIED_OUTPUT, ties_embeddings
-from ..plan import OutputSpec, Step, output_dtype
+from ...catalog import SourceTensor
+from ...engine.plan import OutputSpec, Step, output_dtype
+from ...errors import MergerError
+from ..registry import TIED_OUTPUT, ties_embeddings
 from .adapter import LoraAdapter, ModuleAdapter
 from .fold import LoraDelta, fold_module
 

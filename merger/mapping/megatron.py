@@ -13,11 +13,11 @@ from functools import partial
 import torch
 
 from ..catalog import Catalog
+from ..engine.plan import OutputSpec, Step, output_dtype
 from ..errors import MergerError
-from ..mapping import ties_embeddings
 from ..options import MergeOptions
-from ..plan import OutputSpec, Step, output_dtype
 from . import transforms as tf
+from .registry import ties_embeddings
 
 GLOBAL = (
     ("embedding.word_embeddings.weight", "vocab", ("model.embed_tokens.weight",)),

@@ -6,14 +6,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .compare import CompareResult
-from .dist import Group
-from .memory import peak_rss_bytes
-from .options import MergeOptions
-from .plan import traffic
+from ..engine.compare import CompareResult
+from ..engine.dist import Group
+from ..engine.memory import peak_rss_bytes
+from ..engine.plan import traffic
+from ..options import MergeOptions
 
 if TYPE_CHECKING:
-    from .merge import Prepared
+    from ..merge import Prepared
 
 
 def write_summary(path: Path, prepared: Prepared, options: MergeOptions, group: Group, started: float,

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 
-from .errors import MergerError
-from .output import MANIFEST
+from ..errors import MergerError
+from ..units import format_size
+from .files import MANIFEST
 from .target import is_staging
-from .units import format_size
 
 log = logging.getLogger("merger")
 

@@ -15,10 +15,10 @@ import json
 import logging
 from pathlib import Path
 
-from ..catalog import Catalog
-from ..errors import MergerError
-from ..options import MergeOptions
-from ..sources.dcp import ACCELERATE_DIR
+from ...catalog import Catalog
+from ...errors import MergerError
+from ...options import MergeOptions
+from ...sources.dcp import ACCELERATE_DIR
 from .adapter import CONFIG_FILE, config_from_tensors, read_config_file
 
 log = logging.getLogger("merger")

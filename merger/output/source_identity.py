@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .catalog import Catalog
-from .errors import MergerError
+from ..catalog import Catalog
+from ..errors import MergerError
 
 _FIELDS = ("size", "mtime_ns", "ctime_ns", "inode")
 

@@ -16,10 +16,10 @@ from functools import partial
 
 import torch
 
-from .catalog import Catalog
-from .errors import MergerError
-from .options import MergeOptions
-from .plan import OutputSpec, Step, output_dtype
+from ..catalog import Catalog
+from ..engine.plan import OutputSpec, Step, output_dtype
+from ..errors import MergerError
+from ..options import MergeOptions
 
 MODEL_NAME = "torchtitan-llama"
 TIED_OUTPUT = "lm_head.weight"

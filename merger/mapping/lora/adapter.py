@@ -11,8 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..catalog import Catalog
-from ..errors import MergerError
+from ...catalog import Catalog
+from ...errors import MergerError
 from .fold import lora_scale, pattern_value
 
 PEFT_PREFIX = "base_model.model."
@@ -126,8 +126,8 @@ def read_config_file(path: Path) -> dict:
 
 
 def open_adapter_catalog(folder: Path) -> Catalog:
-    from ..sources.hf_safetensors import catalog_of_files
-    from ..sources.torch_file import open_file_catalog
+    from ...sources.hf_safetensors import catalog_of_files
+    from ...sources.torch_file import open_file_catalog
 
     if not folder.is_dir():
         raise MergerError(f"adapter folder does not exist, {folder}")

@@ -22,13 +22,13 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from . import __version__
-from .catalog import Catalog
-from .dist import Group
-from .errors import MergerError
-from .options import MergeOptions
-from .output import MANIFEST, FileSink, write_manifest
-from .plan import Batch, Plan
+from .. import __version__
+from ..catalog import Catalog
+from ..engine.dist import Group
+from ..engine.plan import Batch, Plan
+from ..errors import MergerError
+from ..options import MergeOptions
+from .files import MANIFEST, FileSink, write_manifest
 from .source_identity import source_folder
 
 log = logging.getLogger("merger")

@@ -22,8 +22,8 @@ import uuid
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from .errors import MergerError
-from .process_id import ProcessId
+from ..engine.process_id import ProcessId
+from ..errors import MergerError
 
 REFRESH_S = 30.0
 STALE_AFTER_S = 300.0

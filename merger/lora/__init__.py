@@ -1,1 +1,0 @@
-"""LoRA: fold PEFT adapters into base weights, exactly as PEFT merges them, and write PEFT adapter folders."""

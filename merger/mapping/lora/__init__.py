@@ -1,0 +1,1 @@
+"""merger/mapping/lora"""
