@@ -267,7 +267,7 @@ def test_bad_sizes_are_one_line_naming_the_flag(ckpt, tmp_path):
 
 
 def test_resume_after_a_merge_that_finished_has_nothing_to_do(ckpt, reference, tmp_path, capsys):
-    """README's `--keep-partial`, then `--resume`, when the first run was not interrupted after all."""
+    """docs/reliability.md's `--keep-partial`, then `--resume`, when the first run was not interrupted after all."""
     out = tmp_path / "out"
     assert merge_here(capsys, "--local_dir", ckpt, "--target_dir", out, "--keep-partial")[0] == 0
     before = snapshot(out)
