@@ -94,6 +94,9 @@ class Catalog:
     files: list[str]
     reader_factory: type
     hf_dir: Path | None = None
+    # The names' convention, which picks the mapping: "hf" (HF module names, or torchtitan's, told apart by the
+    # names themselves) or "megatron" (mcore names, mapped through the model family's table).
+    naming: str = "hf"
     # Facts for `inspect` and the summary (world size, mesh, placements...), human-readable values.
     details: dict[str, object] = field(default_factory=dict)
 

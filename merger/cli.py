@@ -267,12 +267,7 @@ def _run_on_group(args: argparse.Namespace, options: MergeOptions) -> int:
         if args.command in ("merge", "lora"):
             from .merge import run_merge
 
-            if args.command == "lora":
-                from .mapping.lora.adapter_folders import prepare_lora
-
-                run_merge(options, group, prepare_lora(options, args.adapters, group))
-            else:
-                run_merge(options, group)
+            run_merge(options, group)  # `lora`: options.adapters name the adapter folders to fold in
             return 0
         from .engine.compare import compare_with_folder
         from .merge import prepare

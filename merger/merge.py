@@ -22,10 +22,9 @@ from .engine.plan import Plan, plan_layout
 from .engine.progress import Progress
 from .engine.stream import run_plan
 from .errors import MergerError
-from .mapping.model_class import config_updates
-from .mapping.registry import build_mapping, read_config
+from .mapping.registry import build_mapping
 from .options import MergeOptions
-from .output.files import FileSink, finish, hf_files_to_copy, prepare_files, write_manifest
+from .output.files import FileSink, finish, prepare_files, write_manifest
 from .output.resume import FileTracker, resume_candidates, skip_finished, start_manifest, verify_share, why_not_done
 from .output.source_identity import check_unchanged, source_identity
 from .output.summary import write_summary
@@ -39,45 +38,22 @@ log = logging.getLogger("merger")
 
 @dataclass
 class Prepared:
-    catalog: Catalog
+    catalog: Catalog  # what the plan reads: the checkpoint, or it and a base model (mapping.catalog)
     hf_dir: Path | None  # None: the target is no HF model folder (an adapter folder), nothing to copy from
-    config: dict
     plan: Plan
     config_updates: dict = field(default_factory=dict)
     extra_files: dict[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # what the merge found and does, logged once by rank 0
 
 
-def resolve_hf_dir(catalog: Catalog, options: MergeOptions) -> Path:
-    hf_dir = options.hf_model_config_path or catalog.hf_dir
-    if hf_dir is None:
-        raise MergerError(f"no HF config folder found beside the checkpoint (pass --hf_model_config_path), "
-                          f"{catalog.root}")
-    if not Path(hf_dir).is_dir():
-        raise MergerError(f"HF config folder does not exist, {hf_dir}")
-    # Checked now, not at the end: only a regular config.json inside the folder is ever copied.
-    if not any(f.name == "config.json" for f in hf_files_to_copy(Path(hf_dir))):
-        raise MergerError(f"no config.json (a regular file inside the folder; pass --hf_model_config_path), "
-                          f"{hf_dir}")
-    return Path(hf_dir)
-
-
 def prepare(options: MergeOptions, group: Group) -> Prepared:
-    """Catalog and plan, identical on every rank, from metadata alone."""
+    """Catalog, mapping and plan, identical on every rank, from metadata alone: the one place a plan is made."""
     def build():
         catalog = open_catalog(Path(options.local_dir), options.backend, options.prefix)
-        from .mapping.lora.adapter_state import is_adapter_state, prepare_adapter_state, refuse_adapter_flags
-
-        if is_adapter_state(catalog):  # a PEFT model's adapter saved alone (accelerate, verl): no base weights
-            return prepare_adapter_state(catalog, options, group.world)
-        refuse_adapter_flags(options, catalog)
-        hf_dir = resolve_hf_dir(catalog, options)
-        config = read_config(hf_dir)
-        mapping = build_mapping(catalog, config, options, hf_dir)
+        mapping = build_mapping(catalog, options)
+        catalog = mapping.catalog or catalog
         plan = plan_layout(catalog, mapping.steps, group.world, options.max_shard_size, options.max_inflight)
-        outputs = {s.name: s.shape for step in plan.steps for s in step.outputs}
-        updates = {**config_updates(config, outputs, options.is_value_model, hf_dir), **mapping.config_updates}
-        return Prepared(catalog, hf_dir, config, plan, updates, mapping.extra_files, mapping.notes)
+        return Prepared(catalog, mapping.hf_dir, plan, mapping.config_updates, mapping.extra_files, mapping.notes)
 
     return log_prepared(on_every_rank(group, build, options.debug), group)
 
@@ -269,8 +245,10 @@ def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = N
             on_rank_zero(group, publish, options.debug)  # one rank uploads; every rank learns if it failed
     except MergerError as e:
         if options.summary_json:
-            write_summary(options.summary_json, prepared, options, group, started, verified, uploaded, str(e))
+            write_summary(options.summary_json, prepared.catalog, prepared.plan, options, group, started, verified,
+                          uploaded, str(e))
         raise
     if options.summary_json:
-        write_summary(options.summary_json, prepared, options, group, started, verified, uploaded, None)
+        write_summary(options.summary_json, prepared.catalog, prepared.plan, options, group, started, verified,
+                      uploaded, None)
     return target

@@ -49,6 +49,7 @@ class MergeOptions:
     lora_alpha: float | None = _shapes_output(None)
     base_model: Path | None = _shapes_output(None)  # adapter-only checkpoints: the HF folder to fold into
     adapter_config: Path | None = _shapes_output(None)  # LoRA checkpoints: the adapter's adapter_config.json
+    adapters: tuple[Path, ...] = _shapes_output(())  # `merger lora`: PEFT adapter folders folded into the base
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -8,7 +8,6 @@ entries in the files it names, total_size right. Rank 0 gathers the findings and
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,13 +15,13 @@ import torch
 
 from ..catalog import Catalog
 from ..errors import MergerError
+from ..hf_folder import INDEX, SINGLE_FILE, read_index, weight_files
+from ..mapping.steps import OutputSpec
 from ..safetensors_io import TensorEntry, read_header, read_tensor
 from .dist import Group, on_every_rank
-from .plan import OutputSpec, Plan, rerouted
+from .plan import Plan, rerouted
 from .progress import Progress
 from .stream import run_plan
-
-INDEX = "model.safetensors.index.json"
 
 
 class ReferenceModel:
@@ -35,28 +34,20 @@ class ReferenceModel:
     def __init__(self, folder: Path):
         self.problems: list[str] = []
         index_path = folder / INDEX
-        weight_map = None
-        if index_path.is_file():
-            try:
-                index = json.loads(index_path.read_text())
-                weight_map = dict(index["weight_map"])
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise MergerError(f"cannot read the safetensors index ({e}), {index_path}") from e
-            files = sorted(set(weight_map.values()))
-        elif (folder / "model.safetensors").is_file():
-            files = ["model.safetensors"]
-        else:
-            raise MergerError(f"folder has no model.safetensors or {INDEX}, {folder}")
+        index = read_index(index_path) if index_path.is_file() else None
+        if index is None and not (folder / SINGLE_FILE).is_file():
+            raise MergerError(f"folder has no {SINGLE_FILE} or {INDEX}, {folder}")
         self.entries: dict[str, tuple[str, int, TensorEntry]] = {}
-        for name in files:
-            path = str(folder / name)
+        for file in weight_files(folder):
+            path = str(file)
             start, entries, _ = read_header(path)
             for key, entry in entries.items():
                 self.entries[key] = (path, start, entry)
-        if weight_map is not None:
-            self._check_index(folder, index, weight_map)
+        if index is not None:
+            self._check_index(index)
 
-    def _check_index(self, folder: Path, index: dict, weight_map: dict[str, str]) -> None:
+    def _check_index(self, index: dict) -> None:
+        weight_map = index["weight_map"]
         for name, file in weight_map.items():
             held = self.entries.get(name)
             if held is None or Path(held[0]).name != file:

@@ -1,7 +1,7 @@
 """From a catalog and a list of steps to a complete, deterministic merge plan.
 
-A `Step` turns whole source tensors into output tensors through a pure function whose output names, shapes
-and dtypes are declared up front. `plan_layout` then fixes everything before any data moves: the output
+The steps come from the mapping (mapping/steps.py): a cast or a pure transform whose output names, shapes and
+dtypes are declared up front. `plan_layout` then fixes everything before any data moves: the output
 files and their safetensors headers, each tensor's byte offset, the rank that writes each step, the copy of
 each piece to read and the rank that reads it, and the batches that keep every rank under its memory budget.
 The plan is a plain value: every rank computes the same one, `inspect` prints it, tests compare it.
@@ -12,40 +12,14 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, row_major_index
 from ..errors import MergerError
-from ..safetensors_io import TensorEntry, build_header, nbytes_of
-
-
-@dataclass(frozen=True)
-class OutputSpec:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    # A file of its own beside the model's weights (e.g. `lora_adapter/adapter_model.safetensors`), left out of
-    # the model's index; None: one of the model's sharded files.
-    file: str | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return nbytes_of(self.shape, self.dtype)
-
-
-def identity(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return tensors
-
-
-@dataclass(frozen=True)
-class Step:
-    """Whole source tensors in, output tensors out. `fn` is pure; the writer casts results to each spec's dtype."""
-
-    inputs: tuple[str, ...]
-    outputs: tuple[OutputSpec, ...]
-    fn: Callable[[list[torch.Tensor]], list[torch.Tensor]] = identity
+from ..hf_folder import shard_name
+from ..mapping.steps import OutputSpec, Step
+from ..safetensors_io import TensorEntry, build_header
 
 
 @dataclass(frozen=True)
@@ -123,11 +97,6 @@ def natural_key(name: str) -> tuple:
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
 
-def output_dtype(source: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
-    """The cast a merge applies: floating tensors take the wanted dtype, integer buffers keep theirs."""
-    return wanted if wanted is not None and source.is_floating_point else source
-
-
 def _layout_files(outputs: list[OutputSpec], max_shard_size: int) -> list[list[OutputSpec]]:
     groups: list[list[OutputSpec]] = [[]]
     size = 0
@@ -138,10 +107,6 @@ def _layout_files(outputs: list[OutputSpec], max_shard_size: int) -> list[list[O
         groups[-1].append(spec)
         size += spec.nbytes
     return groups
-
-
-def _file_name(index: int, count: int) -> str:
-    return "model.safetensors" if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
 def _check_steps(catalog: Catalog, steps: list[Step]) -> None:
@@ -171,7 +136,7 @@ def places_directly(catalog: Catalog, step: Step) -> bool:
     """A pure cast whose every piece is one run of the output's bytes (verl FSDP and FSDP2 Shard(0) blocks,
     Megatron's column-parallel ones): the rank that reads a piece casts it and writes it at its offset, and
     nothing crosses ranks. Pieces that do not cover the tensor exactly go the assembling way, which says so."""
-    if step.fn is not identity or len(step.inputs) != 1 or len(step.outputs) != 1:
+    if not step.is_cast or len(step.inputs) != 1 or len(step.outputs) != 1:
         return False
     tensor, spec = catalog.tensors[step.inputs[0]], step.outputs[0]
     return tensor.shape == spec.shape and sum(p.numel for p in tensor.pieces) == math.prod(spec.shape) and \
@@ -188,7 +153,7 @@ def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size:
 
     # no model file at all when every output goes to a side file (an adapter folder as the whole target)
     groups = [g for g in _layout_files([s for s in outputs if s.file is None], max_shard_size) if g]
-    named = [(_file_name(i, len(groups)), g, True) for i, g in enumerate(groups)]
+    named = [(shard_name(i, len(groups)), g, True) for i, g in enumerate(groups)]
     side: dict[str, list[OutputSpec]] = {}
     for spec in outputs:
         if spec.file is not None:
@@ -250,7 +215,7 @@ def _route(catalog: Catalog, steps: list[Step], world: int, max_inflight: int,
         routes = []
         for ii, name in enumerate(step.inputs):
             tensor = catalog.tensors[name]
-            wire = step.outputs[0].dtype if step.fn is identity and len(step.inputs) == 1 else tensor.dtype
+            wire = step.outputs[0].dtype if step.is_cast and len(step.inputs) == 1 else tensor.dtype
             for piece in tensor.pieces:
                 local = [c for c in piece.copies if owner[c.file] == writer]
                 copy = local[0] if local else min(piece.copies, key=lambda c: (read_load[owner[c.file]], owner[c.file]))

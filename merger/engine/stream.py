@@ -16,10 +16,11 @@ import torch
 
 from ..catalog import Catalog
 from ..errors import AgreedError, MergerError, describe_error
+from ..mapping.steps import OutputSpec
 from ..sources.file_reads import SourceReads
 from .dist import Group
 from .overflow import may_have_overflowed, overflow_message, overflowed
-from .plan import Batch, OutputSpec, Plan, Route, contiguous_start
+from .plan import Batch, Plan, Route, contiguous_start
 from .progress import Progress
 
 
@@ -58,7 +59,7 @@ def _run_step(plan: Plan, catalog: Catalog, si: int, pieces: list[tuple[Route, t
     step = plan.steps[si]
     inputs = [_assemble(catalog, name, [(r, t) for r, t in pieces if r.input == ii])
               for ii, name in enumerate(step.inputs)]
-    results = step.fn(inputs)
+    results = step.run(inputs)
     if len(results) != len(step.outputs):
         raise MergerError(f"step for {step.outputs[0].name} produced {len(results)} tensors, "
                           f"planned {len(step.outputs)}")

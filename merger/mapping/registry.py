@@ -1,81 +1,59 @@
-"""Source names to output tensors: the steps a plan is built from.
+"""Which mapping a checkpoint gets, decided in one place: the first mapper in MAPPERS that claims its catalog.
 
-Checkpoints whose keys are already HF names (verl FSDP, HF-named DCP) map one to one with a cast; torchtitan
-Llama names are renamed and rotary-permuted (torchtitan_llama.py). Tied output embeddings are written once,
-as save_pretrained does.
+A mapper turns the catalog's names into steps (mapping/steps.py): LoRA modes first (adapter folders given to
+`merger lora`, an adapter saved alone, a PEFT-wrapped model), then the naming conventions (Megatron by its
+family's table, torchtitan Llama by name, HF names as they are). The tie and dtype policy and the config
+changes the output's class needs are applied once, to whichever mapping was built. Adding a naming is one
+module with `claims` and `build`, and a row here.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Callable
 
 from ..catalog import Catalog
-from ..engine.plan import OutputSpec, Step, output_dtype
 from ..errors import MergerError
 from ..options import MergeOptions
-from . import torchtitan as torchtitan_llama
-from .saved_names import rename_outputs, saved_names
-
-TIED_OUTPUT = "lm_head.weight"
-
-
-def read_config(hf_dir: Path) -> dict:
-    path = hf_dir / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise MergerError(f"no config.json (pass --hf_model_config_path), {hf_dir}") from e
-    except (OSError, json.JSONDecodeError) as e:
-        raise MergerError(f"cannot read config.json ({e}), {path}") from e
+from . import hf, megatron, torchtitan
+from .lora import adapter_folders, adapter_state, peft_state
+from .lora.flags import LORA_FLAGS, refuse_unused
+from .model_class import config_updates
+from .policy import apply_policy
+from .steps import Mapping
 
 
-def ties_embeddings(config: dict) -> bool:
-    """transformers' rule: a top-level flag, else the text config's; PretrainedConfig defaults it to True."""
-    if "tie_word_embeddings" in config:
-        return bool(config["tie_word_embeddings"])
-    text = config.get("text_config") or {}
-    return bool(text.get("tie_word_embeddings", True))
+@dataclass(frozen=True)
+class Mapper:
+    name: str
+    claims: Callable[[Catalog, MergeOptions], bool]
+    build: Callable[[Catalog, MergeOptions], Mapping]
+    flags: frozenset[str] = frozenset()  # the LoRA flags it takes; any other one given is an error
 
 
-def hf_steps(catalog: Catalog, config: dict, options: MergeOptions) -> list[Step]:
-    names = list(catalog.tensors)
-    if (options.tie_word_embedding or ties_embeddings(config)) and TIED_OUTPUT in names and len(names) > 1:
-        names.remove(TIED_OUTPUT)
-    steps = []
-    for name in names:
-        t = catalog.tensors[name]
-        steps.append(Step((name,), (OutputSpec(name, t.shape, output_dtype(t.dtype, options.torch_dtype)),)))
-    return steps
+MAPPERS = (
+    Mapper("adapter folders", adapter_folders.claims, adapter_folders.build, LORA_FLAGS),
+    Mapper("adapter-only LoRA", adapter_state.claims, adapter_state.build, LORA_FLAGS),
+    Mapper("PEFT-wrapped model", peft_state.claims, peft_state.build, LORA_FLAGS - {"base_model"}),
+    Mapper("megatron", megatron.claims, megatron.build),
+    Mapper(torchtitan.MODEL_NAME, torchtitan.claims, torchtitan.build),
+    Mapper("hf", hf.claims, hf.build),
+)
 
 
-def build_steps(catalog: Catalog, config: dict, options: MergeOptions, hf_dir: Path) -> list[Step]:
-    if catalog.format.startswith("megatron"):
-        from .megatron import megatron_steps  # Megatron names need their family's table
-
-        return megatron_steps(catalog, config, options)
-    if torchtitan_llama.wanted(catalog, options):
-        ties = options.tie_word_embedding or ties_embeddings(config)
-        return torchtitan_llama.torchtitan_steps(catalog, config, options, ties)
-    steps = hf_steps(catalog, config, options)
-    names = [o.name for s in steps for o in s.outputs]
-    return rename_outputs(steps, saved_names(hf_dir, config, names, options.trust_remote_code))
+def mapper_for(catalog: Catalog, options: MergeOptions) -> Mapper:
+    for mapper in MAPPERS:
+        if mapper.claims(catalog, options):
+            return mapper
+    raise MergerError(f"no mapping for {catalog.naming} tensor names, {catalog.root}")
 
 
-@dataclass
-class Mapping:
-    """The steps, plus what the target needs beside the weights."""
-
-    steps: list[Step]
-    config_updates: dict = field(default_factory=dict)  # keys to set in the target's config.json
-    extra_files: dict[str, str] = field(default_factory=dict)  # path relative to the target -> text
-    notes: tuple[str, ...] = ()  # what the merge found and does, for the log
-
-
-def build_mapping(catalog: Catalog, config: dict, options: MergeOptions, hf_dir: Path) -> Mapping:
-    from .lora.peft_state import is_peft_state, peft_state_mapping, refuse_lora_flags
-
-    if is_peft_state(catalog):  # a PEFT-wrapped model: fold its LoRA adapter, write it as lora_adapter/
-        return peft_state_mapping(catalog, config, options)
-    refuse_lora_flags(options, catalog)
-    return Mapping(build_steps(catalog, config, options, hf_dir))
+def build_mapping(catalog: Catalog, options: MergeOptions) -> Mapping:
+    """The steps writing `catalog` as the target, after the tie and dtype policy, with the config updates."""
+    mapper = mapper_for(catalog, options)
+    refuse_unused(mapper.flags, options, catalog)
+    mapping = apply_policy(mapper.build(catalog, options), options)
+    if mapping.hf_dir is not None:  # a model: its config.json may need another class, labels, ...
+        outputs = {o.name: o.shape for s in mapping.steps for o in s.outputs}
+        mapping.config_updates = {**config_updates(mapping.config, outputs, options.is_value_model, mapping.hf_dir),
+                                  **mapping.config_updates}
+    return mapping

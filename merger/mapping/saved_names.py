@@ -8,12 +8,13 @@ applied to the names. Only pure renames are taken; anything else keeps the modul
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 import torch
 
-from ..engine.plan import OutputSpec, Step
+from .steps import Step
 
 log = logging.getLogger("merger")
 
@@ -52,5 +53,5 @@ def saved_names(hf_dir: Path, config: dict, names: list[str], trust_remote_code:
 def rename_outputs(steps: list[Step], names: dict[str, str]) -> list[Step]:
     if not names:
         return steps
-    return [Step(s.inputs, tuple(OutputSpec(names.get(o.name, o.name), o.shape, o.dtype) for o in s.outputs), s.fn)
-            for s in steps]
+    return [dataclasses.replace(s, outputs=tuple(dataclasses.replace(o, name=names.get(o.name, o.name))
+                                                 for o in s.outputs)) for s in steps]

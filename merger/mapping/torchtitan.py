@@ -17,12 +17,12 @@ from functools import partial
 import torch
 
 from ..catalog import Catalog
-from ..engine.plan import OutputSpec, Step, output_dtype
 from ..errors import MergerError
 from ..options import MergeOptions
+from .hf import model_config
+from .steps import Mapping, OutputSpec, Step, cast
 
 MODEL_NAME = "torchtitan-llama"
-TIED_OUTPUT = "lm_head.weight"
 
 # (pattern on the torchtitan name, HF name template, which head count permutes it: None, "q" or "kv")
 _NAMES = [
@@ -48,7 +48,8 @@ def looks_like_torchtitan(names) -> bool:
                for n in names)
 
 
-def wanted(catalog: Catalog, options: MergeOptions) -> bool:
+def claims(catalog: Catalog, options: MergeOptions) -> bool:
+    """The names look like torchtitan's, or --model says so."""
     if options.model == "auto":
         return looks_like_torchtitan(catalog.tensors)
     return options.model == MODEL_NAME
@@ -88,7 +89,8 @@ def _head_counts(config: dict) -> dict[str, tuple[int, int]]:
     return {"q": (heads, head_dim), "kv": (kv_heads, head_dim)}
 
 
-def torchtitan_steps(catalog: Catalog, config: dict, options: MergeOptions, ties: bool) -> list[Step]:
+def build(catalog: Catalog, options: MergeOptions) -> Mapping:
+    hf_dir, config = model_config(catalog, options)
     heads = _head_counts(config)
     steps = []
     for name, t in catalog.tensors.items():
@@ -96,15 +98,12 @@ def torchtitan_steps(catalog: Catalog, config: dict, options: MergeOptions, ties
         if mapped is None:
             continue
         out, kind = mapped
-        if out == TIED_OUTPUT and ties and len(catalog.tensors) > 1:
-            continue  # tied to the input embedding: written once, as save_pretrained does
-        spec = OutputSpec(out, t.shape, output_dtype(t.dtype, options.torch_dtype))
         if kind is None:
-            steps.append(Step((name,), (spec,)))
+            steps.append(cast(name, out, t.shape, t.dtype))
             continue
         n, head_dim = heads[kind]
         if len(t.shape) != 2 or t.shape[0] != n * head_dim or head_dim % 2:
             raise MergerError(f"tensor {name} is {t.shape} but config.json gives {n} heads of dim {head_dim} "
                               f"(pass the HF config of this model with --hf_model_config_path), {catalog.root}")
-        steps.append(Step((name,), (spec,), partial(_permute_step, n)))
-    return steps
+        steps.append(Step((name,), (OutputSpec(out, t.shape, t.dtype),), partial(_permute_step, n)))
+    return Mapping(steps, hf_dir, config)

@@ -13,18 +13,13 @@ from pathlib import Path
 import torch
 
 from ..engine.memory import start_writeback
-from ..engine.plan import OutputSpec, Plan
+from ..engine.plan import Plan
 from ..errors import MergerError
+from ..hf_folder import INDEX, files_to_copy
+from ..mapping.steps import OutputSpec
 from ..units import format_size
 
-# Weight files of the source's HF folder are never copied: the merge writes the weights.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
-_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 MANIFEST = "merge_manifest.json"
-
-
-def is_weight_file(name: str) -> bool:
-    return name.endswith(_WEIGHT_SUFFIXES) or name in _WEIGHT_INDEXES
 
 
 def check_free_space(folder: Path, needed: int) -> None:
@@ -127,31 +122,6 @@ class FileSink:
         self.sync(list(self.fds))
 
 
-def is_inside(path: Path, *roots: Path) -> bool:
-    """`path` is one of `roots` or lies below one (paths compared as given: resolve them first)."""
-    return any(path == root or root in path.parents for root in roots)
-
-
-def hf_files_to_copy(hf_dir: Path) -> list[Path]:
-    """Config, tokenizer, processor, chat template and remote-code files: regular files inside hf_dir only.
-
-    A symlink is followed only when it stays inside the folder (or, for a Hub cache snapshot, inside that
-    repo's blobs/): a link pointing elsewhere could copy any file of the machine into a model meant for upload.
-    """
-    roots = [hf_dir.resolve()]
-    if hf_dir.parent.name == "snapshots":
-        roots.append((hf_dir.parent.parent / "blobs").resolve())
-    files = []
-    for src in sorted(hf_dir.iterdir()):
-        if is_weight_file(src.name):
-            continue
-        real = src.resolve()
-        if not real.is_file() or not is_inside(real, *roots):
-            continue  # folders hold no loadable config; a link out of the folder is never followed
-        files.append(src)
-    return files
-
-
 def _write_into(stage: Path, name: str, data: bytes) -> None:
     """A write into the staging folder; a failure (ENOSPC, EFBIG, EDQUOT...) names the file being written."""
     try:
@@ -162,7 +132,7 @@ def _write_into(stage: Path, name: str, data: bytes) -> None:
 
 def _copy_hf_files(hf_dir: Path, stage: Path) -> list[str]:
     copied = []
-    for src in hf_files_to_copy(hf_dir):
+    for src in files_to_copy(hf_dir):
         try:
             data = src.read_bytes()  # config and tokenizer files: small
         except OSError as e:
@@ -196,7 +166,7 @@ def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype 
     if len(plan.model_files) > 1:
         total = sum(f.size - len(f.prefix) for f in plan.model_files)
         index = {"metadata": {"total_size": total}, "weight_map": plan.weight_map}
-        _write_into(stage, "model.safetensors.index.json", (json.dumps(index, indent=2) + "\n").encode())
+        _write_into(stage, INDEX, (json.dumps(index, indent=2) + "\n").encode())
     copied = []
     if hf_dir is not None:  # None: the target is no HF model (an adapter folder): no config to complete
         copied = _copy_hf_files(hf_dir, stage)

@@ -4,25 +4,22 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from ..catalog import Catalog
 from ..engine.compare import CompareResult
 from ..engine.dist import Group
 from ..engine.memory import peak_rss_bytes
-from ..engine.plan import traffic
+from ..engine.plan import Plan, traffic
 from ..options import MergeOptions
 
-if TYPE_CHECKING:
-    from ..merge import Prepared
 
-
-def write_summary(path: Path, prepared: Prepared, options: MergeOptions, group: Group, started: float,
+def write_summary(path: Path, catalog: Catalog, plan: Plan, options: MergeOptions, group: Group, started: float,
                   verify: CompareResult | None, uploaded: str | None, error: str | None) -> None:
     """`--summary-json`: what was merged, by how many ranks, into what, how fast, how much memory, verified."""
     peaks = group.all_gather(peak_rss_bytes())
     if group.rank != 0:
         return
-    c, plan = prepared.catalog, prepared.plan
+    c = catalog
     summary = {
         "status": "failed" if error else "ok", "error": error,
         "source_format": c.format, "source_dir": str(Path(options.local_dir).absolute()),

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import MergerError
-from .files import MANIFEST, is_inside, is_weight_file
+from ..hf_folder import is_inside, is_weight_file
+from .files import MANIFEST
 
 STAGE_SUFFIX = ".merger-partial"
 STAGE_IN_CONFIG_DIR = STAGE_SUFFIX

@@ -18,6 +18,7 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
+from ..hf_folder import CONFIG_DIR, config_dir
 from .dcp_metadata import METADATA_FILE, load_metadata
 from .dcp_safetensors import DcpSafetensorsReader, holds_safetensors
 from .file_reads import RangeFile, SourceFiles, Stored
@@ -43,14 +44,6 @@ def dcp_dir(root: Path) -> Path | None:
 
 def detect(root: Path) -> bool:
     return dcp_dir(root) is not None
-
-
-def _hf_dir(root: Path, folder: Path) -> Path | None:
-    """`huggingface/` inside the DCP folder or the given folder, or beside the DCP folder."""
-    for candidate in (folder / "huggingface", root / "huggingface", folder.parent / "huggingface"):
-        if candidate.is_dir():
-            return candidate
-    return None
 
 
 def _is_optimizer(fqn: str, path: tuple | None) -> bool:
@@ -143,7 +136,8 @@ def open_catalog(root: Path, prefix: str | None = None) -> Catalog:
     reader = DcpSafetensorsReader if holds_safetensors(tensors) else DcpReader
     return Catalog(
         format="dcp", root=folder, tensors=tensors, files=files, reader_factory=reader,
-        hf_dir=_hf_dir(root, folder),
+        # `huggingface/` inside the DCP folder or the given folder, or beside the DCP folder
+        hf_dir=config_dir(folder / CONFIG_DIR, root / CONFIG_DIR, folder.parent / CONFIG_DIR),
         details={"saved_by_ranks": len({_file_order(f)[0] for f in files}),
                  "chunks": sum(len(t.pieces) for t in tensors.values()),
                  "stripped_prefix": prefix or "none", "skipped_entries": skipped},

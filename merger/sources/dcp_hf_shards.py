@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
+from ..hf_folder import CONFIG_DIR, config_dir
 from ..safetensors_io import read_header
 from .dcp_metadata import METADATA_FILE
 from .dcp_safetensors import saved_offsets
@@ -30,13 +31,6 @@ def shard_files(root: Path) -> list[Path]:
 
 def detect(root: Path) -> bool:
     return not (root / METADATA_FILE).exists() and bool(shard_files(root))
-
-
-def _hf_dir(root: Path) -> Path | None:
-    for candidate in (root, root / "huggingface", root.parent / "huggingface"):
-        if (candidate / "config.json").is_file():
-            return candidate
-    return None
 
 
 def _tensor(name: str, chunks: list[tuple[tuple[int, ...], tuple[int, ...], object, PieceCopy]],
@@ -81,5 +75,5 @@ def open_catalog(root: Path) -> Catalog:
             chunks.setdefault(name, []).append((offsets[name], e.shape, e.dtype, copy))
     tensors = {name: _tensor(name, c, root) for name, c in chunks.items()}
     return Catalog(format="dcp_hf", root=root, tensors=tensors, files=[str(f) for f in files],
-                   reader_factory=SafetensorsReader, hf_dir=_hf_dir(root),
+                   reader_factory=SafetensorsReader, hf_dir=config_dir(root, root / CONFIG_DIR, root.parent / CONFIG_DIR),
                    details={"shard_files": len(files), "chunks": sum(len(t.pieces) for t in tensors.values())})

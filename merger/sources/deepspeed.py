@@ -24,6 +24,7 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, row_major_index
 from ..errors import MergerError
+from ..hf_folder import config_dir
 from .deepspeed_states import load_states
 from .file_reads import Stored
 from .flat_runs import run_boxes
@@ -286,9 +287,8 @@ def open_catalog(root: Path) -> Catalog:
     for tied, source in shared.items():
         if source in tensors:  # written once when config.json ties them, as save_pretrained does
             tensors[tied] = dataclasses.replace(tensors[source], name=tied)
-    hf_dir = step.parent if (step.parent / "config.json").is_file() else None
     return Catalog(format="deepspeed", root=root, tensors=tensors, files=optim_files + model_files,
-                   reader_factory=DeepSpeedReader, hf_dir=hf_dir,
+                   reader_factory=DeepSpeedReader, hf_dir=config_dir(step.parent),
                    details={"zero_stage": stage, "dp_world_size": world, "checkpoint": str(step),
                             "ds_version": str(model.get("ds_version")),
                             "param_groups": len(shape_groups), "partition_numels": part_sizes})

@@ -17,6 +17,7 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
+from ..hf_folder import CONFIG_DIR, config_dir
 from .file_reads import Stored
 from .mapped_states import MappedStates
 from .safe_load import torch_load
@@ -145,10 +146,9 @@ def open_catalog(root: Path) -> Catalog:
         tensors[name] = SourceTensor(name, tuple(value.shape), value.dtype, pieces)
     if not tensors:
         raise MergerError(f"rank file holds no tensors, {files[0]}")
-    hf_dir = root / "huggingface"
     return Catalog(
         format="fsdp", root=root, tensors=tensors, files=files, reader_factory=FsdpReader,
-        hf_dir=hf_dir if hf_dir.is_dir() else None,
+        hf_dir=config_dir(root / CONFIG_DIR),
         details={"world_size": world,
                  "meshes": sorted(f"{shape} {names}" for shape, names in meshes) or ["none (plain tensors)"],
                  "placements": sorted(str(p) for p in placements)},

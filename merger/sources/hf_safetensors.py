@@ -6,32 +6,15 @@ Headers alone give every tensor's name, shape, dtype and exact byte range, which
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
+from ..hf_folder import weight_files
 from ..safetensors_io import read_header
 from .file_reads import Stored
-
-INDEX = "model.safetensors.index.json"
-
-
-def weight_files(root: Path) -> list[Path]:
-    """The folder's weight files: those the index names, else model.safetensors, else every *.safetensors."""
-    index = root / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise MergerError(f"cannot read the safetensors index ({e}), {index}") from e
-        return [root / name for name in dict.fromkeys(sorted(weight_map.values()))]
-    if (root / "model.safetensors").is_file():
-        return [root / "model.safetensors"]
-    return sorted(root.glob("*.safetensors")) if root.is_dir() else []
-
 
 def detect(root: Path) -> bool:
     return bool(weight_files(root))

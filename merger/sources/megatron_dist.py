@@ -92,8 +92,8 @@ def open_catalog(root: Path) -> Catalog:
         raise MergerError(f"torch_dist checkpoint holds no model weights (decoder.*, embedding.*), {ckpt}")
     tensors = {n: SourceTensor(n, shapes[n], dtypes[n], tuple(p)) for n, p in pieces.items()}
     files = sorted({c.file for t in tensors.values() for p in t.pieces for c in p.copies})
-    return Catalog(format="megatron_dist", root=root, tensors=tensors, files=files, reader_factory=DistReader,
-                   hf_dir=hf_dir, details={"checkpoint": str(ckpt), "stored_tensors": len(meta.state_dict_metadata)})
+    return Catalog(format="megatron_dist", naming="megatron", root=root, tensors=tensors, files=files,
+                   reader_factory=DistReader, hf_dir=hf_dir, details={"checkpoint": str(ckpt), "stored_tensors": len(meta.state_dict_metadata)})
 
 
 class DistReader:

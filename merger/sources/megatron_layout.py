@@ -11,16 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import MergerError
+from ..hf_folder import CONFIG_DIR, config_dir
 
 TRACKER = "latest_checkpointed_iteration.txt"
-HF_DIR = "huggingface"
 
 
 def verl_dirs(root: Path) -> tuple[Path, Path] | None:
     """(dist_ckpt, huggingface) of a verl actor/critic folder, or None."""
     for base in (root / "model", root):
         if (base / "dist_ckpt").is_dir():
-            return base / "dist_ckpt", base / HF_DIR
+            return base / "dist_ckpt", base / CONFIG_DIR
     return None
 
 
@@ -29,7 +29,7 @@ def checkpoint_dir(root: Path) -> tuple[Path, Path | None]:
     verl = verl_dirs(root)
     if verl:
         ckpt, hf = verl
-        return ckpt, hf if hf.is_dir() else None
+        return ckpt, config_dir(hf)
     tracker = root / TRACKER
     if tracker.is_file():
         text = tracker.read_text().strip()
@@ -44,5 +44,4 @@ def checkpoint_dir(root: Path) -> tuple[Path, Path | None]:
 
 
 def _hf_beside(save_dir: Path) -> Path | None:
-    hf = save_dir / HF_DIR
-    return hf if hf.is_dir() else None
+    return config_dir(save_dir / CONFIG_DIR)

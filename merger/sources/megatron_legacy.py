@@ -183,9 +183,10 @@ def open_catalog(root: Path) -> Catalog:
         tensors[g] = SourceTensor(g, shape, entry["value"].dtype, pieces)
     ordered = [files[k] for k in sorted(files, key=lambda k: (k[1], k[2], k[0]))]
     return Catalog(
-        format="megatron_legacy", root=root, tensors=tensors, files=ordered, reader_factory=LegacyReader,
-        hf_dir=hf_dir, details={"checkpoint": str(ckpt), "tp": tp_size, "pp": pp_size, "ep": ep_size,
-                                "virtual_chunks": len(chunk_keys), "layers": count})
+        format="megatron_legacy", naming="megatron", root=root, tensors=tensors, files=ordered,
+        reader_factory=LegacyReader, hf_dir=hf_dir,
+        details={"checkpoint": str(ckpt), "tp": tp_size, "pp": pp_size, "ep": ep_size,
+                 "virtual_chunks": len(chunk_keys), "layers": count})
 
 
 class LegacyReader:

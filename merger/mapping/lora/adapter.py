@@ -11,8 +11,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...catalog import Catalog
+from ...catalog import Catalog, SourceTensor
 from ...errors import MergerError
+from ..steps import Step, cast
 from .fold import lora_scale, pattern_value
 
 PEFT_PREFIX = "base_model.model."
@@ -160,6 +161,15 @@ def adapter_from_catalog(name: str, config: dict, prefix: str, catalog: Catalog,
     keys = {key: prefix + tensor for key, tensor in (keys or file_keys(catalog, name)).items()}
     shapes = {prefix + k: t.shape for k, t in catalog.tensors.items()}
     return build_adapter(name, config, keys, shapes)
+
+
+def adapter_file_steps(tensors: dict[str, SourceTensor], keys: dict[str, str], file: str, prefix: str = ""
+                       ) -> list[Step]:
+    """The adapter's tensors (`keys`: adapter-file-form key -> name in `tensors`, read under `prefix` + name)
+    copied under PEFT's file names into `file`, in their saved dtype: they are small, and PEFT upcasts them on
+    load anyway."""
+    return [cast(prefix + src, PEFT_PREFIX + key, tensors[src].shape, tensors[src].dtype, file)
+            for key, src in keys.items()]
 
 
 def config_from_tensors(keys: dict[str, str], shapes: dict[str, tuple], model_config: dict,

@@ -1,23 +1,22 @@
 """`merger lora`: fold PEFT adapter folders, in order, into a HF safetensors base model, streaming the base.
 
-The base folder and every adapter become one catalog (adapter k's tensors under the prefix `adapter{k}:`),
-the fold rules in steps.py give the steps, and the usual merge writes the target, with the base's config and
-tokenizer files (config `tie_word_embeddings: false` when an adapter untied the embeddings). `fold_into_base`
-is shared with adapter-only DCP checkpoints given a base model (adapter_state.py).
+The base folder (the checkpoint) and every adapter become one catalog (adapter k's tensors under the prefix
+`adapter{k}:`), the fold rules in fold_steps.py give the steps, and the usual merge writes the target, with
+the base's config and tokenizer files (config `tie_word_embeddings: false` when an adapter untied the
+embeddings). `fold_into_base` is shared with adapter-only checkpoints given a base model (adapter_state.py).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from ...catalog import Catalog
-from ...engine.dist import Group, on_every_rank
-from ...engine.plan import Step, plan_layout
 from ...errors import MergerError
-from ...merge import Prepared, log_prepared
+from ...hf_folder import read_config
 from ...options import MergeOptions
 from ...sources import hf_safetensors
 from ...sources.union import union_catalog
-from ..registry import read_config
+from ..policy import ties
+from ..steps import Mapping, Step
 from .adapter import LoraAdapter, adapter_from_folder, open_adapter_catalog
 from .fold_steps import fold_steps
 
@@ -30,28 +29,29 @@ def open_base(base_dir: Path) -> Catalog:
     return hf_safetensors.open_catalog(base_dir)
 
 
-def fold_into_base(base_dir: Path, base: Catalog, parts: dict[str, Catalog], adapters: list[LoraAdapter],
-                   options: MergeOptions, world: int, fmt: str, side_steps: tuple[Step, ...] = (),
-                   extra_files: dict[str, str] | None = None, notes: tuple[str, ...] = ()) -> Prepared:
-    """The plan writing `base` with `adapters` folded in; `parts` maps each adapter catalog to its name prefix.
-    `side_steps` and `extra_files` add outputs beside the model (an adapter folder)."""
+def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[LoraAdapter], options: MergeOptions,
+                   fmt: str, side_steps: tuple[Step, ...] = (), extra_files: dict[str, str] | None = None,
+                   notes: tuple[str, ...] = ()) -> Mapping:
+    """`base` (a HF folder's catalog) with `adapters` folded in; `parts` maps each adapter catalog to its name
+    prefix. `side_steps` and `extra_files` add outputs beside the model (an adapter folder)."""
+    base_dir = Path(base.root)
     catalog = union_catalog({"": base, **parts}, base_dir, fmt)
     config = read_config(base_dir)
-    result = fold_steps({n: n for n in base.tensors}, adapters, catalog.tensors, config, options.torch_dtype,
-                        options.tie_word_embedding)
-    plan = plan_layout(catalog, result.steps + list(side_steps), world, options.max_shard_size, options.max_inflight)
-    updates = {"tie_word_embeddings": False} if result.untied else {}
-    return Prepared(catalog, base_dir, config, plan, updates, dict(extra_files or {}), notes)
+    result = fold_steps({n: n for n in base.tensors}, adapters, catalog.tensors, ties(config, options))
+    return Mapping(result.steps + list(side_steps), base_dir, config,
+                   {"tie_word_embeddings": False} if result.untied else {}, dict(extra_files or {}), notes, catalog)
 
 
-def prepare_lora(options: MergeOptions, adapter_dirs: list[Path], group: Group) -> Prepared:
-    """Catalog and plan for base `options.local_dir` plus `adapter_dirs`, identical on every rank."""
-    def build():
-        base_dir = Path(options.local_dir)
-        base = open_base(base_dir)
-        parts = {f"adapter{k}:": open_adapter_catalog(Path(folder)) for k, folder in enumerate(adapter_dirs)}
-        adapters = [adapter_from_folder(Path(folder), f"adapter{k}:", parts[f"adapter{k}:"])
-                    for k, folder in enumerate(adapter_dirs)]
-        return fold_into_base(base_dir, base, parts, adapters, options, group.world, "hf_safetensors+peft_adapter")
+def claims(catalog: Catalog, options: MergeOptions) -> bool:
+    return bool(options.adapters)
 
-    return log_prepared(on_every_rank(group, build, options.debug), group)
+
+def build(catalog: Catalog, options: MergeOptions) -> Mapping:
+    """The checkpoint is the base model; `options.adapters` are folded into it in order."""
+    if catalog.format != "hf_safetensors":
+        raise MergerError(f"the base model must be a HF safetensors folder, and this is a {catalog.format} "
+                          f"checkpoint, {catalog.root}")
+    parts = {f"adapter{k}:": open_adapter_catalog(Path(folder)) for k, folder in enumerate(options.adapters)}
+    adapters = [adapter_from_folder(Path(folder), f"adapter{k}:", parts[f"adapter{k}:"])
+                for k, folder in enumerate(options.adapters)]
+    return fold_into_base(catalog, parts, adapters, options, "hf_safetensors+peft_adapter")

@@ -19,16 +19,15 @@ import json
 from pathlib import Path
 
 from ...catalog import Catalog
-from ...engine.plan import OutputSpec, Step, plan_layout
 from ...errors import MergerError
-from ...merge import Prepared
+from ...hf_folder import read_config
 from ...options import MergeOptions
-from ..registry import read_config
-from .adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, LoraAdapter, adapter_from_catalog, describe, file_keys,
-                      split_key)
+from ..steps import Mapping
+from .adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, LoraAdapter, adapter_file_steps, adapter_from_catalog,
+                      describe, file_keys, split_key)
 from .adapter_folders import fold_into_base, open_base
 from .checkpoint_config import checkpoint_config
-from .peft_state import ADAPTER_DIR, is_peft_state, lora_note, split_state_names, state_keys
+from .peft_state import ADAPTER_DIR, ADAPTER_FILE, is_peft_state, lora_note, split_state_names, state_keys
 
 ADAPTER_PART = "adapter:"  # name prefix of the adapter's tensors in the catalog shared with a base model
 
@@ -42,18 +41,6 @@ def is_adapter_state(catalog: Catalog) -> bool:
     if is_peft_state(catalog):
         return not split_state_names(catalog)[0]
     return catalog.format == "dcp" and any(split_key(n) for n in names)
-
-
-def refuse_adapter_flags(options: MergeOptions, catalog: Catalog) -> None:
-    """--base_model on a whole model, or --adapter_config on a checkpoint without an adapter, would be ignored: say
-    so instead."""
-    if options.base_model is not None:
-        raise MergerError(f"--base_model applies to adapter-only checkpoints (accelerate's adapter_only DCP save, "
-                          f"verl's save_lora_only), and this {catalog.format} checkpoint holds a whole model, "
-                          f"{catalog.root}")
-    if options.adapter_config is not None and not is_peft_state(catalog):
-        raise MergerError(f"--adapter_config applies to checkpoints with a LoRA adapter, and this {catalog.format} "
-                          f"checkpoint has none (no lora_A / lora_B tensors), {catalog.root}")
 
 
 def _adapter_keys(catalog: Catalog) -> dict[str, str]:
@@ -83,15 +70,6 @@ def peft_config(catalog: Catalog, keys: dict[str, str], options: MergeOptions,
     return config, f"adapter in {catalog.root}"
 
 
-def _adapter_steps(catalog: Catalog, keys: dict[str, str], prefix: str, folder: str) -> list[Step]:
-    """The adapter's tensors copied under PEFT's file names into `folder`/adapter_model.safetensors, in their saved
-    dtype (they are small, and PEFT upcasts them on load anyway)."""
-    file = f"{folder}/{WEIGHTS_FILE}" if folder else WEIGHTS_FILE
-    return [Step((prefix + src,), (OutputSpec(PEFT_PREFIX + key, catalog.tensors[src].shape, catalog.tensors[src].dtype,
-                                              file),))
-            for key, src in keys.items()]
-
-
 def _drop_unsaved_modules(config: dict, adapter: LoraAdapter) -> tuple[dict, tuple[str, ...]]:
     """verl's save_lora_only keeps no modules_to_save copies. A given config that names some would make an adapter
     folder PEFT fails to load (it looks for their weights): they leave the written config, those modules keep the
@@ -104,8 +82,12 @@ def _drop_unsaved_modules(config: dict, adapter: LoraAdapter) -> tuple[dict, tup
         f"are left out of the written adapter_config.json",)
 
 
-def prepare_adapter_state(catalog: Catalog, options: MergeOptions, world: int) -> Prepared:
-    """The plan for an adapter-only checkpoint: an adapter folder, or with --base_model the folded model."""
+def claims(catalog: Catalog, options: MergeOptions) -> bool:
+    return is_adapter_state(catalog)
+
+
+def build(catalog: Catalog, options: MergeOptions) -> Mapping:
+    """An adapter folder, or with --base_model the folded model (plus the adapter as lora_adapter/)."""
     keys = _adapter_keys(catalog)
     if options.base_model is None:
         if options.verify:  # verification reads the model's weight files back, and an adapter folder has none
@@ -114,21 +96,19 @@ def prepare_adapter_state(catalog: Catalog, options: MergeOptions, world: int) -
         config, name = peft_config(catalog, keys, options, None)
         adapter = adapter_from_catalog(name, config, "", catalog, keys)  # checks the config against the tensors
         config, dropped = _drop_unsaved_modules(config, adapter)
-        plan = plan_layout(catalog, _adapter_steps(catalog, keys, "", ""), world, options.max_shard_size,
-                           options.max_inflight)
-        # No HF folder: the target is an adapter folder, not a model (no config.json to complete).
         note = (f"merger: adapter-only LoRA checkpoint ({describe(config, len(adapter.modules))}): the target is a "
                 f"PEFT adapter folder (--base_model DIR folds it into a base model)")
-        return Prepared(catalog, None, {}, plan, {}, {CONFIG_FILE: json.dumps(config, indent=2) + "\n"},
-                        (note, *dropped))
+        # No HF folder: the target is an adapter folder, not a model (no config.json to complete).
+        return Mapping(adapter_file_steps(catalog.tensors, keys, WEIGHTS_FILE), None, {}, {},
+                       {CONFIG_FILE: json.dumps(config, indent=2) + "\n"}, (note, *dropped))
     base_dir = Path(options.base_model)
     base = open_base(base_dir)
     config, name = peft_config(catalog, keys, options, {n: n for n in base.tensors})
     adapter = adapter_from_catalog(name, config, ADAPTER_PART, catalog, keys)
     config, dropped = _drop_unsaved_modules(config, adapter)
-    return fold_into_base(base_dir, base, {ADAPTER_PART: catalog}, [adapter] if options.lora == "fuse" else [],
-                          options, world, f"hf_safetensors+{catalog.format}_adapter",
-                          tuple(_adapter_steps(catalog, keys, ADAPTER_PART, ADAPTER_DIR)),
+    return fold_into_base(base, {ADAPTER_PART: catalog}, [adapter] if options.lora == "fuse" else [], options,
+                          f"hf_safetensors+{catalog.format}_adapter",
+                          tuple(adapter_file_steps(catalog.tensors, keys, ADAPTER_FILE, ADAPTER_PART)),
                           {f"{ADAPTER_DIR}/{CONFIG_FILE}": json.dumps(config, indent=2) + "\n"},
                           (lora_note(config, len(adapter.modules), options.lora, f"the base model {base_dir}"),
                            *dropped))

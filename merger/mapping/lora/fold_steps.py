@@ -9,17 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ...catalog import SourceTensor
-from ...engine.plan import OutputSpec, Step, output_dtype
 from ...errors import MergerError
-from ..registry import TIED_OUTPUT, ties_embeddings
+from ..policy import TIED_OUTPUT, input_embedding
+from ..steps import OutputSpec, Step
 from .adapter import LoraAdapter, ModuleAdapter
 from .fold import LoraDelta, fold_module
-
-# Names of the input embedding in common HF architectures: the tensor a tied lm_head shares.
-_INPUT_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
 
 
 @dataclass
@@ -31,14 +26,6 @@ class FoldResult:
 def _shown(source: str) -> str:
     """A source tensor as the user's file names it: without the `adapter{k}:` prefix of a merged catalog."""
     return source.split(":", 1)[-1]
-
-
-def input_embedding(names) -> str | None:
-    for suffix in _INPUT_EMBEDDINGS:
-        for name in names:
-            if name.endswith(suffix):
-                return name
-    return None
 
 
 def _delta(m: ModuleAdapter, adapter: LoraAdapter, weight: str, shape: tuple, tensors: dict[str, SourceTensor]
@@ -66,11 +53,11 @@ def _delta(m: ModuleAdapter, adapter: LoraAdapter, weight: str, shape: tuple, te
     return LoraDelta(m.scale, fan_in_fan_out, bias=m.b_bias is not None, dora=m.magnitude is not None), names
 
 
-def fold_steps(base: dict[str, str], adapters: list[LoraAdapter], tensors: dict[str, SourceTensor], config: dict,
-               wanted: torch.dtype | None, force_tied: bool = False) -> FoldResult:
-    """Apply `adapters` in order to the base; `wanted` is the output dtype of floating tensors (None: each
-    output keeps its base tensor's dtype, whatever dtype the adapter stored)."""
-    tied = force_tied or ties_embeddings(config)
+def fold_steps(base: dict[str, str], adapters: list[LoraAdapter], tensors: dict[str, SourceTensor], tied: bool
+               ) -> FoldResult:
+    """Apply `adapters` in order to the base of a model that ties its embeddings or not. Each output is declared
+    in its base tensor's dtype, whatever dtype the adapter stored; a tied lm_head is written only when an
+    adapter unties it (the policy leaves it out otherwise)."""
     embedding = input_embedding(base) if tied else None
     origin = dict(base)  # output name -> the base tensor it starts from
     if tied and TIED_OUTPUT not in origin and embedding is not None:
@@ -101,11 +88,9 @@ def fold_steps(base: dict[str, str], adapters: list[LoraAdapter], tensors: dict[
             changed.update({weight} | ({module + ".bias"} if m.b_bias else set()))
 
     untied = tied and bool(changed & {TIED_OUTPUT, embedding})
-    if tied and not untied and len(current) > 1:
-        current.pop(TIED_OUTPUT, None)
 
     def spec(name: str, shape: tuple) -> OutputSpec:
-        return OutputSpec(name, shape, output_dtype(tensors[origin[name]].dtype, wanted))
+        return OutputSpec(name, shape, tensors[origin[name]].dtype)
 
     steps, folded_biases = [], set()
     for module, module_deltas in deltas.items():

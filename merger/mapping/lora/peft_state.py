@@ -13,10 +13,12 @@ import json
 import re
 
 from ...catalog import Catalog
-from ...engine.plan import OutputSpec, Step
 from ...errors import MergerError
 from ...options import MergeOptions
-from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, build_adapter, describe, split_key
+from ..hf import model_config
+from ..policy import ties
+from ..steps import Mapping
+from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, adapter_file_steps, build_adapter, describe, split_key
 from .checkpoint_config import checkpoint_config
 from .fold_steps import fold_steps
 
@@ -60,15 +62,6 @@ def state_keys(catalog: Catalog) -> tuple[dict[str, str], dict[str, str]]:
     return base, keys
 
 
-def refuse_lora_flags(options: MergeOptions, catalog: Catalog) -> None:
-    """--lora separate / --lora_r / --lora_alpha on a checkpoint with no adapter would be ignored: say so instead."""
-    for flag, given in (("--lora separate", options.lora == "separate"), ("--lora_r", options.lora_r is not None),
-                        ("--lora_alpha", options.lora_alpha is not None)):
-        if given:
-            raise MergerError(f"{flag} applies to checkpoints with a LoRA adapter, and this {catalog.format} "
-                              f"checkpoint has none (no lora_A / lora_B tensors), {catalog.root}")
-
-
 def lora_note(config: dict, modules: int, mode: str, into: str) -> str:
     """The log line for a merge that found an adapter: what it is and what becomes of it."""
     done = (f"folded into {into} (--lora fuse)" if mode == "fuse"
@@ -77,19 +70,18 @@ def lora_note(config: dict, modules: int, mode: str, into: str) -> str:
            f"in the target"
 
 
-def peft_state_mapping(catalog: Catalog, config: dict, options: MergeOptions):
-    from ..registry import Mapping
+def claims(catalog: Catalog, options: MergeOptions) -> bool:
+    return is_peft_state(catalog)
 
+
+def build(catalog: Catalog, options: MergeOptions) -> Mapping:
+    hf_dir, config = model_config(catalog, options)
     base, keys = state_keys(catalog)
     peft_config, found = checkpoint_config(catalog, keys, options, config, base)
     adapter = build_adapter(f"adapter in {catalog.root}" + (f" with config {found}" if found else ""), peft_config,
                             keys, {n: t.shape for n, t in catalog.tensors.items()})
-    fused = fold_steps(base, [adapter] if options.lora == "fuse" else [], catalog.tensors, config,
-                       options.torch_dtype, options.tie_word_embedding)
-    # The adapter keeps its own dtype: it is small, and PEFT upcasts it to fp32 on load anyway.
-    steps = fused.steps + [Step((src,), (OutputSpec(PEFT_PREFIX + key, catalog.tensors[src].shape,
-                                                    catalog.tensors[src].dtype, ADAPTER_FILE),))
-                           for key, src in keys.items()]
-    return Mapping(steps, {"tie_word_embeddings": False} if fused.untied else {},
+    fused = fold_steps(base, [adapter] if options.lora == "fuse" else [], catalog.tensors, ties(config, options))
+    return Mapping(fused.steps + adapter_file_steps(catalog.tensors, keys, ADAPTER_FILE), hf_dir, config,
+                   {"tie_word_embeddings": False} if fused.untied else {},
                    {f"{ADAPTER_DIR}/{CONFIG_FILE}": json.dumps(peft_config, indent=2) + "\n"},
                    (lora_note(peft_config, len(adapter.modules), options.lora, "the base weights"),))

@@ -1,0 +1,108 @@
+"""The HF model folder format, in one place: weight file names and index, which files are weights, the config.
+
+Sources read HF folders (a checkpoint's `huggingface/` config folder, a LoRA base model, safetensors weights),
+`verify` / `merger test` compare against one, and the output writes one; all of them ask this module.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import MergerError
+
+CONFIG = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+CONFIG_DIR = "huggingface"  # where trainers put the HF config beside (or inside) their checkpoint folders
+# Weight files of a HF folder are never copied into the output: the merge writes the weights.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_WEIGHT_INDEXES = (INDEX, "pytorch_model.bin.index.json")
+
+
+def shard_name(index: int, count: int) -> str:
+    """The name save_pretrained gives weight file `index` of `count`."""
+    return SINGLE_FILE if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def is_weight_file(name: str) -> bool:
+    return name.endswith(_WEIGHT_SUFFIXES) or name in _WEIGHT_INDEXES
+
+
+def read_index(path: Path) -> dict:
+    """A safetensors index file: {"weight_map": {tensor: file}, "metadata": ...}."""
+    try:
+        index = json.loads(path.read_text())
+        index["weight_map"] = dict(index["weight_map"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise MergerError(f"cannot read the safetensors index ({e}), {path}") from e
+    return index
+
+
+def weight_files(root: Path) -> list[Path]:
+    """The folder's weight files: those the index names, else model.safetensors, else every *.safetensors."""
+    index = root / INDEX
+    if index.is_file():
+        return [root / name for name in dict.fromkeys(sorted(read_index(index)["weight_map"].values()))]
+    if (root / SINGLE_FILE).is_file():
+        return [root / SINGLE_FILE]
+    return sorted(root.glob("*.safetensors")) if root.is_dir() else []
+
+
+def config_dir(*candidates: Path) -> Path | None:
+    """The first candidate holding a config.json; else the first `huggingface/` folder among them (the config
+    folder a trainer wrote, whose missing config.json is then reported), else None."""
+    for candidate in candidates:
+        if (candidate / CONFIG).is_file():
+            return candidate
+    return next((c for c in candidates if c.name == CONFIG_DIR and c.is_dir()), None)
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / CONFIG
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise MergerError(f"no config.json (pass --hf_model_config_path), {folder}") from e
+    except (OSError, json.JSONDecodeError) as e:
+        raise MergerError(f"cannot read config.json ({e}), {path}") from e
+
+
+def is_inside(path: Path, *roots: Path) -> bool:
+    """`path` is one of `roots` or lies below one (paths compared as given: resolve them first)."""
+    return any(path == root or root in path.parents for root in roots)
+
+
+def files_to_copy(folder: Path) -> list[Path]:
+    """Config, tokenizer, processor, chat template and remote-code files: regular files inside `folder` only.
+
+    A symlink is followed only when it stays inside the folder (or, for a Hub cache snapshot, inside that
+    repo's blobs/): a link pointing elsewhere could copy any file of the machine into a model meant for upload.
+    """
+    roots = [folder.resolve()]
+    if folder.parent.name == "snapshots":
+        roots.append((folder.parent.parent / "blobs").resolve())
+    files = []
+    for src in sorted(folder.iterdir()):
+        if is_weight_file(src.name):
+            continue
+        real = src.resolve()
+        if not real.is_file() or not is_inside(real, *roots):
+            continue  # folders hold no loadable config; a link out of the folder is never followed
+        files.append(src)
+    return files
+
+
+def model_config_dir(given: Path | None, found: Path | None, checkpoint: Path) -> Path:
+    """The folder config.json and the tokenizer come from: `--hf_model_config_path`, else the one the source
+    found beside the checkpoint. Checked now, not at the end: only a regular config.json inside it is copied."""
+    folder = given or found
+    if folder is None:
+        raise MergerError(f"no HF config folder found beside the checkpoint (pass --hf_model_config_path), "
+                          f"{checkpoint}")
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise MergerError(f"HF config folder does not exist, {folder}")
+    if not any(f.name == CONFIG for f in files_to_copy(folder)):
+        raise MergerError(f"no config.json (a regular file inside the folder; pass --hf_model_config_path), "
+                          f"{folder}")
+    return folder

@@ -1,0 +1,56 @@
+"""The tie and dtype policy, applied once to every mapper's steps.
+
+Tied embeddings: a model whose config ties its output embedding to its input embedding (transformers' rule,
+or --tie_word_embedding) is written with `lm_head.weight` left out, as save_pretrained writes it; a mapping
+that unties them (a LoRA adapter that changed one side) says so with `tie_word_embeddings: false` among its
+config updates, and then both are written. Dtype: every model tensor that is floating point takes --dtype
+(`keep`: its own); side files (an adapter folder's weights) keep the dtype their mapper declared.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..options import MergeOptions
+from .steps import Mapping, OutputSpec, Step, output_dtype
+
+TIED_OUTPUT = "lm_head.weight"
+# Names of the input embedding in common HF architectures: the tensor a tied lm_head shares.
+INPUT_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+
+
+def ties_embeddings(config: dict) -> bool:
+    """transformers' rule: a top-level flag, else the text config's; PretrainedConfig defaults it to True."""
+    if "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    text = config.get("text_config") or {}
+    return bool(text.get("tie_word_embeddings", True))
+
+
+def ties(config: dict, options: MergeOptions) -> bool:
+    """Whether the model ties its embeddings, as the checkpoint's config or --tie_word_embedding says."""
+    return options.tie_word_embedding or ties_embeddings(config)
+
+
+def input_embedding(names) -> str | None:
+    for suffix in INPUT_EMBEDDINGS:
+        for name in names:
+            if name.endswith(suffix):
+                return name
+    return None
+
+
+def _cast(spec: OutputSpec, wanted: torch.dtype | None) -> OutputSpec:
+    return spec if spec.file is not None else dataclasses.replace(spec, dtype=output_dtype(spec.dtype, wanted))
+
+
+def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
+    """`mapping` with the tied output left out and every model tensor in the output dtype."""
+    tied = ties(mapping.config, options) and mapping.config_updates.get("tie_word_embeddings") is not False
+    steps = mapping.steps
+    if tied and sum(o.file is None for s in steps for o in s.outputs) > 1:  # a lone lm_head is all there is
+        steps = [s for s in steps if [(o.name, o.file) for o in s.outputs] != [(TIED_OUTPUT, None)]]
+    wanted = options.torch_dtype
+    steps = [Step(s.inputs, tuple(_cast(o, wanted) for o in s.outputs), s.transform) for s in steps]
+    return dataclasses.replace(mapping, steps=steps)

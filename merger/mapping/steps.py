@@ -1,0 +1,74 @@
+"""What a mapper hands the planner: steps (source tensors in, named output tensors out) and a Mapping around them.
+
+A `Step` is either a cast (one source tensor written under a name, in the output dtype: the planner may place
+its pieces straight from the reading rank into the file) or a transform (a pure function of whole source
+tensors, run where the step is written). Mappers declare each output in its natural dtype, the dtype of the
+source it comes from; the tie and dtype policy (policy.py) then decides once what is written and in which
+dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..catalog import Catalog
+from ..safetensors_io import nbytes_of
+
+Transform = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    # A file of its own beside the model's weights (e.g. `lora_adapter/adapter_model.safetensors`), left out of
+    # the model's index, whose tensors keep the dtype they are declared in; None: one of the model's files.
+    file: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes_of(self.shape, self.dtype)
+
+
+@dataclass(frozen=True)
+class Step:
+    """Whole source tensors in, output tensors out. `transform` is pure; None makes the step a cast of its one
+    input. The writer casts every result to its spec's dtype."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[OutputSpec, ...]
+    transform: Transform | None = None
+
+    @property
+    def is_cast(self) -> bool:
+        return self.transform is None
+
+    def run(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return tensors if self.transform is None else self.transform(tensors)
+
+
+def cast(source: str, name: str, shape: tuple[int, ...], dtype: torch.dtype, file: str | None = None) -> Step:
+    """The step writing source tensor `source` as output `name`."""
+    return Step((source,), (OutputSpec(name, shape, dtype, file),))
+
+
+def output_dtype(source: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
+    """The cast a merge applies: floating tensors take the wanted dtype, integer buffers keep theirs."""
+    return wanted if wanted is not None and source.is_floating_point else source
+
+
+@dataclass
+class Mapping:
+    """A mapper's answer: the steps, and what the target needs beside the weights."""
+
+    steps: list[Step]
+    hf_dir: Path | None  # config and tokenizer come from here; None: the target is no model (an adapter folder)
+    config: dict  # hf_dir's config.json ({} without one)
+    config_updates: dict = field(default_factory=dict)  # keys to set in the target's config.json
+    extra_files: dict[str, str] = field(default_factory=dict)  # path relative to the target -> text
+    notes: tuple[str, ...] = ()  # what the merge found and does, for the log
+    catalog: Catalog | None = None  # what the steps read when it is more than the checkpoint (a base model too)
