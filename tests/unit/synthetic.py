@@ -8,6 +8,7 @@ the oracle the streamed bytes are compared with, which never goes through merger
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass
 from functools import partial
@@ -150,29 +151,34 @@ def _full(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> t
 @st.composite
 def _pieces(draw, name: str, full: torch.Tensor, files: list[str],
             store: dict[str, dict[str, torch.Tensor]]) -> tuple[ShardPiece, ...]:
-    """The tensor whole in one file, replicated in several, or cut along dim 0 or 1 into blocks (each possibly
-    with a replica), every copy's data put in `store`."""
+    """The tensor whole in one file, replicated in several, or cut into blocks along dim 0, dim 1 or both (FSDP
+    Shard(0), Shard(1), a 2-D mesh), each block possibly with a replica. A tensor without elements may also come
+    as one empty piece per file, as FSDP saves it. Every copy's data is put in `store`."""
     shape = tuple(full.shape)
-    modes = ["whole", "replicated"] + [f"dim{d}" for d in range(min(2, len(shape))) if shape[d] > 1]
+    cuttable = [d for d in range(min(2, len(shape))) if shape[d] > 1]
+    modes = ["whole", "replicated"] + [f"dim{d}" for d in cuttable] + ["grid"] * (len(cuttable) == 2)
+    modes += ["empty"] * (full.numel() == 0)
     mode = draw(st.sampled_from(modes))
-    if mode.startswith("dim"):
-        dim = int(mode[3:])
-        cuts = sorted(draw(st.sets(st.integers(1, shape[dim] - 1), min_size=1, max_size=shape[dim] - 1)))
-        bounds = list(zip([0] + cuts, cuts + [shape[dim]]))
-    else:
-        dim, bounds = 0, [(0, shape[0] if shape else 1)]
+    cut = {"dim0": [0], "dim1": [1], "grid": [0, 1]}.get(mode, [])
+    spans = []  # per dim, the (begin, end) of each block
+    for d, n in enumerate(shape):
+        bounds = [0, n]
+        if d in cut:
+            bounds[1:1] = sorted(draw(st.sets(st.integers(1, n - 1), min_size=1, max_size=n - 1)))
+        spans.append(list(zip(bounds, bounds[1:])))
+    boxes = list(itertools.product(*spans))
+    if mode == "empty":
+        boxes *= draw(st.integers(1, len(files)))
     most = len(files) if mode == "replicated" else min(2, len(files))
     pieces = []
-    for j, (lo, hi) in enumerate(bounds):
-        offsets = tuple(lo if d == dim else 0 for d in range(len(shape)))
-        sizes = tuple(hi - lo if d == dim else n for d, n in enumerate(shape))
-        data = full.narrow(dim, lo, hi - lo).clone() if shape else full.clone()
+    for j, box in enumerate(boxes):
+        data = full[tuple(slice(lo, hi) for lo, hi in box)].clone()
         copies = []
         for f in draw(st.lists(st.sampled_from(files), min_size=1, max_size=most, unique=True)):
             key = f"{name}#{j}"
             store.setdefault(f, {})[key] = data
             copies.append(PieceCopy(f, key))
-        pieces.append(ShardPiece(offsets, sizes, tuple(copies)))
+        pieces.append(ShardPiece(tuple(lo for lo, _ in box), tuple(hi - lo for lo, hi in box), tuple(copies)))
     return tuple(pieces)
 
 
@@ -214,7 +220,7 @@ def synthetics(draw, max_tensors: int = 8) -> Synthetic:
     for i in range(draw(st.integers(1, max_tensors))):
         # layer numbers without leading zeros: distinct names keep distinct natural sort keys
         name = f"{draw(st.sampled_from(['model.layers', 'layers', 'embed', 'head']))}.{draw(st.integers(0, 12))}.w{i}"
-        shape = tuple(draw(st.lists(st.integers(1, 7), min_size=0, max_size=3)))
+        shape = tuple(draw(st.lists(st.integers(0, 7), min_size=0, max_size=3)))
         dtype = draw(st.sampled_from(DTYPES))
         kinds = ["cast", "cast", "double", "unused"] + ["split", "fuse"] * bool(shape)
         kinds += ["transpose"] * (len(shape) == 2)
@@ -234,7 +240,7 @@ def synthetics(draw, max_tensors: int = 8) -> Synthetic:
             steps.append(Step((name,), specs, partial(_split, dim, [k, shape[dim] - k])))
         elif kind == "fuse":  # e.g. q, k, v into one qkv
             other = f"{name}.other"
-            u = source(other, (draw(st.integers(1, 5)),) + shape[1:], dtype)
+            u = source(other, (draw(st.integers(0, 5)),) + shape[1:], dtype)
             value = torch.from_numpy(np.concatenate([_numpy(t), _numpy(u)])).view(t.dtype)
             steps.append(Step((name, other), (output(name, value, draw(out_dtype)),), _fuse))
     catalog = Catalog("synthetic", Path("/synthetic"), tensors, files, partial(MemoryReader, store=store))

@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from synthetic import plan_args, single_tensor_steps, synthetics
@@ -148,12 +149,23 @@ def test_every_piece_routed_once_from_the_rank_that_opened_its_file(syn, args, d
         cast = step.fn is pure_cast and len(step.inputs) == len(step.outputs) == 1
         assert r.stored == tensor.dtype and r.dtype == (step.outputs[0].dtype if cast else tensor.dtype)
     for si, step in enumerate(plan.steps):
-        if plan.writers[si] is None:  # placed directly: only a pure cast whose pieces tile the tensor
-            assert direct and step.fn is pure_cast and len(step.inputs) == len(step.outputs) == 1
-            tensor = syn.catalog.tensors[step.inputs[0]]
-            assert sum(p.numel for p in tensor.pieces) == math.prod(tensor.shape)
+        # placed directly exactly when a pure cast's pieces tile the tensor, each one run of its row-major bytes
+        tensor = syn.catalog.tensors[step.inputs[0]]
+        cast = direct and step.fn is pure_cast and len(step.inputs) == len(step.outputs) == 1
+        if math.prod(tensor.shape) == 0:  # no bytes: placed either way, nothing is written
+            assert cast or plan.writers[si] is not None
         else:
-            assert 0 <= plan.writers[si] < world
+            runs = cast and sum(p.numel for p in tensor.pieces) == math.prod(tensor.shape) and \
+                all(_one_run(tensor.shape, p) for p in tensor.pieces)
+            assert (plan.writers[si] is None) == runs
+        assert plan.writers[si] is None or 0 <= plan.writers[si] < world
+
+
+def _one_run(shape, piece) -> bool:
+    """The piece's elements are consecutive in the row-major tensor (counted by torch, element by element)."""
+    box = tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.sizes))
+    index = torch.arange(math.prod(shape)).reshape(shape)[box].reshape(-1)
+    return bool((index == torch.arange(index[0], index[0] + index.numel())).all())
 
 
 @settings(max_examples=100, deadline=None)
