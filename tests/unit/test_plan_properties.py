@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from synthetic import plan_args, single_tensor_steps, synthetics
 
-from merger.plan import Plan, Route, plan_layout
+from merger.plan import Plan, Route, plan_layout, rerouted, traffic
 from merger.plan import identity as pure_cast
 
 pytestmark = pytest.mark.unit
@@ -179,3 +179,16 @@ def test_any_names_plan_and_layer_numbers_sort_as_numbers(names, layers):
     order = [e.name for f in plan.files for e in f.entries if e.name.startswith("layers.") and e.name.endswith(".w")]
     numbered = [f"layers.{n}.w" for n in sorted(layers)]
     assert [n for n in order if n in numbered] == numbered
+
+
+@SETTINGS
+@given(synthetics(), plan_args(), plan_args(), st.booleans())
+def test_rerouted_plan_is_the_plan_for_that_world(syn, args, other, direct):
+    """`merger test` and a resumed merge reroute a plan for another world or placement: the result is the plan
+    that world would have made itself, and its traffic writes every output byte once and receives what is sent."""
+    plan = _plan(syn, args)
+    again = rerouted(plan, syn.catalog, other["world"], direct)
+    assert again == _plan(syn, dict(args, world=other["world"]), direct)
+    ranks = traffic(again)
+    assert sum(r["written_bytes"] for r in ranks) == again.total_bytes
+    assert sum(r["sent_bytes"] for r in ranks) == sum(r["received_bytes"] for r in ranks)
