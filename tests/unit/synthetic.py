@@ -1,10 +1,10 @@
 """Synthetic checkpoints held in memory, for the engine alone: catalogs, a reader, a sink and a group of threads.
 
 A synthetic checkpoint is drawn by hypothesis: random source tensors (shapes, dtypes, values), split into pieces
-along dim 0 or dim 1 as FSDP and DCP shard them, or replicated in several files as HSDP and buffers are; and
+along dim 0, dim 1 or both as FSDP and DCP shard them, or replicated in several files as HSDP and buffers are; and
 steps over them (pure casts, a split into two outputs, a fused concatenation, a transpose, a scaling). Beside
-the catalog it keeps every source tensor whole and every output as torch computes it from those whole tensors:
-the oracle the streamed bytes are compared with, which never goes through merger's code.
+the catalog it keeps every output as torch computes it from the whole source tensors: the oracle the streamed
+bytes are compared with, which never goes through merger's code.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ SIDE_FILES = ("lora_adapter/adapter_model.safetensors", "extra.safetensors")
 class Synthetic:
     catalog: Catalog
     steps: list[Step]
-    full: dict[str, torch.Tensor]  # every source tensor whole
     expected: dict[str, torch.Tensor]  # every output as torch computes it from `full`
 
 
@@ -204,12 +203,12 @@ def synthetics(draw, max_tensors: int = 8) -> Synthetic:
     files = [f"/synthetic/rank{r}.bin" for r in range(draw(st.integers(1, 6)))]
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     store: dict[str, dict[str, torch.Tensor]] = {}
-    tensors, full, steps, expected = {}, {}, [], {}
+    tensors, steps, expected = {}, [], {}
     spec_file = st.sampled_from((None, None, None) + SIDE_FILES)
     out_dtype = st.sampled_from(DTYPES)
 
     def source(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        full[name] = t = _full(shape, dtype, gen)
+        t = _full(shape, dtype, gen)
         tensors[name] = SourceTensor(name, shape, dtype, draw(_pieces(name, t, files, store)))
         return t
 
@@ -244,7 +243,7 @@ def synthetics(draw, max_tensors: int = 8) -> Synthetic:
             value = torch.from_numpy(np.concatenate([_numpy(t), _numpy(u)])).view(t.dtype)
             steps.append(Step((name, other), (output(name, value, draw(out_dtype)),), _fuse))
     catalog = Catalog("synthetic", Path("/synthetic"), tensors, files, partial(MemoryReader, store=store))
-    return Synthetic(catalog, steps, full, expected)
+    return Synthetic(catalog, steps, expected)
 
 
 def single_tensor_steps(names: list[str]) -> tuple[Catalog, list[Step]]:
