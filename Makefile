@@ -1,5 +1,6 @@
 # make demo: set up, write a small real FSDP2 checkpoint, merge it with torchrun, load it and generate.
 # make test: set up and run the test suite. Both install everything they need into .venv (VENV).
+# make unit: only the unit tests (marked `unit`, in tests/unit): the engine on synthetic checkpoints, in seconds.
 # Another interpreter gets its own venv: make test PYTHON=/usr/bin/python3 VENV=.venv-debian
 PYTHON ?= python3
 VENV ?= .venv
@@ -7,7 +8,7 @@ PY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.installed
 DEMO := demo_out
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test unit demo bench clean
 
 setup: $(VENV_STAMP)
 
@@ -21,6 +22,9 @@ $(VENV_STAMP): pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q tests
+
+unit: setup
+	$(PY) -m pytest -q -m unit tests
 
 demo: setup
 	rm -rf $(DEMO)

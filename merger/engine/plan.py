@@ -93,8 +93,9 @@ class Plan:
 
 
 def natural_key(name: str) -> tuple:
-    """'layers.10' after 'layers.9': digits compare as numbers, so files hold tensors in layer order."""
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+    """'layers.10' after 'layers.9': digits compare as numbers, so files hold tensors in layer order.
+    isdecimal, not isdigit: '¹' is a digit that \\d does not split off and int() refuses."""
+    return tuple(int(part) if part.isdecimal() else part for part in re.split(r"(\d+)", name))
 
 
 def _layout_files(outputs: list[OutputSpec], max_shard_size: int) -> list[list[OutputSpec]]:
