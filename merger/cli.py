@@ -19,6 +19,7 @@ from pathlib import Path
 from .engine.dist import init_group
 from .engine.torchrun_error import record_for_torchrun
 from .errors import AgreedError, MergerError
+from .mapping.torchtitan import MODELS
 from .options import DTYPES, MergeOptions
 from .sources import BACKENDS
 from .units import format_size, parse_size, positive_int
@@ -69,9 +70,9 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", default=None,
                    help="DCP: prefix to take off tensor names and keep only those under it, e.g. 'model' "
                         "(default: 'model.' when accelerate nested the state dict; '' keeps names as saved)")
-    p.add_argument("--model", choices=["auto", "hf", "torchtitan-llama"], default="auto",
-                   help="naming of the source tensors (default: detect; torchtitan-llama converts to HF Llama "
-                        "and needs --hf_model_config_path)")
+    p.add_argument("--model", choices=["auto", "hf", *MODELS], default="auto",
+                   help="naming of the source tensors (default: detect; torchtitan-<family> converts torchtitan's "
+                        "names to HF's and needs --hf_model_config_path)")
     p.add_argument(*_flag("--hf_model_config_path"), dest="hf_model_config_path", type=Path, default=None,
                    help="folder with config.json, tokenizer, processor, chat template, remote code (default: "
                         "huggingface/ in the checkpoint)")

@@ -35,7 +35,7 @@ MAPPERS = (
     Mapper("adapter-only LoRA", adapter_state.claims, adapter_state.build, LORA_FLAGS),
     Mapper("PEFT-wrapped model", peft_state.claims, peft_state.build, LORA_FLAGS - {"base_model"}),
     Mapper("megatron", megatron.claims, megatron.build),
-    Mapper(torchtitan.MODEL_NAME, torchtitan.claims, torchtitan.build),
+    Mapper("torchtitan", torchtitan.claims, torchtitan.build),
     Mapper("hf", hf.claims, hf.build),
 )
 

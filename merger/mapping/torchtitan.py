@@ -1,13 +1,14 @@
-"""torchtitan Llama tensor names to HF Llama names, with the rotary permutation of wq / wk HF expects.
+"""torchtitan checkpoints (the DCP folders torchtitan and verl's torchtitan engine save) to HF names, through the
+model family's table (torchtitan_families.py).
 
-torchtitan (like Meta's original Llama) applies rotary embeddings to adjacent pairs of each head's
-channels; HF's Llama rotates the first half of a head against the second half. The same model in HF
-therefore stores the rows of q_proj / k_proj permuted within each head: row 2i goes to row i and row 2i+1
-to row i + head_dim/2. The head counts come from the HF config, which a torchtitan checkpoint lacks:
-pass `--hf_model_config_path` with the config.json of the HF model to produce.
-
-Both naming generations are accepted: `attention.wq` / `output` (torchtitan <= 0.2) and
-`attention.qkv_linear.wq` / `lm_head` (0.3).
+The family is found from the names (MLA's `wkv_a`: deepseek_v3; a query norm in GQA: qwen3; else llama), or
+`--model torchtitan-<family>` says it. A MoE layer's routed experts are stacked tensors ([E, F, D]); each
+expert's part is read on its own (sources/unstacked.py) and written under the per-expert names transformers
+saves. Llama's wq / wk are rotary-permuted: torchtitan (like Meta's original Llama) applies rotary embeddings to
+adjacent pairs of each head's channels, HF's Llama rotates the first half of a head against the second half,
+so the same model in HF stores the rows of q_proj / k_proj permuted within each head (row 2i goes to row i and
+row 2i+1 to row i + head_dim/2). The head counts and the architecture come from the HF config, which a
+torchtitan checkpoint lacks: pass `--hf_model_config_path` with the config.json of the HF model to produce.
 """
 from __future__ import annotations
 
@@ -19,28 +20,13 @@ import torch
 from ..catalog import Catalog
 from ..errors import MergerError
 from ..options import MergeOptions
+from ..sources.unstacked import unstacked
 from .hf import model_config
 from .steps import Mapping, OutputSpec, Step, cast
+from .torchtitan_families import DROPPED_BUFFERS, FAMILIES, GLOBAL
 
-MODEL_NAME = "torchtitan-llama"
-
-# (pattern on the torchtitan name, HF name template, which head count permutes it: None, "q" or "kv")
-_NAMES = [
-    (r"tok_embeddings\.weight", "model.embed_tokens.weight", None),
-    (r"norm\.weight", "model.norm.weight", None),
-    (r"(?:output|lm_head)\.weight", "lm_head.weight", None),
-    (r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?wq\.weight", "model.layers.{}.self_attn.q_proj.weight", "q"),
-    (r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?wk\.weight", "model.layers.{}.self_attn.k_proj.weight", "kv"),
-    (r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?wv\.weight", "model.layers.{}.self_attn.v_proj.weight", None),
-    (r"layers\.(\d+)\.attention\.wo\.weight", "model.layers.{}.self_attn.o_proj.weight", None),
-    (r"layers\.(\d+)\.feed_forward\.w1\.weight", "model.layers.{}.mlp.gate_proj.weight", None),
-    (r"layers\.(\d+)\.feed_forward\.w2\.weight", "model.layers.{}.mlp.down_proj.weight", None),
-    (r"layers\.(\d+)\.feed_forward\.w3\.weight", "model.layers.{}.mlp.up_proj.weight", None),
-    (r"layers\.(\d+)\.attention_norm\.weight", "model.layers.{}.input_layernorm.weight", None),
-    (r"layers\.(\d+)\.ffn_norm\.weight", "model.layers.{}.post_attention_layernorm.weight", None),
-]
-# Rotary tables some torchtitan versions keep as buffers: recomputed by HF, never weights.
-_DROPPED = re.compile(r"(.*\.)?(freqs_cis|rope\.cache)")
+MODELS = {f"torchtitan-{family.replace('_', '-')}": family for family in FAMILIES}  # the --model values
+_LAYER = r"layers\.(?P<i>\d+)\."
 
 
 def looks_like_torchtitan(names) -> bool:
@@ -48,22 +34,26 @@ def looks_like_torchtitan(names) -> bool:
                for n in names)
 
 
+def family_of(names) -> str:
+    """The family whose names these are: MLA's wkv_a, then a GQA query norm, tell them apart."""
+    if any(re.fullmatch(_LAYER + r"attention\.wkv_a\.weight", n) for n in names):
+        return "deepseek_v3"
+    if any(re.fullmatch(_LAYER + r"attention\.q_norm\.weight", n) for n in names):
+        return "qwen3"
+    return "llama"
+
+
 def claims(catalog: Catalog, options: MergeOptions) -> bool:
-    """The names look like torchtitan's, or --model says so."""
+    """The names look like torchtitan's, or --model names a torchtitan family."""
     if options.model == "auto":
         return looks_like_torchtitan(catalog.tensors)
-    return options.model == MODEL_NAME
+    return options.model in MODELS
 
 
-def hf_name(name: str) -> tuple[str, str | None] | None:
-    """(HF name, permutation kind) for a torchtitan name; None for a rotary table to drop."""
-    if _DROPPED.fullmatch(name):
-        return None
-    for pattern, template, kind in _NAMES:
-        m = re.fullmatch(pattern, name)
-        if m:
-            return template.format(*m.groups()), kind
-    raise MergerError(f"tensor {name} has no HF Llama name (is this a torchtitan Llama checkpoint?)")
+def _compile(rows) -> list[tuple[re.Pattern, str, str]]:
+    table = [(re.compile(re.escape(src)), kind, dst) for src, kind, dst in GLOBAL]
+    return table + [(re.compile(_LAYER + re.escape(src)), kind, dst if kind == "skip" else "model.layers.{i}." + dst)
+                    for src, kind, dst in rows]
 
 
 def rotary_permute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -89,21 +79,51 @@ def _head_counts(config: dict) -> dict[str, tuple[int, int]]:
     return {"q": (heads, head_dim), "kv": (kv_heads, head_dim)}
 
 
+def _checked_config(family: str, config: dict, hf_dir) -> None:
+    wanted = FAMILIES[family][1]
+    if wanted is not None and config.get("model_type") not in wanted:
+        raise MergerError(f"torchtitan {family} names, but config.json has model_type {config.get('model_type')!r} "
+                          f"(expected {' or '.join(wanted)}): pass the HF config of this model with "
+                          f"--hf_model_config_path, {hf_dir / 'config.json'}")
+
+
+def _rotary_step(name: str, out: str, shape: tuple, dtype: torch.dtype, heads: tuple[int, int], root) -> Step:
+    n, head_dim = heads
+    if len(shape) != 2 or shape[0] != n * head_dim or head_dim % 2:
+        raise MergerError(f"tensor {name} is {shape} but config.json gives {n} heads of dim {head_dim} "
+                          f"(pass the HF config of this model with --hf_model_config_path), {root}")
+    return Step((name,), (OutputSpec(out, shape, dtype),), partial(_permute_step, n))
+
+
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
+    family = MODELS.get(options.model) or family_of(catalog.tensors)
     hf_dir, config = model_config(catalog, options)
-    heads = _head_counts(config)
-    steps = []
+    _checked_config(family, config, hf_dir)
+    table = _compile(FAMILIES[family][0])
+    steps, stacks, skipped = [], {}, []
     for name, t in catalog.tensors.items():
-        mapped = hf_name(name)
-        if mapped is None:
+        if any(name == b or name.endswith("." + b) for b in DROPPED_BUFFERS):
+            continue  # recomputed by HF, never a weight
+        match = next(((kind, dst, m) for pattern, kind, dst in table if (m := pattern.fullmatch(name))), None)
+        if match is None:
+            raise MergerError(f"tensor {name} has no HF name in torchtitan's {family} table (is this a torchtitan "
+                              f"{family} checkpoint? --model names the family), {catalog.root}")
+        kind, dst, m = match
+        if kind == "skip":
+            skipped.append(f"{name} ({dst})")
             continue
-        out, kind = mapped
-        if kind is None:
+        out = dst.format(i=m.groupdict().get("i"), e="{e}")
+        if kind == "experts":
+            stacks[name] = partial("{}.{}".format, name)
+            steps += [cast(stacks[name](e), out.format(e=e), t.shape[1:], t.dtype) for e in range(t.shape[0])]
+        elif kind in ("rotary_q", "rotary_kv"):
+            steps.append(_rotary_step(name, out, t.shape, t.dtype, _head_counts(config)[kind[len("rotary_"):]],
+                                      catalog.root))
+        else:
             steps.append(cast(name, out, t.shape, t.dtype))
-            continue
-        n, head_dim = heads[kind]
-        if len(t.shape) != 2 or t.shape[0] != n * head_dim or head_dim % 2:
-            raise MergerError(f"tensor {name} is {t.shape} but config.json gives {n} heads of dim {head_dim} "
-                              f"(pass the HF config of this model with --hf_model_config_path), {catalog.root}")
-        steps.append(Step((name,), (OutputSpec(out, t.shape, t.dtype),), partial(_permute_step, n)))
-    return Mapping(steps, hf_dir, config)
+    note = f"merger: torchtitan {family} names, written as HF {config.get('model_type')}"
+    if stacks:
+        note += f"; {len(stacks)} stacked expert tensors split per expert"
+    if skipped:
+        note += f"; left out: {', '.join(skipped)}"
+    return Mapping(steps, hf_dir, config, notes=(note,), catalog=unstacked(catalog, stacks) if stacks else None)

@@ -90,7 +90,7 @@ def test_each_naming_is_claimed_by_its_mapper(tmp_path):
         "hf": (_catalog(dict(model.state_dict()), tmp_path), _options()),
         "PEFT-wrapped model": (_catalog(dict(wrapped.state_dict()), tmp_path), _options()),
         "megatron": (_catalog({"decoder.final_layernorm.weight": torch.ones(4)}, tmp_path, "megatron"), _options()),
-        "torchtitan-llama": (_catalog({"tok_embeddings.weight": torch.ones(4, 2)}, tmp_path), _options()),
+        "torchtitan": (_catalog({"tok_embeddings.weight": torch.ones(4, 2)}, tmp_path), _options()),
         "adapter folders": (_catalog(dict(model.state_dict()), tmp_path), _options(adapters=(tmp_path,))),
     }
     assert {want: mapper_for(c, o).name for want, (c, o) in cases.items()} == {want: want for want in cases}

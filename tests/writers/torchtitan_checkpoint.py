@@ -1,11 +1,16 @@
-"""Write a real torchtitan Llama DCP checkpoint and its HF oracle. Run under torchrun (gloo, CPU).
+"""Write a real torchtitan DCP checkpoint and its oracles. Run under torchrun (gloo, CPU).
 
     torchrun --nproc_per_node 2 tests/writers/torchtitan_checkpoint.py --out DIR --hf HF --reference REF
+    torchrun --nproc_per_node 2 tests/writers/torchtitan_checkpoint.py --family qwen3_moe --out DIR --hf HF \
+        --logits LOGITS
 
-Every rank builds the same seeded tiny torchtitan `Llama3Model` (GQA: 4 query heads, 2 kv heads), shards it
-with `fully_shard` and `dcp.save`s `model.state_dict()` into OUT, as torchtitan's checkpointer writes
-`checkpoint/step-N/`. Rank 0 writes the HF Llama config of the same shape to HF (torchtitan checkpoints
-carry none) and the oracle to REF: torchtitan's own `Llama3StateDictAdapter.to_hf` of the unsharded state dict.
+Every rank builds the same seeded tiny torchtitan model, shards it with `fully_shard` and `dcp.save`s
+`model.state_dict()` into OUT, as torchtitan's checkpointer writes `checkpoint/step-N/`. Rank 0 writes the HF
+config of the same shape to HF (torchtitan checkpoints carry none) and an oracle:
+- llama (`Llama3Model`, GQA: 4 query heads, 2 kv heads): REF, torchtitan's own `Llama3StateDictAdapter.to_hf` of
+  the unsharded state dict;
+- qwen3_moe (`Qwen3Model` with MoE layers: 4 experts, top 2, qk-norm, GQA): LOGITS, torchtitan's own forward of
+  the unsharded model on TOKENS (torchtitan's to_hf is not an oracle for every family).
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ import torch.distributed.checkpoint as dcp
 from leave_group import leave_group
 
 DIM, HEADS, KV_HEADS, LAYERS, VOCAB, FFN, THETA = 32, 4, 2, 2, 101, 72, 10000.0
+HEAD_DIM, EXPERTS, TOP_K, MOE_FFN = 8, 4, 2, 24
+TOKENS = [[1, 5, 7, 9, 11, 3, 42, 100]]
 
 
 def titan_config():
@@ -37,6 +44,33 @@ def titan_config():
     )
 
 
+def qwen3_moe_titan_config():
+    from torchtitan.models import qwen3
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
+
+    return qwen3.Qwen3Model.Config(
+        dim=DIM, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        norm=RMSNorm.Config(normalized_shape=DIM, eps=1e-6),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
+        layers=qwen3._build_qwen3_moe_layers(
+            n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, moe_hidden_dim=MOE_FFN,
+            num_experts=EXPERTS, top_k=TOP_K, attn_backend="flex", moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=128, theta=THETA)),
+    )
+
+
+def qwen3_moe_hf_config():
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, moe_intermediate_size=MOE_FFN,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+        num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=THETA, max_position_embeddings=128,
+        tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
+
+
 def hf_config():
     import transformers
 
@@ -50,7 +84,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--hf", type=Path, required=True)
-    p.add_argument("--reference", type=Path, required=True)
+    p.add_argument("--family", choices=["llama", "qwen3_moe"], default="llama")
+    p.add_argument("--reference", type=Path, help="llama: torchtitan's own to_hf output")
+    p.add_argument("--logits", type=Path, help="torchtitan's own logits on TOKENS")
     args = p.parse_args()
 
     from safetensors.torch import save_file
@@ -59,17 +95,24 @@ def main() -> None:
     from torchtitan.models.llama3 import Llama3StateDictAdapter
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    config = titan_config()
+    config = titan_config() if args.family == "llama" else qwen3_moe_titan_config()
     torch.manual_seed(0)
     model = config.build()
-    with torch.no_grad():  # seeded values everywhere (norms too), the same on every rank
+    with torch.no_grad():  # seeded values everywhere (norms too), the same on every rank; buffers stay as built
         for param in model.parameters():
             param.copy_(torch.randn_like(param) * 0.1)
     if rank == 0:
-        hf_config().save_pretrained(args.hf)
-        oracle = Llama3StateDictAdapter(config, None).to_hf(model.state_dict())
-        args.reference.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in oracle.items()}, args.reference / "model.safetensors")
+        (hf_config() if args.family == "llama" else qwen3_moe_hf_config()).save_pretrained(args.hf)
+        if args.reference:
+            oracle = Llama3StateDictAdapter(config, None).to_hf(model.state_dict())
+            args.reference.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in oracle.items()}, args.reference / "model.safetensors")
+        if args.logits:
+            tokens = torch.tensor(TOKENS)
+            positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+            with torch.no_grad():
+                logits = model.eval()(tokens, positions, model.get_attention_masks(positions))
+            torch.save(logits, args.logits)
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))

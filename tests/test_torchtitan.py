@@ -1,0 +1,86 @@
+"""torchtitan model families beyond Llama: a Qwen3-MoE DCP checkpoint as torchtitan saves it (qk-norm, GQA, MoE
+layers whose routed experts are stacked [E, F, D] tensors), written by torchtitan itself on 2 gloo ranks
+(tests/writers/torchtitan_checkpoint.py). Oracle: torchtitan's own forward logits of the unsharded model against
+transformers' Qwen3MoeForCausalLM logits on the merged output (torchtitan's to_hf is not an oracle for every
+family)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from conftest import load_safetensors_folder, run_merger, run_writer, single_error_line
+from test_dcp import _need_torchtitan
+
+TOKENS = [[1, 5, 7, 9, 11, 3, 42, 100]]  # the writer's TOKENS
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_root(tmp_path_factory) -> Path:
+    _need_torchtitan()
+    root = tmp_path_factory.mktemp("torchtitan_qwen3_moe")
+    run_writer("torchtitan_checkpoint.py", "--family", "qwen3_moe", "--out", root / "checkpoint" / "step-1",
+               "--hf", root / "hf", "--logits", root / "logits.pt", nproc=2)
+    return root
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_merged(qwen3_moe_root, tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("qwen3_moe_merged") / "out"
+    proc = run_merger("merge", "--local_dir", qwen3_moe_root / "checkpoint" / "step-1", "--target_dir", out,
+                      "--hf_model_config_path", qwen3_moe_root / "hf", "--dtype", "float32")
+    return out, proc.stderr
+
+
+def test_qwen3_moe_logits_match_torchtitan(qwen3_moe_root, qwen3_moe_merged):
+    out, _ = qwen3_moe_merged
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    with torch.no_grad():
+        logits = model(torch.tensor(TOKENS)).logits
+    titan = torch.load(qwen3_moe_root / "logits.pt", weights_only=True)
+    assert (logits - titan).abs().max().item() < 1e-4
+
+
+def test_qwen3_moe_experts_written_per_expert_as_transformers_saves(qwen3_moe_root, qwen3_moe_merged, tmp_path):
+    """The names and shapes save_pretrained writes for this config, no tensor more or less."""
+    out, log = qwen3_moe_merged
+    config = transformers.AutoConfig.from_pretrained(qwen3_moe_root / "hf")
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "saved")
+    saved = {n: t.shape for n, t in load_safetensors_folder(tmp_path / "saved").items()}
+    assert {n: t.shape for n, t in load_safetensors_folder(out).items()} == saved
+    assert "merger: torchtitan qwen3 names, written as HF qwen3_moe; 6 stacked expert tensors split per expert" in log
+    assert "layers.0.moe.expert_bias_E (Qwen3-MoE routes by scores alone" in log
+
+
+def test_qwen3_moe_torchrun_equals_one_process(qwen3_moe_root, qwen3_moe_merged, tmp_path):
+    """3 merge ranks over a 2-rank checkpoint: every expert's slice read where it lies, the same bytes."""
+    run_merger("merge", "--local_dir", qwen3_moe_root / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",
+               "--hf_model_config_path", qwen3_moe_root / "hf", "--dtype", "float32", "--max_shard_size", "20KB",
+               nproc=3)
+    one, three = load_safetensors_folder(qwen3_moe_merged[0]), load_safetensors_folder(tmp_path / "out")
+    assert one.keys() == three.keys() and all(torch.equal(one[n], three[n]) for n in one)
+
+
+def test_torchtitan_names_with_another_model_config_are_refused(qwen3_moe_root, tmp_path):
+    config = json.loads((qwen3_moe_root / "hf" / "config.json").read_text())
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(config, model_type="llama")))
+    proc = run_merger("merge", "--local_dir", qwen3_moe_root / "checkpoint" / "step-1", "--target_dir",
+                      tmp_path / "out", "--hf_model_config_path", tmp_path / "hf", check=False)
+    assert proc.returncode == 1 and not (tmp_path / "out").exists()
+    assert single_error_line(proc.stderr) == (
+        f"merger: error: torchtitan qwen3 names, but config.json has model_type 'llama' (expected qwen3 or "
+        f"qwen3_moe): pass the HF config of this model with --hf_model_config_path, {tmp_path / 'hf' / 'config.json'}")
+
+
+def test_model_flag_forces_a_family_and_names_a_stray_tensor(qwen3_moe_root, tmp_path):
+    """--model torchtitan-llama on Qwen3 names: the first tensor its table lacks is named."""
+    proc = run_merger("merge", "--local_dir", qwen3_moe_root / "checkpoint" / "step-1", "--target_dir",
+                      tmp_path / "out", "--hf_model_config_path", qwen3_moe_root / "hf", "--model", "torchtitan-llama",
+                      check=False)
+    error = single_error_line(proc.stderr)
+    assert proc.returncode == 1 and "has no HF name in torchtitan's llama table" in error, error
