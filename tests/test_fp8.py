@@ -1,10 +1,11 @@
 """FP8 block-scaled HF releases (DeepSeek-V3/R1 style) merged into a plain model.
 
-The release is made here: a tiny transformers Llama whose linear weights are quantized to float8_e4m3fn with
-one float32 `weight_scale_inv` per block, config.json naming the scheme as transformers' FineGrainedFP8Config
-does. Oracle: the block dequantization written below on whole tensors (a gather of each element's block
-scale, nothing of merger's), compared byte for byte in float32 and after the same bfloat16 cast; the output
-must load in transformers with no missing or unexpected keys and no quantization_config.
+The release is made by tests/writers/fp8_release.py: a tiny transformers Llama whose linear weights are
+quantized to float8_e4m3fn with one float32 `weight_scale_inv` per block, config.json naming the scheme as
+transformers' FineGrainedFP8Config does. Oracle: the block dequantization written below on whole tensors (a
+gather of each element's block scale, nothing of merger's), compared byte for byte in float32 and after the
+same bfloat16 cast; the output must load in transformers with no missing or unexpected keys and no
+quantization_config.
 """
 from __future__ import annotations
 
@@ -18,31 +19,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from conftest import load_safetensors_folder, merge_here, run_merger, snapshot
-
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-# Dims that leave partial edge blocks in [16, 16]: 40 = 2*16 + 8, 56 = 3*16 + 8, 20 = 16 + 4.
-TINY = dict(vocab_size=96, hidden_size=40, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=False)
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FIRST_SCALE = "model.layers.0.self_attn.q_proj.weight_scale_inv"
-
-
-def block_scales(scale: torch.Tensor, shape, block) -> torch.Tensor:
-    """Each element's scale: scale[i // b0, j // b1], gathered for the whole tensor."""
-    rows = torch.arange(shape[0]) // block[0]
-    cols = torch.arange(shape[1]) // block[1]
-    return scale[rows[:, None], cols[None, :]]
-
-
-def quantize(weight: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8 weight, float32 scale_inv per block): each block's largest magnitude maps to float8's largest."""
-    grid = (-(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1]))
-    scale = torch.zeros(grid)
-    for i in range(grid[0]):
-        for j in range(grid[1]):
-            part = weight[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
-            scale[i, j] = part.abs().max().clamp(min=1e-12) / FP8_MAX
-    return (weight / block_scales(scale, weight.shape, block)).to(torch.float8_e4m3fn), scale
+from fp8_release import FIRST_SCALE, SHARD1, SHARD2, write_release
 
 
 def dequantized(release: Path) -> dict[str, torch.Tensor]:
@@ -54,39 +31,13 @@ def dequantized(release: Path) -> dict[str, torch.Tensor]:
         if name.endswith("_scale_inv"):
             continue
         scale = state.get(name + "_scale_inv")
-        out[name] = t.float() if scale is None else t.float() * block_scales(scale, t.shape, block)
+        if scale is None:
+            out[name] = t.float()
+            continue
+        rows = torch.arange(t.shape[0]) // block[0]  # each element's block: scale[i // b0, j // b1]
+        cols = torch.arange(t.shape[1]) // block[1]
+        out[name] = t.float() * scale[rows[:, None], cols[None, :]]
     return out
-
-
-def write_release(folder: Path, block, quant_method: str = "fp8") -> Path:
-    """A tiny Llama as an FP8 release: two safetensors shards with an index, one weight's scale in the other
-    shard than its weight; embeddings, norms and lm_head stay bfloat16 (lm_head in modules_to_not_convert)."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**TINY)
-    model = transformers.LlamaForCausalLM(config)
-    state = {}
-    for name, t in model.state_dict().items():
-        if name.split(".")[-2] in QUANTIZED:
-            state[name], state[name + "_scale_inv"] = quantize(t.float(), block)
-        else:
-            state[name] = t.to(torch.bfloat16)
-    folder.mkdir(parents=True)
-    config.dtype = torch.bfloat16
-    config.save_pretrained(folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": quant_method, "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(block), "modules_to_not_convert": ["lm_head"]}
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
-    for name, t in state.items():
-        second = name.startswith("model.layers.1.") or name.startswith(("lm_head", "model.norm")) or name == FIRST_SCALE
-        shards["model-0000%d-of-00002.safetensors" % (2 if second else 1)][name] = t.contiguous()
-    weight_map = {}
-    for file, tensors in shards.items():
-        save_file(tensors, str(folder / file))
-        weight_map.update(dict.fromkeys(tensors, file))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +95,19 @@ def test_fp8_release_merges_into_the_dequantized_model(releases, tmp_path, block
     assert snapshot(release) == before
 
 
+@pytest.mark.parametrize("block", [(4, 4), (128, 128)], ids=["4x4", "128x128"])
+def test_bfloat16_merge_equals_transformers_own_dequantization(releases, tmp_path, capsys, block):
+    """transformers' FP8 loader, told to dequantize, is a second oracle where it applies: its block is the weight
+    over the scale grid, so it takes blocks that divide every weight (4x4 here) or one block per weight."""
+    release, out = releases(block), tmp_path / "out"
+    assert merge_here(capsys, "--local_dir", release, "--target_dir", out) == (0, [])
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        release, dtype=torch.bfloat16, quantization_config=transformers.FineGrainedFP8Config(dequantize=True))
+    loaded, ours = model.state_dict(), load_file(out / "model.safetensors")
+    assert sorted(loaded) == sorted(ours)
+    assert all(torch.equal(loaded[name], t) for name, t in ours.items())
+
+
 def test_inspect_names_the_fp8_scheme(releases):
     proc = run_merger("inspect", "--local_dir", releases(), "--json")
     info = json.loads(proc.stdout)
@@ -187,9 +151,6 @@ def _refused(capsys, release: Path, tmp_path: Path, *extra) -> str:
     assert code != 0 and len(errors) == 1, errors
     assert not out.exists() and snapshot(release) == before
     return errors[0]
-
-
-SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 
 
 def test_a_weight_without_its_scale_is_an_error(release, tmp_path, capsys):
