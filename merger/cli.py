@@ -210,6 +210,7 @@ def _inspect(options: MergeOptions, as_json: bool, merge_ranks: int) -> int:
         "output_dtype": options.dtype, "output_tensors": len(plan.location), "output_bytes": plan.total_bytes,
         "output_files": [{"name": f.name, "bytes": f.size, "tensors": len(f.entries)} for f in plan.files],
         "merge_ranks": merge_ranks, "bytes_per_rank": traffic(plan),
+        "notes": [note.removeprefix("merger: ") for note in prepared.notes],  # what the mapping found and does
     }
     if as_json:
         print(json.dumps(info, indent=2, default=str))
@@ -224,6 +225,9 @@ def _inspect(options: MergeOptions, as_json: bool, merge_ranks: int) -> int:
             for rank, moved in enumerate(value):
                 print(f"  rank {rank}: " + ", ".join(f"{what.removesuffix('_bytes')} {format_size(n)}"
                                                       for what, n in moved.items()))
+        elif key == "notes":
+            for note in value:
+                print(f"note: {note}")
         elif key.endswith("bytes"):
             print(f"{key}: {value} ({format_size(value)})")
         else:

@@ -42,6 +42,7 @@ class Prepared:
     hf_dir: Path | None  # None: the target is no HF model folder (an adapter folder), nothing to copy from
     plan: Plan
     config_updates: dict = field(default_factory=dict)
+    config_removals: tuple[str, ...] = ()
     extra_files: dict[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # what the merge found and does, logged once by rank 0
 
@@ -53,7 +54,8 @@ def prepare(options: MergeOptions, group: Group) -> Prepared:
         mapping = build_mapping(catalog, options)
         catalog = mapping.catalog or catalog
         plan = plan_layout(catalog, mapping.steps, group.world, options.max_shard_size, options.max_inflight)
-        return Prepared(catalog, mapping.hf_dir, plan, mapping.config_updates, mapping.extra_files, mapping.notes)
+        return Prepared(catalog, mapping.hf_dir, plan, mapping.config_updates, mapping.config_removals,
+                        mapping.extra_files, mapping.notes)
 
     return log_prepared(on_every_rank(group, build, options.debug), group)
 
@@ -105,8 +107,9 @@ def _open_target(options: MergeOptions, prepared: Prepared) -> Target:
     if target.earlier and not (options.overwrite or options.resume):
         target.refuse_earlier()
     if target.beside_config:
-        if prepared.config_updates:
-            raise MergerError(f"the merged model needs changes to config.json ({', '.join(prepared.config_updates)}), "
+        changed = [*prepared.config_updates, *prepared.config_removals]
+        if changed:
+            raise MergerError(f"the merged model needs changes to config.json ({', '.join(changed)}), "
                               f"and merger does not change the checkpoint's own config folder: choose a --target_dir "
                               f"outside the checkpoint, {target.path}")
         added = {f.name.split("/")[0] for f in prepared.plan.files} | {n.split("/")[0] for n in prepared.extra_files}
@@ -198,7 +201,7 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
         def complete():
             finish(stage, plan, None if target.beside_config else prepared.hf_dir, options.torch_dtype,
                    tracker.final_manifest(), prepared.config_updates, prepared.extra_files,
-                   list_added=target.beside_config)
+                   list_added=target.beside_config, config_removals=prepared.config_removals)
 
         on_rank_zero(group, complete, options.debug)
         verified = verify_staged(stage, prepared, group, options) if options.verify else None

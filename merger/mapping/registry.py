@@ -2,8 +2,9 @@
 
 A mapper turns the catalog's names into steps (mapping/steps.py): LoRA modes first (adapter folders given to
 `merger lora`, an adapter saved alone, a PEFT-wrapped model), then the naming conventions (Megatron by its
-family's table, torchtitan Llama by name, HF names as they are). The tie and dtype policy and the config
-changes the output's class needs are applied once, to whichever mapping was built. Adding a naming is one
+family's table, torchtitan Llama by name, a FP8 block-scaled HF release dequantized, HF names as they are).
+The tie and dtype policy and the config changes the output's class needs are applied once, to whichever
+mapping was built. Adding a naming is one
 module with `claims` and `build`, and a row here.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Callable
 from ..catalog import Catalog
 from ..errors import MergerError
 from ..options import MergeOptions
-from . import hf, megatron, torchtitan
+from . import fp8, hf, megatron, torchtitan
 from .lora import adapter_folders, adapter_state, peft_state
 from .lora.flags import LORA_FLAGS, refuse_unused
 from .model_class import config_updates
@@ -36,6 +37,7 @@ MAPPERS = (
     Mapper("PEFT-wrapped model", peft_state.claims, peft_state.build, LORA_FLAGS - {"base_model"}),
     Mapper("megatron", megatron.claims, megatron.build),
     Mapper("torchtitan", torchtitan.claims, torchtitan.build),
+    Mapper("FP8 block-scaled HF", fp8.claims, fp8.build),  # HF names whose config.json says FP8 blocks
     Mapper("hf", hf.claims, hf.build),
 )
 

@@ -69,6 +69,9 @@ class Mapping:
     hf_dir: Path | None  # config and tokenizer come from here; None: the target is no model (an adapter folder)
     config: dict  # hf_dir's config.json ({} without one)
     config_updates: dict = field(default_factory=dict)  # keys to set in the target's config.json
+    # top-level keys to delete from it: what the written weights no longer are (a dequantized model's
+    # quantization_config); a key both set and deleted is deleted
+    config_removals: tuple[str, ...] = ()
     extra_files: dict[str, str] = field(default_factory=dict)  # path relative to the target -> text
     notes: tuple[str, ...] = ()  # what the merge found and does, for the log
     catalog: Catalog | None = None  # what the steps read when it is more than the checkpoint (a base model too)

@@ -142,7 +142,8 @@ def _copy_hf_files(hf_dir: Path, stage: Path) -> list[str]:
     return copied
 
 
-def _write_config(stage: Path, dtype_name: str | None, config_updates: dict) -> None:
+def _write_config(stage: Path, dtype_name: str | None, config_updates: dict,
+                  config_removals: tuple[str, ...]) -> None:
     path = stage / "config.json"
     config = json.loads(path.read_text())
     if dtype_name:
@@ -150,14 +151,17 @@ def _write_config(stage: Path, dtype_name: str | None, config_updates: dict) -> 
         if "torch_dtype" in config:
             config["torch_dtype"] = dtype_name
     config.update(config_updates)
+    for key in config_removals:
+        config.pop(key, None)
     _write_into(stage, "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
 def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype | None, manifest: dict,
            config_updates: dict | None = None, extra_files: dict[str, str] | None = None,
-           list_added: bool = False) -> None:
-    """Rank 0, after every rank wrote its bytes: index, config, tokenizer files, extra files (relative path ->
-    text, e.g. an adapter's config), manifest, in the staging folder.
+           list_added: bool = False, config_removals: tuple[str, ...] = ()) -> None:
+    """Rank 0, after every rank wrote its bytes: index, config (`config_updates` set, `config_removals`
+    deleted), tokenizer files, extra files (relative path -> text, e.g. an adapter's config), manifest, in the
+    staging folder.
 
     `list_added`: the output joins a folder of the source's (target.py), so the manifest lists what it adds there,
     which is all a later merge may replace. The move into place (`target.place`) is separate so that `--verify`
@@ -173,7 +177,7 @@ def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype 
         if "config.json" not in copied:
             raise MergerError(f"no config.json to copy (pass --hf_model_config_path), {hf_dir}")
         dtype_name = str(out_dtype).removeprefix("torch.") if out_dtype is not None else None
-        _write_config(stage, dtype_name, config_updates or {})
+        _write_config(stage, dtype_name, config_updates or {}, config_removals)
     for name, text in (extra_files or {}).items():
         (stage / name).parent.mkdir(parents=True, exist_ok=True)
         _write_into(stage, name, text.encode())
