@@ -193,3 +193,11 @@ def test_another_quant_method_is_left_as_it_is(releases, tmp_path, capsys):
                                                  for n, t in source.items())
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "some-other-method"
+
+
+def test_float8_weights_of_another_quant_method_are_not_cast_without_their_scales(releases, tmp_path, capsys):
+    """--dtype bfloat16 on float8 weights merger does not dequantize would write values off by their scales."""
+    release = releases(quant_method="some-other-method")
+    error = _refused(capsys, release, tmp_path)
+    assert error.startswith("merger: error: tensor ") and " is stored as float8_e4m3fn, and a cast to bfloat16 " \
+        "without its scales would change its values" in error and error.endswith(str(release / "config.json")), error

@@ -84,3 +84,28 @@ def test_model_flag_forces_a_family_and_names_a_stray_tensor(qwen3_moe_root, tmp
                       check=False)
     error = single_error_line(proc.stderr)
     assert proc.returncode == 1 and "has no HF name in torchtitan's llama table" in error, error
+
+
+@pytest.fixture(scope="session")
+def deepseek_v3_root(tmp_path_factory) -> Path:
+    _need_torchtitan()
+    root = tmp_path_factory.mktemp("torchtitan_deepseek_v3")
+    run_writer("torchtitan_checkpoint.py", "--family", "deepseek_v3", "--out", root / "checkpoint" / "step-1",
+               "--hf", root / "hf", "--logits", root / "logits.pt", nproc=2)
+    return root
+
+
+def test_deepseek_v3_logits_match_torchtitan(deepseek_v3_root, tmp_path):
+    """MLA with q-LoRA, a dense first layer, a sigmoid router whose routing bias changes the choice
+    (e_score_correction_bias), a shared expert; merged on 3 ranks. transformers' DeepseekV3 gives torchtitan's
+    logits, and loads every tensor save_pretrained would write."""
+    run_merger("merge", "--local_dir", deepseek_v3_root / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",
+               "--hf_model_config_path", deepseek_v3_root / "hf", "--dtype", "float32", nproc=3)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32,
+                                                                    output_loading_info=True)
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    assert not any(info.values()), info
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor(TOKENS)).logits
+    titan = torch.load(deepseek_v3_root / "logits.pt", weights_only=True)
+    assert (logits - titan).abs().max().item() < 1e-4

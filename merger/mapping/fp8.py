@@ -24,12 +24,11 @@ from ..errors import MergerError
 from ..options import MergeOptions
 from .hf import model_config
 from .saved_names import rename_outputs, saved_names
-from .steps import Mapping, OutputSpec, Step, cast
+from .steps import FLOAT8, Mapping, OutputSpec, Step, cast
 
 SCALE_SUFFIX = "_scale_inv"
 QUANTIZATION_CONFIG = "quantization_config"
 DEQUANTIZED = torch.float32  # the dtype the dequantization computes in: a dequantized weight's natural dtype
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def quantization(config: dict) -> dict | None:
@@ -82,7 +81,7 @@ def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, .
 
 def _dequantize_step(name: str, catalog: Catalog, block: tuple[int, int]) -> Step:
     weight, scale = catalog.tensors[name], catalog.tensors[name + SCALE_SUFFIX]
-    if weight.dtype not in _FLOAT8:
+    if weight.dtype not in FLOAT8:
         raise MergerError(f"tensor {name} has a block scale but is stored as {str(weight.dtype).removeprefix('torch.')}"
                           f", not float8, {_file(weight)}")
     if len(weight.shape) < 2 or scale.shape != _scale_shape(weight.shape, block):
@@ -106,7 +105,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
                 raise MergerError(f"scale {name} has no weight {name.removesuffix(SCALE_SUFFIX)} beside it, {_file(t)}")
         elif name + SCALE_SUFFIX in names:
             steps.append(_dequantize_step(name, catalog, block))
-        elif t.dtype in _FLOAT8:
+        elif t.dtype in FLOAT8:
             raise MergerError(f"tensor {name} is stored as {str(t.dtype).removeprefix('torch.')} with no "
                               f"{name + SCALE_SUFFIX} beside it, {_file(t)}")
         else:

@@ -12,8 +12,9 @@ import dataclasses
 
 import torch
 
+from ..errors import MergerError
 from ..options import MergeOptions
-from .steps import Mapping, OutputSpec, Step, output_dtype
+from .steps import FLOAT8, Mapping, OutputSpec, Step, output_dtype
 
 TIED_OUTPUT = "lm_head.weight"
 # Names of the input embedding in common HF architectures: the tensor a tied lm_head shares.
@@ -45,6 +46,18 @@ def _cast(spec: OutputSpec, wanted: torch.dtype | None) -> OutputSpec:
     return spec if spec.file is not None else dataclasses.replace(spec, dtype=output_dtype(spec.dtype, wanted))
 
 
+def _refuse_scaleless_float8(steps: list[Step], wanted: torch.dtype | None, config_dir) -> None:
+    """A float8 tensor cast to another dtype would lose its scale: only a dequantizing mapping may change it."""
+    for step in steps:
+        spec = step.outputs[0]
+        if step.is_cast and spec.file is None and spec.dtype in FLOAT8 and wanted not in (None, spec.dtype):
+            raise MergerError(f"tensor {spec.name} is stored as {str(spec.dtype).removeprefix('torch.')}, and a cast "
+                              f"to {str(wanted).removeprefix('torch.')} without its scales would change its values "
+                              f"(merger dequantizes FP8 only as config.json's quantization_config describes it: "
+                              f"quant_method fp8 with weight_block_size; --dtype keep copies it as it is), "
+                              f"{config_dir / 'config.json' if config_dir else 'config.json'}")
+
+
 def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
     """`mapping` with the tied output left out and every model tensor in the output dtype."""
     tied = ties(mapping.config, options) and mapping.config_updates.get("tie_word_embeddings") is not False
@@ -52,5 +65,6 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
     if tied and sum(o.file is None for s in steps for o in s.outputs) > 1:  # a lone lm_head is all there is
         steps = [s for s in steps if [(o.name, o.file) for o in s.outputs] != [(TIED_OUTPUT, None)]]
     wanted = options.torch_dtype
+    _refuse_scaleless_float8(steps, wanted, mapping.hf_dir)
     steps = [Step(s.inputs, tuple(_cast(o, wanted) for o in s.outputs), s.transform) for s in steps]
     return dataclasses.replace(mapping, steps=steps)

@@ -18,6 +18,7 @@ from ..catalog import Catalog
 from ..safetensors_io import nbytes_of
 
 Transform = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # stored scaled: a cast alone loses the scale
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,8 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
             raise MergerError(f"tensor {name} has no HF name in torchtitan's {family} table (is this a torchtitan "
                               f"{family} checkpoint? --model names the family), {catalog.root}")
         kind, dst, m = match
+        if kind == "q_lora_norm" and f"layers.{m['i']}.attention.wq_a.weight" not in catalog.tensors:
+            kind, dst = "skip", "a placeholder torchtitan builds without q-LoRA"
         if kind == "skip":
             skipped.append(f"{name} ({dst})")
             continue
@@ -119,7 +121,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
         elif kind in ("rotary_q", "rotary_kv"):
             steps.append(_rotary_step(name, out, t.shape, t.dtype, _head_counts(config)[kind[len("rotary_"):]],
                                       catalog.root))
-        else:
+        else:  # rename, q_lora_norm
             steps.append(cast(name, out, t.shape, t.dtype))
     note = f"merger: torchtitan {family} names, written as HF {config.get('model_type')}"
     if stacks:

@@ -6,7 +6,9 @@ A row is (torchtitan name, kind, HF name). Layer rows follow `layers.{i}.` and b
 - `rotary_q` / `rotary_kv`: Llama's wq / wk, whose rows are permuted from torchtitan's interleaved RoPE pairs to
   HF's rotate-half layout (by query or by key-value head count);
 - `experts`: a stacked [E, ...] tensor of a MoE layer's routed experts, written as one HF tensor per expert;
-- `skip`: a tensor that has no HF equivalent, left out for the reason given in its HF-name column.
+- `skip`: a tensor that has no HF equivalent, left out for the reason given in its HF-name column;
+- `q_lora_norm`: MLA's query norm, renamed when the layer has q-LoRA (`wq_a`); without it torchtitan still
+  builds a 1-element placeholder, which HF has no place for.
 Qwen3 (CosSinRoPE) and DeepSeek-V3 (HF's `rope_interleave`) need no permutation. Both naming generations of
 torchtitan are accepted: `attention.wq` / `output` (<= 0.2) and `attention.qkv_linear.wq` / `lm_head` (0.3).
 """
@@ -56,7 +58,7 @@ SHARED_EXPERTS = (
 MLA = (
     ("attention.wq.weight", "rename", "self_attn.q_proj.weight"),  # without q-LoRA
     ("attention.wq_a.weight", "rename", "self_attn.q_a_proj.weight"),
-    ("attention.q_norm.weight", "rename", "self_attn.q_a_layernorm.weight"),
+    ("attention.q_norm.weight", "q_lora_norm", "self_attn.q_a_layernorm.weight"),
     ("attention.wq_b.weight", "rename", "self_attn.q_b_proj.weight"),
     ("attention.wkv_a.weight", "rename", "self_attn.kv_a_proj_with_mqa.weight"),
     ("attention.kv_norm.weight", "rename", "self_attn.kv_a_layernorm.weight"),

@@ -9,8 +9,9 @@ Every rank builds the same seeded tiny torchtitan model, shards it with `fully_s
 config of the same shape to HF (torchtitan checkpoints carry none) and an oracle:
 - llama (`Llama3Model`, GQA: 4 query heads, 2 kv heads): REF, torchtitan's own `Llama3StateDictAdapter.to_hf` of
   the unsharded state dict;
-- qwen3_moe (`Qwen3Model` with MoE layers: 4 experts, top 2, qk-norm, GQA): LOGITS, torchtitan's own forward of
-  the unsharded model on TOKENS (torchtitan's to_hf is not an oracle for every family).
+- qwen3_moe (`Qwen3Model` with MoE layers: 4 experts, top 2, qk-norm, GQA) and deepseek_v3 (`DeepSeekV3Model`: MLA
+  with q-LoRA, a dense first layer, then MoE with a sigmoid router, a routing bias and a shared expert): LOGITS,
+  torchtitan's own forward of the unsharded model on TOKENS (torchtitan's to_hf is not an oracle for every family).
 """
 from __future__ import annotations
 
@@ -71,6 +72,42 @@ def qwen3_moe_hf_config():
         tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
 
 
+DS_Q_LORA, DS_KV_LORA, DS_NOPE, DS_ROPE, DS_V, DS_SHARED, DS_DENSE_FFN = 16, 16, 8, 4, 8, 1, 48
+
+
+def deepseek_v3_titan_config():
+    from torchtitan.models import deepseek_v3
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+
+    return deepseek_v3.DeepSeekV3Model.Config(
+        dim=DIM, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        norm=RMSNorm.Config(normalized_shape=DIM),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
+        layers=deepseek_v3._build_dsv3_layers(  # a dense first layer, then MoE with a shared expert
+            n_layers=LAYERS, n_dense_layers=1, dim=DIM, n_heads=HEADS, q_lora_rank=DS_Q_LORA,
+            kv_lora_rank=DS_KV_LORA, qk_nope_head_dim=DS_NOPE, qk_rope_head_dim=DS_ROPE, v_head_dim=DS_V, mscale=1.0,
+            dense_hidden_dim=DS_DENSE_FFN, moe_hidden_dim=MOE_FFN, num_experts=EXPERTS, num_shared_experts=DS_SHARED,
+            router_top_k=TOP_K, router_score_func="sigmoid", router_route_norm=True, attn_backend="flex",
+            moe_comm_backend="standard", non_blocking_capacity_factor=None,
+            rope=ComplexRoPE.Config(dim=DS_ROPE, max_seq_len=128, theta=THETA, scaling="none")),
+        mtp_layers=[],
+    )
+
+
+def deepseek_v3_hf_config():
+    import transformers
+
+    return transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=DS_DENSE_FFN, moe_intermediate_size=MOE_FFN,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS, n_shared_experts=DS_SHARED,
+        n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        norm_topk_prob=True, first_k_dense_replace=1, q_lora_rank=DS_Q_LORA, kv_lora_rank=DS_KV_LORA,
+        qk_nope_head_dim=DS_NOPE, qk_rope_head_dim=DS_ROPE, v_head_dim=DS_V, rope_interleave=True,
+        rope_theta=THETA, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        architectures=["DeepseekV3ForCausalLM"])
+
+
 def hf_config():
     import transformers
 
@@ -84,7 +121,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--hf", type=Path, required=True)
-    p.add_argument("--family", choices=["llama", "qwen3_moe"], default="llama")
+    p.add_argument("--family", choices=["llama", "qwen3_moe", "deepseek_v3"], default="llama")
     p.add_argument("--reference", type=Path, help="llama: torchtitan's own to_hf output")
     p.add_argument("--logits", type=Path, help="torchtitan's own logits on TOKENS")
     args = p.parse_args()
@@ -95,14 +132,20 @@ def main() -> None:
     from torchtitan.models.llama3 import Llama3StateDictAdapter
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    config = titan_config() if args.family == "llama" else qwen3_moe_titan_config()
+    titan, hf = {"llama": (titan_config, hf_config), "qwen3_moe": (qwen3_moe_titan_config, qwen3_moe_hf_config),
+                 "deepseek_v3": (deepseek_v3_titan_config, deepseek_v3_hf_config)}[args.family]
+    config = titan()
     torch.manual_seed(0)
     model = config.build()
-    with torch.no_grad():  # seeded values everywhere (norms too), the same on every rank; buffers stay as built
+    with torch.no_grad():  # seeded values everywhere (norms too), the same on every rank
         for param in model.parameters():
             param.copy_(torch.randn_like(param) * 0.1)
+        if args.family == "deepseek_v3":  # a routing bias that changes which experts are chosen
+            for name, buffer in model.named_buffers():
+                if name.endswith("expert_bias_E"):
+                    buffer.copy_(torch.randn_like(buffer) * 0.1)
     if rank == 0:
-        (hf_config() if args.family == "llama" else qwen3_moe_hf_config()).save_pretrained(args.hf)
+        hf().save_pretrained(args.hf)
         if args.reference:
             oracle = Llama3StateDictAdapter(config, None).to_hf(model.state_dict())
             args.reference.mkdir(parents=True, exist_ok=True)
