@@ -210,6 +210,8 @@ def _inspect(options: MergeOptions, as_json: bool, merge_ranks: int) -> int:
         "output_files": [{"name": f.name, "bytes": f.size, "tensors": len(f.entries)} for f in plan.files],
         "merge_ranks": merge_ranks, "bytes_per_rank": traffic(plan),
     }
+    if c.skipped:  # formats that name their skip rules (Megatron): stored name -> rule
+        info["skipped"] = c.skipped
     if as_json:
         print(json.dumps(info, indent=2, default=str))
         return 0
@@ -223,11 +225,23 @@ def _inspect(options: MergeOptions, as_json: bool, merge_ranks: int) -> int:
             for rank, moved in enumerate(value):
                 print(f"  rank {rank}: " + ", ".join(f"{what.removesuffix('_bytes')} {format_size(n)}"
                                                       for what, n in moved.items()))
+        elif key == "skipped":
+            _print_skipped(value)
         elif key.endswith("bytes"):
             print(f"{key}: {value} ({format_size(value)})")
         else:
             print(f"{key}: {value}")
     return 0
+
+
+def _print_skipped(skipped: dict[str, str]) -> None:
+    """One line per rule: how many stored entries it left out, and the first of them (--json lists them all)."""
+    by_rule: dict[str, list[str]] = {}
+    for name, rule in skipped.items():
+        by_rule.setdefault(rule, []).append(name)
+    print(f"skipped: {len(skipped)} stored entries (--json lists each)")
+    for rule, names in by_rule.items():
+        print(f"  {rule}: {len(names)}, e.g. {names[0]}")
 
 
 def _run(args: argparse.Namespace) -> int:
