@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_same_weights, run_merger, run_writer, single_error_line
+from conftest import assert_same_weights, merge_here, run_merger, run_writer
 from conftest import merge_in_process as merge
 from test_megatron import hf_logits
 
@@ -89,18 +89,18 @@ def test_expert_tp_layout_writes_only_expert_dp_rank_0_files(moe_root):
     assert written == ["mp_rank_00_000", "mp_rank_01_001"]
 
 
-def test_missing_expert_tp_rank_file_is_reported(moe_root, tmp_path):
+def test_missing_expert_tp_rank_file_is_reported(moe_root, tmp_path, capsys):
     case = "grouped_tp2_ep2_etp1"
     src = Path(shutil.copytree(moe_root / case / "legacy", tmp_path / "ckpt"))
     shutil.rmtree(src / "iter_0000001" / "mp_rank_01_001")
-    proc = run_merger("merge", "--local_dir", src, "--target_dir", tmp_path / "out", "--hf_model_config_path",
-                      moe_root / case / "hf", check=False)
-    assert proc.returncode == 1
-    assert "rank file for tp 1 pp 0 ep 1 is missing" in single_error_line(proc.stderr)
+    code, (error,) = merge_here(capsys, "--local_dir", src, "--target_dir", tmp_path / "out",
+                                "--hf_model_config_path", moe_root / case / "hf")
+    assert code == 1
+    assert "rank file for tp 1 pp 0 ep 1 is missing" in error, error
     assert not (tmp_path / "out").exists()
 
 
-def test_unmapped_tensor_is_an_error_naming_it(moe_root, tmp_path):
+def test_unmapped_tensor_is_an_error_naming_it(moe_root, tmp_path, capsys):
     """A stored tensor that no skip rule covers and the family's table cannot name stops the merge."""
     case = "te_grouped_tp2_ep2_etp1"
     src = Path(shutil.copytree(moe_root / case / "legacy", tmp_path / "ckpt"))
@@ -108,23 +108,24 @@ def test_unmapped_tensor_is_an_error_naming_it(moe_root, tmp_path):
         state = torch.load(rank_file, weights_only=False)  # our own test file
         state["model"]["decoder.layers.1.mlp.experts.linear_fc3.weight0"] = torch.zeros(4, 4)
         torch.save(state, rank_file)
-    proc = run_merger("merge", "--local_dir", src, "--target_dir", tmp_path / "out", "--hf_model_config_path",
-                      moe_root / case / "hf", check=False)
-    assert proc.returncode == 1
-    error = single_error_line(proc.stderr)
+    code, (error,) = merge_here(capsys, "--local_dir", src, "--target_dir", tmp_path / "out",
+                                "--hf_model_config_path", moe_root / case / "hf")
+    assert code == 1
     assert "no HF name for Megatron tensor decoder.layers.1.mlp.experts.linear_fc3.weight0" in error, error
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("fmt", ["legacy", "dist"])
-def test_inspect_lists_what_is_skipped_and_why(fmt, moe_root):
+def test_inspect_lists_what_is_skipped_and_why(fmt, moe_root, capsys):
     """Every `_extra_state` entry torch finds in the files is listed, under its rule; nothing else is left out."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    from merger.cli import main
+
     case = "te_grouped_tp2_ep2_etp1"
-    proc = run_merger("inspect", "--local_dir", moe_root / case / fmt, "--hf_model_config_path",
-                      moe_root / case / "hf", "--json")
-    skipped = json.loads(proc.stdout)["skipped"]
+    assert main(["inspect", "--local_dir", str(moe_root / case / fmt), "--hf_model_config_path",
+                 str(moe_root / case / "hf"), "--json"]) == 0
+    skipped = json.loads(capsys.readouterr().out)["skipped"]
     if fmt == "dist":
         stored = FileSystemReader(str(moe_root / case / fmt / "iter_0000001")).read_metadata().state_dict_metadata
         extra = {k for k in stored if "._extra_state" in k}
@@ -132,3 +133,27 @@ def test_inspect_lists_what_is_skipped_and_why(fmt, moe_root):
         extra = {k for f in (moe_root / case / fmt).glob("iter_0000001/mp_rank_*/model_optim_rng.pt")
                  for k in torch.load(f, weights_only=False)["model"] if k.endswith("_extra_state")}
     assert extra and skipped == {k: "extra_state" for k in extra}
+
+
+def test_torchrun_merge_of_expert_tp_files_equals_single_process(moe_root, merged_moe, tmp_path):
+    """Two merge ranks open one rank file each: TP shards, grouped experts' strided views and gated halves are
+    read on one rank and sent to the other's writer."""
+    case = "mixtral_grouped_tp2_ep2"
+    run_merger("merge", "--local_dir", moe_root / case / "legacy", "--target_dir", tmp_path / "out",
+               "--hf_model_config_path", moe_root / case / "hf", "--dtype", "float32", nproc=2)
+    assert_same_weights(tmp_path / "out", merged_moe(case, "legacy"), None)
+
+
+def test_grouped_experts_without_an_expert_count_are_refused(moe_root, tmp_path, capsys):
+    """GroupedMLP's matrices do not say how many experts they hold: without `args.num_experts` the merge stops."""
+    case = "grouped_tp2_ep2_etp1"
+    src = Path(shutil.copytree(moe_root / case / "legacy", tmp_path / "ckpt"))
+    for rank_file in src.glob("iter_0000001/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(rank_file, weights_only=False)  # our own test file
+        del state["args"].num_experts
+        torch.save(state, rank_file)
+    code, (error,) = merge_here(capsys, "--local_dir", src, "--target_dir", tmp_path / "out",
+                                "--hf_model_config_path", moe_root / case / "hf")
+    assert code == 1
+    assert "GroupedMLP tensor decoder.layers.0.mlp.experts.weight1 needs the expert count" in error, error
+    assert not (tmp_path / "out").exists()
