@@ -100,14 +100,22 @@ def test_missing_expert_tp_rank_file_is_reported(moe_root, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def edited_copy(legacy: Path, dest: Path, edit) -> Path:
+    """A copy of a legacy save whose rank files' states went through `edit`."""
+    shutil.copytree(legacy, dest)
+    for rank_file in dest.glob("iter_0000001/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(rank_file, weights_only=False)  # our own test file
+        edit(state)
+        torch.save(state, rank_file)
+    return dest
+
+
 def test_unmapped_tensor_is_an_error_naming_it(moe_root, tmp_path, capsys):
     """A stored tensor that no skip rule covers and the family's table cannot name stops the merge."""
     case = "te_grouped_tp2_ep2_etp1"
-    src = Path(shutil.copytree(moe_root / case / "legacy", tmp_path / "ckpt"))
-    for rank_file in src.glob("iter_0000001/mp_rank_*/model_optim_rng.pt"):
-        state = torch.load(rank_file, weights_only=False)  # our own test file
-        state["model"]["decoder.layers.1.mlp.experts.linear_fc3.weight0"] = torch.zeros(4, 4)
-        torch.save(state, rank_file)
+    src = edited_copy(moe_root / case / "legacy", tmp_path / "ckpt",
+                      lambda state: state["model"].update({"decoder.layers.1.mlp.experts.linear_fc3.weight0":
+                                                           torch.zeros(4, 4)}))
     code, (error,) = merge_here(capsys, "--local_dir", src, "--target_dir", tmp_path / "out",
                                 "--hf_model_config_path", moe_root / case / "hf")
     assert code == 1
@@ -147,11 +155,8 @@ def test_torchrun_merge_of_expert_tp_files_equals_single_process(moe_root, merge
 def test_grouped_experts_without_an_expert_count_are_refused(moe_root, tmp_path, capsys):
     """GroupedMLP's matrices do not say how many experts they hold: without `args.num_experts` the merge stops."""
     case = "grouped_tp2_ep2_etp1"
-    src = Path(shutil.copytree(moe_root / case / "legacy", tmp_path / "ckpt"))
-    for rank_file in src.glob("iter_0000001/mp_rank_*/model_optim_rng.pt"):
-        state = torch.load(rank_file, weights_only=False)  # our own test file
-        del state["args"].num_experts
-        torch.save(state, rank_file)
+    src = edited_copy(moe_root / case / "legacy", tmp_path / "ckpt",
+                      lambda state: delattr(state["args"], "num_experts"))
     code, (error,) = merge_here(capsys, "--local_dir", src, "--target_dir", tmp_path / "out",
                                 "--hf_model_config_path", moe_root / case / "hf")
     assert code == 1

@@ -87,7 +87,8 @@ def te_names(state: dict) -> dict:
         m = SEQUENTIAL.fullmatch(key)
         if not m:
             return key
-        return f"{m.group(1)}{m.group(3)}." + ("_extra_state" if m.group(4) == "_extra_state" else f"weight{m.group(2)}")
+        leaf = "_extra_state" if m.group(4) == "_extra_state" else f"weight{m.group(2)}"
+        return f"{m.group(1)}{m.group(3)}.{leaf}"
 
     return {renamed(k): v for k, v in state.items()}
 
@@ -102,7 +103,7 @@ def save_legacy(a: Namespace, chunk, root: Path) -> None:
     args = Namespace(tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=1,
                      expert_model_parallel_size=a.ep, expert_tensor_parallel_size=a.etp, num_experts=a.experts,
                      moe_grouped_gemm=bool(a.grouped), num_layers=a.layers,
-                     padded_vocab_size=mc.padded_vocab(a.vocab, a.tp), untie_embeddings_and_output_weights=True)
+                     padded_vocab_size=mc.padded_vocab(a.vocab, a.tp), untie_embeddings_and_output_weights=not a.tied)
     path = root / "iter_0000001" / mc.legacy_dir(ps.get_tensor_model_parallel_rank(), 0,
                                                  ps.get_expert_model_parallel_rank(), a) / "model_optim_rng.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
