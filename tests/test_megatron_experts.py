@@ -28,8 +28,9 @@ CASES = {
     "grouped_tp2_ep2_etp1": "arch=qwen3_moe,tp=2,ep=2,etp=1,grouped=1,cross=1",
     # GroupedMLP with expert TP 2: each expert's gated fc1 is [gate_r; up_r] inside a transposed memory view
     "mixtral_grouped_tp2_ep2": "arch=mixtral,tp=2,ep=2,grouped=1",
-    # TEGroupedMLP names, ETP1, a dense first layer (moe_layer_freq [0, 1]: torch_dist keys per layer)
-    "te_grouped_tp2_ep2_etp1": "arch=qwen3_moe,tp=2,ep=2,etp=1,te=1,dense_first=1",
+    # TEGroupedMLP names, ETP1 while the shared expert is split by TP 2, a dense first layer (moe_layer_freq
+    # [0, 1]: torch_dist keys per layer)
+    "te_grouped_tp2_ep2_etp1": "arch=qwen2_moe,tp=2,ep=2,etp=1,te=1,dense_first=1",
 }
 
 
