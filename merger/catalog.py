@@ -99,6 +99,8 @@ class Catalog:
     naming: str = "hf"
     # Facts for `inspect` and the summary (world size, mesh, placements...), human-readable values.
     details: dict[str, object] = field(default_factory=dict)
+    # Stored entries that are not merged, each with the rule that leaves it out (name -> rule): `inspect` lists them.
+    skipped: dict[str, str] = field(default_factory=dict)
 
     def open_reader(self) -> PieceReader:
         return self.reader_factory(self)

@@ -212,6 +212,8 @@ def _inspect(options: MergeOptions, as_json: bool, merge_ranks: int) -> int:
         "merge_ranks": merge_ranks, "bytes_per_rank": traffic(plan),
         "notes": [note.removeprefix("merger: ") for note in prepared.notes],  # what the mapping found and does
     }
+    if c.skipped:  # formats that name their skip rules (Megatron): stored name -> rule
+        info["skipped"] = c.skipped
     if as_json:
         print(json.dumps(info, indent=2, default=str))
         return 0
@@ -228,11 +230,23 @@ def _inspect(options: MergeOptions, as_json: bool, merge_ranks: int) -> int:
         elif key == "notes":
             for note in value:
                 print(f"note: {note}")
+        elif key == "skipped":
+            _print_skipped(value)
         elif key.endswith("bytes"):
             print(f"{key}: {value} ({format_size(value)})")
         else:
             print(f"{key}: {value}")
     return 0
+
+
+def _print_skipped(skipped: dict[str, str]) -> None:
+    """One line per rule: how many stored entries it left out, and the first of them (--json lists them all)."""
+    by_rule: dict[str, list[str]] = {}
+    for name, rule in skipped.items():
+        by_rule.setdefault(rule, []).append(name)
+    print(f"skipped: {len(skipped)} stored entries (--json lists each)")
+    for rule, names in by_rule.items():
+        print(f"  {rule}: {len(names)}, e.g. {names[0]}")
 
 
 def _run(args: argparse.Namespace) -> int:

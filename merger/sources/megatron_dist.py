@@ -6,7 +6,8 @@ layer; other models save per-layer keys. The catalog exposes one source tensor p
 each stored chunk that covers layer l gives a piece `name[l - chunk offset]` (the chunk's box without
 axis 0). The reader loads the chunk (a `torch.save` blob inside the .distcp file) and slices the layer out;
 megatron-core writes one chunk per layer, so this reads no extra bytes there.
-`optimizer.*`, `_extra_state` and non-tensor entries are skipped.
+Entries that are not weights (`optimizer.*`, `_extra_state`, stored objects) are left out by the named rules
+of megatron_skips.py.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .dcp_metadata import load_metadata
 from .file_reads import SourceFiles, Stored
 from .megatron_keys import split_key, take, with_index
 from .megatron_layout import checkpoint_dir
+from .megatron_skips import NOT_A_TENSOR, skip_rule
 
 STACKED = "decoder.layers."
 EXPERTS = "mlp.experts.experts."  # SequentialMLP experts, stacked on an expert axis
@@ -43,10 +45,6 @@ def holds_model(ckpt: Path) -> bool:
     """False when the checkpoint has no model tensors (verl then wrote HF safetensors beside it)."""
     meta = load_metadata(ckpt)
     return any(fqn.startswith(MODEL_PREFIXES) for fqn in meta.state_dict_metadata)
-
-
-def _skipped(fqn: str) -> bool:
-    return fqn.startswith(("optimizer.", "optim.", "rng_state")) or "_extra_state" in fqn
 
 
 def _stacked_axes(fqn: str):
@@ -74,8 +72,11 @@ def open_catalog(root: Path) -> Catalog:
     pieces: dict[str, list[ShardPiece]] = {}
     shapes: dict[str, tuple] = {}
     dtypes: dict[str, torch.dtype] = {}
+    skipped: dict[str, str] = {}
     for fqn, md in meta.state_dict_metadata.items():
-        if _skipped(fqn) or not isinstance(md, TensorStorageMetadata):
+        rule = skip_rule(fqn) or (None if isinstance(md, TensorStorageMetadata) else NOT_A_TENSOR)
+        if rule:
+            skipped[fqn] = rule
             continue
         axes, name_of = _stacked_axes(fqn)
         for chunk in md.chunks:
@@ -93,7 +94,8 @@ def open_catalog(root: Path) -> Catalog:
     tensors = {n: SourceTensor(n, shapes[n], dtypes[n], tuple(p)) for n, p in pieces.items()}
     files = sorted({c.file for t in tensors.values() for p in t.pieces for c in p.copies})
     return Catalog(format="megatron_dist", naming="megatron", root=root, tensors=tensors, files=files,
-                   reader_factory=DistReader, hf_dir=hf_dir, details={"checkpoint": str(ckpt), "stored_tensors": len(meta.state_dict_metadata)})
+                   reader_factory=DistReader, hf_dir=hf_dir, skipped=skipped,
+                   details={"checkpoint": str(ckpt), "stored_tensors": len(meta.state_dict_metadata)})
 
 
 class DistReader:

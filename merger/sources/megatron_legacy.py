@@ -2,11 +2,13 @@
 
 Each file is one (TP, PP, EP) rank's `torch.save` of `{"model" | "model0", "model1"..., "args", ...}` with
 layer numbers local to its pipeline chunk and expert numbers local to its EP rank. The catalog reads the
-TP-rank-0 file of every (PP, EP) slice (memory-mapped: no tensor bytes) and describes the canonical
-global tensors: layers renumbered in (virtual stage, stage) order, experts as ep * local_count + local,
-TP shards placed as pieces (column-parallel along dim 0, row-parallel along dim 1, replicated as one piece
-with a copy in every file). A gated fc1 holds [gate_r; up_r] per TP rank, so each half is its own piece
-placed in cat(gate, up): the global fc1 then reads the same as torch_dist's.
+lowest-TP-rank file of every (PP, EP) slice (memory-mapped: no tensor bytes) and describes the canonical
+global tensors: layers renumbered in (virtual stage, stage) order, experts as ep * local_count + local under
+SequentialMLP's names whichever module saved them (GroupedMLP, TEGroupedMLP), TP shards placed as pieces
+(column-parallel along dim 0, row-parallel along dim 1, replicated as one piece with a copy in every file);
+experts are split by expert TP instead, which may differ from TP. A gated fc1 holds [gate_r; up_r] per TP
+rank, so each half is its own piece placed in cat(gate, up): the global fc1 then reads the same as
+torch_dist's. Entries that are not weights are left out by the named rules of megatron_skips.py.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from .file_reads import Stored
 from .mapped_states import MappedStates
-from .megatron_keys import split_key, take, with_slice
+from .megatron_keys import split_expert, split_key, take, take_expert, with_expert, with_slice
+from .megatron_skips import NOT_A_TENSOR, skip_rule
 from .megatron_layout import checkpoint_dir
 from .safe_load import torch_load
 
@@ -31,6 +34,8 @@ FILE = "model_optim_rng.pt"
 MP_DIR = re.compile(r"mp_rank_(\d{2})((?:_\d{3}){0,2})")
 LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
+GROUPED = re.compile(r"(.*\.mlp\.experts\.)weight([12])")  # GroupedMLP: all local experts in one matrix
+TE_GROUPED = re.compile(r"(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)")  # TEGroupedMLP
 COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
           "word_embeddings.weight", "output_layer.weight")
 ROW = ("linear_proj.weight", "linear_fc2.weight")
@@ -76,8 +81,9 @@ def _chunks(state: dict) -> list[str]:
     return sorted(keys, key=lambda k: int(k[5:]))
 
 
-def _rank_files(ckpt: Path) -> dict[tuple[int, int, int], str]:
-    """(tp, pp, ep) -> file. One suffix means PP or EP: the args of the first file decide (PP without args)."""
+def _rank_files(ckpt: Path) -> tuple[dict[tuple[int, int, int], str], argparse.Namespace | None]:
+    """(tp, pp, ep) -> file, and the first file's args. One suffix means PP or EP: the args decide (PP
+    without args)."""
     found = {}
     for d in ckpt.iterdir():
         m = MP_DIR.fullmatch(d.name)
@@ -98,26 +104,47 @@ def _rank_files(ckpt: Path) -> dict[tuple[int, int, int], str]:
         else:
             pp, ep = 0, 0
         files[(tp, pp, ep)] = path
-    # The args name the layout when present, so a whole missing TP/PP/EP slice is caught too.
+    return files, args
+
+
+def _layout(files: dict[tuple[int, int, int], str], args, ckpt: Path) -> tuple[tuple[int, int, int, int], dict]:
+    """(TP, PP, EP, ETP) and each file's expert tensor-parallel rank, checking that no file is missing.
+
+    Megatron-LM's expert-DP rank 0 writes the legacy files. Within a pipeline stage, rank r holds attention's
+    TP rank r % TP, and with experts laid out ETP-fastest, EP rank r // ETP and expert TP rank r % ETP; the
+    writers are r < ETP x EP. ETP = TP (the default, and every Megatron before ETP) gives the whole TP x EP
+    grid; TP2 EP2 ETP1 gives `mp_rank_00_000` and `mp_rank_01_001` only.
+    """
     declared = [getattr(args, f"{n}_model_parallel_size", None) for n in ("tensor", "pipeline", "expert")]
-    sizes = [d or 1 + max(k[i] for k in files) for i, d in enumerate(declared)]
-    for tp in range(sizes[0]):
-        for pp in range(sizes[1]):
-            for ep in range(sizes[2]):
-                if (tp, pp, ep) not in files:
-                    raise MergerError(f"rank file for tp {tp} pp {pp} ep {ep} is missing ({sizes[0]} x {sizes[1]} x "
-                                      f"{sizes[2]} expected), {ckpt}")
-    return files
+    tp_size, pp_size, ep_size = (d or 1 + max(k[i] for k in files) for i, d in enumerate(declared))
+    etp_size = getattr(args, "expert_tensor_parallel_size", None) or tp_size
+    writers = {(r % tp_size, r // etp_size): r % etp_size for r in range(etp_size * ep_size)}
+    if len(writers) < etp_size * ep_size or etp_size * ep_size < tp_size:
+        raise MergerError(f"with TP {tp_size}, EP {ep_size} and expert TP {etp_size}, Megatron-LM's legacy files "
+                          f"{'overwrite each other' if len(writers) < etp_size * ep_size else 'leave TP ranks out'}"
+                          f": save this layout as torch_dist, {ckpt}")
+    for pp in range(pp_size):
+        for (tp, ep) in sorted(writers, key=lambda k: (k[1], k[0])):
+            if (tp, pp, ep) not in files:
+                raise MergerError(f"rank file for tp {tp} pp {pp} ep {ep} is missing ({tp_size} x {pp_size} x "
+                                  f"{ep_size} expected, expert TP {etp_size}), {ckpt}")
+    for (tp, pp, ep), file in files.items():
+        if (tp, ep) not in writers or pp >= pp_size:
+            raise MergerError(f"rank file for tp {tp} pp {pp} ep {ep} does not belong to a {tp_size} x {pp_size} x "
+                              f"{ep_size} layout with expert TP {etp_size}, {file}")
+    return (tp_size, pp_size, ep_size, etp_size), {files[(tp, pp, ep)]: etp for (tp, ep), etp in writers.items()
+                                                     for pp in range(pp_size)}
 
 
-def _is_gated(local: dict[str, torch.Tensor], name: str) -> bool:
+def _is_gated(local: dict[str, tuple[torch.Tensor, str]], name: str) -> bool:
     """fc1 is [gate; up] when it has twice the rows fc2 has columns (Megatron does not record it)."""
     fc2 = local.get(name.replace("linear_fc1.weight", "linear_fc2.weight"))
-    return name.endswith("linear_fc1.weight") and fc2 is not None and local[name].shape[0] == 2 * fc2.shape[1]
+    return name.endswith("linear_fc1.weight") and fc2 is not None and local[name][0].shape[0] == 2 * fc2[0].shape[1]
 
 
 def _pieces(name: str, local: torch.Tensor, gated: bool, copies: dict[int, list[PieceCopy]], tp_size: int):
-    """Global shape and pieces of one tensor from its TP-rank-0 local shape and every rank's copies."""
+    """Global shape and pieces of one tensor from its rank-0 local shape and every rank's copies (`tp_size`
+    ranks: TP, or expert TP for experts)."""
     shape = list(local.shape)
     dim = 0 if name.endswith(COLUMN) else 1 if name.endswith(ROW) else None
     if name == "output_layer.weight" and shape[0] == 1:
@@ -143,10 +170,41 @@ def _pieces(name: str, local: torch.Tensor, gated: bool, copies: dict[int, list[
     return tuple(shape), tuple(pieces)
 
 
+def _local_weights(chunk: dict, experts: int | None, file: str) -> tuple[dict[str, tuple[torch.Tensor, str]], dict]:
+    """One model chunk's weights under SequentialMLP's names, each as (its local tensor or view, its locator),
+    and what the skip rules leave out (name -> rule). GroupedMLP's `experts.weight1/2` become one view per
+    local expert (megatron_keys.py); TEGroupedMLP's `experts.linear_fc1.weight{i}` is local expert i's
+    weight as SequentialMLP saves it, renamed."""
+    weights, skipped = {}, {}
+    for name, value in chunk.items():
+        rule = skip_rule(name) or (None if isinstance(value, torch.Tensor) else NOT_A_TENSOR)
+        if rule:
+            skipped[name] = rule
+        elif m := GROUPED.fullmatch(name):
+            if not experts:
+                raise MergerError(f"GroupedMLP tensor {name} needs the expert count, which this file's args do "
+                                  f"not give (num_experts), {file}")
+            rows, cols = value.shape if value.dim() == 2 else (0, 0)
+            view = (experts, rows, cols // experts) if m.group(2) == "1" else (experts, rows // experts, cols)
+            if view[1] * view[2] * experts != value.numel() or not value.is_contiguous() or not value.numel():
+                raise MergerError(f"GroupedMLP tensor {name} of shape {tuple(value.shape)} does not hold "
+                                  f"{experts} local experts, {file}")
+            for e in range(experts):
+                weights[f"{m.group(1)}local_experts.{e}.linear_fc{m.group(2)}.weight"] = (
+                    take_expert(value, (view, e)), with_expert(name, view, e))
+        elif m := TE_GROUPED.fullmatch(name):
+            weights[f"{m.group(1)}local_experts.{m.group(4)}.{m.group(2)}.{m.group(3)}"] = (value, name)
+        else:
+            weights[name] = (value, name)
+    return weights, skipped
+
+
 def open_catalog(root: Path) -> Catalog:
     ckpt, hf_dir = checkpoint_dir(root)
-    files = _rank_files(ckpt)
-    tp_size, pp_size, ep_size = (1 + max(k[i] for k in files) for i in range(3))
+    files, args = _rank_files(ckpt)
+    (tp_size, pp_size, ep_size, etp_size), etp_of = _layout(files, args, ckpt)
+    experts = getattr(args, "num_experts", None)
+    local_experts = experts // ep_size if experts else None
     first = {pp: load_file(files[(0, pp, 0)]) for pp in range(pp_size)}
     chunk_keys = _chunks(first[0])
 
@@ -158,34 +216,46 @@ def open_catalog(root: Path) -> Catalog:
             offsets[(vp, pp)] = count
             count += len(layers)
 
+    def global_name(name: str, vp: int, pp: int, ep: int, per_rank: int) -> str:
+        if m := LAYER.fullmatch(name):
+            name = f"decoder.layers.{offsets[(vp, pp)] + int(m.group(1))}.{m.group(2)}"
+        if m := EXPERT.fullmatch(name):
+            name = f"{m.group(1)}{ep * per_rank + int(m.group(2))}{m.group(3)}"
+        return name
+
     entries: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
     for pp in range(pp_size):
         for ep in range(ep_size):
-            state = first[pp] if ep == 0 else load_file(files[(0, pp, ep)])
+            # The slice's experts are read from the file of its lowest TP rank; every file of the slice is a copy.
+            slice_files = sorted((tp, f) for (tp, p, e), f in files.items() if (p, e) == (pp, ep))
+            reference = slice_files[0][1]
+            state = first[pp] if reference == files[(0, pp, 0)] else load_file(reference)
             for vp, key in enumerate(chunk_keys):
-                local = {n: v for n, v in state[key].items()
-                         if isinstance(v, torch.Tensor) and not n.endswith("_extra_state")}
-                experts = {int(m.group(2)) for n in local if (m := EXPERT.fullmatch(n))}
-                for name, value in local.items():
-                    g = name
-                    if m := LAYER.fullmatch(g):
-                        g = f"decoder.layers.{offsets[(vp, pp)] + int(m.group(1))}.{m.group(2)}"
-                    if m := EXPERT.fullmatch(g):
-                        g = f"{m.group(1)}{ep * len(experts) + int(m.group(2))}{m.group(3)}"
-                    entry = entries.setdefault(g, {"value": value, "gated": _is_gated(local, name), "copies": {}})
+                local, left_out = _local_weights(state[key], local_experts, reference)
+                per_rank = len({int(m.group(2)) for n in local if (m := EXPERT.fullmatch(n))})
+                skipped.update({global_name(n, vp, pp, ep, per_rank): rule for n, rule in left_out.items()})
+                for name, (value, stored) in local.items():
+                    g = global_name(name, vp, pp, ep, per_rank)
+                    expert = EXPERT.fullmatch(name) is not None
+                    entry = entries.setdefault(g, {"value": value, "gated": _is_gated(local, name), "copies": {},
+                                                   "ranks": etp_size if expert else tp_size})
                     if tuple(entry["value"].shape) != tuple(value.shape):
-                        raise MergerError(f"tensor {name} differs in shape between EP ranks, {files[(0, pp, ep)]}")
-                    for tp in range(tp_size):
-                        entry["copies"].setdefault(tp, []).append(PieceCopy(files[(tp, pp, ep)], f"{key}/{name}"))
+                        raise MergerError(f"tensor {name} differs in shape between EP ranks, {reference}")
+                    # Experts are split by expert TP: each file holds its expert TP rank's part. The rest is
+                    # split by TP, and repeats in every EP rank's file.
+                    for tp, file in slice_files:
+                        rank = etp_of[file] if expert else tp
+                        entry["copies"].setdefault(rank, []).append(PieceCopy(file, f"{key}/{stored}"))
     tensors = {}
     for g, entry in entries.items():
-        shape, pieces = _pieces(g, entry["value"], entry["gated"], entry["copies"], tp_size)
+        shape, pieces = _pieces(g, entry["value"], entry["gated"], entry["copies"], entry["ranks"])
         tensors[g] = SourceTensor(g, shape, entry["value"].dtype, pieces)
     ordered = [files[k] for k in sorted(files, key=lambda k: (k[1], k[2], k[0]))]
     return Catalog(
         format="megatron_legacy", naming="megatron", root=root, tensors=tensors, files=ordered,
-        reader_factory=LegacyReader, hf_dir=hf_dir,
-        details={"checkpoint": str(ckpt), "tp": tp_size, "pp": pp_size, "ep": ep_size,
+        reader_factory=LegacyReader, hf_dir=hf_dir, skipped=skipped,
+        details={"checkpoint": str(ckpt), "tp": tp_size, "pp": pp_size, "ep": ep_size, "expert_tp": etp_size,
                  "virtual_chunks": len(chunk_keys), "layers": count})
 
 
@@ -201,8 +271,9 @@ class LegacyReader:
 
     def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:
         key, sl = split_key(copy.key)
+        key, grouped = split_expert(key)
         chunk, name = key.split("/", 1)
         value = self.states[copy.file][chunk].get(name)
         if not isinstance(value, torch.Tensor):
             raise MergerError(f"tensor {name} is missing from this rank's file, {copy.file}")
-        return self.states.stored(copy.file, take(value, sl))
+        return self.states.stored(copy.file, take(take_expert(value, grouped), sl))
