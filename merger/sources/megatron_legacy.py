@@ -32,7 +32,11 @@ MP_DIR = re.compile(r"mp_rank_(\d{2})((?:_\d{3}){0,2})")
 LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
 COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
-          "word_embeddings.weight", "output_layer.weight")
+          "word_embeddings.weight", "output_layer.weight", "linear_q_proj.weight", "linear_q_up_proj.weight",
+          "linear_kv_up_proj.weight", "eh_proj.weight")
+# MLA's down projections: column-parallel in the local spec, whole on every rank in TE's (a TELinear, with the
+# q/kv norms fused into the up projections, so `linear_kv_up_proj.layer_norm_weight` marks a TE layer).
+MLA_DOWN = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
 ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
@@ -116,12 +120,19 @@ def _is_gated(local: dict[str, torch.Tensor], name: str) -> bool:
     return name.endswith("linear_fc1.weight") and fc2 is not None and local[name].shape[0] == 2 * fc2.shape[1]
 
 
-def _pieces(name: str, local: torch.Tensor, gated: bool, copies: dict[int, list[PieceCopy]], tp_size: int):
+def _tp_dim(local: dict[str, torch.Tensor], name: str) -> int | None:
+    """The dim a tensor is split along over TP ranks (None: replicated)."""
+    if name == "output_layer.weight" and local[name].shape[0] == 1:
+        return None  # a critic's value head: a replicated Linear(hidden, 1), not a vocab-parallel layer
+    if name.endswith(MLA_DOWN):
+        fused_norm = name.rsplit(".", 2)[0] + ".linear_kv_up_proj.layer_norm_weight"
+        return None if fused_norm in local else 0
+    return 0 if name.endswith(COLUMN) else 1 if name.endswith(ROW) else None
+
+
+def _pieces(local: torch.Tensor, dim: int | None, gated: bool, copies: dict[int, list[PieceCopy]], tp_size: int):
     """Global shape and pieces of one tensor from its TP-rank-0 local shape and every rank's copies."""
     shape = list(local.shape)
-    dim = 0 if name.endswith(COLUMN) else 1 if name.endswith(ROW) else None
-    if name == "output_layer.weight" and shape[0] == 1:
-        dim = None  # a critic's value head: a replicated Linear(hidden, 1), not a vocab-parallel layer
     if dim is None:
         every = tuple(c for tp in sorted(copies) for c in copies[tp])
         return tuple(shape), (ShardPiece((0,) * len(shape), tuple(shape), every),)
@@ -172,14 +183,15 @@ def open_catalog(root: Path) -> Catalog:
                         g = f"decoder.layers.{offsets[(vp, pp)] + int(m.group(1))}.{m.group(2)}"
                     if m := EXPERT.fullmatch(g):
                         g = f"{m.group(1)}{ep * len(experts) + int(m.group(2))}{m.group(3)}"
-                    entry = entries.setdefault(g, {"value": value, "gated": _is_gated(local, name), "copies": {}})
+                    entry = entries.setdefault(g, {"value": value, "gated": _is_gated(local, name),
+                                                   "dim": _tp_dim(local, name), "copies": {}})
                     if tuple(entry["value"].shape) != tuple(value.shape):
                         raise MergerError(f"tensor {name} differs in shape between EP ranks, {files[(0, pp, ep)]}")
                     for tp in range(tp_size):
                         entry["copies"].setdefault(tp, []).append(PieceCopy(files[(tp, pp, ep)], f"{key}/{name}"))
     tensors = {}
     for g, entry in entries.items():
-        shape, pieces = _pieces(g, entry["value"], entry["gated"], entry["copies"], tp_size)
+        shape, pieces = _pieces(entry["value"], entry["dim"], entry["gated"], entry["copies"], tp_size)
         tensors[g] = SourceTensor(g, shape, entry["value"].dtype, pieces)
     ordered = [files[k] for k in sorted(files, key=lambda k: (k[1], k[2], k[0]))]
     return Catalog(
