@@ -62,7 +62,7 @@ def _step(name: str, shape: tuple[int, ...], kind: str, targets: tuple[str, ...]
         rows = CONFIG_ROWS.get(targets[0].split(".", 3)[-1])
         if rows is not None and shape[0] != rows(config):
             raise MergerError(f"tensor {name} has {shape[0]} rows where config.json needs {rows(config)} for "
-                              f"{targets[0]}")
+                              f"{targets[0]} (a TP layout read wrong, or another model's config?), config.json")
         return cast(name, targets[0], shape, dtype)
     return Step((name,), tuple(OutputSpec(t, s, dtype) for t, s in zip(targets, shapes)), fn)
 
