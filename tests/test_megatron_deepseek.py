@@ -179,3 +179,40 @@ def test_mla_ranks_that_disagree_with_config_are_an_error(deepseek_root, tmp_pat
     assert code == 1 and len(errors) == 1, errors
     assert "linear_q_down_proj.weight has 24 rows where config.json needs 12" in errors[0], errors[0]
     assert not (tmp_path / "out").exists()
+
+
+def _as_te_spec(state: dict, whole: dict[str, torch.Tensor]) -> dict:
+    """A local-spec rank's tensors as the TE spec names and holds them: the q/kv norms fused into the up
+    projections, a dense layer's pre-MLP norm into fc1, the down projections whole (a duplicated TELinear), and
+    the MTP transformer layer under Megatron-Bridge's name."""
+    renames = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+               "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
+    out = {}
+    for name, value in state.items():
+        if name in whole:
+            value = whole[name]
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        if name.endswith("pre_mlp_layernorm.weight") and name.replace("pre_mlp_layernorm", "mlp.linear_fc1") in state:
+            name = name.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+        out[name.replace(".transformer_layer.", ".mtp_model_layer.")] = value
+    return out
+
+
+def test_te_spec_names_merge_alike(deepseek_root, merged, tmp_path):
+    """TE's fused norm names, its whole-on-every-rank MLA down projections and Megatron-Bridge's MTP layer name
+    give the same model. Transformer Engine does not build on CPU, so the local-spec rank files are rewritten
+    into that layout."""
+    case = "dsv3_tp2"
+    src = Path(shutil.copytree(deepseek_root / case / "legacy", tmp_path / "te"))
+    files = [src / "iter_0000001" / f"mp_rank_0{tp}" / "model_optim_rng.pt" for tp in range(2)]
+    states = [torch.load(f, weights_only=False) for f in files]  # our own test files
+    whole = {n: torch.cat([s["model"][n] for s in states]) for n in states[0]["model"]
+             if n.endswith(("linear_q_down_proj.weight", "linear_kv_down_proj.weight"))}
+    assert whole
+    for file, state in zip(files, states):
+        state["model"] = _as_te_spec(state["model"], whole)
+        torch.save(state, file)
+    assert any(n.endswith("linear_kv_up_proj.layer_norm_weight") for n in states[0]["model"])
+    out = merge(src, tmp_path / "out", "--hf_model_config_path", deepseek_root / case / "hf", "--dtype", "float32")
+    assert_same_weights(out, merged(case, "legacy"), None)
