@@ -216,3 +216,17 @@ def test_te_spec_names_merge_alike(deepseek_root, merged, tmp_path):
     assert any(n.endswith("linear_kv_up_proj.layer_norm_weight") for n in states[0]["model"])
     out = merge(src, tmp_path / "out", "--hf_model_config_path", deepseek_root / case / "hf", "--dtype", "float32")
     assert_same_weights(out, merged(case, "legacy"), None)
+
+
+def test_mtp_layers_after_a_different_layer_count_are_an_error(deepseek_root, tmp_path, capsys):
+    """MTP layers are numbered after config.json's num_hidden_layers: a config that disagrees with the
+    checkpoint's decoder layers would misplace them."""
+    case = "dsv3_tp2"
+    hf = Path(shutil.copytree(deepseek_root / case / "hf", tmp_path / "hf"))
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    code, errors = merge_here(capsys, "--local_dir", deepseek_root / case / "dist", "--target_dir",
+                              tmp_path / "out", "--hf_model_config_path", hf)
+    assert code == 1 and len(errors) == 1, errors
+    assert "the checkpoint has 2 decoder layers but config.json's num_hidden_layers is 3" in errors[0], errors[0]
+    assert not (tmp_path / "out").exists()
