@@ -10,6 +10,7 @@ gathered over TP; legacy and torch_dist merge to the same bytes.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -119,15 +120,19 @@ def test_mtp_tensors_are_the_megatron_mtp_module(deepseek_root, merged):
     assert torch.equal(weights["model.layers.2.shared_head.head.weight"], weights["lm_head.weight"])
 
 
-def test_drop_mtp_leaves_the_mtp_layer_out(deepseek_root, merged):
-    out = merged("dsv3_tp2", "legacy", "--drop-mtp")
+def test_drop_mtp_leaves_the_mtp_layer_out(deepseek_root, merged, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="merger")
+    case = "dsv3_tp2"
+    out = merge(deepseek_root / case / "legacy", tmp_path / "out", "--hf_model_config_path", deepseek_root / case / "hf",
+                "--dtype", "float32", "--drop-mtp")
+    assert "merger: 1 multi-token-prediction layer(s) left out (--drop-mtp)" in caplog.text
     config = json.loads((out / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 0
     model, unexpected = load(out)
     assert not unexpected
-    with_mtp = load_safetensors_folder(merged("dsv3_tp2", "legacy"))
+    with_mtp = load_safetensors_folder(merged(case, "legacy"))
     assert sorted(load_safetensors_folder(out)) == sorted(k for k in with_mtp if not k.startswith("model.layers.2."))
-    expected = oracle(deepseek_root, "dsv3_tp2")
+    expected = oracle(deepseek_root, case)
     with torch.no_grad():
         assert (model(expected["tokens"]).logits - expected["logits"]).abs().max().item() < 1e-4
 

@@ -100,6 +100,15 @@ def _mtp_layers(catalog: Catalog, family: str, options: MergeOptions) -> list[in
     return sorted({int(n.split(".")[2]) for n in names})
 
 
+def _mtp_note(catalog: Catalog, mtp: list[int], first: int) -> tuple[str, ...]:
+    """The log line saying what became of the checkpoint's MTP layers."""
+    held = {n.split(".")[2] for n in catalog.tensors if n.startswith(MTP_PREFIX)}
+    if mtp:
+        return (f"merger: {len(mtp)} multi-token-prediction layer(s) written as model.layers.{first}"
+                f"{f'-{first + len(mtp) - 1}' if len(mtp) > 1 else ''} (--drop-mtp leaves them out)",)
+    return (f"merger: {len(held)} multi-token-prediction layer(s) left out (--drop-mtp)",) if held else ()
+
+
 def _mtp_shared(catalog: Catalog, config: dict, layer: int) -> list[Step]:
     """The embedding and output layer again, as MTP layer `layer`'s own (DeepSeek-V3's checkpoints hold them)."""
     steps = []
@@ -145,4 +154,4 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
         raise MergerError(f"config.json has untied embeddings but the checkpoint has no output_layer.weight, "
                           f"{catalog.root}")
     updates = {"num_nextn_predict_layers": len(mtp)} if family in MTP_FAMILIES else {}
-    return Mapping(steps, hf_dir, config, config_updates=updates)
+    return Mapping(steps, hf_dir, config, config_updates=updates, notes=_mtp_note(catalog, mtp, first_mtp))
