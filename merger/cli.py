@@ -86,6 +86,9 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                         "trust_remote_code=True when loading the output")
     p.add_argument(*_flag("--is_value_model"), dest="is_value_model", action="store_true",
                    help="a critic: write a token-classification model (score.weight, one label)")
+    p.add_argument(*_flag("--drop_mtp"), dest="drop_mtp", action="store_true",
+                   help="Megatron: leave multi-token-prediction layers out (and num_nextn_predict_layers 0); "
+                        "default: write them after the decoder layers, as DeepSeek-V3's checkpoints hold them")
     p.add_argument("--lora", choices=["fuse", "separate"], default="fuse",
                    help="PEFT-wrapped checkpoints: fold the adapter in (default) or write base weights unfused; "
                         "both also write lora_adapter/ in PEFT's format")

@@ -39,6 +39,7 @@ class MergeOptions:
     keep_partial: bool = False  # keep the staging folder when a merge fails
     resume: bool = False  # reuse the finished files of an interrupted merge (implies keep_partial)
     is_value_model: bool = _shapes_output(False)  # a critic: token-classification head (`score.weight`)
+    drop_mtp: bool = _shapes_output(False)  # Megatron: leave multi-token-prediction layers out
     verify: bool = False  # re-read the written output and compare it with the source before the rename
     hf_upload_path: str | None = None  # "user/name": publish the finished folder to the Hugging Face Hub
     private: bool = False

@@ -37,7 +37,11 @@ EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
 GROUPED = re.compile(r"(.*\.mlp\.experts\.)weight([12])")  # GroupedMLP: all local experts in one matrix
 TE_GROUPED = re.compile(r"(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)")  # TEGroupedMLP
 COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
-          "word_embeddings.weight", "output_layer.weight")
+          "word_embeddings.weight", "output_layer.weight", "linear_q_proj.weight", "linear_q_up_proj.weight",
+          "linear_kv_up_proj.weight", "eh_proj.weight")
+# MLA's down projections: column-parallel in the local spec, whole on every rank in TE's (a TELinear, with the
+# q/kv norms fused into the up projections, so `linear_kv_up_proj.layer_norm_weight` marks a TE layer).
+MLA_DOWN = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
 ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
@@ -142,13 +146,20 @@ def _is_gated(local: dict[str, tuple[torch.Tensor, str]], name: str) -> bool:
     return name.endswith("linear_fc1.weight") and fc2 is not None and local[name][0].shape[0] == 2 * fc2[0].shape[1]
 
 
-def _pieces(name: str, local: torch.Tensor, gated: bool, copies: dict[int, list[PieceCopy]], tp_size: int):
+def _tp_dim(local: dict[str, tuple[torch.Tensor, str]], name: str) -> int | None:
+    """The dim a tensor is split along over TP (or expert TP) ranks (None: replicated)."""
+    if name == "output_layer.weight" and local[name][0].shape[0] == 1:
+        return None  # a critic's value head: a replicated Linear(hidden, 1), not a vocab-parallel layer
+    if name.endswith(MLA_DOWN):
+        fused_norm = name.rsplit(".", 2)[0] + ".linear_kv_up_proj.layer_norm_weight"
+        return None if fused_norm in local else 0
+    return 0 if name.endswith(COLUMN) else 1 if name.endswith(ROW) else None
+
+
+def _pieces(local: torch.Tensor, dim: int | None, gated: bool, copies: dict[int, list[PieceCopy]], tp_size: int):
     """Global shape and pieces of one tensor from its rank-0 local shape and every rank's copies (`tp_size`
     ranks: TP, or expert TP for experts)."""
     shape = list(local.shape)
-    dim = 0 if name.endswith(COLUMN) else 1 if name.endswith(ROW) else None
-    if name == "output_layer.weight" and shape[0] == 1:
-        dim = None  # a critic's value head: a replicated Linear(hidden, 1), not a vocab-parallel layer
     if dim is None:
         every = tuple(c for tp in sorted(copies) for c in copies[tp])
         return tuple(shape), (ShardPiece((0,) * len(shape), tuple(shape), every),)
@@ -239,6 +250,7 @@ def open_catalog(root: Path) -> Catalog:
                     g = global_name(name, vp, pp, ep, per_rank)
                     expert = EXPERT.fullmatch(name) is not None
                     entry = entries.setdefault(g, {"value": value, "gated": _is_gated(local, name), "copies": {},
+                                                   "dim": _tp_dim(local, name),
                                                    "ranks": etp_size if expert else tp_size})
                     if tuple(entry["value"].shape) != tuple(value.shape):
                         raise MergerError(f"tensor {name} differs in shape between EP ranks, {reference}")
@@ -249,7 +261,7 @@ def open_catalog(root: Path) -> Catalog:
                         entry["copies"].setdefault(rank, []).append(PieceCopy(file, f"{key}/{stored}"))
     tensors = {}
     for g, entry in entries.items():
-        shape, pieces = _pieces(g, entry["value"], entry["gated"], entry["copies"], entry["ranks"])
+        shape, pieces = _pieces(entry["value"], entry["dim"], entry["gated"], entry["copies"], entry["ranks"])
         tensors[g] = SourceTensor(g, shape, entry["value"].dtype, pieces)
     ordered = [files[k] for k in sorted(files, key=lambda k: (k[1], k[2], k[0]))]
     return Catalog(

@@ -153,8 +153,15 @@ def build_chunks(a: Namespace, config) -> list:
     if a.value and chunks[-1].post_process:
         torch.manual_seed(99)  # the same head on every TP rank, as a replicated layer
         chunks[-1].output_layer = ValueHead(config.hidden_size, 1, bias=False)
-    # Norms start at 1 and biases at 0: randomise them so a mix-up cannot go unnoticed. The seed names the
-    # stage and chunk, and the TP rank for TP-split tensors, so replicated copies stay equal.
+    randomise_vectors(chunks)
+    return chunks
+
+
+def randomise_vectors(chunks: list) -> None:
+    """Norms start at 1 and biases at 0: randomise them so a mix-up cannot go unnoticed. The seed names the
+    stage and chunk, and the TP rank for TP-split tensors, so replicated copies stay equal."""
+    from megatron.core import parallel_state as ps
+
     with torch.no_grad():
         for vp, chunk in enumerate(chunks):
             for name, param in chunk.named_parameters():
@@ -162,7 +169,6 @@ def build_chunks(a: Namespace, config) -> list:
                     tp = ps.get_tensor_model_parallel_rank() if getattr(param, "tensor_model_parallel", False) else -1
                     seed = zlib.crc32(f"{ps.get_pipeline_model_parallel_rank()}.{vp}.{tp}.{name}".encode())
                     param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.1)
-    return chunks
 
 
 def legacy_dir(tp: int, pp: int, ep: int, a: Namespace) -> str:

@@ -1,0 +1,237 @@
+"""DeepSeek-V3-style Megatron checkpoints (MLA, sigmoid router with expert bias, shared experts, a dense first
+layer, multi-token prediction) merged to HF, checked against Megatron's own forward pass.
+
+megatron-core writes every checkpoint at TP2, legacy and torch_dist (tests/writers/megatron_deepseek.py, one
+torchrun launch of 2 gloo ranks). Oracles: Megatron's CPU logits for the main model (transformers'
+DeepseekV3ForCausalLM on the merged folder) and for its MTP layer (transformers' own MtpModel loading the merged
+`model.layers.{L}.*`), fp32, max abs diff < 1e-4; the MTP layer's own tensors as the Megatron module holds them,
+gathered over TP; legacy and torch_dist merge to the same bytes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (assert_same_weights, load_safetensors_folder, merge_here, run_merger, run_writer,
+                      single_error_line)
+from conftest import merge_in_process as merge
+
+CASES = {
+    "dsv3_tp2": "tp=2",  # q-LoRA, layers [dense, MoE], one MTP layer
+    "dsv3_no_q_lora_tp2": "tp=2,q_lora=0,mtp=0",  # q_proj instead of q_a/q_b; no MTP layer in the checkpoint
+    "llama_mtp_tp2": "arch=llama,tp=2,mtp=1",  # MTP layers on a family HF has none for
+}
+DEEPSEEK = ["dsv3_tp2", "dsv3_no_q_lora_tp2"]
+
+
+@pytest.fixture(scope="session")
+def deepseek_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("megatron_deepseek")
+    run_writer("megatron_deepseek.py", "--out", root,
+               *[arg for name, spec in CASES.items() for arg in ("--case", f"{name}:{spec}")], nproc=2)
+    return root
+
+
+@pytest.fixture(scope="session")
+def merged(deepseek_root, tmp_path_factory):
+    """merged(case, fmt, *flags) -> fp32 HF folder merged from ROOT/case/fmt, built once."""
+    cache: dict = {}
+
+    def make(case: str, fmt: str, *flags: str) -> Path:
+        if (case, fmt, flags) not in cache:
+            out = tmp_path_factory.mktemp(f"{case}_{fmt}") / "hf"
+            cache[(case, fmt, flags)] = merge(deepseek_root / case / fmt, out, "--hf_model_config_path",
+                                              deepseek_root / case / "hf", "--dtype", "float32", *flags)
+        return cache[(case, fmt, flags)]
+
+    return make
+
+
+def oracle(root: Path, case: str) -> dict:
+    return torch.load(root / case / "logits.pt", weights_only=True)
+
+
+def load(folder: Path):
+    """The merged model and the keys it did not load. transformers' DeepseekV3 knows MTP layers only as
+    DeepSeek-V3's layer 61, so a tiny model's MTP layer loads as unexpected keys: nothing may be missing."""
+    import transformers
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"], info
+    return model.eval(), set(info["unexpected_keys"])
+
+
+@pytest.mark.parametrize("case", DEEPSEEK)
+def test_merge_reproduces_megatron_logits(case, deepseek_root, merged):
+    expected = oracle(deepseek_root, case)
+    model, unexpected = load(merged(case, "legacy"))
+    mtp_layer = f"model.layers.{model.config.num_hidden_layers}."
+    assert all(k.startswith(mtp_layer) for k in unexpected), unexpected
+    assert bool(unexpected) == ("mtp_logits" in expected)
+    with torch.no_grad():
+        logits = model(expected["tokens"]).logits
+    assert logits.shape == expected["logits"].shape
+    assert (logits - expected["logits"]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("case", DEEPSEEK)
+def test_torch_dist_merge_equals_legacy_merge(case, merged):
+    assert_same_weights(merged(case, "dist"), merged(case, "legacy"), None)
+
+
+def test_mtp_layer_reproduces_megatron_mtp_logits(deepseek_root, merged):
+    """transformers' MtpModel, loading the merged `model.layers.{L}.*` as it loads DeepSeek-V3's layer 61, predicts
+    the token after next as Megatron's MTP layer does."""
+    from transformers.modeling_layers import MtpModel
+
+    expected = oracle(deepseek_root, "dsv3_tp2")
+    model, _ = load(merged("dsv3_tp2", "legacy"))
+    layers = model.config.num_hidden_layers
+    assert model.config.num_nextn_predict_layers == 1
+    model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{layers}\..*"]  # where MtpModel looks
+    mtp = MtpModel.from_pretrained(model)
+    tokens = expected["tokens"]
+    # Megatron's MTP layer sees token i + 1's embedding at position i, and a 0 rolled in at the end.
+    shifted = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)
+    with torch.no_grad():
+        hidden = model.model(tokens).last_hidden_state
+        out = mtp.forward_layer(0, hidden, torch.arange(tokens.shape[1])[None], None, input_ids=shifted)
+        logits = mtp._project_to_logits(out)
+    assert (logits - expected["mtp_logits"][0]).abs().max().item() < 1e-4
+
+
+def test_mtp_tensors_are_the_megatron_mtp_module(deepseek_root, merged):
+    """The MTP layer's own tensors, gathered over TP from the Megatron module, under DeepSeek-V3's names; its
+    embed_tokens and shared_head.head are the model's embedding and output layer."""
+    expected = oracle(deepseek_root, "dsv3_tp2")["mtp_params"]
+    weights = load_safetensors_folder(merged("dsv3_tp2", "legacy"))
+    hf_names = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+                "final_layernorm.weight": "shared_head.norm.weight"}
+    assert sorted(expected) == sorted(f"mtp.layers.0.{n}" for n in hf_names)
+    for megatron, hf in hf_names.items():
+        assert torch.equal(weights[f"model.layers.2.{hf}"], expected[f"mtp.layers.0.{megatron}"]), hf
+    assert torch.equal(weights["model.layers.2.embed_tokens.weight"], weights["model.embed_tokens.weight"])
+    assert torch.equal(weights["model.layers.2.shared_head.head.weight"], weights["lm_head.weight"])
+
+
+def test_drop_mtp_leaves_the_mtp_layer_out(deepseek_root, merged, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="merger")
+    case = "dsv3_tp2"
+    out = merge(deepseek_root / case / "legacy", tmp_path / "out", "--hf_model_config_path", deepseek_root / case / "hf",
+                "--dtype", "float32", "--drop-mtp")
+    assert "merger: 1 multi-token-prediction layer(s) left out (--drop-mtp)" in caplog.text
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 0
+    model, unexpected = load(out)
+    assert not unexpected
+    with_mtp = load_safetensors_folder(merged(case, "legacy"))
+    assert sorted(load_safetensors_folder(out)) == sorted(k for k in with_mtp if not k.startswith("model.layers.2."))
+    expected = oracle(deepseek_root, case)
+    with torch.no_grad():
+        assert (model(expected["tokens"]).logits - expected["logits"]).abs().max().item() < 1e-4
+
+
+def test_checkpoint_without_mtp_sets_no_mtp_layers(deepseek_root, merged):
+    """The given config says 1 (DeepseekV3Config's default); the checkpoint holds none, so the output says 0."""
+    assert json.loads((deepseek_root / "dsv3_no_q_lora_tp2" / "hf" / "config.json").read_text())[
+        "num_nextn_predict_layers"] == 1
+    config = json.loads((merged("dsv3_no_q_lora_tp2", "legacy") / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 0
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "dist"])
+def test_mtp_layers_a_family_has_no_names_for_are_an_error(fmt, deepseek_root, tmp_path):
+    case = "llama_mtp_tp2"
+    proc = run_merger("merge", "--local_dir", deepseek_root / case / fmt, "--target_dir", tmp_path / "out",
+                      "--hf_model_config_path", deepseek_root / case / "hf", check=False)
+    assert proc.returncode == 1
+    error = single_error_line(proc.stderr)
+    assert "Megatron tensor mtp.layers.0." in error and "--drop-mtp" in error, error
+    assert not (tmp_path / "out").exists()
+
+
+def test_drop_mtp_merges_a_family_without_mtp(deepseek_root, merged):
+    """verl's spelling --drop_mtp works too; the Llama loads whole and gives Megatron's logits."""
+    import transformers
+
+    case = "llama_mtp_tp2"
+    out = merged(case, "legacy", "--drop_mtp")
+    assert "num_nextn_predict_layers" not in json.loads((out / "config.json").read_text())
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    expected = oracle(deepseek_root, case)
+    with torch.no_grad():
+        assert (model.eval()(expected["tokens"]).logits - expected["logits"]).abs().max().item() < 1e-4
+    assert_same_weights(merged(case, "dist", "--drop_mtp"), out, None)
+
+
+def test_mla_ranks_that_disagree_with_config_are_an_error(deepseek_root, tmp_path, capsys):
+    """A down projection whose rows are not config.json's LoRA rank (as a TE checkpoint's whole copies read as
+    TP shards would be) stops the merge, naming the tensor, rather than writing a model that cannot load."""
+    case = "dsv3_tp2"
+    hf = Path(shutil.copytree(deepseek_root / case / "hf", tmp_path / "hf"))
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "q_lora_rank": config["q_lora_rank"] // 2}))
+    code, errors = merge_here(capsys, "--local_dir", deepseek_root / case / "legacy", "--target_dir",
+                              tmp_path / "out", "--hf_model_config_path", hf)
+    assert code == 1 and len(errors) == 1, errors
+    assert "linear_q_down_proj.weight has 24 rows where config.json needs 12" in errors[0], errors[0]
+    assert not (tmp_path / "out").exists()
+
+
+def _as_te_spec(state: dict, whole: dict[str, torch.Tensor]) -> dict:
+    """A local-spec rank's tensors as the TE spec names and holds them: the q/kv norms fused into the up
+    projections, a dense layer's pre-MLP norm into fc1, the down projections whole (a duplicated TELinear), and
+    the MTP transformer layer under Megatron-Bridge's name."""
+    renames = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+               "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
+    out = {}
+    for name, value in state.items():
+        if name in whole:
+            value = whole[name]
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        if name.endswith("pre_mlp_layernorm.weight") and name.replace("pre_mlp_layernorm", "mlp.linear_fc1") in state:
+            name = name.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+        out[name.replace(".transformer_layer.", ".mtp_model_layer.")] = value
+    return out
+
+
+def test_te_spec_names_merge_alike(deepseek_root, merged, tmp_path):
+    """TE's fused norm names, its whole-on-every-rank MLA down projections and Megatron-Bridge's MTP layer name
+    give the same model. Transformer Engine does not build on CPU, so the local-spec rank files are rewritten
+    into that layout."""
+    case = "dsv3_tp2"
+    src = Path(shutil.copytree(deepseek_root / case / "legacy", tmp_path / "te"))
+    files = [src / "iter_0000001" / f"mp_rank_0{tp}" / "model_optim_rng.pt" for tp in range(2)]
+    states = [torch.load(f, weights_only=False) for f in files]  # our own test files
+    whole = {n: torch.cat([s["model"][n] for s in states]) for n in states[0]["model"]
+             if n.endswith(("linear_q_down_proj.weight", "linear_kv_down_proj.weight"))}
+    assert whole
+    for file, state in zip(files, states):
+        state["model"] = _as_te_spec(state["model"], whole)
+        torch.save(state, file)
+    assert any(n.endswith("linear_kv_up_proj.layer_norm_weight") for n in states[0]["model"])
+    out = merge(src, tmp_path / "out", "--hf_model_config_path", deepseek_root / case / "hf", "--dtype", "float32")
+    assert_same_weights(out, merged(case, "legacy"), None)
+
+
+def test_mtp_layers_after_a_different_layer_count_are_an_error(deepseek_root, tmp_path, capsys):
+    """MTP layers are numbered after config.json's num_hidden_layers: a config that disagrees with the
+    checkpoint's decoder layers would misplace them."""
+    case = "dsv3_tp2"
+    hf = Path(shutil.copytree(deepseek_root / case / "hf", tmp_path / "hf"))
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    code, errors = merge_here(capsys, "--local_dir", deepseek_root / case / "dist", "--target_dir",
+                              tmp_path / "out", "--hf_model_config_path", hf)
+    assert code == 1 and len(errors) == 1, errors
+    assert "the checkpoint has 2 decoder layers but config.json's num_hidden_layers is 3" in errors[0], errors[0]
+    assert not (tmp_path / "out").exists()
