@@ -109,3 +109,47 @@ def test_deepseek_v3_logits_match_torchtitan(deepseek_v3_root, tmp_path):
         logits = model.eval()(torch.tensor(TOKENS)).logits
     titan = torch.load(deepseek_v3_root / "logits.pt", weights_only=True)
     assert (logits - titan).abs().max().item() < 1e-4
+
+
+@pytest.fixture(scope="session")
+def deepseek_v3_mtp_root(tmp_path_factory) -> Path:
+    _need_torchtitan()
+    root = tmp_path_factory.mktemp("torchtitan_deepseek_v3_mtp")
+    run_writer("torchtitan_checkpoint.py", "--family", "deepseek_v3", "--mtp", "1", "--out",
+               root / "checkpoint" / "step-1", "--hf", root / "hf", "--logits", root / "logits.pt", nproc=2)
+    return root
+
+
+def test_deepseek_v3_mtp_layer_reproduces_torchtitan_mtp_logits(deepseek_v3_mtp_root, tmp_path):
+    """torchtitan's MTP block becomes HF layer L (enorm, hnorm, eh_proj, shared_head, its own embed_tokens):
+    transformers' MtpModel loading it predicts the token after next as torchtitan's MTP layer does, and the main
+    logits are torchtitan's too."""
+    from transformers.modeling_layers import MtpModel
+
+    run_merger("merge", "--local_dir", deepseek_v3_mtp_root / "checkpoint" / "step-1", "--target_dir",
+               tmp_path / "out", "--hf_model_config_path", deepseek_v3_mtp_root / "hf", "--dtype", "float32")
+    main, mtp_logits = torch.load(deepseek_v3_mtp_root / "logits.pt", weights_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    layers = model.config.num_hidden_layers
+    assert model.config.num_nextn_predict_layers == 1
+    model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{layers}\..*"]  # where MtpModel looks
+    mtp = MtpModel.from_pretrained(model)
+    tokens = torch.tensor(TOKENS)
+    shifted = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)  # torchtitan rolls a 0 in
+    # torchtitan's MTP block reads the last decoder layer's output before the final norm: the norm's input.
+    before_norm = []
+    model.model.norm.register_forward_hook(lambda module, args, out: before_norm.append(args[0]))
+    with torch.no_grad():
+        assert (model(tokens).logits - main).abs().max().item() < 1e-4
+        out = mtp.forward_layer(0, before_norm[0], torch.arange(tokens.shape[1])[None], None, input_ids=shifted)
+        # The last position's next token is the rolled-in 0, which torchtitan masks as invalid; one layer more
+        # than the main path, in another attention kernel (flex vs sdpa): within 1e-3 (a wrong norm is ~0.1 off).
+        assert (mtp._project_to_logits(out) - mtp_logits)[:, :-1].abs().max().item() < 1e-3
+
+
+def test_deepseek_v3_drop_mtp_loads_with_no_stray_key(deepseek_v3_mtp_root, tmp_path):
+    run_merger("merge", "--local_dir", deepseek_v3_mtp_root / "checkpoint" / "step-1", "--target_dir",
+               tmp_path / "out", "--hf_model_config_path", deepseek_v3_mtp_root / "hf", "--drop-mtp")
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info
+    assert model.config.num_nextn_predict_layers == 0

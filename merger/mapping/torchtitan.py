@@ -23,10 +23,11 @@ from ..options import MergeOptions
 from ..sources.unstacked import unstacked
 from .hf import model_config
 from .steps import Mapping, OutputSpec, Step, cast
-from .torchtitan_families import DROPPED_BUFFERS, FAMILIES, GLOBAL
+from .torchtitan_families import DROPPED_BUFFERS, FAMILIES, GLOBAL, MTP, MTP_FAMILIES, MTP_SHARED
 
 MODELS = {f"torchtitan-{family.replace('_', '-')}": family for family in FAMILIES}  # the --model values
 _LAYER = r"layers\.(?P<i>\d+)\."
+_MTP_LAYER = r"mtp_layers\.(?P<j>\d+)\."
 
 
 def looks_like_torchtitan(names) -> bool:
@@ -51,9 +52,28 @@ def claims(catalog: Catalog, options: MergeOptions) -> bool:
 
 
 def _compile(rows) -> list[tuple[re.Pattern, str, str]]:
+    """Global rows, then each layer row for decoder layers and for MTP layers (`j`: numbered after them)."""
     table = [(re.compile(re.escape(src)), kind, dst) for src, kind, dst in GLOBAL]
-    return table + [(re.compile(_LAYER + re.escape(src)), kind, dst if kind == "skip" else "model.layers.{i}." + dst)
-                    for src, kind, dst in rows]
+    for layer in (_LAYER, _MTP_LAYER):
+        table += [(re.compile(layer + re.escape(src)), kind, dst if kind == "skip" else "model.layers.{i}." + dst)
+                  for src, kind, dst in (rows if layer == _LAYER else rows + MTP)]
+    return table
+
+
+def _mtp_layers(catalog: Catalog, family: str, config: dict, options: MergeOptions) -> list[int]:
+    """The MTP layers to write: none with --drop-mtp; an error for a family HF has no MTP layers for, or when
+    config.json's layer count would misnumber them."""
+    names = [n for n in catalog.tensors if n.startswith("mtp_layers.")]
+    if not names or options.drop_mtp:
+        return []
+    if family not in MTP_FAMILIES:
+        raise MergerError(f"torchtitan tensor {names[0]} belongs to a multi-token-prediction layer, which the {family} "
+                          f"family has no HF names for (pass --drop-mtp to leave MTP layers out), {catalog.root}")
+    decoder = {n.split(".")[1] for n in catalog.tensors if n.startswith("layers.")}
+    if len(decoder) != config.get("num_hidden_layers"):
+        raise MergerError(f"the checkpoint has {len(decoder)} decoder layers but config.json's num_hidden_layers is "
+                          f"{config.get('num_hidden_layers')}, so its MTP layers would be misnumbered, {catalog.root}")
+    return sorted({int(n.split(".")[1]) for n in names})
 
 
 def rotary_permute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -95,26 +115,38 @@ def _rotary_step(name: str, out: str, shape: tuple, dtype: torch.dtype, heads: t
     return Step((name,), (OutputSpec(out, shape, dtype),), partial(_permute_step, n))
 
 
+def _mtp_shared(catalog: Catalog, config: dict, mtp: list[int]) -> list[Step]:
+    """HF's MTP layer holds the shared embedding and output layer again, as DeepSeek-V3's checkpoints do."""
+    return [cast(src, f"model.layers.{config['num_hidden_layers'] + j}.{dst}", catalog.tensors[src].shape,
+                 catalog.tensors[src].dtype) for j in mtp for src, dst in MTP_SHARED if src in catalog.tensors]
+
+
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     family = MODELS.get(options.model) or family_of(catalog.tensors)
     hf_dir, config = model_config(catalog, options)
     _checked_config(family, config, hf_dir)
     table = _compile(FAMILIES[family][0])
+    mtp = _mtp_layers(catalog, family, config, options)
     steps, stacks, skipped = [], {}, []
     for name, t in catalog.tensors.items():
         if any(name == b or name.endswith("." + b) for b in DROPPED_BUFFERS):
             continue  # recomputed by HF, never a weight
+        if name.startswith("mtp_layers.") and not mtp:
+            continue  # --drop-mtp
         match = next(((kind, dst, m) for pattern, kind, dst in table if (m := pattern.fullmatch(name))), None)
         if match is None:
             raise MergerError(f"tensor {name} has no HF name in torchtitan's {family} table (is this a torchtitan "
                               f"{family} checkpoint? --model names the family), {catalog.root}")
         kind, dst, m = match
-        if kind == "q_lora_norm" and f"layers.{m['i']}.attention.wq_a.weight" not in catalog.tensors:
+        layer = m.groupdict().get("i")
+        if m.groupdict().get("j") is not None:
+            layer = config["num_hidden_layers"] + int(m["j"])
+        if kind == "q_lora_norm" and name.replace("q_norm.weight", "wq_a.weight") not in catalog.tensors:
             kind, dst = "skip", "a placeholder torchtitan builds without q-LoRA"
         if kind == "skip":
             skipped.append(f"{name} ({dst})")
             continue
-        out = dst.format(i=m.groupdict().get("i"), e="{e}")
+        out = dst.format(i=layer, e="{e}")
         if kind == "experts":
             stacks[name] = partial("{}.{}".format, name)
             steps += [cast(stacks[name](e), out.format(e=e), t.shape[1:], t.dtype) for e in range(t.shape[0])]
@@ -123,9 +155,16 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
                                       catalog.root))
         else:  # rename, q_lora_norm
             steps.append(cast(name, out, t.shape, t.dtype))
+    steps += _mtp_shared(catalog, config, mtp)
     note = f"merger: torchtitan {family} names, written as HF {config.get('model_type')}"
     if stacks:
         note += f"; {len(stacks)} stacked expert tensors split per expert"
+    if mtp:
+        note += f"; {len(mtp)} MTP layers written after the decoder layers"
+    elif options.drop_mtp and any(n.startswith("mtp_layers.") for n in catalog.tensors):
+        note += "; MTP layers left out (--drop-mtp)"
     if skipped:
         note += f"; left out: {', '.join(skipped)}"
-    return Mapping(steps, hf_dir, config, notes=(note,), catalog=unstacked(catalog, stacks) if stacks else None)
+    updates = {"num_nextn_predict_layers": len(mtp)} if family in MTP_FAMILIES else {}
+    return Mapping(steps, hf_dir, config, config_updates=updates, notes=(note,),
+                   catalog=unstacked(catalog, stacks) if stacks else None)

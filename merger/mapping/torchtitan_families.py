@@ -66,6 +66,18 @@ MLA = (
     ("attention.wo.weight", "rename", "self_attn.o_proj.weight"),
 )
 
+MTP = (  # torchtitan's multi-token-prediction block `mtp_layers.{j}.`, beside its transformer layer's rows
+    ("enorm.weight", "rename", "enorm.weight"),
+    ("hnorm.weight", "rename", "hnorm.weight"),
+    ("eh_proj.weight", "rename", "eh_proj.weight"),
+    ("mtp_norm.weight", "rename", "shared_head.norm.weight"),
+)
+MTP_SHARED = (  # global tensors every MTP layer holds again in HF, as DeepSeek-V3's checkpoints do
+    ("tok_embeddings.weight", "embed_tokens.weight"),
+    ("lm_head.weight", "shared_head.head.weight"),
+)
+MTP_FAMILIES = ("deepseek_v3",)  # MTP layer j is HF layer num_hidden_layers + j; num_nextn_predict_layers counts them
+
 # name -> (layer rows, the config.json model_types it writes, None: any)
 FAMILIES = {
     "llama": (NORMS + _gqa("rotary_q", "rotary_kv") + DENSE_FFN, None),

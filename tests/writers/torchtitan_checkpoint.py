@@ -75,11 +75,11 @@ def qwen3_moe_hf_config():
 DS_Q_LORA, DS_KV_LORA, DS_NOPE, DS_ROPE, DS_V, DS_SHARED, DS_DENSE_FFN = 16, 16, 8, 4, 8, 1, 48
 
 
-def deepseek_v3_titan_config():
+def deepseek_v3_titan_config(mtp: int = 0):
     from torchtitan.models import deepseek_v3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 
-    return deepseek_v3.DeepSeekV3Model.Config(
+    config = deepseek_v3.DeepSeekV3Model.Config(
         dim=DIM, vocab_size=VOCAB,
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
         norm=RMSNorm.Config(normalized_shape=DIM),
@@ -93,6 +93,8 @@ def deepseek_v3_titan_config():
             rope=ComplexRoPE.Config(dim=DS_ROPE, max_seq_len=128, theta=THETA, scaling="none")),
         mtp_layers=[],
     )
+    config.mtp_layers = deepseek_v3._build_mtp_layers(config.layers[-1], dim=DIM, num_mtp_layers=mtp)
+    return config
 
 
 def deepseek_v3_hf_config():
@@ -123,7 +125,8 @@ def main() -> None:
     p.add_argument("--hf", type=Path, required=True)
     p.add_argument("--family", choices=["llama", "qwen3_moe", "deepseek_v3"], default="llama")
     p.add_argument("--reference", type=Path, help="llama: torchtitan's own to_hf output")
-    p.add_argument("--logits", type=Path, help="torchtitan's own logits on TOKENS")
+    p.add_argument("--logits", type=Path, help="torchtitan's own logits on TOKENS (with MTP: a list, main first)")
+    p.add_argument("--mtp", type=int, default=0, help="deepseek_v3: multi-token-prediction layers")
     args = p.parse_args()
 
     from safetensors.torch import save_file
@@ -134,7 +137,7 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     titan, hf = {"llama": (titan_config, hf_config), "qwen3_moe": (qwen3_moe_titan_config, qwen3_moe_hf_config),
                  "deepseek_v3": (deepseek_v3_titan_config, deepseek_v3_hf_config)}[args.family]
-    config = titan()
+    config = titan(args.mtp) if args.mtp else titan()
     torch.manual_seed(0)
     model = config.build()
     with torch.no_grad():  # seeded values everywhere (norms too), the same on every rank
