@@ -23,7 +23,7 @@ from ..errors import MergerError
 from .dcp import chunk_location, chunk_stored
 from .dcp_metadata import load_metadata
 from .file_reads import SourceFiles, Stored
-from .megatron_keys import split_key, take, with_index
+from .piece_keys import split_key, take, with_index
 from .megatron_layout import checkpoint_dir
 from .megatron_skips import NOT_A_TENSOR, skip_rule
 

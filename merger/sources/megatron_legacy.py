@@ -25,7 +25,7 @@ from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from .file_reads import Stored
 from .mapped_states import MappedStates
-from .megatron_keys import split_expert, split_key, take, take_expert, with_expert, with_slice
+from .piece_keys import split_expert, split_key, take, take_expert, with_expert, with_slice
 from .megatron_skips import NOT_A_TENSOR, skip_rule
 from .megatron_layout import checkpoint_dir
 from .safe_load import torch_load
@@ -184,7 +184,7 @@ def _pieces(local: torch.Tensor, dim: int | None, gated: bool, copies: dict[int,
 def _local_weights(chunk: dict, experts: int | None, file: str) -> tuple[dict[str, tuple[torch.Tensor, str]], dict]:
     """One model chunk's weights under SequentialMLP's names, each as (its local tensor or view, its locator),
     and what the skip rules leave out (name -> rule). GroupedMLP's `experts.weight1/2` become one view per
-    local expert (megatron_keys.py); TEGroupedMLP's `experts.linear_fc1.weight{i}` is local expert i's
+    local expert (piece_keys.py); TEGroupedMLP's `experts.linear_fc1.weight{i}` is local expert i's
     weight as SequentialMLP saves it, renamed."""
     weights, skipped = {}, {}
     for name, value in chunk.items():

@@ -16,7 +16,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from .file_reads import Stored
-from .megatron_keys import split_key, take, with_index
+from .piece_keys import split_key, take, with_index
 
 
 def unstacked(catalog: Catalog, parts: dict[str, Callable[[int], str]]) -> Catalog:

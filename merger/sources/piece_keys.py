@@ -3,7 +3,8 @@ legacy file `name{ExRxC:e}` or `name{ExRxC:e}[a:b]`.
 
 `[a:b]` narrows dim 0: legacy gated fc1 files hold [gate_r; up_r] per TP rank, each half its own piece.
 `[i,j]` selects along the leading dims, dropping them: torch_dist stacks layers (and SequentialMLP
-experts) on leading axes, and one layer's (expert's) part of a stored chunk is one such selection.
+experts) on leading axes, torchtitan stacks a MoE layer's experts (sources/unstacked.py), and one layer's
+(expert's) part of a stored chunk is one such selection.
 `{ExRxC:e}` is expert e of a GroupedMLP matrix (`experts.weight1` [H, E·2F], `weight2` [E·F, H]): its memory
 viewed as [E, R, C] holds each local expert's weight as the grouped GEMM multiplies by it, [in, out], so
 expert e is `view(E, R, C)[e].T` in a Linear's [out, in] layout. That is a raw memory view, not a column
