@@ -18,13 +18,18 @@ from test_dcp import _need_torchtitan
 TOKENS = [[1, 5, 7, 9, 11, 3, 42, 100]]  # the writer's TOKENS
 
 
-@pytest.fixture(scope="session")
-def qwen3_moe_root(tmp_path_factory) -> Path:
+def _written_by_torchtitan(tmp_path_factory, family: str, *extra: str) -> Path:
+    """ROOT/checkpoint/step-1 (the DCP folder torchtitan saved on 2 gloo ranks), ROOT/hf, ROOT/logits.pt."""
     _need_torchtitan()
-    root = tmp_path_factory.mktemp("torchtitan_qwen3_moe")
-    run_writer("torchtitan_checkpoint.py", "--family", "qwen3_moe", "--out", root / "checkpoint" / "step-1",
+    root = tmp_path_factory.mktemp(f"torchtitan_{family}")
+    run_writer("torchtitan_checkpoint.py", "--family", family, *extra, "--out", root / "checkpoint" / "step-1",
                "--hf", root / "hf", "--logits", root / "logits.pt", nproc=2)
     return root
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_root(tmp_path_factory) -> Path:
+    return _written_by_torchtitan(tmp_path_factory, "qwen3_moe")
 
 
 @pytest.fixture(scope="session")
@@ -88,11 +93,7 @@ def test_model_flag_forces_a_family_and_names_a_stray_tensor(qwen3_moe_root, tmp
 
 @pytest.fixture(scope="session")
 def deepseek_v3_root(tmp_path_factory) -> Path:
-    _need_torchtitan()
-    root = tmp_path_factory.mktemp("torchtitan_deepseek_v3")
-    run_writer("torchtitan_checkpoint.py", "--family", "deepseek_v3", "--out", root / "checkpoint" / "step-1",
-               "--hf", root / "hf", "--logits", root / "logits.pt", nproc=2)
-    return root
+    return _written_by_torchtitan(tmp_path_factory, "deepseek_v3")
 
 
 def test_deepseek_v3_logits_match_torchtitan(deepseek_v3_root, tmp_path):
@@ -113,11 +114,7 @@ def test_deepseek_v3_logits_match_torchtitan(deepseek_v3_root, tmp_path):
 
 @pytest.fixture(scope="session")
 def deepseek_v3_mtp_root(tmp_path_factory) -> Path:
-    _need_torchtitan()
-    root = tmp_path_factory.mktemp("torchtitan_deepseek_v3_mtp")
-    run_writer("torchtitan_checkpoint.py", "--family", "deepseek_v3", "--mtp", "1", "--out",
-               root / "checkpoint" / "step-1", "--hf", root / "hf", "--logits", root / "logits.pt", nproc=2)
-    return root
+    return _written_by_torchtitan(tmp_path_factory, "deepseek_v3", "--mtp", "1")
 
 
 def test_deepseek_v3_mtp_layer_reproduces_torchtitan_mtp_logits(deepseek_v3_mtp_root, tmp_path):

@@ -75,5 +75,6 @@ def open_catalog(root: Path) -> Catalog:
             chunks.setdefault(name, []).append((offsets[name], e.shape, e.dtype, copy))
     tensors = {name: _tensor(name, c, root) for name, c in chunks.items()}
     return Catalog(format="dcp_hf", root=root, tensors=tensors, files=[str(f) for f in files],
-                   reader_factory=SafetensorsReader, hf_dir=config_dir(root, root / CONFIG_DIR, root.parent / CONFIG_DIR),
+                   reader_factory=SafetensorsReader,
+                   hf_dir=config_dir(root, root / CONFIG_DIR, root.parent / CONFIG_DIR),
                    details={"shard_files": len(files), "chunks": sum(len(t.pieces) for t in tensors.values())})

@@ -275,14 +275,18 @@ def write_case(a: Namespace, out: Path) -> None:
     if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
         torch.save({"tokens": tokens, "logits": logits}, out / "logits.pt")
     if dist.get_rank() == 0:
-        for fmt in ("legacy", "dist"):
-            (out / fmt / "latest_checkpointed_iteration.txt").write_text("1")
-        hf = hf_config(a, config)
-        hf.architectures = [type(hf).__name__.replace("Config", "ForCausalLM")]
-        hf.save_pretrained(out / "hf")
-        build_tokenizer().save_pretrained(out / "hf")
+        write_save_dirs(out, hf_config(a, config))
     dist.barrier()
     ps.destroy_model_parallel()
+
+
+def write_save_dirs(out: Path, hf) -> None:
+    """Rank 0: the tracker file that makes legacy/ and dist/ Megatron-LM save dirs, and the HF config folder."""
+    for fmt in ("legacy", "dist"):
+        (out / fmt / "latest_checkpointed_iteration.txt").write_text("1")
+    hf.architectures = [type(hf).__name__.replace("Config", "ForCausalLM")]
+    hf.save_pretrained(out / "hf")
+    build_tokenizer().save_pretrained(out / "hf")
 
 
 def main() -> None:

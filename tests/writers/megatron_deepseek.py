@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from leave_group import leave_group
-from megatron_checkpoint import SEQ, cpu_patches, padded_vocab, randomise_vectors, save_dist, save_legacy
-from tiny_models import build_tokenizer
+from megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, randomise_vectors, save_dist, save_legacy,
+                                 write_save_dirs)
 
 DEFAULTS = dict(arch="deepseek_v3", tp=1, layers=2, dense=1, q_lora=1, mtp=1, vocab=101)
 HIDDEN, HEADS, FFN, MOE_FFN, EXPERTS = 32, 4, 40, 24, 4
@@ -177,12 +177,7 @@ def write_case(a: Namespace, out: Path) -> None:
         oracle["mtp_params"] = mtp_params(model)
     if dist.get_rank() == 0:
         torch.save(oracle, out / "logits.pt")
-        for fmt in ("legacy", "dist"):
-            (out / fmt / "latest_checkpointed_iteration.txt").write_text("1")
-        hf = hf_config(a)
-        hf.architectures = [type(hf).__name__.replace("Config", "ForCausalLM")]
-        hf.save_pretrained(out / "hf")
-        build_tokenizer().save_pretrained(out / "hf")
+        write_save_dirs(out, hf_config(a))
     dist.barrier()
     ps.destroy_model_parallel()
 
