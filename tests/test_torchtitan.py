@@ -150,3 +150,15 @@ def test_deepseek_v3_drop_mtp_loads_with_no_stray_key(deepseek_v3_mtp_root, tmp_
     model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.values()), info
     assert model.config.num_nextn_predict_layers == 0
+
+
+def test_qwen3_dense_logits_match_torchtitan(tmp_path_factory, tmp_path):
+    root = _written_by_torchtitan(tmp_path_factory, "qwen3")
+    run_merger("merge", "--local_dir", root / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",
+               "--hf_model_config_path", root / "hf", "--dtype", "float32")
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32,
+                                                                    output_loading_info=True)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and not any(info.values()), info
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor(TOKENS)).logits
+    assert (logits - torch.load(root / "logits.pt", weights_only=True)).abs().max().item() < 1e-4

@@ -9,7 +9,7 @@ Every rank builds the same seeded tiny torchtitan model, shards it with `fully_s
 config of the same shape to HF (torchtitan checkpoints carry none) and an oracle:
 - llama (`Llama3Model`, GQA: 4 query heads, 2 kv heads): REF, torchtitan's own `Llama3StateDictAdapter.to_hf` of
   the unsharded state dict;
-- qwen3_moe (`Qwen3Model` with MoE layers: 4 experts, top 2, qk-norm, GQA) and deepseek_v3 (`DeepSeekV3Model`: MLA
+- qwen3 (`Qwen3Model`, dense: qk-norm, GQA), qwen3_moe (the same with MoE layers: 4 experts, top 2) and deepseek_v3 (`DeepSeekV3Model`: MLA
   with q-LoRA, a dense first layer, then MoE with a sigmoid router, a routing bias and a shared expert): LOGITS,
   torchtitan's own forward of the unsharded model on TOKENS (torchtitan's to_hf is not an oracle for every family).
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -45,20 +46,31 @@ def titan_config():
     )
 
 
-def qwen3_moe_titan_config():
+def qwen3_titan_config(moe: bool = True):
     from torchtitan.models import qwen3
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
 
+    shape = dict(n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, attn_backend="flex",
+                 rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=128, theta=THETA))
+    layers = (qwen3._build_qwen3_moe_layers(moe_hidden_dim=MOE_FFN, num_experts=EXPERTS, top_k=TOP_K,
+                                            moe_comm_backend="standard", **shape) if moe
+              else qwen3._build_qwen3_layers(hidden_dim=FFN, **shape))
     return qwen3.Qwen3Model.Config(
         dim=DIM, vocab_size=VOCAB,
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
         norm=RMSNorm.Config(normalized_shape=DIM, eps=1e-6),
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
-        layers=qwen3._build_qwen3_moe_layers(
-            n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, moe_hidden_dim=MOE_FFN,
-            num_experts=EXPERTS, top_k=TOP_K, attn_backend="flex", moe_comm_backend="standard",
-            rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=128, theta=THETA)),
+        layers=layers,
     )
+
+
+def qwen3_hf_config():
+    import transformers
+
+    return transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6, rope_theta=THETA,
+        max_position_embeddings=128, tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
 
 
 def qwen3_moe_hf_config():
@@ -123,7 +135,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--hf", type=Path, required=True)
-    p.add_argument("--family", choices=["llama", "qwen3_moe", "deepseek_v3"], default="llama")
+    p.add_argument("--family", choices=["llama", "qwen3", "qwen3_moe", "deepseek_v3"], default="llama")
     p.add_argument("--reference", type=Path, help="llama: torchtitan's own to_hf output")
     p.add_argument("--logits", type=Path, help="torchtitan's own logits on TOKENS (with MTP: a list, main first)")
     p.add_argument("--mtp", type=int, default=0, help="deepseek_v3: multi-token-prediction layers")
@@ -135,7 +147,8 @@ def main() -> None:
     from torchtitan.models.llama3 import Llama3StateDictAdapter
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    titan, hf = {"llama": (titan_config, hf_config), "qwen3_moe": (qwen3_moe_titan_config, qwen3_moe_hf_config),
+    titan, hf = {"llama": (titan_config, hf_config), "qwen3": (partial(qwen3_titan_config, moe=False), qwen3_hf_config),
+                 "qwen3_moe": (qwen3_titan_config, qwen3_moe_hf_config),
                  "deepseek_v3": (deepseek_v3_titan_config, deepseek_v3_hf_config)}[args.family]
     config = titan(args.mtp) if args.mtp else titan()
     torch.manual_seed(0)
