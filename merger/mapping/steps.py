@@ -8,7 +8,7 @@ dtype.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -69,6 +69,7 @@ class Mapping:
     steps: list[Step]
     hf_dir: Path | None  # config and tokenizer come from here; None: the target is no model (an adapter folder)
     config: dict  # hf_dir's config.json ({} without one)
+    _: KW_ONLY  # the rest by name: a field added later can never shift another's value
     config_updates: dict = field(default_factory=dict)  # keys to set in the target's config.json
     # top-level keys to delete from it: what the written weights no longer are (a dequantized model's
     # quantization_config); a key both set and deleted is deleted

@@ -39,7 +39,8 @@ def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[Lora
     config = read_config(base_dir)
     result = fold_steps({n: n for n in base.tensors}, adapters, catalog.tensors, ties(config, options))
     return Mapping(result.steps + list(side_steps), base_dir, config,
-                   {"tie_word_embeddings": False} if result.untied else {}, dict(extra_files or {}), notes, catalog)
+                   config_updates={"tie_word_embeddings": False} if result.untied else {},
+                   extra_files=dict(extra_files or {}), notes=notes, catalog=catalog)
 
 
 def claims(catalog: Catalog, options: MergeOptions) -> bool:

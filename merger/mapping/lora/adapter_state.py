@@ -99,8 +99,8 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
         note = (f"merger: adapter-only LoRA checkpoint ({describe(config, len(adapter.modules))}): the target is a "
                 f"PEFT adapter folder (--base_model DIR folds it into a base model)")
         # No HF folder: the target is an adapter folder, not a model (no config.json to complete).
-        return Mapping(adapter_file_steps(catalog.tensors, keys, WEIGHTS_FILE), None, {}, {},
-                       {CONFIG_FILE: json.dumps(config, indent=2) + "\n"}, (note, *dropped))
+        return Mapping(adapter_file_steps(catalog.tensors, keys, WEIGHTS_FILE), None, {},
+                       extra_files={CONFIG_FILE: json.dumps(config, indent=2) + "\n"}, notes=(note, *dropped))
     base_dir = Path(options.base_model)
     base = open_base(base_dir)
     config, name = peft_config(catalog, keys, options, {n: n for n in base.tensors})

@@ -82,6 +82,6 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
                             keys, {n: t.shape for n, t in catalog.tensors.items()})
     fused = fold_steps(base, [adapter] if options.lora == "fuse" else [], catalog.tensors, ties(config, options))
     return Mapping(fused.steps + adapter_file_steps(catalog.tensors, keys, ADAPTER_FILE), hf_dir, config,
-                   {"tie_word_embeddings": False} if fused.untied else {},
-                   {f"{ADAPTER_DIR}/{CONFIG_FILE}": json.dumps(peft_config, indent=2) + "\n"},
-                   (lora_note(peft_config, len(adapter.modules), options.lora, "the base weights"),))
+                   config_updates={"tie_word_embeddings": False} if fused.untied else {},
+                   extra_files={f"{ADAPTER_DIR}/{CONFIG_FILE}": json.dumps(peft_config, indent=2) + "\n"},
+                   notes=(lora_note(peft_config, len(adapter.modules), options.lora, "the base weights"),))
