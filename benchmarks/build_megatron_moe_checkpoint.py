@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+# the test writers are scripts that import one another by module name
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "writers"))
-import megatron_checkpoint as mc  # noqa: E402
-import megatron_moe_checkpoint as moe  # noqa: E402
-from leave_group import leave_group  # noqa: E402
+import megatron_checkpoint as mc
+import megatron_moe_checkpoint as moe
+from leave_group import leave_group
 
 EXPERTS = 16
 

@@ -1,7 +1,7 @@
 """Speed and memory of `merger merge` side by side with the usual ways to merge and the copy floor, in one run.
 
-    python benchmarks/run.py [--formats fsdp,dcp,deepspeed,megatron_moe] [--sizes 7,19] [--repeats 3] [--cap 2GiB] [--hidden 2048]
-                             [--keep] [--chart docs/benchmark.png]
+    python benchmarks/run.py [--formats fsdp,dcp,deepspeed,megatron_moe] [--sizes 7,19] [--repeats 3] [--cap 2GiB]
+                             [--hidden 2048] [--keep] [--chart docs/benchmark.png]
 
 For each format and checkpoint size (fp32 FSDP2 on 2 ranks, built once under bench_out/ on the meta device
 by benchmarks/build_checkpoint.py) it times, with warm page cache, alternating and repeated: `cp` of the
@@ -174,7 +174,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", default="fsdp,dcp", help=f"checkpoint formats to run, of {', '.join(FORMATS)} "
                    "(deepspeed needs the test extra's deepspeed, megatron_moe its megatron-core)")
-    p.add_argument("--sizes", default="7,19", help="layer counts of the checkpoints (7 ~ 2 GB, 19 ~ 4.5 GB fp32; megatron_moe: 6 ~ 2.6 GB)")
+    p.add_argument("--sizes", default="7,19", help="layer counts of the checkpoints (7 ~ 2 GB, 19 ~ 4.5 GB fp32; "
+                   "megatron_moe: 6 ~ 2.6 GB)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size of the model (smaller for quick checks)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cap", type=parse_size, default=None, help="also run each merge under this hard memory cap")
