@@ -1,7 +1,7 @@
 """Speed and memory of `merger merge` side by side with the usual ways to merge and the copy floor, in one run.
 
-    python benchmarks/run.py [--formats fsdp,dcp,deepspeed] [--sizes 7,19] [--repeats 3] [--cap 2GiB] [--hidden 2048]
-                             [--keep] [--chart docs/benchmark.png]
+    python benchmarks/run.py [--formats fsdp,dcp,deepspeed,megatron_moe] [--sizes 7,19] [--repeats 3] [--cap 2GiB]
+                             [--hidden 2048] [--keep] [--chart docs/benchmark.png]
 
 For each format and checkpoint size (fp32 FSDP2 on 2 ranks, built once under bench_out/ on the meta device
 by benchmarks/build_checkpoint.py) it times, with warm page cache, alternating and repeated: `cp` of the
@@ -11,6 +11,9 @@ data files (the floor: bytes read and written once), the baselines, and merger w
   `merge_fsdp_weights` (benchmarks/dcp_baselines.py); both keep fp32, so merger runs with `--dtype keep`.
 - deepspeed (ZeRO-3 fp32, 2 ranks, by real DeepSpeed: benchmarks/build_deepspeed_checkpoint.py): baseline
   DeepSpeed's own `zero_to_fp32.py --safe_serialization`; merger runs with `--dtype keep`.
+- megatron_moe (a Qwen3-MoE model with GroupedMLP experts, TP2 EP2, Megatron-LM's legacy format, written by
+  megatron-core on 2 ranks: benchmarks/build_megatron_moe_checkpoint.py): baseline the naive merge in fp32
+  (benchmarks/naive_megatron_merge.py); merger runs with `--dtype keep`.
 Wall times are medians; peak RSS is the largest resident set of any single process of the run (i.e. per
 rank); ratios are against the cp floor and the format's first baseline; the same figures are drawn into
 docs/benchmark.png (benchmarks/chart.py). With --cap, each merge also runs
@@ -35,11 +38,13 @@ from merger.units import format_size, parse_size  # noqa: E402
 OUT = ROOT / "bench_out"
 PY = sys.executable
 CGROUP = Path("/sys/fs/cgroup/memory/merger_bench")
-FORMATS = ("fsdp", "dcp", "deepspeed")
+FORMATS = ("fsdp", "dcp", "deepspeed", "megatron_moe")
 FLOOR = "cp (floor)"
 # Written last by build_checkpoint.py: its presence means the checkpoint is complete.
-DONE = {"fsdp": "fsdp_config.json", "dcp": "huggingface/config.json", "deepspeed": "config.json"}
-BUILDERS = {"fsdp": "build_checkpoint.py", "dcp": "build_checkpoint.py", "deepspeed": "build_deepspeed_checkpoint.py"}
+DONE = {"fsdp": "fsdp_config.json", "dcp": "huggingface/config.json", "deepspeed": "config.json",
+        "megatron_moe": "huggingface/config.json"}
+BUILDERS = {"fsdp": "build_checkpoint.py", "dcp": "build_checkpoint.py", "deepspeed": "build_deepspeed_checkpoint.py",
+            "megatron_moe": "build_megatron_moe_checkpoint.py"}
 
 # Runs `cmd`, then prints wall seconds, the max RSS (KiB) over every descendant process, and the exit code.
 _MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
@@ -65,14 +70,15 @@ def measure(cmd: list[str], cap: int | None = None) -> tuple[float, int, int]:
 
 def build(fmt: str, layers: int, hidden: int, built: list[Path]) -> Path:
     """The checkpoint, built unless a complete one is there; what is built here is appended to `built`."""
-    ckpt = OUT / f"llama_{hidden}h_{layers}l" / {"fsdp": "actor"}.get(fmt, fmt)
+    model = "qwen3moe" if fmt == "megatron_moe" else "llama"
+    ckpt = OUT / f"{model}_{hidden}h_{layers}l" / {"fsdp": "actor"}.get(fmt, fmt)
     if not (ckpt / DONE[fmt]).exists():
         print(f"building the {layers}-layer {fmt} checkpoint in {ckpt} ...", flush=True)
         built.append(ckpt)
         proc = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                                str(ROOT / "benchmarks" / BUILDERS[fmt]), "--out", str(ckpt),
                                "--layers", str(layers), "--hidden", str(hidden),
-                               *(["--format", fmt] if fmt != "deepspeed" else [])],
+                               *(["--format", fmt] if fmt in ("fsdp", "dcp") else [])],
                               env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"building {ckpt} failed:\n{proc.stderr[-4000:]}")
@@ -81,16 +87,21 @@ def build(fmt: str, layers: int, hidden: int, built: list[Path]) -> Path:
 
 def data_files(fmt: str, ckpt: Path) -> list[Path]:
     return sorted(ckpt.glob({"fsdp": "model_world_size_*.pt", "dcp": "*.distcp",
-                             "deepspeed": "global_step1/*_states.pt"}[fmt]))
+                             "deepspeed": "global_step1/*_states.pt",
+                             "megatron_moe": "iter_*/mp_rank_*/model_optim_rng.pt"}[fmt]))
 
 
 def commands(fmt: str, ckpt: Path, dst: Path) -> dict[str, list[str]]:
     """Row name -> command line; the floor first, then the baselines (the first is the ratios' reference)."""
-    files = " ".join(str(p) for p in data_files(fmt, ckpt))
+    # relative paths kept under dst (--parents): Megatron's rank files all have the same name
+    files = " ".join(str(p.relative_to(ckpt)) for p in data_files(fmt, ckpt))
     merge = ["-m", "merger", "merge", "--local_dir", str(ckpt), "--target_dir", str(dst), "--overwrite",
              "--log_level", "WARNING"]
     if fmt == "fsdp":
         baselines = {"naive merge": [PY, str(ROOT / "benchmarks" / "naive_merge.py"), str(ckpt), str(dst)]}
+    elif fmt == "megatron_moe":
+        merge += ["--dtype", "keep"]  # the naive Megatron merge keeps fp32: write the same bytes
+        baselines = {"naive merge": [PY, str(ROOT / "benchmarks" / "naive_megatron_merge.py"), str(ckpt), str(dst)]}
     elif fmt == "deepspeed":
         merge += ["--dtype", "keep"]  # zero_to_fp32 writes fp32: write the same bytes
         # DeepSpeed's own script, copied into the checkpoint by save_checkpoint (it imports deepspeed)
@@ -99,7 +110,7 @@ def commands(fmt: str, ckpt: Path, dst: Path) -> dict[str, list[str]]:
         merge += ["--dtype", "keep"]  # the DCP baselines write fp32: write the same bytes
         baselines = {name: [PY, str(ROOT / "benchmarks" / "dcp_baselines.py"), name, str(ckpt), str(dst)]
                      for name in ("dcp_to_torch_save", "accelerate")}
-    return {FLOOR: ["bash", "-c", f"mkdir -p {dst} && cp {files} {dst}/"], **baselines,
+    return {FLOOR: ["bash", "-c", f"mkdir -p {dst} && cd {ckpt} && cp --parents {files} {dst}/"], **baselines,
             "merger, 1 rank": [PY, *merge],
             "merger, 2 ranks": [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", *merge]}
 
@@ -147,23 +158,24 @@ def rows_for(fmt: str, size: int, results: dict, capped: dict[str, str]) -> list
 
 def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
     cap_col = f"under {format_size(cap)}" if cap else ""
-    header = (f"{'format':<9} | {'checkpoint':>10} | {'run':<17} | {'wall s':>6} | {'x cp':>6} | {'x base':>6} | "
+    header = (f"{'format':<12} | {'checkpoint':>10} | {'run':<17} | {'wall s':>6} | {'x cp':>6} | {'x base':>6} | "
               f"{'peak RSS/rank':>13} | {'x base RSS':>10} | {cap_col}")
     print("\n" + header)
     print("-" * len(header))
     for fmt, size, name, wall, vs_cp, vs_base, rss, vs_rss, capped in rows:
-        print(f"{fmt:<9} | {format_size(size):>10} | {name:<17} | {wall:6.2f} | {vs_cp:6.2f} | {vs_base:6.2f} | "
+        print(f"{fmt:<12} | {format_size(size):>10} | {name:<17} | {wall:6.2f} | {vs_cp:6.2f} | {vs_base:6.2f} | "
               f"{format_size(rss):>13} | {vs_rss:10.2f} | {capped}")
     print(f"\nmedians of {repeats} warm runs; {os.cpu_count()} cores; peak RSS = largest process of the run; "
           "x base = against the naive merge (fsdp), dcp_to_torch_save + save_file (dcp), DeepSpeed's zero_to_fp32.py "
-          "--safe_serialization (deepspeed)")
+          "--safe_serialization (deepspeed), the naive fp32 merge (megatron_moe)")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", default="fsdp,dcp", help=f"checkpoint formats to run, of {', '.join(FORMATS)} "
-                   "(deepspeed needs the test extra's deepspeed)")
-    p.add_argument("--sizes", default="7,19", help="layer counts of the checkpoints (7 ~ 2 GB, 19 ~ 4.5 GB fp32)")
+                   "(deepspeed needs the test extra's deepspeed, megatron_moe its megatron-core)")
+    p.add_argument("--sizes", default="7,19", help="layer counts of the checkpoints (7 ~ 2 GB, 19 ~ 4.5 GB fp32; "
+                   "megatron_moe: 6 ~ 2.6 GB)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size of the model (smaller for quick checks)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cap", type=parse_size, default=None, help="also run each merge under this hard memory cap")
