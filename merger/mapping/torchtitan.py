@@ -35,15 +35,11 @@ def looks_like_torchtitan(names) -> bool:
                for n in names)
 
 
-# Families torchtitan has that merger does not map yet, by a name only they hold.
-_UNMAPPED = {"gpt_oss": _LAYER + r"moe\.routed_experts\.inner_experts\.mlp1_weight\w*"}
-
-
 def family_of(names) -> str:
-    """The family whose names these are: MLA's wkv_a, then a GQA query norm, tell them apart."""
-    for family, pattern in _UNMAPPED.items():
-        if any(re.fullmatch(pattern, n) for n in names):
-            return family
+    """The family whose names these are: gpt-oss's fused experts, MLA's wkv_a, then a GQA query norm, tell them
+    apart."""
+    if any(re.fullmatch(_LAYER + r"moe\.routed_experts\.inner_experts\.mlp1_weight_EGD", n) for n in names):
+        return "gpt_oss"
     if any(re.fullmatch(_LAYER + r"attention\.wkv_a\.weight", n) for n in names):
         return "deepseek_v3"
     if any(re.fullmatch(_LAYER + r"attention\.q_norm\.weight", n) for n in names):
@@ -90,6 +86,10 @@ def rotary_permute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def _swap_last_dims(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [tensors[0].transpose(-2, -1)]
+
+
 def _permute_step(n_heads: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [rotary_permute(tensors[0], n_heads)]
 
@@ -130,10 +130,6 @@ def _mtp_shared(catalog: Catalog, config: dict, mtp: list[int]) -> list[Step]:
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     family = MODELS.get(options.model) or family_of(catalog.tensors)
-    if family not in FAMILIES:
-        found = next(n for n in catalog.tensors if re.fullmatch(_UNMAPPED[family], n))
-        raise MergerError(f"tensor {found} is torchtitan's {family} naming, a family merger does not map yet "
-                          f"(mapped: {', '.join(FAMILIES)}), {catalog.root}")
     hf_dir, config = model_config(catalog, options)
     _checked_config(family, config, hf_dir)
     table = _compile(FAMILIES[family][0])
@@ -161,6 +157,9 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
         if kind == "experts":
             stacks[name] = partial("{}.{}".format, name)
             steps += [cast(stacks[name](e), out.format(e=e), t.shape[1:], t.dtype) for e in range(t.shape[0])]
+        elif kind == "experts_fused":
+            steps.append(Step((name,), (OutputSpec(out, (*t.shape[:-2], t.shape[-1], t.shape[-2]), t.dtype),),
+                              _swap_last_dims))
         elif kind in ("rotary_q", "rotary_kv"):
             steps.append(_rotary_step(name, out, t.shape, t.dtype, _head_counts(config)[kind[len("rotary_"):]],
                                       catalog.root))

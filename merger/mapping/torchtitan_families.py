@@ -7,6 +7,8 @@ A row is (torchtitan name, kind, HF name). Layer rows follow `layers.{i}.` and b
   HF's rotate-half layout (by query or by key-value head count);
 - `experts`: a stacked [E, ...] tensor of a MoE layer's routed experts, written as one HF tensor per expert;
 - `skip`: a tensor that has no HF equivalent, left out for the reason given in its HF-name column;
+- `experts_fused`: a stacked expert tensor transformers also keeps stacked on disk (gpt-oss), written whole with
+  its last two dims swapped ([E, out, in] -> [E, in, out]), gate and up still interleaved as both interleave them;
 - `q_lora_norm`: MLA's query norm, renamed when the layer has q-LoRA (`wq_a`); without it torchtitan still
   builds a 1-element placeholder, which HF has no place for.
 Qwen3 (CosSinRoPE) and DeepSeek-V3 (HF's `rope_interleave`) need no permutation. Both naming generations of
@@ -78,6 +80,26 @@ MTP_SHARED = (  # global tensors every MTP layer holds again in HF, as DeepSeek-
 )
 MTP_FAMILIES = ("deepseek_v3",)  # MTP layer j is HF layer num_hidden_layers + j; num_nextn_predict_layers counts them
 
+GPT_OSS = (  # attention with biases and sinks, a router with a bias, experts fused on disk as transformers keeps them
+    ("attention.qkv_linear.wq.weight", "rename", "self_attn.q_proj.weight"),
+    ("attention.qkv_linear.wq.bias", "rename", "self_attn.q_proj.bias"),
+    ("attention.qkv_linear.wk.weight", "rename", "self_attn.k_proj.weight"),
+    ("attention.qkv_linear.wk.bias", "rename", "self_attn.k_proj.bias"),
+    ("attention.qkv_linear.wv.weight", "rename", "self_attn.v_proj.weight"),
+    ("attention.qkv_linear.wv.bias", "rename", "self_attn.v_proj.bias"),
+    ("attention.wo.weight", "rename", "self_attn.o_proj.weight"),
+    ("attention.wo.bias", "rename", "self_attn.o_proj.bias"),
+    ("attention.sinks", "rename", "self_attn.sinks"),
+    ("moe.router.gate.weight", "rename", "mlp.router.weight"),
+    ("moe.router.gate.bias", "rename", "mlp.router.bias"),
+    ("moe.routed_experts.inner_experts.mlp1_weight_EGD", "experts_fused", "mlp.experts.gate_up_proj"),
+    ("moe.routed_experts.inner_experts.mlp1_bias_EG", "rename", "mlp.experts.gate_up_proj_bias"),
+    ("moe.routed_experts.inner_experts.mlp2_weight_EDF", "experts_fused", "mlp.experts.down_proj"),
+    ("moe.routed_experts.inner_experts.mlp2_bias_ED", "rename", "mlp.experts.down_proj_bias"),
+    ("moe.expert_bias_E", "skip", "GPT-OSS routes by the router's logits alone: torchtitan's load-balancing bias has "
+                                  "no HF equivalent"),
+)
+
 # name -> (layer rows, the config.json model_types it writes, None: any)
 FAMILIES = {
     "llama": (NORMS + _gqa("rotary_q", "rotary_kv") + DENSE_FFN, None),
@@ -86,6 +108,7 @@ FAMILIES = {
                                       "equivalent"),), ("qwen3", "qwen3_moe")),
     "deepseek_v3": (NORMS + MLA + DENSE_FFN + ROUTED_EXPERTS + SHARED_EXPERTS + (
         ("moe.expert_bias_E", "rename", "mlp.gate.e_score_correction_bias"),), ("deepseek_v3", "kimi_k2")),
+    "gpt_oss": (NORMS + GPT_OSS, ("gpt_oss",)),
 }
 # Rotary tables some torchtitan versions keep as buffers: recomputed by HF, never weights.
 DROPPED_BUFFERS = ("freqs_cis", "rope.cache")

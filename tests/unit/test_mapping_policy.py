@@ -121,9 +121,9 @@ def test_value_model_config_names_the_token_classification_class(tmp_path):
     assert {o.name for s in mapping.steps for o in s.outputs} >= {"score.weight", "score.bias", "model.norm.weight"}
 
 
-def test_a_torchtitan_family_merger_does_not_map_is_named(tmp_path):
-    """gpt_oss, built by torchtitan itself on the meta device: its names are refused with the family named, not
-    half-mapped through another family's table."""
+def test_torchtitan_gpt_oss_is_written_as_transformers_saves_it(tmp_path):
+    """gpt_oss, built by torchtitan itself on the meta device: the names and shapes the mapping writes are those
+    transformers' save_pretrained writes for the same GptOss config (fused experts kept fused, [E, in, out])."""
     try:
         from torchtitan.models import gpt_oss
         from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
@@ -132,12 +132,16 @@ def test_a_torchtitan_family_merger_does_not_map_is_named(tmp_path):
     config = gpt_oss.GptOssModel.Config(
         vocab_size=64, dim=32, tok_embeddings=Embedding.Config(num_embeddings=64, embedding_dim=32),
         norm=RMSNorm.Config(normalized_shape=32), lm_head=Linear.Config(in_features=32, out_features=64),
-        layers=gpt_oss._build_gptoss_layers(fuse_qkv=True, dim=32, n_layers=1, hidden_dim=24, num_experts=4, top_k=2,
+        layers=gpt_oss._build_gptoss_layers(fuse_qkv=True, dim=32, n_layers=2, hidden_dim=24, num_experts=4, top_k=2,
                                             load_balance_coeff=1e-3, attn_backend="flex", moe_comm_backend="standard",
                                             rope=CosSinRoPE.Config(dim=64, max_seq_len=128, theta=150000.0)))
     with torch.device("meta"):
         state = config.build().state_dict()
-    transformers.LlamaConfig(**TINY).save_pretrained(tmp_path)
-    with pytest.raises(MergerError, match=r"tensor layers\.0\.moe\.routed_experts\.inner_experts\.mlp1_weight\w* is "
-                                          r"torchtitan's gpt_oss naming, a family merger does not map yet"):
-        build_mapping(_catalog(dict(state), tmp_path), _options())
+    hf = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                   num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=4,
+                                   num_experts_per_tok=2, tie_word_embeddings=False)
+    saved = _saved_names(transformers.GptOssForCausalLM(hf), tmp_path)
+    shapes = {o.name: o.shape for s in build_mapping(_catalog(dict(state), tmp_path), _options()).steps
+              for o in s.outputs}
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert shapes == {n: tuple(f.get_slice(n).get_shape()) for n in saved}

@@ -122,6 +122,29 @@ def deepseek_v3_hf_config():
         architectures=["DeepseekV3ForCausalLM"])
 
 
+def gpt_oss_titan_config():
+    from torchtitan.models import gpt_oss
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
+
+    return gpt_oss.GptOssModel.Config(  # 64 heads of 64, 8 kv heads: torchtitan's builder fixes them
+        vocab_size=VOCAB, dim=DIM, tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        norm=RMSNorm.Config(normalized_shape=DIM), lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
+        layers=gpt_oss._build_gptoss_layers(
+            fuse_qkv=True, dim=DIM, n_layers=LAYERS, hidden_dim=MOE_FFN, num_experts=EXPERTS, top_k=TOP_K,
+            load_balance_coeff=1e-3, attn_backend="flex", moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=64, max_seq_len=128, theta=150000.0)))
+
+
+def gpt_oss_hf_config():
+    import transformers
+
+    return transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=MOE_FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, sliding_window=128, rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+        max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False, architectures=["GptOssForCausalLM"])
+
+
 def hf_config():
     import transformers
 
@@ -135,7 +158,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--hf", type=Path, required=True)
-    p.add_argument("--family", choices=["llama", "qwen3", "qwen3_moe", "deepseek_v3"], default="llama")
+    p.add_argument("--family", choices=["llama", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss"], default="llama")
     p.add_argument("--reference", type=Path, help="llama: torchtitan's own to_hf output")
     p.add_argument("--logits", type=Path, help="torchtitan's own logits on TOKENS (with MTP: a list, main first)")
     p.add_argument("--mtp", type=int, default=0, help="deepseek_v3: multi-token-prediction layers")
@@ -149,10 +172,19 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     titan, hf = {"llama": (titan_config, hf_config), "qwen3": (partial(qwen3_titan_config, moe=False), qwen3_hf_config),
                  "qwen3_moe": (qwen3_titan_config, qwen3_moe_hf_config),
-                 "deepseek_v3": (deepseek_v3_titan_config, deepseek_v3_hf_config)}[args.family]
+                 "deepseek_v3": (deepseek_v3_titan_config, deepseek_v3_hf_config),
+                 "gpt_oss": (gpt_oss_titan_config, gpt_oss_hf_config)}[args.family]
     config = titan(args.mtp) if args.mtp else titan()
     torch.manual_seed(0)
     model = config.build()
+    if args.family == "gpt_oss":
+        # Its experts compute in bf16 (grouped mm), and its sinks make torch.compile's flex attention fail on
+        # CPU: a bf16 model, attention run eagerly (the same function, uncompiled).
+        from torch.nn.attention.flex_attention import flex_attention
+        from torchtitan.models.common.attention import FlexAttention
+
+        FlexAttention._compiled_flex_attn = flex_attention
+        model = model.to(torch.bfloat16)
     with torch.no_grad():  # seeded values everywhere (norms too), the same on every rank
         for param in model.parameters():
             param.copy_(torch.randn_like(param) * 0.1)
