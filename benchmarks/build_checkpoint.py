@@ -30,11 +30,17 @@ def bench_config(layers: int, hidden: int) -> transformers.LlamaConfig:
                                     num_key_value_heads=hidden // 128, tie_word_embeddings=False)
 
 
-def main() -> None:
+def size_parser() -> argparse.ArgumentParser:
+    """The arguments every benchmark checkpoint builder takes: where, how many layers, how wide."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--layers", type=int, required=True)
     p.add_argument("--hidden", type=int, default=2048, help="hidden size, a multiple of 128")
+    return p
+
+
+def main() -> None:
+    p = size_parser()
     p.add_argument("--format", choices=("fsdp", "dcp"), default="fsdp")
     args = p.parse_args()
     dist.init_process_group("gloo")

@@ -9,22 +9,17 @@ fp32 partitions, as zero_to_fp32 and merger read them). DIR gets HF Trainer's ch
 """
 from __future__ import annotations
 
-import argparse
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import transformers
 
-from build_checkpoint import bench_config
+from build_checkpoint import bench_config, size_parser
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--hidden", type=int, default=2048, help="hidden size, a multiple of 128")
+    p = size_parser()
     args = p.parse_args()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(args.out / "torch_extensions"))
     import deepspeed

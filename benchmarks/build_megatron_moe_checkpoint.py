@@ -12,7 +12,6 @@ parameters (16 experts of 768) plus 131M of embeddings: 6 layers ~ 2.6 GB fp32.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from argparse import Namespace
@@ -26,6 +25,8 @@ import megatron_checkpoint as mc
 import megatron_moe_checkpoint as moe
 from leave_group import leave_group
 
+from build_checkpoint import size_parser  # benchmarks/, the script's own folder
+
 EXPERTS = 16
 
 
@@ -37,10 +38,7 @@ def case(layers: int, hidden: int) -> Namespace:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--hidden", type=int, default=2048, help="hidden size, a multiple of 128")
+    p = size_parser()
     args = p.parse_args()
     mc.cpu_patches()
     moe.grouped_gemm_patch()

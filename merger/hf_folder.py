@@ -38,11 +38,13 @@ def read_index(path: Path) -> dict:
     return index
 
 
-def weight_files(root: Path) -> list[Path]:
-    """The folder's weight files: those the index names, else model.safetensors, else every *.safetensors."""
-    index = root / INDEX
-    if index.is_file():
-        return [root / name for name in dict.fromkeys(sorted(read_index(index)["weight_map"].values()))]
+def weight_files(root: Path, index: dict | None = None) -> list[Path]:
+    """The folder's weight files: those the index names (`index`, when read already), else model.safetensors,
+    else every *.safetensors."""
+    if index is None and (root / INDEX).is_file():
+        index = read_index(root / INDEX)
+    if index is not None:
+        return [root / name for name in dict.fromkeys(sorted(index["weight_map"].values()))]
     if (root / SINGLE_FILE).is_file():
         return [root / SINGLE_FILE]
     return sorted(root.glob("*.safetensors")) if root.is_dir() else []

@@ -38,7 +38,7 @@ class ReferenceModel:
         if index is None and not (folder / SINGLE_FILE).is_file():
             raise MergerError(f"folder has no {SINGLE_FILE} or {INDEX}, {folder}")
         self.entries: dict[str, tuple[str, int, TensorEntry]] = {}
-        for file in weight_files(folder):
+        for file in weight_files(folder, index):
             path = str(file)
             start, entries, _ = read_header(path)
             for key, entry in entries.items():

@@ -46,6 +46,9 @@ class UnstackedReader:
 
     def __init__(self, stacked: Catalog, whole: dict[tuple[str, str], ShardPiece], catalog: Catalog):
         self.inner, self.whole = stacked.open_reader(), whole
+        # Each stored piece located once, not once per expert (a DCP chunk's blob directory is read to locate
+        # it): geometry only, no data.
+        self.located: dict[tuple[str, str], Stored] = {}
 
     def check_files(self, files: list[str]) -> None:
         self.inner.check_files(files)
@@ -55,5 +58,8 @@ class UnstackedReader:
         if stacked is None:
             return self.inner.locate(copy, piece, dtype)
         key, index = split_key(copy.key)
-        stored = self.inner.locate(dataclasses.replace(copy, key=key), stacked, dtype)
+        stored = self.located.get((copy.file, key))
+        if stored is None:
+            stored = self.located[(copy.file, key)] = self.inner.locate(dataclasses.replace(copy, key=key), stacked,
+                                                                        dtype)
         return stored.narrowed(take(stored.view, index))

@@ -46,22 +46,26 @@ DEFAULTS = dict(arch="qwen2", tp=1, pp=1, vpp=None, ep=1, layers=2, heads=4, gro
                 experts=4, optim_only=0, value=0)
 
 
-def parse() -> tuple[Path, list[tuple[str, Namespace]]]:
+def parse(defaults: dict = DEFAULTS, about: str = "arch: llama, qwen2, qwen3, qwen2_moe, mixtral, qwen3_moe; "
+          "groups 1 = MQA; vocab is HF's, padded to 128 x tp; optim_only: a torch_dist save without model tensors; "
+          "value: a critic with a 1-output head", fixed: dict | None = None
+          ) -> tuple[Path, list[tuple[str, Namespace]]]:
+    """--out and the --case NAME:key=value,... specs over `defaults` (arch a name, booleans 0/1, the rest ints),
+    each with `fixed` added."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--case", action="append", required=True,
-                   help="NAME:key=value,... over " + ", ".join(f"{k}={v}" for k, v in DEFAULTS.items()) +
-                        " (arch: llama, qwen2, qwen3, qwen2_moe, mixtral, qwen3_moe; groups 1 = MQA; vocab is HF's, padded to 128 x tp; optim_only:"
-                        " a torch_dist save without model tensors; value: a critic with a 1-output head)")
+                   help="NAME:key=value,... over " + ", ".join(f"{k}={v}" for k, v in defaults.items()) + f" ({about})")
     args = p.parse_args()
     cases = []
     for spec in args.case:
         name, _, pairs = spec.partition(":")
-        values = dict(DEFAULTS)
+        values = dict(defaults)
         for pair in filter(None, pairs.split(",")):
             key, _, value = pair.partition("=")
-            values[key] = value if key == "arch" else value == "1" if key == "tied" else int(value)
-        cases.append((name, Namespace(**values)))
+            flag = isinstance(defaults.get(key), bool)
+            values[key] = value if key == "arch" else value == "1" if flag else int(value)
+        cases.append((name, Namespace(**values, **(fixed or {}))))
     return args.out, cases
 
 

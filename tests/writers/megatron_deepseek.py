@@ -15,7 +15,6 @@ legacy/ and dist/ (Megatron-LM save dirs), hf/ (the transformers config and a to
 """
 from __future__ import annotations
 
-import argparse
 from argparse import Namespace
 from pathlib import Path
 
@@ -24,31 +23,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from leave_group import leave_group
-from megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, randomise_vectors, save_dist, save_legacy,
-                                 write_save_dirs)
+from megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, parse, randomise_vectors, save_dist,
+                                 save_legacy, write_save_dirs)
 
 DEFAULTS = dict(arch="deepseek_v3", tp=1, layers=2, dense=1, q_lora=1, mtp=1, vocab=101)
 HIDDEN, HEADS, FFN, MOE_FFN, EXPERTS = 32, 4, 40, 24, 4
 Q_LORA, KV_LORA, NOPE, ROPE, V_DIM = 24, 16, 8, 8, 8
-
-
-def parse() -> tuple[Path, list[tuple[str, Namespace]]]:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--case", action="append", required=True,
-                   help="NAME:key=value,... over " + ", ".join(f"{k}={v}" for k, v in DEFAULTS.items()) +
-                        " (arch: deepseek_v3 or llama; dense: how many first layers have a dense MLP)")
-    args = p.parse_args()
-    cases = []
-    for spec in args.case:
-        name, _, pairs = spec.partition(":")
-        values = dict(DEFAULTS)
-        for pair in filter(None, pairs.split(",")):
-            key, _, value = pair.partition("=")
-            values[key] = value if key == "arch" else int(value)
-        # What megatron_checkpoint.save_legacy records in the args: one pipeline stage, no EP, untied.
-        cases.append((name, Namespace(**values, pp=1, vpp=None, ep=1, tied=False)))
-    return args.out, cases
 
 
 def mla_patches() -> None:
@@ -183,7 +163,9 @@ def write_case(a: Namespace, out: Path) -> None:
 
 
 def main() -> None:
-    out, cases = parse()
+    # What megatron_checkpoint.save_legacy records in the args: one pipeline stage, no EP, untied.
+    out, cases = parse(DEFAULTS, "arch: deepseek_v3 or llama; dense: how many first layers have a dense MLP",
+                       fixed=dict(pp=1, vpp=None, ep=1, tied=False))
     cpu_patches()
     mla_patches()
     dist.init_process_group("gloo")
