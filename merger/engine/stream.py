@@ -20,14 +20,14 @@ from ..mapping.steps import OutputSpec
 from ..sources.file_reads import SourceReads
 from .dist import Group
 from .overflow import may_have_overflowed, overflow_message, overflowed
-from .plan import Batch, Plan, Route, contiguous_start
+from .plan import Batch, Plan, Route, block_runs
 from .progress import Progress
 
 
 class Sink(Protocol):
     """Receives finished outputs. A plan that places steps directly (plan.py) needs a sink that also takes part
-    of a tensor, `put_part(spec, byte_offset, piece)`, as the file writer does: each rank then hands over the
-    pieces it read, cast, at their offsets, and no tensor is assembled."""
+    of a tensor, `put_part(spec, runs, piece)`, as the file writer does: each rank then hands over the pieces it
+    read, cast, with the runs of the tensor they fill (plan.Runs), and no tensor is assembled."""
 
     def put(self, spec: OutputSpec, tensor: torch.Tensor) -> None:
         """Receive one finished output tensor, already in `spec`'s dtype and shape."""
@@ -174,7 +174,7 @@ def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int, local: dic
         elif writer is None and si in by_step:
             spec = plan.steps[si].outputs[0]
             for route, piece in by_step.pop(si):  # cast by the reader already (the route's dtype is spec's)
-                sink.put_part(spec, contiguous_start(spec.shape, route.piece) * spec.dtype.itemsize, piece)
+                sink.put_part(spec, block_runs(spec.shape, route.piece), piece)
         else:
             continue
         if observer and si not in elsewhere:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..engine.memory import start_writeback
-from ..engine.plan import Plan
+from ..engine.plan import Plan, Runs
 from ..errors import MergerError
 from ..hf_folder import INDEX, files_to_copy
 from ..mapping.steps import OutputSpec
@@ -79,24 +79,31 @@ class FileSink:
         size = tensor.numel() * tensor.element_size()
         if size != entry.end - entry.begin:
             raise MergerError(f"output {spec.name} has {size} bytes, planned {entry.end - entry.begin}")
-        self.put_part(spec, 0, tensor)
+        self.put_part(spec, Runs(0, tensor.numel()), tensor)
 
-    def put_part(self, spec: OutputSpec, offset: int, piece: torch.Tensor) -> None:
-        """Write `piece`'s bytes at `offset` bytes into output `spec` (a contiguous run of the tensor)."""
+    def put_part(self, spec: OutputSpec, runs: Runs, piece: torch.Tensor) -> None:
+        """Write `piece`'s bytes into output `spec` where `runs` (plan.py) puts them: one write per run."""
         index, entry = self.plan.location[spec.name]
         if index in self.skip:
             return
         data = memoryview(piece.contiguous().reshape(-1).view(torch.uint8).numpy())
-        if offset + len(data) > entry.end - entry.begin:
-            raise MergerError(f"output {spec.name}: {len(data)} bytes at {offset} overrun its "
-                              f"{entry.end - entry.begin} planned bytes")
-        fd, at = self._fd(index), len(self.plan.files[index].prefix) + entry.begin + offset
-        path = self.stage / self.plan.files[index].name
+        item, planned = piece.element_size(), entry.end - entry.begin
+        last = runs.start + sum((n - 1) * s for n, s in zip(runs.outer, runs.strides)) + runs.length
+        if len(data) != runs.count * runs.length * item or (runs.count and last * item > planned):
+            raise MergerError(f"output {spec.name}: {len(data)} bytes in runs ending at byte {last * item} "
+                              f"do not fit its {planned} planned bytes")
+        fd, base = self._fd(index), len(self.plan.files[index].prefix) + entry.begin
+        size = runs.length * item
+        for k, start in enumerate(runs.starts()):
+            self._write(fd, index, data[k * size:(k + 1) * size], base + start * item)
+
+    def _write(self, fd: int, index: int, data: memoryview, at: int) -> None:
         while len(data):
             try:
                 n = os.pwrite(fd, data, at)
             except OSError as e:
-                raise MergerError(f"cannot write the merged model ({e.strerror}), {path}") from e
+                raise MergerError(f"cannot write the merged model ({e.strerror}), "
+                                  f"{self.stage / self.plan.files[index].name}") from e
             data, at = data[n:], at + n
 
     def sync(self, indices) -> None:

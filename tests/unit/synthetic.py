@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from merger.catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from merger.engine.dist import Group
-from merger.engine.plan import Plan
+from merger.engine.plan import Plan, Runs
 from merger.mapping.steps import OutputSpec, Step
 from merger.sources.file_reads import Stored
 
@@ -66,16 +66,19 @@ class MemorySink:
 
     def put(self, spec: OutputSpec, tensor: torch.Tensor) -> None:
         assert tensor.dtype == spec.dtype and tuple(tensor.shape) == spec.shape, spec
-        self.put_part(spec, 0, tensor)
+        self.put_part(spec, Runs(0, tensor.numel()), tensor)
 
-    def put_part(self, spec: OutputSpec, offset: int, piece: torch.Tensor) -> None:
+    def put_part(self, spec: OutputSpec, runs: Runs, piece: torch.Tensor) -> None:
         index, entry = self.plan.location[spec.name]
         raw = piece.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        at = len(self.plan.files[index].prefix) + entry.begin + offset
-        assert offset >= 0 and at + len(raw) <= len(self.plan.files[index].prefix) + entry.end, spec.name
-        with self.lock:
-            self.data[index][at:at + len(raw)] = raw
-            self.writes[index][at:at + len(raw)] += 1
+        base, size = len(self.plan.files[index].prefix) + entry.begin, runs.length * piece.element_size()
+        assert len(raw) == runs.count * size, spec.name
+        for k, start in enumerate(runs.starts()):
+            at = base + start * piece.element_size()
+            assert start >= 0 and at + size <= len(self.plan.files[index].prefix) + entry.end, spec.name
+            with self.lock:
+                self.data[index][at:at + size] = raw[k * size:(k + 1) * size]
+                self.writes[index][at:at + size] += 1
 
 
 class _Hub:
@@ -163,8 +166,9 @@ def _pieces(draw, name: str, full: torch.Tensor, files: list[str],
     spans = []  # per dim, the (begin, end) of each block
     for d, n in enumerate(shape):
         bounds = [0, n]
-        if d in cut:
-            bounds[1:1] = sorted(draw(st.sets(st.integers(1, n - 1), min_size=1, max_size=n - 1)))
+        if d in cut:  # a wide dim is cut coarsely, as TP ranks cut a weight: runs long enough to place directly
+            points = st.sampled_from(range(n // 4, n, n // 4)) if n >= 64 else st.integers(1, n - 1)
+            bounds[1:1] = sorted(draw(st.sets(points, min_size=1, max_size=n - 1)))
         spans.append(list(zip(bounds, bounds[1:])))
     boxes = list(itertools.product(*spans))
     if mode == "empty":
@@ -220,7 +224,9 @@ def synthetics(draw, max_tensors: int = 8) -> Synthetic:
     for i in range(draw(st.integers(1, max_tensors))):
         # layer numbers without leading zeros: distinct names keep distinct natural sort keys
         name = f"{draw(st.sampled_from(['model.layers', 'layers', 'embed', 'head']))}.{draw(st.integers(0, 12))}.w{i}"
-        shape = tuple(draw(st.lists(st.integers(0, 7), min_size=0, max_size=3)))
+        # now and then a wide matrix, whose column blocks are runs of at least plan.MIN_RUN_BYTES
+        shape = tuple(draw(st.one_of(st.lists(st.integers(0, 7), min_size=0, max_size=3),
+                                     st.tuples(st.integers(1, 3), st.sampled_from((1024, 1536))))))
         dtype = draw(st.sampled_from(DTYPES))
         kinds = ["cast", "cast", "double", "unused"] + ["split", "fuse"] * bool(shape)
         kinds += ["transpose"] * (len(shape) == 2)

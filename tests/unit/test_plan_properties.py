@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from synthetic import plan_args, single_tensor_steps, synthetics
 
-from merger.engine.plan import Plan, Route, plan_layout, rerouted, traffic
+from merger.engine.plan import MIN_RUN_BYTES, Plan, Route, plan_layout, rerouted, traffic
 
 pytestmark = pytest.mark.unit
 SETTINGS = settings(max_examples=80, deadline=None)
@@ -148,23 +148,27 @@ def test_every_piece_routed_once_from_the_rank_that_opened_its_file(syn, args, d
         cast = step.is_cast and len(step.inputs) == len(step.outputs) == 1
         assert r.stored == tensor.dtype and r.dtype == (step.outputs[0].dtype if cast else tensor.dtype)
     for si, step in enumerate(plan.steps):
-        # placed directly exactly when a pure cast's pieces tile the tensor, each one run of its row-major bytes
+        # placed directly exactly when a pure cast's pieces tile the tensor, each one run of its row-major bytes or
+        # runs long enough to be written one by one
         tensor = syn.catalog.tensors[step.inputs[0]]
         cast = direct and step.is_cast and len(step.inputs) == len(step.outputs) == 1
         if math.prod(tensor.shape) == 0:  # no bytes: placed either way, nothing is written
             assert cast or plan.writers[si] is not None
         else:
             runs = cast and sum(p.numel for p in tensor.pieces) == math.prod(tensor.shape) and \
-                all(_one_run(tensor.shape, p) for p in tensor.pieces)
+                all(_placeable(tensor.shape, p, step.outputs[0].dtype.itemsize) for p in tensor.pieces)
             assert (plan.writers[si] is None) == runs
         assert plan.writers[si] is None or 0 <= plan.writers[si] < world
 
 
-def _one_run(shape, piece) -> bool:
-    """The piece's elements are consecutive in the row-major tensor (counted by torch, element by element)."""
+def _placeable(shape, piece, itemsize: int) -> bool:
+    """The piece's elements are one run of consecutive indices in the row-major tensor, or runs of at least
+    MIN_RUN_BYTES each (counted by torch, element by element)."""
     box = tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.sizes))
     index = torch.arange(math.prod(shape)).reshape(shape)[box].reshape(-1)
-    return bool((index == torch.arange(index[0], index[0] + index.numel())).all())
+    breaks = torch.nonzero(index[1:] != index[:-1] + 1).reshape(-1)
+    lengths = torch.diff(torch.cat([torch.tensor([-1]), breaks, torch.tensor([index.numel() - 1])]))
+    return len(lengths) == 1 or bool((lengths * itemsize >= MIN_RUN_BYTES).all())
 
 
 @settings(max_examples=100, deadline=None)
