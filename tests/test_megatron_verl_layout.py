@@ -2,14 +2,12 @@
 LoRA adapter a Megatron-Bridge run leaves in `model/huggingface/adapter/`.
 
 The model checkpoints come from megatron-core (tests/writers/megatron_checkpoint.py; oracle: Megatron's own
-forward logits), the adapters from PEFT's save_pretrained (oracle: PEFT's merge_and_unload and the PeftModel's
-logits). Megatron-Bridge, which verl uses to export that adapter, needs Transformer Engine and cannot be
-imported on a CPU-only torch; its export is a PEFT adapter folder, which is what PEFT writes here. The manifests
+forward logits), the LoRA runs from tests/writers/verl_megatron_lora.py (the adapter by PEFT's save_pretrained;
+oracle: PEFT's merge_and_unload and the PeftModel's logits; why not Megatron-Bridge: see there). The manifests
 are laid out as verl's MegatronCheckpointManager._build_checkpoint_manifest writes them.
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -20,26 +18,7 @@ import transformers
 
 from conftest import assert_same_weights, load_safetensors_folder, run_merger, run_writer, single_error_line
 from conftest import merge_in_process as merge
-from tiny_models import build_model, build_tokenizer
-
-TOKENS = torch.tensor([[1, 5, 9, 2, 7, 3], [4, 4, 8, 0, 6, 1]])
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def manifest(actor: Path, contents: dict, peft_on: bool = False, dist: bool = False) -> None:
-    """ckpt_contents.json as verl writes it (rank 0, last), with `contents` as given."""
-    data = {"schema_version": 2, "framework": "megatron", "role": "actor", "arch": "Qwen2ForCausalLM",
-            "global_step": 1, "world_size": 2, "saved_any_dist_ckpt": True,
-            "backend": {"has_bridge": True, "use_dist_checkpointing": dist, "peft": peft_on},
-            "save_contents": ["model", "optimizer", "extra"], "contents": contents, "directories": {}}
-    (actor / "ckpt_contents.json").write_text(json.dumps(data, indent=2, sort_keys=True))
-
-
-HF = {"path": "model/huggingface", "format": "huggingface", "backend": "mbridge"}
-DIST = {"path": "model/dist_ckpt", "format": "megatron_dist_checkpoint", "backend": "dist_checkpointing"}
-LORA_HF = {**HF, "peft_adapter_path": "model/huggingface/adapter"}
-LORA_DIST = {"path": "model/dist_ckpt", "format": "megatron_dist_checkpoint",
-             "note": "PEFT adapter shards sit next to base-model HF weights, under model/dist_ckpt/."}
+from verl_megatron_lora import DIST, HF, LORA_DIST, TOKENS, write_actor, write_manifest, write_run
 
 
 @pytest.fixture(scope="module")
@@ -52,35 +31,9 @@ def megatron_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory) -> Path:
-    """base/ (the model the run started from), adapter/ (PEFT's save_pretrained), reference/ (merge_and_unload's
-    weights) and logits.pt (the unmerged PeftModel's logits)."""
     root = tmp_path_factory.mktemp("megatron_lora")
-    model = build_model("qwen2")
-    model.save_pretrained(root / "base")
-    build_tokenizer().save_pretrained(root / "base")
-    torch.manual_seed(1)
-    config = peft.LoraConfig(r=4, lora_alpha=12, target_modules=TARGETS, init_lora_weights=False)
-    wrapped = peft.get_peft_model(model, config)
-    wrapped.save_pretrained(root / "adapter")
-    with torch.no_grad():
-        torch.save(wrapped(TOKENS).logits, root / "logits.pt")
-    wrapped.merge_and_unload().save_pretrained(root / "reference")
+    write_run(root)
     return root
-
-
-def lora_actor(lora_run: Path, where: Path, base_weights: bool, adapter_shards: Path | None = None) -> Path:
-    """A verl actor folder of a Megatron-Bridge LoRA run: model/huggingface/ with config, tokenizer and the
-    exported adapter (and base weights when mbridge wrote them), adapter shards in model/dist_ckpt/."""
-    actor = where / "actor"
-    hf = actor / "model" / "huggingface"
-    shutil.copytree(lora_run / "base", hf, ignore=None if base_weights else shutil.ignore_patterns("*.safetensors*"))
-    shutil.copytree(lora_run / "adapter", hf / "adapter")
-    if adapter_shards is not None:
-        shutil.copytree(adapter_shards, actor / "model" / "dist_ckpt")
-    (actor / "optimizer" / "dist_ckpt").mkdir(parents=True)
-    contents = {"model": LORA_HF, "hf_config": HF, **({"peft_adapters": LORA_DIST} if adapter_shards else {})}
-    manifest(actor, contents, peft_on=True)
-    return actor
 
 
 def logits(folder: Path, adapter: Path | None = None) -> torch.Tensor:
@@ -98,7 +51,7 @@ def test_manifest_locates_the_dist_ckpt(megatron_root, tmp_path):
     actor = tmp_path / "actor"
     shutil.copytree(megatron_root / "gqa" / "dist" / "iter_0000001", actor / "model" / "dist_ckpt")
     shutil.copytree(megatron_root / "gqa" / "hf", actor / "model" / "huggingface")
-    manifest(actor, {"model": DIST, "hf_config": HF}, dist=True)
+    write_manifest(actor, {"model": DIST, "hf_config": HF}, dist=True)
     out = merge(actor, tmp_path / "out", "--dtype", "float32")
     oracle = torch.load(megatron_root / "gqa" / "logits.pt", weights_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
@@ -112,7 +65,7 @@ def test_manifest_hf_weights_without_model_dist_ckpt(lora_run, tmp_path):
     actor = tmp_path / "actor"
     shutil.copytree(lora_run / "base", actor / "model" / "huggingface")
     (actor / "optimizer" / "dist_ckpt").mkdir(parents=True)
-    manifest(actor, {"model": HF, "hf_config": HF})
+    write_manifest(actor, {"model": HF, "hf_config": HF})
     out = merge(actor, tmp_path / "out", "--dtype", "float32")
     assert_same_weights(out, lora_run / "base", torch.float32)
 
@@ -130,7 +83,7 @@ def test_newer_layout_without_manifest_warns(megatron_root, tmp_path, capsys):
 
 @pytest.mark.parametrize("entry", ["model", "peft_adapter_path"])
 def test_manifest_path_that_does_not_exist(lora_run, tmp_path, entry):
-    actor = lora_actor(lora_run, tmp_path, base_weights=True)
+    actor = write_actor(lora_run, tmp_path, base_weights=True)
     shutil.rmtree(actor / "model" / "huggingface" / ("adapter" if entry == "peft_adapter_path" else ""))
     result = run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", check=False)
     assert result.returncode != 0 and "Traceback" not in result.stderr
@@ -143,7 +96,7 @@ def test_manifest_path_that_does_not_exist(lora_run, tmp_path, entry):
 def test_lora_adapter_folded_into_hf_weights(lora_run, megatron_root, tmp_path, nproc):
     """mbridge wrote base weights beside the exported adapter: merged as PEFT's merge_and_unload, under torchrun
     too; the Megatron-named adapter shards in dist_ckpt/ are the same adapter and are not read."""
-    actor = lora_actor(lora_run, tmp_path, base_weights=True,
+    actor = write_actor(lora_run, tmp_path, base_weights=True,
                        adapter_shards=megatron_root / "adapter" / "dist" / "iter_0000001")
     run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", "--dtype", "float32", nproc=nproc)
     ours, want = load_safetensors_folder(tmp_path / "out"), load_safetensors_folder(lora_run / "reference")
@@ -157,7 +110,7 @@ def test_lora_adapter_folded_into_hf_weights(lora_run, megatron_root, tmp_path, 
 def test_lora_without_base_weights(lora_run, tmp_path):
     """Megatron-Bridge writes only the adapter into model/huggingface/: the target is a PEFT adapter folder;
     with --base_model (the model the run started from) the adapter is folded into it."""
-    actor = lora_actor(lora_run, tmp_path, base_weights=False)
+    actor = write_actor(lora_run, tmp_path, base_weights=False)
     merge(actor, tmp_path / "adapter_out")
     torch.testing.assert_close(logits(lora_run / "base", tmp_path / "adapter_out"), torch.load(lora_run / "logits.pt"),
                                atol=1e-5, rtol=1e-5)
@@ -166,7 +119,7 @@ def test_lora_without_base_weights(lora_run, tmp_path):
 
 
 def test_lora_separate_keeps_the_base(lora_run, tmp_path):
-    actor = lora_actor(lora_run, tmp_path, base_weights=True)
+    actor = write_actor(lora_run, tmp_path, base_weights=True)
     out = merge(actor, tmp_path / "out", "--lora", "separate", "--dtype", "float32")
     assert_same_weights(out, lora_run / "base", torch.float32)
     torch.testing.assert_close(logits(out, out / "lora_adapter"), torch.load(lora_run / "logits.pt"),
@@ -176,10 +129,10 @@ def test_lora_separate_keeps_the_base(lora_run, tmp_path):
 def test_megatron_adapter_shards_without_export_are_refused(lora_run, megatron_root, tmp_path):
     """dist_ckpt holds only Megatron-Bridge adapter shards and there is no HF export: an error naming them, not
     a merge of the base weights alone."""
-    actor = lora_actor(lora_run, tmp_path, base_weights=True,
+    actor = write_actor(lora_run, tmp_path, base_weights=True,
                        adapter_shards=megatron_root / "adapter" / "dist" / "iter_0000001")
     shutil.rmtree(actor / "model" / "huggingface" / "adapter")
-    manifest(actor, {"model": HF, "hf_config": HF, "peft_adapters": LORA_DIST}, peft_on=True)
+    write_manifest(actor, {"model": HF, "hf_config": HF, "peft_adapters": LORA_DIST}, peft_on=True)
     result = run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", check=False)
     line = single_error_line(result.stderr)
     assert "linear_in.weight" in line and "merger lora" in line, line
