@@ -16,7 +16,8 @@ import pytest
 import torch
 import transformers
 
-from conftest import assert_same_weights, load_safetensors_folder, run_merger, run_writer, single_error_line
+from conftest import (assert_same_weights, load_safetensors_folder, merge_here, run_merger, run_writer,
+                      single_error_line)
 from conftest import merge_in_process as merge
 from verl_megatron_lora import DIST, HF, LORA_DIST, TOKENS, write_actor, write_manifest, write_run
 
@@ -138,3 +139,18 @@ def test_megatron_adapter_shards_without_export_are_refused(lora_run, megatron_r
     assert "linear_in.weight" in line and "merger lora" in line, line
     assert line.endswith(str(actor / "model" / "dist_ckpt")), line
     assert result.returncode != 0 and not (tmp_path / "out").exists()
+
+
+def test_lora_flags_the_export_answers_are_refused(lora_run, tmp_path, capsys):
+    """r and lora_alpha come from the exported adapter_config.json: a flag that would override them is an error."""
+    actor = write_actor(lora_run, tmp_path, base_weights=True)
+    code, errors = merge_here(capsys, "--local_dir", actor, "--target_dir", tmp_path / "out", "--lora_alpha", "3")
+    assert code != 0 and len(errors) == 1 and "--lora_alpha does not apply" in errors[0], errors
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_manifest(lora_run, tmp_path, capsys):
+    actor = write_actor(lora_run, tmp_path, base_weights=True)
+    (actor / "ckpt_contents.json").write_text('{"schema_version": 2, "contents": ')  # cut short
+    code, errors = merge_here(capsys, "--local_dir", actor, "--target_dir", tmp_path / "out")
+    assert code != 0 and len(errors) == 1 and errors[0].endswith(str(actor / "ckpt_contents.json")), errors

@@ -17,7 +17,7 @@ from ..errors import MergerError
 from ..hf_folder import config_dir, weight_files
 from .verl_manifest import VerlModel
 
-FORMAT = "verl_megatron_peft_adapter"
+FORMAT = "verl_megatron_peft"
 _ADAPTER_PART = ".adapter."  # Megatron-Bridge's AdapterWrapper keeps the adapter's state under this prefix
 
 
