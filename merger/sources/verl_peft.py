@@ -11,10 +11,13 @@ shards with no export are refused, never dropped for a silent base-only merge.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from ..catalog import Catalog
 from ..errors import MergerError
 from ..hf_folder import config_dir, weight_files
+from .dcp_metadata import load_metadata
+from .megatron_dist import MODEL_PREFIXES
 from .verl_manifest import VerlModel
 
 FORMAT = "verl_megatron_peft"
@@ -23,9 +26,6 @@ _ADAPTER_PART = ".adapter."  # Megatron-Bridge's AdapterWrapper keeps the adapte
 
 def adapter_parts(verl: VerlModel) -> list[str]:
     """The Megatron-Bridge adapter shards in the dist_ckpt, if it is a torch_dist checkpoint."""
-    from .dcp_metadata import load_metadata
-    from .megatron_dist import MODEL_PREFIXES
-
     if not (verl.dist_ckpt / "metadata.json").is_file():
         return []
     meta = load_metadata(verl.dist_ckpt)
@@ -36,12 +36,13 @@ def unfoldable(verl: VerlModel, parts: list[str]) -> MergerError:
     return MergerError(
         f"the checkpoint's LoRA adapter is only in Megatron-Bridge shards ({len(parts)} tensors such as {parts[0]}), "
         f"which record no lora_alpha, and there is no HF PEFT export beside them (verl writes one into "
-        f"model/huggingface/adapter/ when save_contents includes hf_model): merger does not fold them; export the "
+        f"model/huggingface/adapter/ when it saves HF weights: save_contents with hf_model, or model without "
+        f"use_dist_checkpointing): merger does not fold them; export the "
         f"adapter with Megatron-Bridge, then `merger lora --base BASE_MODEL --adapter ADAPTER_DIR`, {verl.dist_ckpt}")
 
 
-def open_catalog(root, verl: VerlModel) -> Catalog:
-    from ..mapping.lora.adapter import open_adapter_catalog
+def open_catalog(root: Path, verl: VerlModel) -> Catalog:
+    from ..mapping.lora.adapter import open_adapter_catalog  # the adapter folder reader LoRA's mappers share
 
     adapter = open_adapter_catalog(verl.adapter)
     base = weight_files(verl.hf_dir)
