@@ -16,7 +16,7 @@ from ..catalog import Catalog
 from ..errors import MergerError
 from ..options import MergeOptions
 from . import fp8, hf, megatron, torchtitan
-from .lora import adapter_folders, adapter_state, peft_state
+from .lora import adapter_folders, adapter_state, megatron_peft, peft_state
 from .lora.flags import LORA_FLAGS, refuse_unused
 from .model_class import config_updates
 from .policy import apply_policy
@@ -35,6 +35,8 @@ MAPPERS = (
     Mapper("adapter folders", adapter_folders.claims, adapter_folders.build, LORA_FLAGS),
     Mapper("adapter-only LoRA", adapter_state.claims, adapter_state.build, LORA_FLAGS),
     Mapper("PEFT-wrapped model", peft_state.claims, peft_state.build, LORA_FLAGS - {"base_model"}),
+    # the adapter's own adapter_config.json gives r, alpha and the rest
+    Mapper("verl Megatron LoRA", megatron_peft.claims, megatron_peft.build, frozenset({"base_model", "lora"})),
     Mapper("megatron", megatron.claims, megatron.build),
     Mapper("torchtitan", torchtitan.claims, torchtitan.build),
     Mapper("FP8 block-scaled HF", fp8.claims, fp8.build),  # HF names whose config.json says FP8 blocks

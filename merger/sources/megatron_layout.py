@@ -1,6 +1,7 @@
 """Where a Megatron checkpoint's files are: verl's actor folders, a Megatron-LM save dir, or one iter dir.
 
-- verl: `actor/{huggingface,dist_ckpt}` (older) or `actor/model/{huggingface,dist_ckpt}` (newer);
+- verl: `actor/{huggingface,dist_ckpt}` (older) or `actor/model/{huggingface,dist_ckpt}` (newer, located
+  through `ckpt_contents.json` when the save wrote it: verl_manifest.py);
 - Megatron-LM: `latest_checkpointed_iteration.txt` (a number or `release`) beside `iter_XXXXXXX/`;
 - or the iteration folder itself.
 A Megatron-LM save dir may hold the model's HF config folder as `huggingface/` beside the iterations (verl's
@@ -12,24 +13,27 @@ from pathlib import Path
 
 from ..errors import MergerError
 from ..hf_folder import CONFIG_DIR, config_dir
+from .verl_manifest import ADAPTER_DIR, MANIFEST, VerlModel, read_manifest
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def verl_dirs(root: Path) -> tuple[Path, Path] | None:
-    """(dist_ckpt, huggingface) of a verl actor/critic folder, or None."""
+def verl_model(root: Path) -> VerlModel | None:
+    """Where a verl actor/critic folder keeps its model, or None when `root` is no such folder."""
+    if (root / MANIFEST).is_file():
+        return read_manifest(root)
     for base in (root / "model", root):
-        if (base / "dist_ckpt").is_dir():
-            return base / "dist_ckpt", base / CONFIG_DIR
+        if (base / "dist_ckpt").is_dir() or (base / CONFIG_DIR).is_dir() and base.name == "model":
+            adapter = base / CONFIG_DIR / ADAPTER_DIR
+            return VerlModel(base / "dist_ckpt", base / CONFIG_DIR, adapter if adapter.is_dir() else None, None)
     return None
 
 
 def checkpoint_dir(root: Path) -> tuple[Path, Path | None]:
-    """The folder holding the weights and the HF config folder beside it (None when there is none)."""
-    verl = verl_dirs(root)
+    """The folder holding the Megatron shards and the HF config folder beside it (None when there is none)."""
+    verl = verl_model(root)
     if verl:
-        ckpt, hf = verl
-        return ckpt, config_dir(hf)
+        return verl.dist_ckpt, config_dir(verl.hf_dir)
     tracker = root / TRACKER
     if tracker.is_file():
         text = tracker.read_text().strip()

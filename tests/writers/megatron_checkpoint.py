@@ -43,11 +43,12 @@ def cpu_patches() -> None:
 
 
 DEFAULTS = dict(arch="qwen2", tp=1, pp=1, vpp=None, ep=1, layers=2, heads=4, groups=2, vocab=101, tied=False,
-                experts=4, optim_only=0, value=0)
+                experts=4, optim_only=0, adapter_only=0, value=0)
 
 
 def parse(defaults: dict = DEFAULTS, about: str = "arch: llama, qwen2, qwen3, qwen2_moe, mixtral, qwen3_moe; "
           "groups 1 = MQA; vocab is HF's, padded to 128 x tp; optim_only: a torch_dist save without model tensors; "
+          "adapter_only: a torch_dist save of LoRA adapter shards alone (as verl saves Megatron-Bridge LoRA); "
           "value: a critic with a 1-output head", fixed: dict | None = None
           ) -> tuple[Path, list[tuple[str, Namespace]]]:
     """--out and the --case NAME:key=value,... specs over `defaults` (arch a name, booleans 0/1, the rest ints),
@@ -259,13 +260,32 @@ def save_optimizer_only(root: Path) -> None:
     dist_checkpointing.save({"optimizer": {"step": step}}, str(root / "iter_0000001"))
 
 
+def save_adapter_only(root: Path, a: Namespace) -> None:
+    """A torch_dist checkpoint holding only LoRA adapter shards, named as Megatron-Bridge's AdapterWrapper names
+    them (its ParallelLinearAdapter's linear_in / linear_out under `<linear>.adapter.`, layers stacked), as verl
+    filters the model's sharded state for a LoRA run with Megatron-Bridge. Megatron-Bridge itself needs
+    Transformer Engine, which a CPU-only torch cannot import."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    hidden, rank = 32, 4
+    state = {}
+    for linear, out_features in (("self_attention.linear_qkv", 3 * hidden), ("mlp.linear_fc2", hidden)):
+        for part, shape in (("linear_in", (rank, hidden)), ("linear_out", (out_features, rank))):
+            name = f"decoder.layers.{linear}.adapter.{part}.weight"
+            state[name] = ShardedTensor.from_rank_offsets(name, torch.randn(a.layers, *shape),
+                                                          replica_id=dist.get_rank())
+    (root / "iter_0000001").mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(state, str(root / "iter_0000001"))
+
+
 def write_case(a: Namespace, out: Path) -> None:
     """One model in one parallel layout: both formats, the HF folder and the oracle logits."""
     from megatron.core import parallel_state as ps
 
-    if a.optim_only:
+    if a.optim_only or a.adapter_only:
         ps.initialize_model_parallel()
-        save_optimizer_only(out / "dist")
+        save_optimizer_only(out / "dist") if a.optim_only else save_adapter_only(out / "dist", a)
         ps.destroy_model_parallel()
         return
     ps.initialize_model_parallel(a.tp, a.pp, virtual_pipeline_model_parallel_size=a.vpp,

@@ -90,25 +90,37 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     """An adapter folder, or with --base_model the folded model (plus the adapter as lora_adapter/)."""
     keys = _adapter_keys(catalog)
     if options.base_model is None:
-        if options.verify:  # verification reads the model's weight files back, and an adapter folder has none
-            raise MergerError(f"--verify checks a merged model; the output here is an adapter folder (pass "
-                              f"--base_model to merge one, or drop --verify), {catalog.root}")
         config, name = peft_config(catalog, keys, options, None)
         adapter = adapter_from_catalog(name, config, "", catalog, keys)  # checks the config against the tensors
         config, dropped = _drop_unsaved_modules(config, adapter)
         note = (f"merger: adapter-only LoRA checkpoint ({describe(config, len(adapter.modules))}): the target is a "
                 f"PEFT adapter folder (--base_model DIR folds it into a base model)")
-        # No HF folder: the target is an adapter folder, not a model (no config.json to complete).
-        return Mapping(adapter_file_steps(catalog.tensors, keys, WEIGHTS_FILE), None, {},
-                       extra_files={CONFIG_FILE: json.dumps(config, indent=2) + "\n"}, notes=(note, *dropped))
-    base_dir = Path(options.base_model)
-    base = open_base(base_dir)
+        return adapter_folder(catalog, keys, config, options, (note, *dropped))
+    base = open_base(Path(options.base_model))
     config, name = peft_config(catalog, keys, options, {n: n for n in base.tensors})
     adapter = adapter_from_catalog(name, config, ADAPTER_PART, catalog, keys)
     config, dropped = _drop_unsaved_modules(config, adapter)
+    return folded(base, catalog, keys, adapter, config, options, dropped)
+
+
+def adapter_folder(catalog: Catalog, keys: dict[str, str], config: dict, options: MergeOptions,
+                   notes: tuple[str, ...]) -> Mapping:
+    """The adapter alone as a PEFT adapter folder; `keys` maps adapter-file-form keys to catalog tensors."""
+    if options.verify:  # verification reads the model's weight files back, and an adapter folder has none
+        raise MergerError(f"--verify checks a merged model; the output here is an adapter folder (pass "
+                          f"--base_model to merge one, or drop --verify), {catalog.root}")
+    # No HF folder: the target is an adapter folder, not a model (no config.json to complete).
+    return Mapping(adapter_file_steps(catalog.tensors, keys, WEIGHTS_FILE), None, {},
+                   extra_files={CONFIG_FILE: json.dumps(config, indent=2) + "\n"}, notes=notes)
+
+
+def folded(base: Catalog, catalog: Catalog, keys: dict[str, str], adapter: LoraAdapter, config: dict,
+           options: MergeOptions, notes: tuple[str, ...] = ()) -> Mapping:
+    """`base` (a HF folder) with the adapter folded in (`--lora fuse`) or not, and the adapter as lora_adapter/
+    with `config`; `adapter` was built from `catalog` under ADAPTER_PART."""
     return fold_into_base(base, {ADAPTER_PART: catalog}, [adapter] if options.lora == "fuse" else [], options,
                           f"hf_safetensors+{catalog.format}_adapter",
                           tuple(adapter_file_steps(catalog.tensors, keys, ADAPTER_FILE, ADAPTER_PART)),
                           {f"{ADAPTER_DIR}/{CONFIG_FILE}": json.dumps(config, indent=2) + "\n"},
-                          (lora_note(config, len(adapter.modules), options.lora, f"the base model {base_dir}"),
-                           *dropped))
+                          (lora_note(config, len(adapter.modules), options.lora, f"the base model {base.root}"),
+                           *notes))

@@ -18,6 +18,9 @@ def refuse_unused(accepted: frozenset[str], options: MergeOptions, catalog: Cata
                                 ("lora", "--lora separate", options.lora == "separate"),
                                 ("lora_r", "--lora_r", options.lora_r is not None),
                                 ("lora_alpha", "--lora_alpha", options.lora_alpha is not None)):
+        if given and option not in accepted and accepted:  # a LoRA mapping that takes the adapter's own config
+            raise MergerError(f"{flag} does not apply to a {catalog.format} checkpoint: its adapter_config.json "
+                              f"gives r, lora_alpha and the rest, {catalog.root}")
         if given and option not in accepted:
             raise MergerError(f"{flag} applies to checkpoints with a LoRA adapter, and this {catalog.format} "
                               f"checkpoint has none (no lora_A / lora_B tensors), {catalog.root}")
