@@ -43,6 +43,10 @@ def detect_backend(root: Path) -> str:
 
 
 def open_catalog(root: Path, backend: str = "auto", prefix: str | None = None) -> Catalog:
+    from .verl_engines import locate  # verl's torchtitan and automodel engines save beside or below the folder named
+
+    if (save := locate(root)) is not None:
+        return save.annotate(open_catalog(save.folder, backend, prefix))
     if not root.exists():
         raise MergerError(f"checkpoint folder does not exist, {root}")
     if not root.is_dir():
