@@ -74,8 +74,9 @@ def main() -> None:
         state.pop("lm_head.weight", None)
     mapping = {name: file_index(name) for name in state}
     if rank0:
-        torch.save(logits, args.logits)
         metadata_dir.mkdir(parents=True)
+        args.logits.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(logits, args.logits)
         (metadata_dir / "config.json").write_text(model.config.to_json_string(use_diff=False))
         (metadata_dir / "generation_config.json").write_text(model.generation_config.to_json_string())
         (metadata_dir / "fqn_to_file_index_mapping.json").write_text(json.dumps(mapping, indent=2, sort_keys=True))
