@@ -128,6 +128,18 @@ def test_automodel_inspect_names_what_is_skipped(automodel_actor):
                                "model/shard-*.safetensors": "the same tensors before consolidation (automodel engine)"}
 
 
+def test_automodel_found_from_its_model_folder_and_strays_named(automodel_actor, tmp_path):
+    """actor/model/ leads to the same save; files its Checkpointer does not write are listed, not read."""
+    actor = tmp_path / "actor"
+    shutil.copytree(automodel_actor, actor)
+    (actor / "notes.txt").write_text("mine")
+    (actor / "model" / "extra.safetensors").write_bytes(b"")
+    info = json.loads(run_merger("inspect", "--local_dir", actor / "model", "--json").stdout)
+    assert info["root"] == str(actor / "model" / "consolidated") and info["tensors"] == 26
+    stray = "not written by verl's automodel engine, left alone"
+    assert info["skipped"]["notes.txt"] == stray and info["skipped"]["model/extra.safetensors"] == stray
+
+
 def test_automodel_unconsolidated_shards_merge_with_hf_metadata_config(automodel_actor, tmp_path):
     """No consolidated/ (a save stopped before consolidation): the shards, with .hf_metadata/'s config."""
     actor = tmp_path / "actor"

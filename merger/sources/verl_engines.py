@@ -26,6 +26,7 @@ from . import dcp, dcp_hf_shards, hf_safetensors
 GLOBAL_STEP = re.compile(r"global_step_(\d+)")
 AUTOMODEL_METADATA = ".hf_metadata"  # Automodel's own copy of the config, kept for offline consolidation
 AUTOMODEL_PARTS = ("model", "optim")  # what its Checkpointer writes into the folder verl gives it
+AUTOMODEL_MODEL_PARTS = ("consolidated", AUTOMODEL_METADATA, "consolidate.sh")  # beside the shards in model/
 
 
 @dataclass(frozen=True)
@@ -43,20 +44,24 @@ class EngineSave:
 
 
 def locate(root: Path) -> EngineSave | None:
-    """The engine save `root` names (an automodel `actor/`, or a torchtitan save's `global_step_N/actor` or
-    `global_step_N`), or None when `root` is no such folder."""
-    if (root / "model" / AUTOMODEL_METADATA).is_dir() or (root / "model" / "consolidated").is_dir():
-        return _automodel(root)
+    """The engine save `root` names (an automodel `actor/` or its `actor/model/`, or a torchtitan save's
+    `global_step_N/actor` or `global_step_N`), or None when `root` is no such folder."""
+    for actor in (root, root.parent):
+        model = actor / "model"
+        if (model / AUTOMODEL_METADATA).is_dir() or (model / "consolidated").is_dir():
+            return _automodel(actor) if actor == root or root == model else None
     return _torchtitan(root)
 
 
 def _automodel(root: Path) -> EngineSave:
     model = root / "model"
-    skipped = {f"{p.name}/" if p.is_dir() else p.name: "not written by verl's automodel engine, left alone"
-               for p in sorted(root.iterdir()) if p.name not in AUTOMODEL_PARTS}
+    shards = dcp_hf_shards.shard_files(model)
+    strays = [p for p in sorted(root.iterdir()) if p.name not in AUTOMODEL_PARTS]
+    strays += [p for p in sorted(model.iterdir()) if p.name not in AUTOMODEL_MODEL_PARTS and p not in shards]
+    skipped = {f"{p.relative_to(root)}{'/' if p.is_dir() else ''}": "not written by verl's automodel engine, "
+               "left alone" for p in strays}
     if (root / "optim").is_dir():
         skipped["optim/"] = "optimizer and scheduler state (automodel engine)"
-    shards = dcp_hf_shards.shard_files(model)
     metadata = config_dir(model / AUTOMODEL_METADATA)
     consolidated = model / "consolidated"
     if weight_files(consolidated):
