@@ -46,10 +46,9 @@ class EngineSave:
 def locate(root: Path) -> EngineSave | None:
     """The engine save `root` names (an automodel `actor/` or its `actor/model/`, or a torchtitan save's
     `global_step_N/actor` or `global_step_N`), or None when `root` is no such folder."""
-    for actor in (root, root.parent):
-        model = actor / "model"
-        if (model / AUTOMODEL_METADATA).is_dir() or (model / "consolidated").is_dir():
-            return _automodel(actor) if actor == root or root == model else None
+    actor = root.parent if root.name == "model" else root
+    if (actor / "model" / AUTOMODEL_METADATA).is_dir() or (actor / "model" / "consolidated").is_dir():
+        return _automodel(actor)
     return _torchtitan(root)
 
 
