@@ -43,6 +43,14 @@ def detect_backend(root: Path) -> str:
 
 
 def open_catalog(root: Path, backend: str = "auto", prefix: str | None = None) -> Catalog:
+    from .verl_engines import locate  # verl's torchtitan and automodel engines save beside or below the folder named
+
+    if (save := locate(root)) is not None:
+        return save.annotate(_open_folder(save.folder, backend, prefix))
+    return _open_folder(root, backend, prefix)
+
+
+def _open_folder(root: Path, backend: str, prefix: str | None) -> Catalog:
     if not root.exists():
         raise MergerError(f"checkpoint folder does not exist, {root}")
     if not root.is_dir():

@@ -154,6 +154,16 @@ def hf_config():
                                     tie_word_embeddings=False)
 
 
+def seeded_model(config):
+    """The torchtitan model of `config` with seeded values everywhere (norms too), the same on every rank."""
+    torch.manual_seed(0)
+    model = config.build()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.1)
+    return model
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -175,8 +185,7 @@ def main() -> None:
                  "deepseek_v3": (deepseek_v3_titan_config, deepseek_v3_hf_config),
                  "gpt_oss": (gpt_oss_titan_config, gpt_oss_hf_config)}[args.family]
     config = titan(args.mtp) if args.mtp else titan()
-    torch.manual_seed(0)
-    model = config.build()
+    model = seeded_model(config)
     if args.family == "gpt_oss":
         # Its experts compute in bf16 (grouped mm), and its sinks make torch.compile's flex attention fail on
         # CPU: a bf16 model, attention run eagerly (the same function, uncompiled).
@@ -185,9 +194,7 @@ def main() -> None:
 
         FlexAttention._compiled_flex_attn = flex_attention
         model = model.to(torch.bfloat16)
-    with torch.no_grad():  # seeded values everywhere (norms too), the same on every rank
-        for param in model.parameters():
-            param.copy_(torch.randn_like(param) * 0.1)
+    with torch.no_grad():
         if args.family == "deepseek_v3":  # a routing bias that changes which experts are chosen
             for name, buffer in model.named_buffers():
                 if name.endswith("expert_bias_E"):
