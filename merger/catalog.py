@@ -101,6 +101,9 @@ class Catalog:
     details: dict[str, object] = field(default_factory=dict)
     # Stored entries that are not merged, each with the rule that leaves it out (name -> rule): `inspect` lists them.
     skipped: dict[str, str] = field(default_factory=dict)
+    # What reading the checkpoint found that its user should know (an unfinished save...): logged once by rank 0,
+    # listed by `inspect`, with the mapping's notes.
+    notes: tuple[str, ...] = ()
 
     def open_reader(self) -> PieceReader:
         return self.reader_factory(self)

@@ -50,12 +50,12 @@ class Prepared:
 def prepare(options: MergeOptions, group: Group) -> Prepared:
     """Catalog, mapping and plan, identical on every rank, from metadata alone: the one place a plan is made."""
     def build():
-        catalog = open_catalog(Path(options.local_dir), options.backend, options.prefix)
-        mapping = build_mapping(catalog, options)
-        catalog = mapping.catalog or catalog
+        source = open_catalog(Path(options.local_dir), options.backend, options.prefix)
+        mapping = build_mapping(source, options)
+        catalog = mapping.catalog or source
         plan = plan_layout(catalog, mapping.steps, group.world, options.max_shard_size, options.max_inflight)
         return Prepared(catalog, mapping.hf_dir, plan, mapping.config_updates, mapping.config_removals,
-                        mapping.extra_files, mapping.notes)
+                        mapping.extra_files, source.notes + mapping.notes)
 
     return log_prepared(on_every_rank(group, build, options.debug), group)
 

@@ -6,7 +6,6 @@ Megatron-Bridge leaves the adapter as a HF PEFT folder (`huggingface/adapter/`):
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from ..catalog import Catalog
@@ -14,9 +13,7 @@ from ..errors import MergerError
 from ..hf_folder import weight_files
 from . import hf_safetensors, megatron_dist, megatron_legacy, verl_peft
 from .megatron_layout import checkpoint_dir, verl_model
-from .verl_manifest import MANIFEST
-
-log = logging.getLogger("merger")
+from .verl_manifest import MANIFEST, VerlModel
 
 
 def detect(root: Path) -> bool:
@@ -30,11 +27,16 @@ def open_catalog(root: Path) -> Catalog:
     if megatron_legacy.detect(root):
         return megatron_legacy.open_catalog(root)
     verl = verl_model(root)
+    catalog = _open_verl_or_dist(root, verl)
     if verl is not None and verl.manifest is None and verl.dist_ckpt.parent == root / "model":
         # verl writes the manifest last; its own layout migration script leaves none either. Every file read
         # is still checked (DCP metadata, safetensors headers), so this warns rather than refuses.
-        log.warning("merger: warning: no %s in %s: verl writes it last, so this save may be unfinished (or was "
-                    "migrated from the older layout); merging what is there", MANIFEST, root)
+        catalog.notes += (f"merger: warning: no {MANIFEST} in {root}: verl writes it last, so this save may be "
+                          "unfinished (or was migrated from the older layout); merging what is there",)
+    return catalog
+
+
+def _open_verl_or_dist(root: Path, verl: VerlModel | None) -> Catalog:
     if verl is not None:
         parts = verl_peft.adapter_parts(verl)
         if verl.adapter is not None:
