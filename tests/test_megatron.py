@@ -112,8 +112,8 @@ def test_moe_experts_are_numbered_globally(merged):
 
 
 def test_torchrun_merge_equals_single_process(megatron_root, merged, tmp_path):
-    """Two merge ranks split the 4 rank files: experts, gate/up halves and EP copies cross ranks, every byte
-    sent is received; no rank leaves a thread behind when it is done."""
+    """Two merge ranks split the 4 rank files: the TP halves of a QKV or gate/up weight that one rank writes
+    cross ranks, every byte sent is received; no rank leaves a thread behind when it is done."""
     case, fmt = "moe_tp2_ep2", "legacy"
     run_merger_leaving_no_thread("merge", "--local_dir", megatron_root / case / fmt, "--target_dir",
                                  tmp_path / "out", "--hf_model_config_path", megatron_root / case / "hf",

@@ -242,20 +242,34 @@ def traffic(plan: Plan) -> list[dict[str, int]]:
 def _route(catalog: Catalog, steps: list[Step], world: int, max_inflight: int,
            direct: bool) -> tuple[list[int | None], list[Batch]]:
     """Who writes each step, who reads each piece, and the batches."""
-    # Writers: each step goes to the rank with the fewest output bytes so far, so writing spreads evenly; a
-    # directly placed step is written where its pieces are read. Readers: a piece is read from a copy the
-    # writer opened itself when there is one, else from the copy whose owner has read the least so far.
+    # Writers: a directly placed step is written where its pieces are read. Any other step goes to its home,
+    # the rank that opened the most of its input bytes (an expert of one EP rank, a tensor of one file: then
+    # nothing crosses ranks), while that rank has written less than an even share of the output; else to
+    # the rank with the fewest bytes written so far, so writing spreads evenly however the inputs lie.
+    # Readers: a piece is read from a copy the writer opened itself when there is one, else from the copy whose
+    # owner has read the least so far.
     owner = catalog.file_owner(world)
     load, read_load = [0] * world, [0] * world
+    share = sum(o.nbytes for step in steps for o in step.outputs) / world
     writers: list[int | None] = []
     step_routes: list[list[Route]] = []
     for si, step in enumerate(steps):
-        writer = None if direct and places_directly(catalog, step) else min(range(world), key=lambda r: (load[r], r))
+        wires = [step.outputs[0].dtype if step.is_cast and len(step.inputs) == 1 else catalog.tensors[n].dtype
+                 for n in step.inputs]
+        if direct and places_directly(catalog, step):
+            writer = None
+        else:
+            held = [0] * world  # input bytes each rank opened a copy of
+            for name, wire in zip(step.inputs, wires):
+                for piece in catalog.tensors[name].pieces:
+                    for r in {owner[c.file] for c in piece.copies}:
+                        held[r] += piece.numel * wire.itemsize
+            home = min(range(world), key=lambda r: (-held[r], load[r], r))
+            writer = home if load[home] < share else min(range(world), key=lambda r: (load[r], r))
         writers.append(writer)
         routes = []
-        for ii, name in enumerate(step.inputs):
+        for ii, (name, wire) in enumerate(zip(step.inputs, wires)):
             tensor = catalog.tensors[name]
-            wire = step.outputs[0].dtype if step.is_cast and len(step.inputs) == 1 else tensor.dtype
             for piece in tensor.pieces:
                 local = [c for c in piece.copies if owner[c.file] == writer]
                 copy = local[0] if local else min(piece.copies, key=lambda c: (read_load[owner[c.file]], owner[c.file]))

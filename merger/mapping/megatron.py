@@ -58,6 +58,8 @@ def _step(name: str, shape: tuple[int, ...], kind: str, targets: tuple[str, ...]
     elif kind == "vocab":
         vocab = config["vocab_size"]
         shapes, fn = tf.vocab_shapes(shape, vocab, name), partial(tf.unpad_vocab, vocab=vocab)
+        if shapes[0] == shape:  # no padding rows: a plain cast, which each rank places where it reads it
+            return cast(name, targets[0], shape, dtype)
     else:
         rows = CONFIG_ROWS.get(targets[0].split(".", 3)[-1])
         if rows is not None and shape[0] != rows(config):

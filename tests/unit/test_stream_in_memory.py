@@ -74,3 +74,31 @@ def test_column_blocks_are_written_where_they_are_read(world):
     sink = MemorySink(plan)
     run_in_threads(world, lambda group: run_plan(plan, catalog, group, sink))
     _check_output(syn, plan, sink)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_step_is_written_by_the_rank_holding_its_inputs_while_writes_stay_even(world):
+    """Experts of two EP ranks, each whole in its rank's file, each split into gate and up (a transform, so one
+    rank writes the step): with as many merge ranks as files every expert is written where it is read and no
+    byte crosses ranks; with more ranks than files the others take over experts so writing stays even."""
+    gen = torch.Generator().manual_seed(world)
+    experts = {f"experts.{e}.w": torch.randn(6, 4, generator=gen) for e in range(8)}
+    files = ["/synthetic/rank0.bin", "/synthetic/rank1.bin"]
+    store = {f: {} for f in files}
+    tensors, steps, expected = {}, [], {}
+    for e, (name, full) in enumerate(experts.items()):
+        store[files[e // 4]][name] = full
+        piece = ShardPiece((0, 0), (6, 4), (PieceCopy(files[e // 4], name),))
+        tensors[name] = SourceTensor(name, (6, 4), torch.float32, (piece,))
+        outputs = tuple(OutputSpec(f"{name}.{part}", (3, 4), torch.bfloat16) for part in ("gate", "up"))
+        steps.append(Step((name,), outputs, lambda ts: list(torch.split(ts[0], 3))))
+        expected.update({outputs[0].name: full[:3].to(torch.bfloat16), outputs[1].name: full[3:].to(torch.bfloat16)})
+    catalog = Catalog("synthetic", Path("/synthetic"), tensors, files, partial(MemoryReader, store=store))
+    plan = plan_layout(catalog, steps, world, 1 << 20, 1 << 20)
+    moved, written = sum(r["sent_bytes"] for r in traffic(plan)), [r["written_bytes"] for r in traffic(plan)]
+    if world == 2:
+        assert moved == 0
+    assert max(written) - min(written) <= 2 * 3 * 4 * 2  # within one expert's output
+    sink = MemorySink(plan)
+    run_in_threads(world, lambda group: run_plan(plan, catalog, group, sink))
+    _check_output(Synthetic(catalog, steps, expected), plan, sink)
