@@ -1,0 +1,170 @@
+"""A verl Megatron LoRA save whose adapter is only in Megatron-Bridge's shards (sources/verl_peft.py finds them).
+
+Each adapted Megatron linear `<linear>` holds `adapter.linear_in.weight` [r, in] (LoRA's A) and
+`adapter.linear_out.weight` [out, r] (B, its rows laid out as the base weight's rows), and adds
+(lora_alpha / r) * B @ A to `<linear>.weight`. The shards record no lora_alpha: --lora_alpha gives it (verl keeps it
+in its run config, `lora.alpha`), r is read off the shapes.
+
+The Megatron family table names the HF tensors `<linear>.weight` becomes and its row transform (q/k/v per query
+group, fc1 into gate and up, or a rename). The transform only moves rows, so it splits B the same way, and the
+adapter is a PEFT adapter on the HF modules: A shared, B split. With a base (`--base_model DIR`, else the weights
+mbridge wrote into `model/huggingface/`) each HF weight gains scale * B_j @ A as fold.py folds PEFT adapters
+(`--lora separate`: the base as it is), and that PEFT adapter is written beside as `lora_adapter/`; without one,
+the target is the PEFT adapter folder.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from ...catalog import Catalog
+from ...errors import MergerError
+from ...hf_folder import weight_files
+from ...options import MergeOptions
+from ...sources.verl_peft import SHARDS_FORMAT, adapter_linear
+from ..hf import model_config
+from ..megatron import family_of, family_table, hf_names, transform_of
+from ..steps import Mapping, OutputSpec, Step, Transform, cast
+from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, config_from_tensors, describe
+from .adapter_folders import fold_into_base, open_base
+from .adapter_state import ADAPTER_PART, adapter_folder_of
+from .fold import fold_lora, lora_scale
+from .peft_state import ADAPTER_DIR, ADAPTER_FILE, lora_note
+
+
+@dataclass(frozen=True)
+class AdaptedLinear:
+    """One adapted Megatron linear: its A and B (catalog names), and the HF weights B's row transform feeds."""
+
+    a: str
+    b: str
+    transform: Transform | None  # None: B is the one HF module's B as it is
+    weights: tuple[str, ...]  # HF weight names, in the transform's output order
+    b_shapes: tuple[tuple[int, ...], ...]  # each one's part of B
+
+
+def claims(catalog: Catalog, options: MergeOptions) -> bool:
+    return catalog.format == SHARDS_FORMAT
+
+
+def _where(catalog: Catalog) -> str:
+    return catalog.details["adapter shards"]
+
+
+def adapted_linears(catalog: Catalog, config: dict) -> list[AdaptedLinear]:
+    family = family_of(config)
+    table = family_table(family)
+    parts: dict[str, dict[str, str]] = {}
+    for name in catalog.tensors:
+        linear, part = adapter_linear(name)
+        parts.setdefault(linear, {})[part] = name
+    found = []
+    for linear, pair in sorted(parts.items()):
+        if len(pair) != 2:
+            have, lacks = ("linear_in", "linear_out") if "linear_in" in pair else ("linear_out", "linear_in")
+            raise MergerError(f"adapter of {linear} has {have} but no {lacks} shard, {_where(catalog)}")
+        a, b = catalog.tensors[pair["linear_in"]], catalog.tensors[pair["linear_out"]]
+        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
+            raise MergerError(f"adapter shards {a.name} {a.shape} and {b.name} {b.shape} are not LoRA's [r, in] and "
+                              f"[out, r], {_where(catalog)}")
+        kind, names = hf_names(table, linear + ".weight", config.get("num_hidden_layers", 0), family, catalog)
+        shapes, fn = transform_of(b.name, b.shape, kind, names, config)
+        found.append(AdaptedLinear(a.name, b.name, fn, names, tuple(shapes)))
+    return found
+
+
+def _rank_and_alpha(catalog: Catalog, linears: list[AdaptedLinear], options: MergeOptions) -> tuple[int, float]:
+    ranks = sorted({catalog.tensors[lin.a].shape[0] for lin in linears})
+    if len(ranks) != 1:
+        raise MergerError(f"the adapter shards have several ranks {ranks}; Megatron-Bridge's LoRA has one, "
+                          f"{_where(catalog)}")
+    r = ranks[0]
+    if options.lora_r is not None and options.lora_r != r:
+        raise MergerError(f"--lora_r {options.lora_r} disagrees with the adapter shards' rank {r} (linear_in is "
+                          f"[r, in]), {_where(catalog)}")
+    if options.lora_alpha is None:
+        raise MergerError(f"the LoRA adapter shards record no lora_alpha and no HF PEFT export is beside them: pass "
+                          f"--lora_alpha as used in training (verl's lora.alpha), {_where(catalog)}")
+    return r, options.lora_alpha
+
+
+def _module(weight: str) -> str:
+    return weight[: -len(".weight")]
+
+
+def adapter_steps(catalog: Catalog, linears: list[AdaptedLinear], file: str, prefix: str = "") -> list[Step]:
+    """The adapter under PEFT's names for the HF model: per HF module, A as saved and its part of B."""
+    steps = []
+    for lin in linears:
+        a, b = catalog.tensors[lin.a], catalog.tensors[lin.b]
+        for weight in lin.weights:
+            steps.append(cast(prefix + lin.a, f"{PEFT_PREFIX}{_module(weight)}.lora_A.weight", a.shape, a.dtype, file))
+        outputs = tuple(OutputSpec(f"{PEFT_PREFIX}{_module(w)}.lora_B.weight", s, b.dtype, file)
+                        for w, s in zip(lin.weights, lin.b_shapes))
+        steps.append(Step((prefix + lin.b,), outputs, lin.transform))
+    return steps
+
+
+def _fold(inputs: list[torch.Tensor], transform: Transform | None, index: int, scale: float) -> list[torch.Tensor]:
+    weight, a, b = inputs
+    part = b if transform is None else transform([b])[index]
+    return [fold_lora(weight, a, part, scale, False)]
+
+
+def fold_steps(base: Catalog, catalog: Catalog, linears: list[AdaptedLinear], scale: float) -> list[Step]:
+    """One step per adapted HF weight: the base weight, A and the whole B in; the folded weight out."""
+    steps = []
+    for lin in linears:
+        in_features = catalog.tensors[lin.a].shape[1]
+        for index, (weight, b_shape) in enumerate(zip(lin.weights, lin.b_shapes)):
+            tensor = base.tensors.get(weight)
+            if tensor is None:
+                raise MergerError(f"adapter shard {lin.b} changes {weight}, which the base model lacks, {base.root}")
+            if tensor.shape != (b_shape[0], in_features):
+                raise MergerError(f"adapter shards of {lin.b} make a [{b_shape[0]}, {in_features}] change to {weight}, "
+                                  f"which is {list(tensor.shape)} in the base model, {base.root}")
+            steps.append(Step((weight, ADAPTER_PART + lin.a, ADAPTER_PART + lin.b),
+                              (OutputSpec(weight, tensor.shape, tensor.dtype),),
+                              partial(_fold, transform=lin.transform, index=index, scale=scale)))
+    return steps
+
+
+def _peft_config(linears: list[AdaptedLinear], catalog: Catalog, model: dict, base: Catalog | None, r: int,
+                 alpha: float, options: MergeOptions) -> dict:
+    shapes = {}
+    for lin in linears:
+        for weight, b_shape in zip(lin.weights, lin.b_shapes):
+            shapes[f"{_module(weight)}.lora_A.weight"] = catalog.tensors[lin.a].shape
+            shapes[f"{_module(weight)}.lora_B.weight"] = b_shape
+    config = config_from_tensors({k: k for k in shapes}, shapes, model,
+                                 None if base is None else {n: n for n in base.tensors}, r, alpha, {})
+    config["base_model_name_or_path"] = (str(Path(options.base_model).absolute()) if options.base_model is not None
+                                         else model.get("_name_or_path"))
+    return config
+
+
+def build(catalog: Catalog, options: MergeOptions) -> Mapping:
+    hf_dir, model = model_config(catalog, options)
+    linears = adapted_linears(catalog, model)
+    r, alpha = _rank_and_alpha(catalog, linears, options)
+    modules = sum(len(lin.weights) for lin in linears)
+    base_dir = options.base_model or (catalog.hf_dir if catalog.hf_dir and weight_files(catalog.hf_dir) else None)
+    if base_dir is None:
+        config = _peft_config(linears, catalog, model, None, r, alpha, options)
+        note = (f"merger: verl Megatron LoRA shards without base weights ({describe(config, modules)}, from "
+                f"{_where(catalog)}): the target is a PEFT adapter folder with HF module names (--base_model DIR, "
+                f"the model the run started from, folds it in)")
+        return adapter_folder_of(adapter_steps(catalog, linears, WEIGHTS_FILE), config, options, _where(catalog),
+                                 (note,))
+    base = open_base(Path(base_dir))
+    config = _peft_config(linears, catalog, model, base, r, alpha, options)
+    folds = fold_steps(base, catalog, linears, lora_scale(alpha, r, False)) if options.lora == "fuse" else []
+    return fold_into_base(base, {ADAPTER_PART: catalog}, [], options, f"hf_safetensors+{catalog.format}",
+                          tuple(adapter_steps(catalog, linears, ADAPTER_FILE, ADAPTER_PART)),
+                          {f"{ADAPTER_DIR}/{CONFIG_FILE}": json.dumps(config, indent=2) + "\n"},
+                          (lora_note(config, modules, options.lora, f"the base model {base.root}"),),
+                          folds=tuple(folds))
