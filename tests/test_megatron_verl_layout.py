@@ -188,6 +188,24 @@ def test_megatron_adapter_shards_without_base_weights(megatron_root, lora_base, 
     assert_megatron_logits(megatron_root, tmp_path / "apart", tmp_path / "apart" / "lora_adapter")
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_megatron_adapter_shards_beside_the_model_shards(megatron_root, lora_base, tmp_path, nproc):
+    """use_dist_checkpointing: the dist_ckpt holds the model's Megatron shards and its adapter shards, no HF
+    weights: the adapter is added to each Megatron weight before its q/k/v or gate/up split; --lora separate
+    writes the model as it is, with the adapter beside."""
+    actor = tmp_path / "actor"
+    shutil.copytree(megatron_root / "lora" / "lora_model_dist" / "iter_0000001", actor / "model" / "dist_ckpt")
+    shutil.copytree(megatron_root / "lora" / "hf", actor / "model" / "huggingface")
+    write_manifest(actor, {"model": DIST, "hf_config": HF}, peft_on=True, dist=True)
+    run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", "--dtype", "float32",
+               "--lora_alpha", ALPHA, nproc=nproc)
+    assert_megatron_logits(megatron_root, tmp_path / "out")
+    if nproc == 1:
+        merge(actor, tmp_path / "apart", "--lora_alpha", ALPHA, "--dtype", "float32", "--lora", "separate")
+        assert_same_weights(tmp_path / "apart", lora_base, torch.float32)
+        assert_megatron_logits(megatron_root, tmp_path / "apart", tmp_path / "apart" / "lora_adapter")
+
+
 @pytest.mark.parametrize("flags, wanted", [((), "pass --lora_alpha"), (("--lora_alpha", "12", "--lora_r", "8"),
                                                                         "--lora_r 8 disagrees")])
 def test_megatron_adapter_shards_need_lora_alpha(megatron_root, lora_base, tmp_path, flags, wanted):

@@ -16,7 +16,7 @@ from ..catalog import Catalog
 from ..errors import MergerError
 from ..options import MergeOptions
 from . import fp8, hf, megatron, torchtitan
-from .lora import adapter_folders, adapter_state, megatron_peft, megatron_shards, peft_state
+from .lora import adapter_folders, adapter_state, megatron_lora_model, megatron_peft, megatron_shards, peft_state
 from .lora.flags import LORA_FLAGS, refuse_unused
 from .model_class import config_updates
 from .policy import apply_policy
@@ -40,6 +40,8 @@ MAPPERS = (
     # Megatron-Bridge's shards alone: r off their shapes, lora_alpha from the flag
     Mapper("verl Megatron LoRA shards", megatron_shards.claims, megatron_shards.build,
            frozenset({"base_model", "lora", "lora_r", "lora_alpha"})),
+    Mapper("Megatron model with LoRA shards", megatron_lora_model.claims, megatron_lora_model.build,
+           frozenset({"lora", "lora_r", "lora_alpha"})),
     Mapper("megatron", megatron.claims, megatron.build),
     Mapper("torchtitan", torchtitan.claims, torchtitan.build),
     Mapper("FP8 block-scaled HF", fp8.claims, fp8.build),  # HF names whose config.json says FP8 blocks

@@ -39,11 +39,10 @@ def open_catalog(root: Path) -> Catalog:
 
 def _open_verl_or_dist(root: Path, verl: VerlModel | None) -> Catalog:
     if verl is not None:
-        parts = verl_peft.adapter_parts(verl)
         if verl.adapter is not None:
             return verl_peft.open_catalog(root, verl)
-        if parts:
-            return verl_peft.open_shards_catalog(root, verl, parts)
+        if verl_peft.has_adapter_shards(verl):
+            return verl_peft.open_adapter_shards(root, verl)
     ckpt, hf_dir = checkpoint_dir(root)
     if hf_dir is not None and weight_files(hf_dir) and not (ckpt.is_dir() and megatron_dist.holds_model(ckpt)):
         return hf_safetensors.open_catalog(hf_dir, format_root=root)

@@ -8,8 +8,9 @@ adapter_model.safetensors, HF module names). The base weights are the model the 
 and mapping/lora/megatron_peft.py folds it into the base or writes it as an adapter folder. Without one, the
 catalog is the Megatron shards themselves (`<linear>.adapter.linear_in.weight` [r, in] and `.linear_out.weight`
 [out, r], global and TP-independent as torch_dist stores them), which mapping/lora/megatron_shards.py turns into
-HF names. Other adapter shards (DoRA's magnitudes, canonical LoRA's per-q/k/v adapters) are refused, never
-dropped for a silent base-only merge.
+HF names; a dist_ckpt that also holds the model's own shards (`use_dist_checkpointing`) is the Megatron catalog
+as it is, with its adapter (mapping/lora/megatron_lora_model.py). Adapter shards are never dropped for a silent
+base-only merge.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import dataclasses
 from pathlib import Path
 
 from ..catalog import Catalog
-from ..errors import MergerError
 from ..hf_folder import config_dir, weight_files
 from .dcp_metadata import load_metadata
 from . import megatron_dist
@@ -30,12 +30,16 @@ _ADAPTER_PART = ".adapter."  # Megatron-Bridge's AdapterWrapper keeps the adapte
 LINEAR_IN, LINEAR_OUT = "linear_in.weight", "linear_out.weight"  # its LoRA's A [r, in] and B [out, r]
 
 
-def adapter_parts(verl: VerlModel) -> list[str]:
-    """The Megatron-Bridge adapter shards in the dist_ckpt, if it is a torch_dist checkpoint."""
+def has_adapter_shards(verl: VerlModel) -> bool:
+    """Whether the dist_ckpt is a torch_dist checkpoint holding Megatron-Bridge adapter shards."""
     if not (verl.dist_ckpt / "metadata.json").is_file():
-        return []
+        return False
     meta = load_metadata(verl.dist_ckpt)
-    return sorted(n for n in meta.state_dict_metadata if n.startswith(MODEL_PREFIXES) and _ADAPTER_PART in n)
+    return any(n.startswith(MODEL_PREFIXES) and is_adapter_shard(n) for n in meta.state_dict_metadata)
+
+
+def is_adapter_shard(name: str) -> bool:
+    return _ADAPTER_PART in name
 
 
 def adapter_linear(name: str) -> tuple[str, str] | None:
@@ -46,19 +50,13 @@ def adapter_linear(name: str) -> tuple[str, str] | None:
     return linear, part.split(".")[0]
 
 
-def open_shards_catalog(root: Path, verl: VerlModel, parts: list[str]) -> Catalog:
-    """The Megatron-named adapter shards of a save without the HF export, as a catalog of their own (its tensors
-    one per layer, as megatron_dist.py reads them)."""
+def open_adapter_shards(root: Path, verl: VerlModel) -> Catalog:
+    """The dist_ckpt holding Megatron-named adapter shards: marked SHARDS_FORMAT when they are all it holds (the
+    base is HF weights, mapping/lora/megatron_shards.py), else the model's Megatron shards with their adapter as
+    they are (mapping/lora/megatron_lora_model.py)."""
     catalog = megatron_dist.open_catalog(root)
-    base = next((n for n in catalog.tensors if _ADAPTER_PART not in n), None)
-    if base is not None:
-        raise MergerError(f"the dist_ckpt holds the model's Megatron shards (such as {base}) with LoRA adapter shards "
-                          f"(such as {parts[0]}) and there is no HF PEFT export beside them: merger folds adapter "
-                          f"shards into HF base weights only, {verl.dist_ckpt}")
-    odd = next((n for n in catalog.tensors if adapter_linear(n) is None), None)
-    if odd is not None:
-        raise MergerError(f"adapter shard {odd} is not a plain LoRA linear_in / linear_out weight (DoRA, canonical "
-                          f"LoRA and adapter biases are not folded), {verl.dist_ckpt}")
+    if any(not is_adapter_shard(n) for n in catalog.tensors):
+        return catalog
     details = {"checkpoint": str(root), "adapter shards": str(verl.dist_ckpt),
                "base weights": str(verl.hf_dir) if weight_files(verl.hf_dir) else "none",
                "manifest": str(verl.manifest) if verl.manifest else "none"}

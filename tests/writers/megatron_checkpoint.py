@@ -9,7 +9,8 @@ so the weights do not depend on the parallel layout), then saves it twice, as Me
   holding `{"model" | "model0".., "args", "checkpoint_version", "iteration"}` (`--ckpt-format torch`);
 - ROOT/NAME/dist/: the same with `iter_0000001/` written by `dist_checkpointing.save` (torch_dist);
 - with `lora=R,alpha=A`, ROOT/NAME/lora_dist/iter_0000001/: LoRA adapter shards alone (megatron_lora_adapters.py),
-  and the logits are those of the model with its adapters.
+  ROOT/NAME/lora_model_dist/iter_0000001/: the model's shards with its adapter shards, and the logits are those
+  of the model with its adapters.
 It also writes ROOT/NAME/hf/ (the matching transformers config and a tokenizer, no weights) and the oracle
 ROOT/NAME/logits.pt: `{"tokens", "logits"}` from Megatron's own forward pass (pipelined by hand over gloo),
 sliced to the HF vocab size.
@@ -281,6 +282,7 @@ def write_case(a: Namespace, out: Path) -> None:
     if a.lora:
         megatron_lora_adapters.attach(chunks, config, a.lora, a.alpha)
         megatron_lora_adapters.save_adapter_shards(chunks, out / "lora_dist" / "iter_0000001")
+        save_dist(a, chunks, out / "lora_model_dist")
     tokens = torch.tensor([[3, 17, 42, 5, 99, 64, 8]])
     logits = forward_logits(a, chunks, tokens)
     if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Iterable
 from functools import partial
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from ...catalog import Catalog
 from ...errors import MergerError
 from ...hf_folder import weight_files
 from ...options import MergeOptions
-from ...sources.verl_peft import SHARDS_FORMAT, adapter_linear
+from ...sources.verl_peft import SHARDS_FORMAT, adapter_linear, is_adapter_shard
 from ..hf import model_config
 from ..megatron import family_of, family_table, hf_names, transform_of
 from ..steps import Mapping, OutputSpec, Step, Transform, cast
@@ -40,6 +41,7 @@ from .peft_state import ADAPTER_DIR, ADAPTER_FILE, lora_note
 class AdaptedLinear:
     """One adapted Megatron linear: its A and B (catalog names), and the HF weights B's row transform feeds."""
 
+    linear: str  # the Megatron linear, whose weight is `linear + ".weight"`
     a: str
     b: str
     transform: Transform | None  # None: B is the one HF module's B as it is
@@ -51,44 +53,45 @@ def claims(catalog: Catalog, options: MergeOptions) -> bool:
     return catalog.format == SHARDS_FORMAT
 
 
-def _where(catalog: Catalog) -> str:
-    return catalog.details["adapter shards"]
-
-
-def adapted_linears(catalog: Catalog, config: dict) -> list[AdaptedLinear]:
+def adapted_linears(catalog: Catalog, config: dict, where: str) -> list[AdaptedLinear]:
+    """Every adapted linear among the catalog's adapter shards; `where` names them in errors."""
     family = family_of(config)
     table = family_table(family)
     parts: dict[str, dict[str, str]] = {}
-    for name in catalog.tensors:
-        linear, part = adapter_linear(name)
-        parts.setdefault(linear, {})[part] = name
+    for name in filter(is_adapter_shard, catalog.tensors):
+        split = adapter_linear(name)
+        if split is None:
+            raise MergerError(f"adapter shard {name} is not a plain LoRA linear_in / linear_out weight (DoRA, "
+                              f"canonical LoRA and adapter biases are not folded), {where}")
+        parts.setdefault(split[0], {})[split[1]] = name
     found = []
     for linear, pair in sorted(parts.items()):
         if len(pair) != 2:
             have, lacks = ("linear_in", "linear_out") if "linear_in" in pair else ("linear_out", "linear_in")
-            raise MergerError(f"adapter of {linear} has {have} but no {lacks} shard, {_where(catalog)}")
+            raise MergerError(f"adapter of {linear} has {have} but no {lacks} shard, {where}")
         a, b = catalog.tensors[pair["linear_in"]], catalog.tensors[pair["linear_out"]]
         if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
             raise MergerError(f"adapter shards {a.name} {a.shape} and {b.name} {b.shape} are not LoRA's [r, in] and "
-                              f"[out, r], {_where(catalog)}")
+                              f"[out, r], {where}")
         kind, names = hf_names(table, linear + ".weight", config.get("num_hidden_layers", 0), family, catalog)
         shapes, fn = transform_of(b.name, b.shape, kind, names, config)
-        found.append(AdaptedLinear(a.name, b.name, fn, names, tuple(shapes)))
+        found.append(AdaptedLinear(linear, a.name, b.name, fn, names, tuple(shapes)))
     return found
 
 
-def _rank_and_alpha(catalog: Catalog, linears: list[AdaptedLinear], options: MergeOptions) -> tuple[int, float]:
+def rank_and_alpha(catalog: Catalog, linears: list[AdaptedLinear], options: MergeOptions, where: str
+                   ) -> tuple[int, float]:
     ranks = sorted({catalog.tensors[lin.a].shape[0] for lin in linears})
     if len(ranks) != 1:
         raise MergerError(f"the adapter shards have several ranks {ranks}; Megatron-Bridge's LoRA has one, "
-                          f"{_where(catalog)}")
+                          f"{where}")
     r = ranks[0]
     if options.lora_r is not None and options.lora_r != r:
         raise MergerError(f"--lora_r {options.lora_r} disagrees with the adapter shards' rank {r} (linear_in is "
-                          f"[r, in]), {_where(catalog)}")
+                          f"[r, in]), {where}")
     if options.lora_alpha is None:
         raise MergerError(f"the LoRA adapter shards record no lora_alpha and no HF PEFT export is beside them: pass "
-                          f"--lora_alpha as used in training (verl's lora.alpha), {_where(catalog)}")
+                          f"--lora_alpha as used in training (verl's lora.alpha), {where}")
     return r, options.lora_alpha
 
 
@@ -133,15 +136,17 @@ def fold_steps(base: Catalog, catalog: Catalog, linears: list[AdaptedLinear], sc
     return steps
 
 
-def _peft_config(linears: list[AdaptedLinear], catalog: Catalog, model: dict, base: Catalog | None, r: int,
-                 alpha: float, options: MergeOptions) -> dict:
+def peft_config(linears: list[AdaptedLinear], catalog: Catalog, model: dict, base: Iterable[str] | None, r: int,
+                alpha: float, options: MergeOptions) -> dict:
+    """adapter_config.json of the adapter under HF names; `base` (the HF model's tensor names), when known, lets
+    it target leaf names (`q_proj`)."""
     shapes = {}
     for lin in linears:
         for weight, b_shape in zip(lin.weights, lin.b_shapes):
             shapes[f"{_module(weight)}.lora_A.weight"] = catalog.tensors[lin.a].shape
             shapes[f"{_module(weight)}.lora_B.weight"] = b_shape
     config = config_from_tensors({k: k for k in shapes}, shapes, model,
-                                 None if base is None else {n: n for n in base.tensors}, r, alpha, {})
+                                 None if base is None else {n: n for n in base}, r, alpha, {})
     config["base_model_name_or_path"] = (str(Path(options.base_model).absolute()) if options.base_model is not None
                                          else model.get("_name_or_path"))
     return config
@@ -149,19 +154,20 @@ def _peft_config(linears: list[AdaptedLinear], catalog: Catalog, model: dict, ba
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, model = model_config(catalog, options)
-    linears = adapted_linears(catalog, model)
-    r, alpha = _rank_and_alpha(catalog, linears, options)
+    where = catalog.details["adapter shards"]
+    linears = adapted_linears(catalog, model, where)
+    r, alpha = rank_and_alpha(catalog, linears, options, where)
     modules = sum(len(lin.weights) for lin in linears)
     base_dir = options.base_model or (catalog.hf_dir if catalog.hf_dir and weight_files(catalog.hf_dir) else None)
     if base_dir is None:
-        config = _peft_config(linears, catalog, model, None, r, alpha, options)
+        config = peft_config(linears, catalog, model, None, r, alpha, options)
         note = (f"merger: verl Megatron LoRA shards without base weights ({describe(config, modules)}, from "
-                f"{_where(catalog)}): the target is a PEFT adapter folder with HF module names (--base_model DIR, "
+                f"{where}): the target is a PEFT adapter folder with HF module names (--base_model DIR, "
                 f"the model the run started from, folds it in)")
-        return adapter_folder_of(adapter_steps(catalog, linears, WEIGHTS_FILE), config, options, _where(catalog),
+        return adapter_folder_of(adapter_steps(catalog, linears, WEIGHTS_FILE), config, options, where,
                                  (note,))
     base = open_base(Path(base_dir))
-    config = _peft_config(linears, catalog, model, base, r, alpha, options)
+    config = peft_config(linears, catalog, model, base.tensors, r, alpha, options)
     folds = fold_steps(base, catalog, linears, lora_scale(alpha, r, False)) if options.lora == "fuse" else []
     return fold_into_base(base, {ADAPTER_PART: catalog}, [], options, f"hf_safetensors+{catalog.format}",
                           tuple(adapter_steps(catalog, linears, ADAPTER_FILE, ADAPTER_PART)),
