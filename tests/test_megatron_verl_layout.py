@@ -218,6 +218,26 @@ def test_megatron_adapter_shards_need_lora_alpha(megatron_root, lora_base, tmp_p
     assert result.returncode != 0 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
+def test_megatron_dora_shards_are_refused(megatron_root, tmp_path):
+    """A DoRA adapter (Megatron-Bridge's `adapter.weight_magnitude` beside linear_in / linear_out) is not plain
+    LoRA: an error naming the shard, never a fold that leaves the magnitude out. The shards are written by torch's
+    DCP under megatron-core's torch_dist marker, per-layer keys as Megatron saves unstacked layers."""
+    import torch.distributed.checkpoint as dcp
+
+    actor = tmp_path / "actor"
+    dist_ckpt = actor / "model" / "dist_ckpt"
+    linear = "decoder.layers.0.self_attention.linear_qkv.adapter."
+    dcp.save({linear + "linear_in.weight": torch.ones(RANK, 32), linear + "linear_out.weight": torch.ones(64, RANK),
+              linear + "weight_magnitude": torch.ones(64)}, checkpoint_id=dist_ckpt, no_dist=True)
+    shutil.copy(megatron_root / "lora" / "lora_dist" / "iter_0000001" / "metadata.json", dist_ckpt)
+    shutil.copytree(megatron_root / "lora" / "hf", actor / "model" / "huggingface")
+    result = run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", "--lora_alpha", ALPHA,
+                        check=False)
+    line = single_error_line(result.stderr)
+    assert "weight_magnitude" in line and line.endswith(str(dist_ckpt)), line
+    assert result.returncode != 0 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
 def test_lora_flags_the_export_answers_are_refused(lora_run, tmp_path, capsys):
     """r and lora_alpha come from the exported adapter_config.json: a flag that would override them is an error."""
     actor = write_actor(lora_run, tmp_path, base_weights=True)

@@ -19,14 +19,14 @@ from pathlib import Path
 
 from ..catalog import Catalog
 from ..hf_folder import config_dir, weight_files
-from .dcp_metadata import load_metadata
 from . import megatron_dist
+from .dcp_metadata import load_metadata
 from .megatron_dist import MODEL_PREFIXES
 from .verl_manifest import VerlModel
 
 FORMAT = "verl_megatron_peft"
 SHARDS_FORMAT = "verl_megatron_lora_shards"
-_ADAPTER_PART = ".adapter."  # Megatron-Bridge's AdapterWrapper keeps the adapter's state under this prefix
+_ADAPTER_PART = ".adapter."  # Megatron-Bridge's AdapterWrapper keeps the adapter's state under `<linear>.adapter.`
 LINEAR_IN, LINEAR_OUT = "linear_in.weight", "linear_out.weight"  # its LoRA's A [r, in] and B [out, r]
 
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Iterable
 from functools import partial
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
