@@ -176,11 +176,15 @@ def test_megatron_adapter_shards_folded(megatron_root, lora_base, tmp_path, npro
 
 def test_megatron_adapter_shards_without_base_weights(megatron_root, lora_base, tmp_path):
     """No base weights in model/huggingface/: the target is a PEFT adapter folder with HF names; --base_model
-    folds the shards into the model the run started from, --lora separate writes that model as it is."""
+    folds the shards into the model the run started from (alpha from --adapter_config there), --lora separate
+    writes that model as it is."""
     actor = shards_actor(megatron_root, tmp_path, None)
     merge(actor, tmp_path / "adapter", "--lora_alpha", ALPHA, "--lora_r", RANK)
     assert_megatron_logits(megatron_root, lora_base, tmp_path / "adapter")
-    merge(actor, tmp_path / "folded", "--lora_alpha", ALPHA, "--base_model", lora_base, "--dtype", "float32")
+    # lora_alpha from an adapter_config.json (PEFT's, as Megatron-Bridge's export writes it) instead of the flag
+    peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["q_proj"]).save_pretrained(tmp_path / "config")
+    merge(actor, tmp_path / "folded", "--adapter_config", tmp_path / "config", "--base_model", lora_base,
+          "--dtype", "float32")
     assert_megatron_logits(megatron_root, tmp_path / "folded")
     merge(actor, tmp_path / "apart", "--lora_alpha", ALPHA, "--base_model", lora_base, "--dtype", "float32",
           "--lora", "separate")
@@ -207,7 +211,7 @@ def test_megatron_adapter_shards_beside_the_model_shards(megatron_root, lora_bas
 
 
 @pytest.mark.parametrize("flags, wanted", [((), "pass --lora_alpha"), (("--lora_alpha", "12", "--lora_r", "8"),
-                                                                        "--lora_r 8 disagrees")])
+                                                                        "r 8 (--lora_r")])
 def test_megatron_adapter_shards_need_lora_alpha(megatron_root, lora_base, tmp_path, flags, wanted):
     """The shards record no lora_alpha: without the flag, one error line asking for it, and no target; an r the
     shapes contradict is an error too."""

@@ -37,11 +37,10 @@ MAPPERS = (
     Mapper("PEFT-wrapped model", peft_state.claims, peft_state.build, LORA_FLAGS - {"base_model"}),
     # the adapter's own adapter_config.json gives r, alpha and the rest
     Mapper("verl Megatron LoRA", megatron_peft.claims, megatron_peft.build, frozenset({"base_model", "lora"})),
-    # Megatron-Bridge's shards alone: r off their shapes, lora_alpha from the flag
-    Mapper("verl Megatron LoRA shards", megatron_shards.claims, megatron_shards.build,
-           frozenset({"base_model", "lora", "lora_r", "lora_alpha"})),
+    # Megatron-Bridge's shards: r off their shapes, lora_alpha from the flags
+    Mapper("verl Megatron LoRA shards", megatron_shards.claims, megatron_shards.build, LORA_FLAGS),
     Mapper("Megatron model with LoRA shards", megatron_lora_model.claims, megatron_lora_model.build,
-           frozenset({"lora", "lora_r", "lora_alpha"})),
+           LORA_FLAGS - {"base_model"}),
     Mapper("megatron", megatron.claims, megatron.build),
     Mapper("torchtitan", torchtitan.claims, torchtitan.build),
     Mapper("FP8 block-scaled HF", fp8.claims, fp8.build),  # HF names whose config.json says FP8 blocks

@@ -3,7 +3,8 @@
 Each adapted Megatron linear `<linear>` holds `adapter.linear_in.weight` [r, in] (LoRA's A) and
 `adapter.linear_out.weight` [out, r] (B, its rows laid out as the base weight's rows), and adds
 (lora_alpha / r) * B @ A to `<linear>.weight`. The shards record no lora_alpha: --lora_alpha gives it (verl keeps it
-in its run config, `lora.alpha`), r is read off the shapes.
+in its run config, `lora.alpha`), or --adapter_config (an adapter_config.json of this adapter); r is read off the
+shapes.
 
 The Megatron family table names the HF tensors `<linear>.weight` becomes and its row transform (q/k/v per query
 group, fc1 into gate and up, or a rename). The transform only moves rows, so it splits B the same way, and the
@@ -30,9 +31,10 @@ from ...sources.verl_peft import SHARDS_FORMAT, adapter_linear, is_adapter_shard
 from ..hf import model_config
 from ..megatron import family_of, family_table, hf_names, transform_of
 from ..steps import Mapping, OutputSpec, Step, Transform, cast
-from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, config_from_tensors, describe
+from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, config_from_tensors, describe, read_config_file
 from .adapter_folders import fold_into_base, open_base
 from .adapter_state import ADAPTER_PART, adapter_folder_of
+from .checkpoint_config import resolve_flag
 from .fold import fold_lora, lora_scale
 from .peft_state import ADAPTER_DIR, ADAPTER_FILE, lora_note
 
@@ -81,18 +83,29 @@ def adapted_linears(catalog: Catalog, config: dict, where: str) -> list[AdaptedL
 
 def rank_and_alpha(catalog: Catalog, linears: list[AdaptedLinear], options: MergeOptions, where: str
                    ) -> tuple[int, float]:
+    """r off the shapes; lora_alpha from --adapter_config (an adapter_config.json of this adapter, as
+    Megatron-Bridge exports it) or --lora_alpha; a flag or config contradicting the shapes is an error."""
     ranks = sorted({catalog.tensors[lin.a].shape[0] for lin in linears})
     if len(ranks) != 1:
         raise MergerError(f"the adapter shards have several ranks {ranks}; Megatron-Bridge's LoRA has one, "
                           f"{where}")
-    r = ranks[0]
-    if options.lora_r is not None and options.lora_r != r:
-        raise MergerError(f"--lora_r {options.lora_r} disagrees with the adapter shards' rank {r} (linear_in is "
-                          f"[r, in]), {where}")
-    if options.lora_alpha is None:
+    r, alpha = options.lora_r, options.lora_alpha
+    if options.adapter_config is not None:
+        path = options.adapter_config
+        path = path / CONFIG_FILE if path.is_dir() else path
+        config = read_config_file(path)
+        if config.get("use_rslora") or config.get("rank_pattern") or config.get("alpha_pattern"):
+            raise MergerError(f"{path.name} gives rsLoRA or per-module ranks or alphas, which Megatron-Bridge's LoRA "
+                              f"does not have, {path}")
+        r = resolve_flag(config["r"], r, "r", "--lora-r", path)
+        alpha = resolve_flag(config["lora_alpha"], alpha, "lora_alpha", "--lora-alpha", path)
+    if r is not None and r != ranks[0]:
+        raise MergerError(f"r {r} (--lora_r or --adapter_config) disagrees with the adapter shards' rank {ranks[0]} "
+                          f"(linear_in is [r, in]), {where}")
+    if alpha is None:
         raise MergerError(f"the LoRA adapter shards record no lora_alpha and no HF PEFT export is beside them: pass "
-                          f"--lora_alpha as used in training (verl's lora.alpha), {where}")
-    return r, options.lora_alpha
+                          f"--lora_alpha as used in training (verl's lora.alpha), or --adapter_config PATH, {where}")
+    return ranks[0], float(alpha)
 
 
 def _module(weight: str) -> str:
