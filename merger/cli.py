@@ -95,7 +95,8 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(*_flag("--lora_r"), dest="lora_r", type=int, default=None,
                    help="LoRA rank, when the checkpoint has no lora_train_meta.json")
     p.add_argument(*_flag("--lora_alpha"), dest="lora_alpha", type=float, default=None,
-                   help="LoRA alpha, when the checkpoint has no lora_train_meta.json")
+                   help="LoRA alpha, when the checkpoint records none (no lora_train_meta.json; Megatron-Bridge "
+                        "adapter shards without their HF export)")
     p.add_argument(*_flag("--base_model"), dest="base_model", type=Path, default=None,
                    help="adapter-only checkpoints (accelerate adapter_only DCP, verl save_lora_only): HF "
                         "safetensors folder to fold the adapter into (default: write the adapter as a PEFT adapter "

@@ -1,10 +1,12 @@
 """verl's current Megatron layout (schema v2): `ckpt_contents.json`, `model/{dist_ckpt,huggingface}`, and the
-LoRA adapter a Megatron-Bridge run leaves in `model/huggingface/adapter/`.
+LoRA adapter a Megatron-Bridge run leaves in `model/huggingface/adapter/` or only as shards in `model/dist_ckpt/`.
 
 The model checkpoints come from megatron-core (tests/writers/megatron_checkpoint.py; oracle: Megatron's own
-forward logits), the LoRA runs from tests/writers/verl_megatron_lora.py (the adapter by PEFT's save_pretrained;
-oracle: PEFT's merge_and_unload and the PeftModel's logits; why not Megatron-Bridge: see there). The manifests
-are laid out as verl's MegatronCheckpointManager._build_checkpoint_manifest writes them.
+forward logits), the Megatron-named adapter shards too, with Megatron's forward of the model with its adapters
+live as the oracle (tests/writers/megatron_lora_adapters.py), the exported LoRA runs from
+tests/writers/verl_megatron_lora.py (the adapter by PEFT's save_pretrained; oracle: PEFT's merge_and_unload and
+the PeftModel's logits; why not Megatron-Bridge: see there). The manifests are laid out as verl's
+MegatronCheckpointManager._build_checkpoint_manifest writes them.
 """
 from __future__ import annotations
 
@@ -26,8 +28,19 @@ from verl_megatron_lora import DIST, HF, LORA_DIST, TOKENS, write_actor, write_m
 def megatron_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("megatron_v2")
     run_writer("megatron_checkpoint.py", "--out", root, "--case", "gqa:arch=qwen2,tp=2", "--case",
-               "adapter:adapter_only=1", nproc=2)
+               f"lora:arch=qwen2,tp=2,lora={RANK},alpha={ALPHA}", nproc=2)
     return root
+
+
+RANK, ALPHA = 4, 12  # scale 3: the adapters move the logits far more than the bound
+
+
+@pytest.fixture(scope="module")
+def lora_base(megatron_root, tmp_path_factory) -> Path:
+    """The lora case's base model as HF weights (mbridge's model/huggingface/): merged from its Megatron shards,
+    which test_megatron.py checks against Megatron's logits."""
+    return merge(megatron_root / "lora" / "dist", tmp_path_factory.mktemp("lora_base") / "base", "--dtype", "float32",
+                 "--hf_model_config_path", megatron_root / "lora" / "hf")
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +111,7 @@ def test_lora_adapter_folded_into_hf_weights(lora_run, megatron_root, tmp_path, 
     """mbridge wrote base weights beside the exported adapter: merged as PEFT's merge_and_unload, under torchrun
     too; the Megatron-named adapter shards in dist_ckpt/ are the same adapter and are not read."""
     actor = write_actor(lora_run, tmp_path, base_weights=True,
-                       adapter_shards=megatron_root / "adapter" / "dist" / "iter_0000001")
+                       adapter_shards=megatron_root / "lora" / "lora_dist" / "iter_0000001")
     run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", "--dtype", "float32", nproc=nproc)
     ours, want = load_safetensors_folder(tmp_path / "out"), load_safetensors_folder(lora_run / "reference")
     assert sorted(ours) == sorted(want)
@@ -127,18 +140,106 @@ def test_lora_separate_keeps_the_base(lora_run, tmp_path):
                                atol=1e-5, rtol=1e-5)
 
 
-def test_megatron_adapter_shards_without_export_are_refused(lora_run, megatron_root, tmp_path):
-    """dist_ckpt holds only Megatron-Bridge adapter shards and there is no HF export: an error naming them, not
-    a merge of the base weights alone."""
-    actor = write_actor(lora_run, tmp_path, base_weights=True,
-                       adapter_shards=megatron_root / "adapter" / "dist" / "iter_0000001")
-    shutil.rmtree(actor / "model" / "huggingface" / "adapter")
+def shards_actor(megatron_root: Path, where: Path, base: Path | None) -> Path:
+    """A verl actor whose LoRA adapter is only in Megatron-Bridge's shards in model/dist_ckpt/, with the base
+    weights in model/huggingface/ (`base`) or only the config and tokenizer there."""
+    actor = where / "actor"
+    shutil.copytree(megatron_root / "lora" / "lora_dist" / "iter_0000001", actor / "model" / "dist_ckpt")
+    shutil.copytree(base or megatron_root / "lora" / "hf", actor / "model" / "huggingface")
+    (actor / "optimizer" / "dist_ckpt").mkdir(parents=True)
     write_manifest(actor, {"model": HF, "hf_config": HF, "peft_adapters": LORA_DIST}, peft_on=True)
-    result = run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", check=False)
+    return actor
+
+
+def assert_megatron_logits(megatron_root: Path, folder: Path, adapter: Path | None = None) -> None:
+    """Transformers' logits of `folder` (with `adapter` through PEFT) against Megatron's forward of the model with
+    its LoRA adapters live."""
+    oracle = torch.load(megatron_root / "lora" / "logits.pt", weights_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        got = model.eval()(oracle["tokens"]).logits
+    assert (got - oracle["logits"]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_megatron_adapter_shards_folded(megatron_root, lora_base, tmp_path, nproc):
+    """Only Megatron-named adapter shards (TP2: q/k/v per query group and gate/up in their rows): folded into the
+    HF base weights, under torchrun too; lora_adapter/ is the same adapter under PEFT's HF names."""
+    actor = shards_actor(megatron_root, tmp_path, lora_base)
+    run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", "--dtype", "float32",
+               "--lora_alpha", ALPHA, nproc=nproc)
+    assert_megatron_logits(megatron_root, tmp_path / "out")
+    assert_megatron_logits(megatron_root, lora_base, tmp_path / "out" / "lora_adapter")
+
+
+def test_megatron_adapter_shards_without_base_weights(megatron_root, lora_base, tmp_path):
+    """No base weights in model/huggingface/: the target is a PEFT adapter folder with HF names; --base_model
+    folds the shards into the model the run started from (alpha from --adapter_config there), --lora separate
+    writes that model as it is."""
+    actor = shards_actor(megatron_root, tmp_path, None)
+    merge(actor, tmp_path / "adapter", "--lora_alpha", ALPHA, "--lora_r", RANK)
+    assert_megatron_logits(megatron_root, lora_base, tmp_path / "adapter")
+    # lora_alpha from an adapter_config.json (PEFT's, as Megatron-Bridge's export writes it) instead of the flag
+    peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["q_proj"]).save_pretrained(tmp_path / "config")
+    merge(actor, tmp_path / "folded", "--adapter_config", tmp_path / "config", "--base_model", lora_base,
+          "--dtype", "float32")
+    assert_megatron_logits(megatron_root, tmp_path / "folded")
+    merge(actor, tmp_path / "apart", "--lora_alpha", ALPHA, "--base_model", lora_base, "--dtype", "float32",
+          "--lora", "separate")
+    assert_same_weights(tmp_path / "apart", lora_base, torch.float32)
+    assert_megatron_logits(megatron_root, tmp_path / "apart", tmp_path / "apart" / "lora_adapter")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_megatron_adapter_shards_beside_the_model_shards(megatron_root, lora_base, tmp_path, nproc):
+    """use_dist_checkpointing: the dist_ckpt holds the model's Megatron shards and its adapter shards, no HF
+    weights: the adapter is added to each Megatron weight before its q/k/v or gate/up split; --lora separate
+    writes the model as it is, with the adapter beside."""
+    actor = tmp_path / "actor"
+    shutil.copytree(megatron_root / "lora" / "lora_model_dist" / "iter_0000001", actor / "model" / "dist_ckpt")
+    shutil.copytree(megatron_root / "lora" / "hf", actor / "model" / "huggingface")
+    write_manifest(actor, {"model": DIST, "hf_config": HF}, peft_on=True, dist=True)
+    run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", "--dtype", "float32",
+               "--lora_alpha", ALPHA, nproc=nproc)
+    assert_megatron_logits(megatron_root, tmp_path / "out")
+    if nproc == 1:
+        merge(actor, tmp_path / "apart", "--lora_alpha", ALPHA, "--dtype", "float32", "--lora", "separate")
+        assert_same_weights(tmp_path / "apart", lora_base, torch.float32)
+        assert_megatron_logits(megatron_root, tmp_path / "apart", tmp_path / "apart" / "lora_adapter")
+
+
+@pytest.mark.parametrize("flags, wanted", [((), "pass --lora_alpha"), (("--lora_alpha", "12", "--lora_r", "8"),
+                                                                        "r 8 (--lora_r")])
+def test_megatron_adapter_shards_need_lora_alpha(megatron_root, lora_base, tmp_path, flags, wanted):
+    """The shards record no lora_alpha: without the flag, one error line asking for it, and no target; an r the
+    shapes contradict is an error too."""
+    actor = shards_actor(megatron_root, tmp_path, lora_base)
+    result = run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", *flags, check=False)
     line = single_error_line(result.stderr)
-    assert "linear_in.weight" in line and "merger lora" in line, line
-    assert line.endswith(str(actor / "model" / "dist_ckpt")), line
-    assert result.returncode != 0 and not (tmp_path / "out").exists()
+    assert wanted in line and line.endswith(str(actor / "model" / "dist_ckpt")), line
+    assert result.returncode != 0 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_megatron_dora_shards_are_refused(megatron_root, tmp_path):
+    """A DoRA adapter (Megatron-Bridge's `adapter.weight_magnitude` beside linear_in / linear_out) is not plain
+    LoRA: an error naming the shard, never a fold that leaves the magnitude out. The shards are written by torch's
+    DCP under megatron-core's torch_dist marker, per-layer keys as Megatron saves unstacked layers."""
+    import torch.distributed.checkpoint as dcp
+
+    actor = tmp_path / "actor"
+    dist_ckpt = actor / "model" / "dist_ckpt"
+    linear = "decoder.layers.0.self_attention.linear_qkv.adapter."
+    dcp.save({linear + "linear_in.weight": torch.ones(RANK, 32), linear + "linear_out.weight": torch.ones(64, RANK),
+              linear + "weight_magnitude": torch.ones(64)}, checkpoint_id=dist_ckpt, no_dist=True)
+    shutil.copy(megatron_root / "lora" / "lora_dist" / "iter_0000001" / "metadata.json", dist_ckpt)
+    shutil.copytree(megatron_root / "lora" / "hf", actor / "model" / "huggingface")
+    result = run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", "--lora_alpha", ALPHA,
+                        check=False)
+    line = single_error_line(result.stderr)
+    assert "weight_magnitude" in line and line.endswith(str(dist_ckpt)), line
+    assert result.returncode != 0 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
 def test_lora_flags_the_export_answers_are_refused(lora_run, tmp_path, capsys):

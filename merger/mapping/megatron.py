@@ -15,7 +15,7 @@ from . import megatron_transforms as tf
 from .hf import model_config
 from .megatron_families import CONFIG_ROWS, FAMILIES, GLOBAL, MTP, MTP_FAMILIES, MTP_SHARED, MTP_TRANSFORMER_LAYER
 from .policy import ties
-from .steps import Mapping, OutputSpec, Step, cast
+from .steps import Mapping, OutputSpec, Step, Transform, cast
 
 MTP_PREFIX = "mtp."
 
@@ -45,26 +45,34 @@ def family_of(config: dict) -> str:
     return model_type
 
 
-def _step(name: str, shape: tuple[int, ...], kind: str, targets: tuple[str, ...], config: dict,
-          dtype) -> Step:
+def transform_of(name: str, shape: tuple[int, ...], kind: str, targets: tuple[str, ...], config: dict
+                 ) -> tuple[list[tuple[int, ...]], Transform | None]:
+    """The shapes of the HF tensors Megatron tensor `name` becomes under its row's `kind`, and the transform
+    (None: a rename). Row-wise, so it applies as well to anything laid out as that tensor's rows (a LoRA B)."""
     if kind == "qkv":
         heads = config["num_attention_heads"]
         groups = config.get("num_key_value_heads") or heads
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
-        shapes, fn = tf.qkv_shapes(shape, heads, groups, head_dim, name), partial(
+        return tf.qkv_shapes(shape, heads, groups, head_dim, name), partial(
             tf.split_qkv, heads=heads, groups=groups, head_dim=head_dim)
-    elif kind == "gate_up":
-        shapes, fn = tf.gate_up_shapes(shape, name), tf.split_gate_up
-    elif kind == "vocab":
+    if kind == "gate_up":
+        return tf.gate_up_shapes(shape, name), tf.split_gate_up
+    if kind == "vocab":
         vocab = config["vocab_size"]
-        shapes, fn = tf.vocab_shapes(shape, vocab, name), partial(tf.unpad_vocab, vocab=vocab)
-        if shapes[0] == shape:  # no padding rows: a plain cast, which each rank places where it reads it
-            return cast(name, targets[0], shape, dtype)
-    else:
-        rows = CONFIG_ROWS.get(targets[0].split(".", 3)[-1])
-        if rows is not None and shape[0] != rows(config):
-            raise MergerError(f"tensor {name} has {shape[0]} rows where config.json needs {rows(config)} for "
-                              f"{targets[0]} (a TP layout read wrong, or another model's config?), config.json")
+        shapes = tf.vocab_shapes(shape, vocab, name)
+        # no padding rows: a rename (a plain cast, which each rank places where it reads it)
+        return shapes, None if shapes[0] == shape else partial(tf.unpad_vocab, vocab=vocab)
+    rows = CONFIG_ROWS.get(targets[0].split(".", 3)[-1])
+    if rows is not None and shape[0] != rows(config):
+        raise MergerError(f"tensor {name} has {shape[0]} rows where config.json needs {rows(config)} for "
+                          f"{targets[0]} (a TP layout read wrong, or another model's config?), config.json")
+    return [shape], None
+
+
+def _step(name: str, shape: tuple[int, ...], kind: str, targets: tuple[str, ...], config: dict,
+          dtype) -> Step:
+    shapes, fn = transform_of(name, shape, kind, targets, config)
+    if fn is None:
         return cast(name, targets[0], shape, dtype)
     return Step((name,), tuple(OutputSpec(t, s, dtype) for t, s in zip(targets, shapes)), fn)
 
@@ -121,10 +129,27 @@ def _mtp_shared(catalog: Catalog, config: dict, layer: int) -> list[Step]:
     return steps
 
 
+def family_table(family: str) -> list[tuple[re.Pattern, str, tuple[str, ...]]]:
+    return _compile(FAMILIES[family])
+
+
+def hf_names(table, name: str, first_mtp: int, family: str, catalog: Catalog) -> tuple[str, tuple[str, ...]]:
+    """The kind of Megatron tensor `name`'s row and the HF names it becomes (MTP layer j is HF layer
+    first_mtp + j)."""
+    for pattern, kind, targets in table:
+        m = pattern.fullmatch(name)
+        if m:
+            groups = m.groupdict()
+            if groups.get("j") is not None:
+                groups["i"] = first_mtp + int(groups.pop("j"))
+            return kind, tuple(t.format(**groups) for t in targets)
+    raise MergerError(f"no HF name for Megatron tensor {name} in the {family} table, {catalog.root}")
+
+
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
     family = family_of(config)
-    table = _compile(FAMILIES[family])
+    table = family_table(family)
     mtp = _mtp_layers(catalog, family, options)
     first_mtp = config.get("num_hidden_layers", 0)
     if mtp:
@@ -138,17 +163,8 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
             continue  # the value head, above
         if name.startswith(MTP_PREFIX) and not mtp:
             continue  # --drop-mtp
-        for pattern, kind, targets in table:
-            m = pattern.fullmatch(name)
-            if m:
-                groups = m.groupdict()
-                if groups.get("j") is not None:
-                    groups["i"] = first_mtp + int(groups.pop("j"))
-                names = tuple(t.format(**groups) for t in targets)
-                steps.append(_step(name, tensor.shape, kind, names, config, tensor.dtype))
-                break
-        else:
-            raise MergerError(f"no HF name for Megatron tensor {name} in the {family} table, {catalog.root}")
+        kind, names = hf_names(table, name, first_mtp, family, catalog)
+        steps.append(_step(name, tensor.shape, kind, names, config, tensor.dtype))
     for j in mtp:
         steps += _mtp_shared(catalog, config, first_mtp + j)
     # Tied: HF re-creates lm_head from the embedding, and the policy drops PP's last-stage copy.

@@ -16,7 +16,7 @@ from ..catalog import Catalog
 from ..errors import MergerError
 from ..options import MergeOptions
 from . import fp8, hf, megatron, torchtitan
-from .lora import adapter_folders, adapter_state, megatron_peft, peft_state
+from .lora import adapter_folders, adapter_state, megatron_lora_model, megatron_peft, megatron_shards, peft_state
 from .lora.flags import LORA_FLAGS, refuse_unused
 from .model_class import config_updates
 from .policy import apply_policy
@@ -37,6 +37,10 @@ MAPPERS = (
     Mapper("PEFT-wrapped model", peft_state.claims, peft_state.build, LORA_FLAGS - {"base_model"}),
     # the adapter's own adapter_config.json gives r, alpha and the rest
     Mapper("verl Megatron LoRA", megatron_peft.claims, megatron_peft.build, frozenset({"base_model", "lora"})),
+    # Megatron-Bridge's shards: r off their shapes, lora_alpha from the flags
+    Mapper("verl Megatron LoRA shards", megatron_shards.claims, megatron_shards.build, LORA_FLAGS),
+    Mapper("Megatron model with LoRA shards", megatron_lora_model.claims, megatron_lora_model.build,
+           LORA_FLAGS - {"base_model"}),
     Mapper("megatron", megatron.claims, megatron.build),
     Mapper("torchtitan", torchtitan.claims, torchtitan.build),
     Mapper("FP8 block-scaled HF", fp8.claims, fp8.build),  # HF names whose config.json says FP8 blocks

@@ -2,7 +2,8 @@
 
 verl's Megatron workers may instead write the weights as HF safetensors into `huggingface/`, leaving a
 `dist_ckpt/` without model tensors (or none): that case merges from the safetensors. A LoRA run trained with
-Megatron-Bridge leaves the adapter as a HF PEFT folder (`huggingface/adapter/`): verl_peft.py's.
+Megatron-Bridge leaves the adapter as a HF PEFT folder (`huggingface/adapter/`) and as Megatron-named shards in
+`dist_ckpt/`: verl_peft.py's.
 """
 from __future__ import annotations
 
@@ -38,11 +39,10 @@ def open_catalog(root: Path) -> Catalog:
 
 def _open_verl_or_dist(root: Path, verl: VerlModel | None) -> Catalog:
     if verl is not None:
-        parts = verl_peft.adapter_parts(verl)
         if verl.adapter is not None:
             return verl_peft.open_catalog(root, verl)
-        if parts:
-            raise verl_peft.unfoldable(verl, parts)
+        if verl_peft.has_adapter_shards(verl):
+            return verl_peft.open_adapter_shards(root, verl)
     ckpt, hf_dir = checkpoint_dir(root)
     if hf_dir is not None and weight_files(hf_dir) and not (ckpt.is_dir() and megatron_dist.holds_model(ckpt)):
         return hf_safetensors.open_catalog(hf_dir, format_root=root)

@@ -7,7 +7,10 @@ Every rank builds its slice of one seeded megatron-core GPTModel (local spec, `u
 so the weights do not depend on the parallel layout), then saves it twice, as Megatron-LM does, into ROOT/NAME/ for each case:
 - ROOT/NAME/legacy/: `latest_checkpointed_iteration.txt` + `iter_0000001/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt`
   holding `{"model" | "model0".., "args", "checkpoint_version", "iteration"}` (`--ckpt-format torch`);
-- ROOT/NAME/dist/: the same with `iter_0000001/` written by `dist_checkpointing.save` (torch_dist).
+- ROOT/NAME/dist/: the same with `iter_0000001/` written by `dist_checkpointing.save` (torch_dist);
+- with `lora=R,alpha=A`, ROOT/NAME/lora_dist/iter_0000001/: LoRA adapter shards alone (megatron_lora_adapters.py),
+  ROOT/NAME/lora_model_dist/iter_0000001/: the model's shards with its adapter shards, and the logits are those
+  of the model with its adapters.
 It also writes ROOT/NAME/hf/ (the matching transformers config and a tokenizer, no weights) and the oracle
 ROOT/NAME/logits.pt: `{"tokens", "logits"}` from Megatron's own forward pass (pipelined by hand over gloo),
 sliced to the HF vocab size.
@@ -24,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import megatron_lora_adapters
 from leave_group import leave_group
 from tiny_models import build_tokenizer
 
@@ -43,13 +47,13 @@ def cpu_patches() -> None:
 
 
 DEFAULTS = dict(arch="qwen2", tp=1, pp=1, vpp=None, ep=1, layers=2, heads=4, groups=2, vocab=101, tied=False,
-                experts=4, optim_only=0, adapter_only=0, value=0)
+                experts=4, optim_only=0, value=0, lora=0, alpha=0)
 
 
 def parse(defaults: dict = DEFAULTS, about: str = "arch: llama, qwen2, qwen3, qwen2_moe, mixtral, qwen3_moe; "
           "groups 1 = MQA; vocab is HF's, padded to 128 x tp; optim_only: a torch_dist save without model tensors; "
-          "adapter_only: a torch_dist save of LoRA adapter shards alone (as verl saves Megatron-Bridge LoRA); "
-          "value: a critic with a 1-output head", fixed: dict | None = None
+          "value: a critic with a 1-output head; lora=R,alpha=A: LoRA adapters of rank R on every layer's linears, "
+          "saved alone as Megatron-Bridge does into lora_dist/, the logits with them live", fixed: dict | None = None
           ) -> tuple[Path, list[tuple[str, Namespace]]]:
     """--out and the --case NAME:key=value,... specs over `defaults` (arch a name, booleans 0/1, the rest ints),
     each with `fixed` added."""
@@ -260,32 +264,13 @@ def save_optimizer_only(root: Path) -> None:
     dist_checkpointing.save({"optimizer": {"step": step}}, str(root / "iter_0000001"))
 
 
-def save_adapter_only(root: Path, a: Namespace) -> None:
-    """A torch_dist checkpoint holding only LoRA adapter shards, named as Megatron-Bridge's AdapterWrapper names
-    them (its ParallelLinearAdapter's linear_in / linear_out under `<linear>.adapter.`, layers stacked), as verl
-    filters the model's sharded state for a LoRA run with Megatron-Bridge. Megatron-Bridge itself needs
-    Transformer Engine, which a CPU-only torch cannot import."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    hidden, rank = 32, 4
-    state = {}
-    for linear, out_features in (("self_attention.linear_qkv", 3 * hidden), ("mlp.linear_fc2", hidden)):
-        for part, shape in (("linear_in", (rank, hidden)), ("linear_out", (out_features, rank))):
-            name = f"decoder.layers.{linear}.adapter.{part}.weight"
-            state[name] = ShardedTensor.from_rank_offsets(name, torch.randn(a.layers, *shape),
-                                                          replica_id=dist.get_rank())
-    (root / "iter_0000001").mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(state, str(root / "iter_0000001"))
-
-
 def write_case(a: Namespace, out: Path) -> None:
     """One model in one parallel layout: both formats, the HF folder and the oracle logits."""
     from megatron.core import parallel_state as ps
 
-    if a.optim_only or a.adapter_only:
+    if a.optim_only:
         ps.initialize_model_parallel()
-        save_optimizer_only(out / "dist") if a.optim_only else save_adapter_only(out / "dist", a)
+        save_optimizer_only(out / "dist")
         ps.destroy_model_parallel()
         return
     ps.initialize_model_parallel(a.tp, a.pp, virtual_pipeline_model_parallel_size=a.vpp,
@@ -294,6 +279,10 @@ def write_case(a: Namespace, out: Path) -> None:
     chunks = build_chunks(a, config)
     save_legacy(a, chunks, out / "legacy")
     save_dist(a, chunks, out / "dist")
+    if a.lora:
+        megatron_lora_adapters.attach(chunks, config, a.lora, a.alpha)
+        megatron_lora_adapters.save_adapter_shards(chunks, out / "lora_dist" / "iter_0000001")
+        save_dist(a, chunks, out / "lora_model_dist")
     tokens = torch.tensor([[3, 17, 42, 5, 99, 64, 8]])
     logits = forward_logits(a, chunks, tokens)
     if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:

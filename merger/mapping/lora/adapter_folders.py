@@ -31,14 +31,17 @@ def open_base(base_dir: Path) -> Catalog:
 
 def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[LoraAdapter], options: MergeOptions,
                    fmt: str, side_steps: tuple[Step, ...] = (), extra_files: dict[str, str] | None = None,
-                   notes: tuple[str, ...] = ()) -> Mapping:
+                   notes: tuple[str, ...] = (), folds: tuple[Step, ...] = ()) -> Mapping:
     """`base` (a HF folder's catalog) with `adapters` folded in; `parts` maps each adapter catalog to its name
-    prefix. `side_steps` and `extra_files` add outputs beside the model (an adapter folder)."""
+    prefix. `side_steps` and `extra_files` add outputs beside the model (an adapter folder); `folds` write base
+    tensors themselves (an adapter folded by other rules), which are then not copied."""
     base_dir = Path(base.root)
     catalog = union_catalog({"": base, **parts}, base_dir, fmt)
     config = read_config(base_dir)
-    result = fold_steps({n: n for n in base.tensors}, adapters, catalog.tensors, ties(config, options))
-    return Mapping(result.steps + list(side_steps), base_dir, config,
+    written = {o.name for s in folds for o in s.outputs}
+    result = fold_steps({n: n for n in base.tensors if n not in written}, adapters, catalog.tensors,
+                        ties(config, options))
+    return Mapping(result.steps + list(folds) + list(side_steps), base_dir, config,
                    config_updates={"tie_word_embeddings": False} if result.untied else {},
                    extra_files=dict(extra_files or {}), notes=notes, catalog=catalog)
 

@@ -22,7 +22,7 @@ from ...catalog import Catalog
 from ...errors import MergerError
 from ...hf_folder import read_config
 from ...options import MergeOptions
-from ..steps import Mapping
+from ..steps import Mapping, Step
 from .adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, LoraAdapter, adapter_file_steps, adapter_from_catalog,
                       describe, file_keys, split_key)
 from .adapter_folders import fold_into_base, open_base
@@ -106,12 +106,18 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
 def adapter_folder(catalog: Catalog, keys: dict[str, str], config: dict, options: MergeOptions,
                    notes: tuple[str, ...]) -> Mapping:
     """The adapter alone as a PEFT adapter folder; `keys` maps adapter-file-form keys to catalog tensors."""
+    return adapter_folder_of(adapter_file_steps(catalog.tensors, keys, WEIGHTS_FILE), config, options,
+                             catalog.root, notes)
+
+
+def adapter_folder_of(steps: list[Step], config: dict, options: MergeOptions, root: object,
+                      notes: tuple[str, ...]) -> Mapping:
+    """The target as a PEFT adapter folder: `steps` write adapter_model.safetensors, `config` its config."""
     if options.verify:  # verification reads the model's weight files back, and an adapter folder has none
         raise MergerError(f"--verify checks a merged model; the output here is an adapter folder (pass "
-                          f"--base_model to merge one, or drop --verify), {catalog.root}")
+                          f"--base_model to merge one, or drop --verify), {root}")
     # No HF folder: the target is an adapter folder, not a model (no config.json to complete).
-    return Mapping(adapter_file_steps(catalog.tensors, keys, WEIGHTS_FILE), None, {},
-                   extra_files={CONFIG_FILE: json.dumps(config, indent=2) + "\n"}, notes=notes)
+    return Mapping(steps, None, {}, extra_files={CONFIG_FILE: json.dumps(config, indent=2) + "\n"}, notes=notes)
 
 
 def folded(base: Catalog, catalog: Catalog, keys: dict[str, str], adapter: LoraAdapter, config: dict,
