@@ -5,7 +5,9 @@
 
 For each format and checkpoint size (fp32 FSDP2 on 2 ranks, built once under bench_out/ on the meta device
 by benchmarks/build_checkpoint.py) it times, with warm page cache, alternating and repeated: `cp` of the
-data files (the floor: bytes read and written once), the baselines, and merger with 1 and 2 ranks.
+data files (the floor: bytes read and written once, inside the kernel), `dd` of them with `conv=fsync` (the
+floor for a tool that reads the bytes into memory and writes them back durably, as a merge must to cast or
+checksum them), the baselines, and merger with 1 and 2 ranks.
 - fsdp (verl's `model_world_size_W_rank_r.pt`): baseline the naive merge (benchmarks/naive_merge.py).
 - dcp (`dcp.save` folder): baselines torch's `dcp_to_torch_save` + `save_file` and accelerate's
   `merge_fsdp_weights` (benchmarks/dcp_baselines.py); both keep fp32, so merger runs with `--dtype keep`.
@@ -40,6 +42,7 @@ PY = sys.executable
 CGROUP = Path("/sys/fs/cgroup/memory/merger_bench")
 FORMATS = ("fsdp", "dcp", "deepspeed", "megatron_moe")
 FLOOR = "cp (floor)"
+USER_FLOOR = "dd + fsync"
 # Written last by build_checkpoint.py: its presence means the checkpoint is complete.
 DONE = {"fsdp": "fsdp_config.json", "dcp": "huggingface/config.json", "deepspeed": "config.json",
         "megatron_moe": "huggingface/config.json"}
@@ -110,7 +113,12 @@ def commands(fmt: str, ckpt: Path, dst: Path) -> dict[str, list[str]]:
         merge += ["--dtype", "keep"]  # the DCP baselines write fp32: write the same bytes
         baselines = {name: [PY, str(ROOT / "benchmarks" / "dcp_baselines.py"), name, str(ckpt), str(dst)]
                      for name in ("dcp_to_torch_save", "accelerate")}
-    return {FLOOR: ["bash", "-c", f"mkdir -p {dst} && cd {ckpt} && cp --parents {files} {dst}/"], **baselines,
+    # cp copies inside the kernel (copy_file_range): no byte reaches user space. A tool that casts or checks
+    # the bytes must read them into memory and write them back out, fsynced: dd does just that, the floor for it.
+    dd = " && ".join(f"mkdir -p {dst}/{Path(f).parent} && dd if={f} of={dst}/{f} bs=1M conv=fsync status=none"
+                     for f in files.split())
+    return {FLOOR: ["bash", "-c", f"mkdir -p {dst} && cd {ckpt} && cp --parents {files} {dst}/"],
+            USER_FLOOR: ["bash", "-c", f"cd {ckpt} && {dd}"], **baselines,
             "merger, 1 rank": [PY, *merge],
             "merger, 2 ranks": [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", *merge]}
 
@@ -132,10 +140,10 @@ def time_all(cmds: dict[str, list[str]], dst: Path, repeats: int,
 
 
 def fits_under(cmds: dict[str, list[str]], dst: Path, cap: int) -> dict[str, str]:
-    """Each merge (not the floor) once under the hard memory cap: "fits" or "killed"."""
+    """Each merge (not the floors) once under the hard memory cap: "fits" or "killed"."""
     verdicts = {}
     for name, cmd in cmds.items():
-        if name != FLOOR:
+        if name not in (FLOOR, USER_FLOOR):
             shutil.rmtree(dst, ignore_errors=True)
             print(f"{name} under a {format_size(cap)} cap ...", flush=True)
             verdicts[name] = "fits" if measure(cmd, cap)[2] == 0 else "killed"
@@ -144,30 +152,33 @@ def fits_under(cmds: dict[str, list[str]], dst: Path, cap: int) -> dict[str, str
 
 def rows_for(fmt: str, size: int, results: dict, capped: dict[str, str]) -> list[tuple]:
     """One table row per run: wall median and peak RSS with their ratios to the floor and the baseline."""
-    baseline = list(results)[1]
+    baseline = next(name for name in results if name not in (FLOOR, USER_FLOOR))
     floor = statistics.median(r[0] for r in results[FLOOR])
+    user_floor = statistics.median(r[0] for r in results[USER_FLOOR])
     base = statistics.median(r[0] for r in results[baseline])
     base_rss = max(r[1] for r in results[baseline])
     rows = []
     for name, rs in results.items():
         wall = statistics.median(r[0] for r in rs)
         rss = max(r[1] for r in rs)
-        rows.append((fmt, size, name, wall, wall / floor, wall / base, rss, rss / base_rss, capped.get(name, "")))
+        rows.append((fmt, size, name, wall, wall / floor, wall / user_floor, wall / base, rss, rss / base_rss,
+                     capped.get(name, "")))
     return rows
 
 
 def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
     cap_col = f"under {format_size(cap)}" if cap else ""
-    header = (f"{'format':<12} | {'checkpoint':>10} | {'run':<17} | {'wall s':>6} | {'x cp':>6} | {'x base':>6} | "
-              f"{'peak RSS/rank':>13} | {'x base RSS':>10} | {cap_col}")
+    header = (f"{'format':<12} | {'checkpoint':>10} | {'run':<17} | {'wall s':>6} | {'x cp':>6} | {'x dd':>6} | "
+              f"{'x base':>6} | {'peak RSS/rank':>13} | {'x base RSS':>10} | {cap_col}")
     print("\n" + header)
     print("-" * len(header))
-    for fmt, size, name, wall, vs_cp, vs_base, rss, vs_rss, capped in rows:
-        print(f"{fmt:<12} | {format_size(size):>10} | {name:<17} | {wall:6.2f} | {vs_cp:6.2f} | {vs_base:6.2f} | "
-              f"{format_size(rss):>13} | {vs_rss:10.2f} | {capped}")
+    for fmt, size, name, wall, vs_cp, vs_dd, vs_base, rss, vs_rss, capped in rows:
+        print(f"{fmt:<12} | {format_size(size):>10} | {name:<17} | {wall:6.2f} | {vs_cp:6.2f} | {vs_dd:6.2f} | "
+              f"{vs_base:6.2f} | {format_size(rss):>13} | {vs_rss:10.2f} | {capped}")
     print(f"\nmedians of {repeats} warm runs; {os.cpu_count()} cores; peak RSS = largest process of the run; "
-          "x base = against the naive merge (fsdp), dcp_to_torch_save + save_file (dcp), DeepSpeed's zero_to_fp32.py "
-          "--safe_serialization (deepspeed), the naive fp32 merge (megatron_moe)")
+          "x dd = against dd with conv=fsync (the bytes through memory, durably); x base = against the naive merge "
+          "(fsdp), dcp_to_torch_save + save_file (dcp), DeepSpeed's zero_to_fp32.py --safe_serialization "
+          "(deepspeed), the naive fp32 merge (megatron_moe)")
 
 
 def main() -> None:
@@ -209,7 +220,7 @@ def main() -> None:
         if OUT.is_dir() and not any(OUT.iterdir()):
             OUT.rmdir()
     print_table(rows, args.cap, args.repeats)
-    draw_chart([(fmt, size, name, wall, rss) for fmt, size, name, wall, _, _, rss, _, _ in rows], args.chart, FLOOR)
+    draw_chart([(fmt, size, name, wall, rss) for fmt, size, name, wall, _, _, _, rss, _, _ in rows], args.chart, FLOOR)
     print(f"chart: {args.chart}")
 
 
