@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ...catalog import Catalog
 from ...errors import MergerError
-from ...hf_folder import read_config
+from ...hf_folder import read_config, weight_files
 from ...options import MergeOptions
 from ...sources import hf_safetensors
 from ...sources.union import union_catalog
@@ -27,6 +27,14 @@ def open_base(base_dir: Path) -> Catalog:
     if not hf_safetensors.detect(base_dir):
         raise MergerError(f"no safetensors weights in the base model folder, {base_dir}")
     return hf_safetensors.open_catalog(base_dir)
+
+
+def base_folder(catalog: Catalog, options: MergeOptions) -> Path | None:
+    """The base model of an adapter: --base_model, else the HF weights saved beside it (mbridge's
+    `model/huggingface/` in a verl Megatron LoRA save), else None."""
+    if options.base_model is not None:
+        return Path(options.base_model)
+    return catalog.hf_dir if catalog.hf_dir and weight_files(catalog.hf_dir) else None
 
 
 def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[LoraAdapter], options: MergeOptions,

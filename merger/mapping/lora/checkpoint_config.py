@@ -45,11 +45,16 @@ def resolve_flag(known, flag, key: str, flag_name: str, source: Path):
     return known if known is not None else flag
 
 
+def given_config_path(flag: Path) -> Path:
+    """--adapter_config: the file itself, or a folder's adapter_config.json."""
+    return flag / CONFIG_FILE if flag.is_dir() else flag
+
+
 def _config_paths(catalog: Catalog, flag: Path | None) -> list[Path]:
     """Where an adapter_config.json may be: the flag's file (or folder); for accelerate's DCP save, checkpoint-N/
     and its parent; nowhere else (verl writes none)."""
     if flag is not None:
-        return [flag / CONFIG_FILE if flag.is_dir() else flag]
+        return [given_config_path(flag)]
     if catalog.format != "dcp":
         return []
     checkpoint = catalog.root.parent if catalog.root.name == ACCELERATE_DIR else catalog.root

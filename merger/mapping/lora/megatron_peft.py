@@ -10,12 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...catalog import Catalog
-from ...hf_folder import weight_files
 from ...options import MergeOptions
 from ...sources.verl_peft import FORMAT
 from ..steps import Mapping
 from .adapter import adapter_from_folder, describe, file_keys
-from .adapter_folders import open_base
+from .adapter_folders import base_folder, open_base
 from .adapter_state import ADAPTER_PART, adapter_folder, folded
 
 
@@ -26,7 +25,7 @@ def claims(catalog: Catalog, options: MergeOptions) -> bool:
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     folder = Path(catalog.root)
     keys = file_keys(catalog, folder)
-    base_dir = options.base_model or (catalog.hf_dir if catalog.hf_dir and weight_files(catalog.hf_dir) else None)
+    base_dir = base_folder(catalog, options)
     if base_dir is None:
         adapter = adapter_from_folder(folder, "", catalog)  # checks the config against the tensors
         found = describe(adapter.config, len(adapter.modules))
@@ -34,4 +33,4 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
                 f"is a PEFT adapter folder (--base_model DIR, the model the run started from, folds it in)")
         return adapter_folder(catalog, keys, adapter.config, options, (note,))
     adapter = adapter_from_folder(folder, ADAPTER_PART, catalog)
-    return folded(open_base(Path(base_dir)), catalog, keys, adapter, adapter.config, options)
+    return folded(open_base(base_dir), catalog, keys, adapter, adapter.config, options)

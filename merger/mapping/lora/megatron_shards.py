@@ -25,16 +25,15 @@ import torch
 
 from ...catalog import Catalog
 from ...errors import MergerError
-from ...hf_folder import weight_files
 from ...options import MergeOptions
 from ...sources.verl_peft import SHARDS_FORMAT, adapter_linear, is_adapter_shard
 from ..hf import model_config
 from ..megatron import family_of, family_table, hf_names, transform_of
 from ..steps import Mapping, OutputSpec, Step, Transform, cast
 from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, config_from_tensors, describe, read_config_file
-from .adapter_folders import fold_into_base, open_base
+from .adapter_folders import base_folder, fold_into_base, open_base
 from .adapter_state import ADAPTER_PART, adapter_folder_of
-from .checkpoint_config import resolve_flag
+from .checkpoint_config import given_config_path, resolve_flag
 from .fold import fold_lora, lora_scale
 from .peft_state import ADAPTER_DIR, ADAPTER_FILE, lora_note
 
@@ -91,8 +90,7 @@ def rank_and_alpha(catalog: Catalog, linears: list[AdaptedLinear], options: Merg
                           f"{where}")
     r, alpha = options.lora_r, options.lora_alpha
     if options.adapter_config is not None:
-        path = options.adapter_config
-        path = path / CONFIG_FILE if path.is_dir() else path
+        path = given_config_path(options.adapter_config)
         config = read_config_file(path)
         if config.get("use_rslora") or config.get("rank_pattern") or config.get("alpha_pattern"):
             raise MergerError(f"{path.name} gives rsLoRA or per-module ranks or alphas, which Megatron-Bridge's LoRA "
@@ -171,7 +169,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     linears = adapted_linears(catalog, model, where)
     r, alpha = rank_and_alpha(catalog, linears, options, where)
     modules = sum(len(lin.weights) for lin in linears)
-    base_dir = options.base_model or (catalog.hf_dir if catalog.hf_dir and weight_files(catalog.hf_dir) else None)
+    base_dir = base_folder(catalog, options)
     if base_dir is None:
         config = peft_config(linears, catalog, model, None, r, alpha, options)
         note = (f"merger: verl Megatron LoRA shards without base weights ({describe(config, modules)}, from "
@@ -179,7 +177,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
                 f"the model the run started from, folds it in)")
         return adapter_folder_of(adapter_steps(catalog, linears, WEIGHTS_FILE), config, options, where,
                                  (note,))
-    base = open_base(Path(base_dir))
+    base = open_base(base_dir)
     config = peft_config(linears, catalog, model, base.tensors, r, alpha, options)
     folds = fold_steps(base, catalog, linears, lora_scale(alpha, r, False)) if options.lora == "fuse" else []
     return fold_into_base(base, {ADAPTER_PART: catalog}, [], options, f"hf_safetensors+{catalog.format}",
