@@ -1,7 +1,7 @@
 """Speed and memory of `merger merge` side by side with the usual ways to merge and the copy floor, in one run.
 
     python benchmarks/run.py [--formats fsdp,dcp,deepspeed,megatron_moe] [--sizes 7,19] [--repeats 3] [--cap 2GiB]
-                             [--hidden 2048] [--keep] [--chart docs/benchmark.png]
+                             [--hidden 2048] [--settle 5] [--keep] [--chart docs/benchmark.png]
 
 For each format and checkpoint size (fp32 FSDP2 on 2 ranks, built once under bench_out/ on the meta device
 by benchmarks/build_checkpoint.py) it times, with warm page cache, alternating and repeated: `cp` of the
@@ -30,6 +30,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,8 +56,13 @@ _MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
             "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, rc)")
 
 
-def measure(cmd: list[str], cap: int | None = None) -> tuple[float, int, int]:
+def measure(cmd: list[str], cap: int | None = None, settle: float = 0.0) -> tuple[float, int, int]:
     os.sync()  # no run starts while the previous one's output is still being written back to disk
+    # A VM that hands freed memory back to its host (virtio-balloon free page reporting, about 2 s after it is
+    # freed; this machine's does) backs the next pages written for free only until then, and several times
+    # slower after: a run that starts right after the previous output was deleted would be timed on cheaper
+    # memory than one that starts later. Each waits alike.
+    time.sleep(settle)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     prefix = [PY, "-c", _MEASURE]
     preexec = None
@@ -123,14 +129,14 @@ def commands(fmt: str, ckpt: Path, dst: Path) -> dict[str, list[str]]:
             "merger, 2 ranks": [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", *merge]}
 
 
-def time_all(cmds: dict[str, list[str]], dst: Path, repeats: int,
-             label: str) -> dict[str, list[tuple[float, int, int]]]:
+def time_all(cmds: dict[str, list[str]], dst: Path, repeats: int, label: str,
+             settle: float) -> dict[str, list[tuple[float, int, int]]]:
     results: dict[str, list[tuple[float, int, int]]] = {k: [] for k in cmds}
     for rep in range(repeats + 1):  # the first round warms the page cache and is dropped
         for name, cmd in cmds.items():
             shutil.rmtree(dst, ignore_errors=True)
             print(f"{label}: {name}, {f'run {rep} of {repeats}' if rep else 'warm-up'} ...", end=" ", flush=True)
-            r = measure(cmd)
+            r = measure(cmd, settle=settle)
             print(f"{r[0]:.1f} s", flush=True)
             if r[2] != 0:
                 raise SystemExit(f"{name} failed with exit code {r[2]}: {' '.join(cmd)}")
@@ -189,6 +195,8 @@ def main() -> None:
                    "megatron_moe: 6 ~ 2.6 GB)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size of the model (smaller for quick checks)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--settle", type=float, default=5.0,
+                   help="seconds every timed run waits after the previous output is deleted and synced (see measure)")
     p.add_argument("--cap", type=parse_size, default=None, help="also run each merge under this hard memory cap")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints built under bench_out/ for the next run")
     p.add_argument("--chart", type=Path, default=ROOT / "docs" / "benchmark.png",
@@ -206,7 +214,7 @@ def main() -> None:
                 ckpt = build(fmt, layers, args.hidden, built)
                 size = sum(f.stat().st_size for f in data_files(fmt, ckpt))
                 cmds = commands(fmt, ckpt, dst)
-                results = time_all(cmds, dst, args.repeats, f"{fmt} {format_size(size)}")
+                results = time_all(cmds, dst, args.repeats, f"{fmt} {format_size(size)}", args.settle)
                 capped = fits_under(cmds, dst, args.cap) if args.cap else {}
                 shutil.rmtree(dst, ignore_errors=True)
                 rows += rows_for(fmt, size, results, capped)

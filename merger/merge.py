@@ -196,11 +196,17 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
         progress = Progress(sum(b.out_bytes for b in todo.batches)) if group.rank == 0 else None
         run_plan(todo, prepared.catalog, group, sink, progress, options.debug, reader=reader, observer=tracker,
                  allow_overflow=options.allow_overflow)
-        on_every_rank(group, sink.close, options.debug)  # a sync point: every rank's bytes are on disk
+
+        def close():
+            sink.close()
+            tracker.wait()
+
+        on_every_rank(group, close, options.debug)  # a sync point: every rank's bytes on disk, its checksums done
+        manifest = tracker.final_manifest()
 
         def complete():
             finish(stage, plan, None if target.beside_config else prepared.hf_dir, options.torch_dtype,
-                   tracker.final_manifest(), prepared.config_updates, prepared.extra_files,
+                   manifest, prepared.config_updates, prepared.extra_files,
                    list_added=target.beside_config, config_removals=prepared.config_removals)
 
         on_rank_zero(group, complete, options.debug)

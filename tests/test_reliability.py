@@ -491,6 +491,17 @@ def test_ranks_that_finish_leave_without_a_word(ckpt, reference, tmp_path):
     assert_same_weights(tmp_path / "out", reference, torch.bfloat16)
 
 
+def test_every_rank_checksums_its_share_of_the_files(ckpt, tmp_path):
+    """3 ranks share the read-back hashing (each takes every third file); rank 0's manifest ends up with every
+    file's sha256 as hashlib computes it over the finished files."""
+    out = tmp_path / "out"
+    run_merger("merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, nproc=3)
+    files = json.loads((out / "merge_manifest.json").read_text())["output_files"]
+    assert len(files) > 3
+    assert {name: info["sha256"] for name, info in files.items()} == {
+        name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in files}
+
+
 def test_ctrl_c_names_the_signal(ckpt, tmp_path):
     pause = tmp_path / "paused"
     env = {"MERGER_TEST_PAUSE_AFTER_BATCH": "3", "MERGER_TEST_PAUSE_FILE": str(pause)}

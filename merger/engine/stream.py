@@ -81,19 +81,21 @@ def _slot(route: Route) -> int:
 
 
 class BatchBuffers:
-    """The two buffers every batch reuses: pieces this rank reads, and pieces it receives.
+    """The two buffers a set of batches reuses: pieces this rank reads, and pieces it receives.
 
     A fresh tensor per piece costs a page fault and zero-filling per page, about as much as the copy that
-    fills it; reused buffers are faulted in once. In the read buffer the pieces for each peer lie in rank
-    order, so the bytes to send are one block and go out without a gathering copy; the rank's own come last.
+    fills it; reused buffers are faulted in once. Each is allocated at the largest size any of its batches
+    needs (the plan knows them all): grown batch by batch, it would be faulted in anew at every growth. In the
+    read buffer the pieces for each peer lie in rank order, so the bytes to send are one block and go out
+    without a gathering copy; the rank's own come last.
     """
 
-    def __init__(self):
-        self.read = self.recv = torch.empty(0, dtype=torch.uint8)
+    def __init__(self, batches: list[Batch], me: int):
+        def largest(counted) -> int:
+            return max((sum(_slot(r) for r in b.routes if counted(r)) for b in batches), default=0)
 
-    @staticmethod
-    def fit(buf: torch.Tensor, size: int) -> torch.Tensor:
-        return buf if buf.numel() >= size else torch.empty(size, dtype=torch.uint8)
+        self.read = torch.empty(largest(lambda r: r.reader == me), dtype=torch.uint8)
+        self.recv = torch.empty(largest(lambda r: r.writer == me and r.reader != me), dtype=torch.uint8)
 
 
 def _read_batch(batch: Batch, group: Group, reader, reads: SourceReads, buffers: BatchBuffers,
@@ -103,7 +105,7 @@ def _read_batch(batch: Batch, group: Group, reader, reads: SourceReads, buffers:
     me = group.rank
     mine = sorted(((i, r) for i, r in enumerate(batch.routes) if r.reader == me),
                   key=lambda ir: (ir[1].writer == me, ir[1].writer, ir[0]))
-    buffers.read = buf = buffers.fit(buffers.read, sum(_slot(r) for _, r in mine))
+    buf = buffers.read
     local: dict[int, torch.Tensor] = {}
     send_split = [0] * group.world
     at = 0
@@ -136,7 +138,6 @@ def _receive(batch: Batch, group: Group, local: dict[int, torch.Tensor], send: t
     recv_split = [0] * group.world
     for _, r in incoming:
         recv_split[r.reader] += _slot(r)
-    buffers.recv = buffers.fit(buffers.recv, sum(recv_split))
     received = group.exchange(send, send_split, buffers.recv[:sum(recv_split)], recv_split)
     cursor = [sum(recv_split[:r]) for r in range(group.world)]  # each peer's block, pieces in route order
     for i, route in incoming:
@@ -228,7 +229,7 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
             progress.advance(batch.out_bytes)
         return None
 
-    buffers = (BatchBuffers(), BatchBuffers())
+    buffers = (BatchBuffers(plan.batches[0::2], group.rank), BatchBuffers(plan.batches[1::2], group.rank))
     reads = SourceReads()
     writing: Future | None = None
     with ThreadPoolExecutor(1, thread_name_prefix="merger-write") as writer:

@@ -7,8 +7,9 @@ and each output file's sha256 as soon as every rank has written and flushed all 
 files whose bytes still hash to the recorded value when source, options and layout are unchanged, and
 skips the steps whose outputs all live in reused files. The finished model keeps the manifest, complete.
 
-Checksums cost one read of the output on rank 0, done in a background thread while later batches stream;
-verifying reused files on resume costs one read of them, shared among the ranks.
+Checksums cost one read of the output, shared among the ranks (each hashes every M-th file) and done in a
+background thread while later batches stream; verifying reused files on resume costs one read of them, shared
+among the ranks the same way.
 """
 from __future__ import annotations
 
@@ -160,14 +161,15 @@ def skip_finished(plan: Plan, reused: set[str]) -> Plan:
 
 
 class FileTracker:
-    """Flushes each output file once its last batch is written, and checksums the output on rank 0.
+    """Flushes each output file once its last batch is written, and checksums the output, every rank its share.
 
-    Rank 0 hashes every file front to back in a background thread while later batches stream, so little
-    hashing is left at the end. A stretch of a file is hashed once it and all before it are known to be
-    written: by rank 0 itself (as soon as its write returns), or by every rank (a batch confirmed at a sync
-    point). On one host the page cache shows each rank's writes at once; across hosts (a shared filesystem
-    promises only close-to-open consistency) other ranks' stretches count only after the file's last batch,
-    when its writers have flushed and closed it.
+    Rank r hashes the files of its share (every world-th file still to write, so no one rank reads back the
+    whole model) front to back in a background thread while later batches stream, so little hashing is left
+    at the end. A stretch of a file is hashed once it and all before it are known to be written: by this rank
+    itself (as soon as its write returns), or by every rank (a batch confirmed at a sync point). On one host
+    the page cache shows each rank's writes at once; across hosts (a shared filesystem promises only
+    close-to-open consistency) other ranks' stretches count only after the file's last batch, when its writers
+    have flushed and closed it. Checksums reach rank 0, which keeps the manifest, at the next sync point.
     """
 
     def __init__(self, plan: Plan, sink: FileSink, group: Group, stage: Path, manifest: dict, one_host: bool):
@@ -181,25 +183,26 @@ class FileTracker:
         for name, bi in written_in.items():
             index = plan.location[name][0]
             self.last_batch[index] = max(self.last_batch.get(index, -1), bi)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="merger-sha256") if group.rank == 0 else None
-        pending = [i for i, f in enumerate(plan.files)
-                   if manifest["output_files"][f.name]["sha256"] is None] if self.pool else []
-        # Per pending file, in file order: (end of a stretch, the output written there, the batch after which
-        # every rank has written it). The header is written before streaming starts.
+        pending = [i for i in range(len(plan.files)) if i not in sink.skip]
+        mine = pending[group.rank::group.world]
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="merger-sha256") if mine else None
+        # Per file of this rank's share, in file order: (end of a stretch, the output written there, the batch
+        # after which every rank has written it). The header is written before streaming starts.
         self.stretches: dict[int, list[tuple[int, str | None, int]]] = {}
-        for i in pending:
+        for i in mine:
             f = self.plan.files[i]
             self.stretches[i] = [(len(f.prefix), None, -1)] + [
                 (len(f.prefix) + e.end, e.name, written_in[e.name] if one_host else self.last_batch[i])
                 for e in f.entries]
         self.confirmed_count = 0
-        self.own: set[str] = set()  # outputs rank 0 has written itself
-        self.hashed = {i: 0 for i in pending}  # bytes handed to the hashing thread so far
-        self.cursor = {i: 0 for i in pending}  # stretches handed over so far
-        self.digests = {i: hashlib.sha256() for i in pending}
-        self.buffer = memoryview(bytearray(_CHUNK)) if pending else None  # the hashing thread's, reused
+        self.own: set[str] = set()  # outputs this rank has written itself
+        self.hashed = {i: 0 for i in mine}  # bytes handed to the hashing thread so far
+        self.cursor = {i: 0 for i in mine}  # stretches handed over so far
+        self.digests = {i: hashlib.sha256() for i in mine}
+        self.buffer = memoryview(bytearray(_CHUNK)) if mine else None  # the hashing thread's, reused
         self.futures: list[Future] = []
-        self.lock = threading.Lock()  # the manifest, written by the hashing thread
+        self.outbox: dict[str, str] = {}  # checksums finished here and not yet sent to rank 0
+        self.lock = threading.Lock()  # the outbox and the manifest, written by the hashing thread
         self.handing = threading.Lock()  # the cursors: steps are written on stream.py's writer thread
 
     def step_written(self, step: int) -> None:
@@ -213,10 +216,14 @@ class FileTracker:
         self.sink.start_writeback()
 
     def confirmed(self, count: int) -> None:
+        """Every rank, at each sync point: hand over what became hashable, and bring finished checksums to
+        rank 0 (a collective of a few bytes)."""
         if self.pool is not None:
             with self.handing:
                 self.confirmed_count = count
                 self._hand_over()
+        if self.group.distributed:
+            self._send_checksums()
 
     def _hand_over(self) -> None:
         """Give the hashing thread every file's newly complete stretch, front to back (`handing` held)."""
@@ -235,17 +242,42 @@ class FileTracker:
         hash_range(self.digests[index], self.stage / name, start, end, self.buffer)
         if last:
             with self.lock:
-                self.manifest["output_files"][name]["sha256"] = self.digests[index].hexdigest()
-                write_manifest(self.stage, self.manifest)
+                if self.group.rank == 0:
+                    self._record({name: self.digests[index].hexdigest()})
+                else:
+                    self.outbox[name] = self.digests[index].hexdigest()
 
-    def final_manifest(self) -> dict:
-        """Rank 0, after the last batch: wait for every checksum; a failed one is a write error."""
+    def _record(self, checksums: dict[str, str]) -> None:
+        """Rank 0 (`lock` held): the checksums into the manifest, and the manifest to disk for --resume."""
+        if checksums:
+            for name, sha256 in checksums.items():
+                self.manifest["output_files"][name]["sha256"] = sha256
+            write_manifest(self.stage, self.manifest)
+
+    def _send_checksums(self) -> None:
+        with self.lock:
+            outbox, self.outbox = self.outbox, {}
+        shares = self.group.all_gather(outbox)
+        if self.group.rank == 0:
+            with self.lock:
+                self._record({name: sha256 for share in shares for name, sha256 in share.items()})
+
+    def wait(self) -> None:
+        """Every rank, after the last batch: finish this rank's checksums; a failed one is a write error."""
+        if self.pool is None:
+            return
         self.pool.shutdown(wait=True)
         for future in self.futures:
             try:
                 future.result()
-            except OSError as e:  # reading back a file rank 0 did not create: vanished or unreadable
+            except OSError as e:  # reading back a file this rank did not create: vanished or unreadable
                 raise MergerError(f"cannot read back the merged model ({e.strerror}), {e.filename}") from e
+
+    def final_manifest(self) -> dict:
+        """Every rank, once `wait` has returned everywhere: the last checksums reach rank 0, whose manifest
+        then has every file's."""
+        if self.group.distributed:
+            self._send_checksums()
         return self.manifest
 
     def stop(self) -> None:
