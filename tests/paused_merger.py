@@ -4,8 +4,8 @@ Run in place of `-m merger` (conftest does so when the environment asks for a pa
 torchrun: with MERGER_TEST_PAUSE_AFTER_BATCH=N and MERGER_TEST_PAUSE_FILE=P, once batches 0..N are written on
 every rank (and each rank has checksummed the files of its share they completed), each rank writes its pid
 to `P.<rank>` and sleeps, for the test to kill, stop or signal it. MERGER_TEST_PAUSE_RANK=r pauses only rank r:
-the others go on into the next collective and wait there for it. The pause wraps `FileTracker.confirmed`, where a rank learns at
-a sync point that every rank wrote the batches so far; merger itself knows nothing of it.
+the others go on into the next collective and wait there for it. The pause wraps `FileTracker.confirmed`, where
+a rank learns at a sync point that every rank wrote the batches so far; merger itself knows nothing of it.
 """
 import os
 import sys
