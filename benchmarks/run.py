@@ -7,7 +7,7 @@ For each format and checkpoint size (fp32 FSDP2 on 2 ranks, built once under ben
 by benchmarks/build_checkpoint.py) it times, with warm page cache, alternating and repeated: `cp` of the
 data files (the floor: bytes read and written once, inside the kernel), `dd` of them with `conv=fsync` (the
 floor for a tool that reads the bytes into memory and writes them back durably, as a merge must to cast or
-checksum them), the baselines, and merger with 1 and 2 ranks.
+checksum them), the baselines, and merger with 1 and 2 ranks (started by `launcher local`, and by torchrun).
 - fsdp (verl's `model_world_size_W_rank_r.pt`): baseline the naive merge (benchmarks/naive_merge.py).
 - dcp (`dcp.save` folder): baselines torch's `dcp_to_torch_save` + `save_file` and accelerate's
   `merge_fsdp_weights` (benchmarks/dcp_baselines.py); both keep fp32, so merger runs with `--dtype keep`.
@@ -104,8 +104,7 @@ def commands(fmt: str, ckpt: Path, dst: Path) -> dict[str, list[str]]:
     """Row name -> command line; the floor first, then the baselines (the first is the ratios' reference)."""
     # relative paths kept under dst (--parents): Megatron's rank files all have the same name
     files = " ".join(str(p.relative_to(ckpt)) for p in data_files(fmt, ckpt))
-    merge = ["-m", "merger", "merge", "--local_dir", str(ckpt), "--target_dir", str(dst), "--overwrite",
-             "--log_level", "WARNING"]
+    merge = ["merge", "--local_dir", str(ckpt), "--target_dir", str(dst), "--overwrite", "--log_level", "WARNING"]
     if fmt == "fsdp":
         baselines = {"naive merge": [PY, str(ROOT / "benchmarks" / "naive_merge.py"), str(ckpt), str(dst)]}
     elif fmt == "megatron_moe":
@@ -126,8 +125,11 @@ def commands(fmt: str, ckpt: Path, dst: Path) -> dict[str, list[str]]:
                      for f in files.split())
     return {FLOOR: ["bash", "-c", f"mkdir -p {dst} && cd {ckpt} && cp --parents {files} {dst}/"],
             USER_FLOOR: ["bash", "-c", f"cd {ckpt} && {dd}"], **baselines,
-            "merger, 1 rank": [PY, *merge],
-            "merger, 2 ranks": [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", *merge]}
+            "merger, 1 rank": [PY, "-m", "merger", *merge],
+            # two ways to start 2 ranks: torchrun's agent imports torch itself before it starts the ranks
+            # (2-2.5 s here); `launcher local` is a plain Python parent that only starts them
+            "merger, 2 ranks": [PY, "-m", "launcher", "local", "--nproc", "2", "--", *merge],
+            "merger, 2, torchrun": [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "merger", *merge]}
 
 
 def time_all(cmds: dict[str, list[str]], dst: Path, repeats: int, label: str,
@@ -175,12 +177,12 @@ def rows_for(fmt: str, size: int, results: dict, capped: dict[str, str]) -> list
 
 def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
     cap_col = f"under {format_size(cap)}" if cap else ""
-    header = (f"{'format':<12} | {'checkpoint':>10} | {'run':<17} | {'wall s':>6} | {'x cp':>6} | {'x dd':>6} | "
+    header = (f"{'format':<12} | {'checkpoint':>10} | {'run':<19} | {'wall s':>6} | {'x cp':>6} | {'x dd':>6} | "
               f"{'x base':>6} | {'peak RSS/rank':>13} | {'x base RSS':>10} | {cap_col}")
     print("\n" + header)
     print("-" * len(header))
     for fmt, size, name, wall, vs_cp, vs_dd, vs_base, rss, vs_rss, capped in rows:
-        print(f"{fmt:<12} | {format_size(size):>10} | {name:<17} | {wall:6.2f} | {vs_cp:6.2f} | {vs_dd:6.2f} | "
+        print(f"{fmt:<12} | {format_size(size):>10} | {name:<19} | {wall:6.2f} | {vs_cp:6.2f} | {vs_dd:6.2f} | "
               f"{vs_base:6.2f} | {format_size(rss):>13} | {vs_rss:10.2f} | {capped}")
     print(f"\nmedians of {repeats} warm runs; {os.cpu_count()} cores; peak RSS = largest process of the run; "
           "x dd = against dd with conv=fsync (the bytes through memory, durably); x base = against the naive merge "
