@@ -54,7 +54,7 @@ def deal_blocks(sizes: list[tuple[K, int]], block: int, world: int) -> list[list
     """The checksum blocks of the files `sizes` lists ((file, size), in an order every rank shares), dealt to
     `world` ranks: per rank, its (file, block number) pairs. In order, each block goes to the rank with the
     fewest bytes so far (the lowest such rank): round-robin while blocks are full, and no rank collects the
-    short last blocks of a run of files, so every rank ends within one block of 1/world of the bytes."""
+    short last blocks of a run of files: no rank ends more than one block's bytes ahead of another."""
     shares: list[list[tuple[K, int]]] = [[] for _ in range(world)]
     load = [(0, rank) for rank in range(world)]  # a heap: (bytes dealt, rank)
     for key, size in sizes:
