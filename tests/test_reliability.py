@@ -605,8 +605,9 @@ def test_a_block_is_hashed_once_every_tensor_in_it_is_written(how, ckpt, tmp_pat
 
 
 def test_resume_verifies_blocks_on_every_rank(ckpt, tmp_path, monkeypatch):
-    """A finished merge with 4000-byte blocks, one bit flipped in one file and another file's last checksum
-    missing: the 3 ranks' shares of the blocks together clear every file but those two."""
+    """A finished merge with 4000-byte blocks, one bit flipped in its second block of one file and another
+    file's last checksum missing: the finished model is no longer intact, and the 3 ranks' shares of the blocks
+    together clear every file but those two for reuse."""
     from merger.output import resume
 
     out, block = tmp_path / "out", 4000
@@ -616,9 +617,11 @@ def test_resume_verifies_blocks_on_every_rank(ckpt, tmp_path, monkeypatch):
     files = manifest["output_files"]
     assert {n: f["sha256_blocks"] for n, f in files.items()} == {n: block_sha256(out / n, block) for n in files}
     flipped, unfinished = [n for n in files if len(files[n]["sha256_blocks"]) > 2][:2]
+    assert resume.why_not_done(out, manifest) is None  # --resume on the finished model: nothing to do
     data = bytearray((out / flipped).read_bytes())
     data[block + block // 2] ^= 1
     (out / flipped).write_bytes(data)
+    assert resume.why_not_done(out, manifest) == f"{flipped} no longer matches its checksums"
     cut = dict(files[unfinished], sha256_blocks=files[unfinished]["sha256_blocks"][:-1] + [None])
     (out / "merge_manifest.json").write_text(json.dumps(dict(manifest, output_files={**files, unfinished: cut})))
 
