@@ -25,7 +25,8 @@ from .errors import MergerError
 from .mapping.registry import build_mapping
 from .options import MergeOptions
 from .output.files import FileSink, finish, prepare_files, write_manifest
-from .output.resume import FileTracker, resume_candidates, skip_finished, start_manifest, verify_share, why_not_done
+from .output.resume import (FileTracker, intact_files, resume_candidates, skip_finished, start_manifest,
+                            verify_share, why_not_done)
 from .output.source_identity import check_unchanged, source_identity
 from .output.summary import write_summary
 from .output.target import Target, check_config_dir_entries, place, resolve_target
@@ -174,14 +175,14 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
         if manifest is None:
             return None  # --resume found the merge finished
         stage = target.stage
-        # Every rank checks a share of the files to reuse: one read of them in all, spread over the ranks.
+        # Every rank checks a share of the blocks of the files to reuse: one read of them, spread over the ranks.
         shares = group.all_gather(on_every_rank(
-            group, lambda: verify_share(stage, candidates, group.rank, group.world), options.debug))
-        reused = {name: candidates[name] for share in shares for name in share}
+            group, lambda: verify_share(stage, manifest, candidates, group.rank, group.world), options.debug))
+        reused = intact_files(candidates, shares)
 
         def create_files():
-            for name in reused:
-                manifest["output_files"][name]["sha256"] = reused[name]
+            for name, blocks in reused.items():
+                manifest["output_files"][name]["sha256_blocks"] = blocks
             if options.resume:
                 log.info("merger: --resume: reusing %d of %d output files (checksums verified) from %s",
                          len(reused), len(plan.files), stage)

@@ -2,7 +2,7 @@
 
 Run in place of `-m merger` (conftest does so when the environment asks for a pause), as one process or under
 torchrun: with MERGER_TEST_PAUSE_AFTER_BATCH=N and MERGER_TEST_PAUSE_FILE=P, once batches 0..N are written on
-every rank (and each rank has checksummed the files of its share they completed), each rank writes its pid
+every rank (and each rank has checksummed the blocks of its share they completed), each rank writes its pid
 to `P.<rank>` and sleeps, for the test to kill, stop or signal it. MERGER_TEST_PAUSE_RANK=r pauses only rank r:
 the others go on into the next collective and wait there for it. The pause wraps `FileTracker.confirmed`, where
 a rank learns at a sync point that every rank wrote the batches so far; merger itself knows nothing of it.
@@ -22,7 +22,7 @@ def _pause_after(batch: int, file: str, only: int | None):
     def confirmed_then_pause(self, count: int) -> None:
         confirmed(self, count)
         if count == batch + 1 and only in (None, self.group.rank):
-            for future in self.futures:  # this rank's checksums of the files finished so far
+            for future in self.futures:  # this rank's checksums of the blocks finished so far
                 future.result()
             Path(f"{file}.{self.group.rank}").write_text(str(os.getpid()))
             time.sleep(3600)

@@ -2,31 +2,34 @@
 
 `merge_manifest.json` is written into the staging folder before any tensor byte, and kept up to date: the
 resolved source folder and each source file's identity (size, mtime, ctime, inode), the options that shape the
-output (MergeOptions marks them), each output file's size and header digest,
-and each output file's sha256 as soon as every rank has written and flushed all of it. `--resume` reuses the
-files whose bytes still hash to the recorded value when source, options and layout are unchanged, and
-skips the steps whose outputs all live in reused files. The finished model keeps the manifest, complete.
+output (MergeOptions marks them), each output file's size and header digest, and each output file's
+checksums: the sha256 of each block of `checksum_block_bytes` (CHECKSUM_BLOCK) bytes, the last one shorter,
+each recorded once every rank has written and flushed all of its bytes. `--resume` reuses the files whose
+every block still hashes to the recorded value when source, options and layout are unchanged, and skips the
+steps whose outputs all live in reused files. The finished model keeps the manifest, complete.
 
-Checksums cost one read of the output, shared among the ranks (each hashes every M-th file) and done in a
-background thread while later batches stream; verifying reused files on resume costs one read of them, shared
-among the ranks the same way.
+Checksums cost one read of the output, shared among the ranks block by block (each rank hashes about 1/M of
+the bytes, however many files there are: sha256 is sequential, so a whole-file digest would leave a
+one-file model to one rank) in a background thread while later batches stream, so little hashing is left at
+the end; verifying reused files on resume costs one read of them, shared among the ranks the same way.
 """
 from __future__ import annotations
 
 import dataclasses
 import errno
 import hashlib
+import heapq
 import json
 import logging
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Hashable, TypeVar
 
 from .. import __version__
 from ..catalog import Catalog
 from ..engine.dist import Group
-from ..engine.plan import Batch, Plan
+from ..engine.plan import Batch, OutputFile, Plan
 from ..errors import MergerError
 from ..options import MergeOptions
 from .files import MANIFEST, FileSink, write_manifest
@@ -35,10 +38,48 @@ from .source_identity import source_folder
 log = logging.getLogger("merger")
 
 _CHUNK = 16 << 20
+# Bytes per output checksum. Each block is hashed on its own, by whichever rank it is dealt to, so the hashing
+# spreads over the ranks whatever the number of files; large enough that a manifest of a 1 TB model lists 4000.
+CHECKSUM_BLOCK = 256 << 20
+
+K = TypeVar("K", bound=Hashable)
 
 
-def hash_range(digest, path: Path, start: int, end: int, buf: memoryview | None = None) -> None:
-    """Feed bytes [start, end) of `path` to `digest` through `buf` (16 MiB when not given)."""
+def block_spans(size: int, block: int) -> list[tuple[int, int]]:
+    """[start, end) of each checksum block of a file of `size` bytes: [0, block), [block, 2 block), ..."""
+    return [(start, min(start + block, size)) for start in range(0, size, block)]
+
+
+def deal_blocks(sizes: list[tuple[K, int]], block: int, world: int) -> list[list[tuple[K, int]]]:
+    """The checksum blocks of the files `sizes` lists ((file, size), in an order every rank shares), dealt to
+    `world` ranks: per rank, its (file, block number) pairs. In order, each block goes to the rank with the
+    fewest bytes so far (the lowest such rank): round-robin while blocks are full, and no rank collects the
+    short last blocks of a run of files: no rank ends more than one block's bytes ahead of another."""
+    shares: list[list[tuple[K, int]]] = [[] for _ in range(world)]
+    load = [(0, rank) for rank in range(world)]  # a heap: (bytes dealt, rank)
+    for key, size in sizes:
+        for k, (start, end) in enumerate(block_spans(size, block)):
+            dealt, rank = load[0]
+            shares[rank].append((key, k))
+            heapq.heapreplace(load, (dealt + end - start, rank))
+    return shares
+
+
+def block_outputs(f: OutputFile, block: int) -> list[list[str]]:
+    """Per checksum block of `f`: the outputs whose bytes lie in it. The header needs none: it is written
+    before streaming starts."""
+    blocks: list[list[str]] = [[] for _ in block_spans(f.size, block)]
+    base = len(f.prefix)
+    for e in f.entries:
+        if e.end > e.begin:
+            for k in range((base + e.begin) // block, (base + e.end - 1) // block + 1):
+                blocks[k].append(e.name)
+    return blocks
+
+
+def sha256_range(path: Path, start: int, end: int, buf: memoryview | None = None) -> str:
+    """The sha256 of bytes [start, end) of `path`, read through `buf` (16 MiB when not given)."""
+    digest = hashlib.sha256()
     buf = buf if buf is not None else memoryview(bytearray(_CHUNK))
     with open(path, "rb", buffering=0) as f:
         f.seek(start)
@@ -48,25 +89,28 @@ def hash_range(digest, path: Path, start: int, end: int, buf: memoryview | None 
                 raise OSError(errno.EIO, f"file ended at byte {start} of {end}", str(path))
             digest.update(buf[:got])  # hashlib releases the GIL on large buffers: streaming goes on meanwhile
             start += got
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    hash_range(digest, path, 0, os.path.getsize(path))
     return digest.hexdigest()
+
+
+def _blocks_match(path: Path, size: int, block: int, want: list[str], buf: memoryview) -> bool:
+    """Whether `path` is `size` bytes long and each block hashes to `want`'s digest (OSError if unreadable)."""
+    spans = block_spans(size, block)
+    return (path.stat().st_size == size and len(want) == len(spans)
+            and all(sha256_range(path, start, end, buf) == digest for (start, end), digest in zip(spans, want)))
 
 
 def start_manifest(catalog: Catalog, sources: dict[str, dict[str, int]], options: MergeOptions, plan: Plan,
                    world: int) -> dict:
-    """What a staging folder is the start of; everything but the `sha256` values is known before streaming.
+    """What a staging folder is the start of; everything but the block checksums is known before streaming.
     `sources` is the source files' identity, taken when the checkpoint was opened (source_identity.py)."""
     return {
         "merger_version": __version__, "source_format": catalog.format,
         "source_dir": source_folder(catalog), "source_files": sources,
         "options": json.loads(json.dumps(options.output_shaping(), default=str)), "dtype": options.dtype,
-        "merge_ranks": world,
+        "merge_ranks": world, "checksum_block_bytes": CHECKSUM_BLOCK,
         "output_files": {f.name: {"size": f.size, "header_sha256": hashlib.sha256(f.prefix).hexdigest(),
-                                  "sha256": None} for f in plan.files},
+                                  "sha256_blocks": [None] * len(block_spans(f.size, CHECKSUM_BLOCK))}
+                         for f in plan.files},
         "complete": False,
     }
 
@@ -77,12 +121,19 @@ def _mismatch(old: dict, new: dict) -> str | None:
                       ("options", "options that shape the output")):
         if old.get(key) != new[key]:
             return f"the {what} changed"
+    # Blocks of another size make every recorded checksum incomparable: as good as another layout.
     layout = {n: (f["size"], f["header_sha256"]) for n, f in new["output_files"].items()}
     try:
         before = {n: (f["size"], f["header_sha256"]) for n, f in old["output_files"].items()}
     except (KeyError, TypeError, AttributeError):
         before = None
-    return None if before == layout else "the output layout changed"
+    same = before == layout and old.get("checksum_block_bytes") == new["checksum_block_bytes"]
+    return None if same else "the output layout changed"
+
+
+def _finished(blocks: object) -> bool:
+    """Whether a manifest's `sha256_blocks` has every block's digest."""
+    return isinstance(blocks, list) and all(isinstance(digest, str) for digest in blocks)
 
 
 def why_not_done(folder: Path, manifest: dict) -> str | None:
@@ -97,19 +148,23 @@ def why_not_done(folder: Path, manifest: dict) -> str | None:
     reason = _mismatch(old, manifest)
     if reason:
         return reason
+    buf = memoryview(bytearray(_CHUNK))
     for name, info in manifest["output_files"].items():
+        want = old["output_files"][name].get("sha256_blocks")
         try:
-            if sha256_file(folder / name) != old["output_files"][name].get("sha256"):
-                return f"{name} no longer matches its checksum"
+            if not (_finished(want)
+                    and _blocks_match(folder / name, info["size"], manifest["checksum_block_bytes"], want, buf)):
+                return f"{name} no longer matches its checksums"
         except OSError:
             return f"{name} cannot be read"
     return None
 
 
-def resume_candidates(stage: Path, manifest: dict) -> dict[str, str]:
-    """Rank 0: files of `stage` that a resumed merge may keep if their bytes still hash right: name -> sha256.
+def resume_candidates(stage: Path, manifest: dict) -> dict[str, list[str]]:
+    """Rank 0: files of `stage` that a resumed merge may keep if their bytes still hash right: name -> the
+    sha256 of each block.
 
-    None when the old manifest is missing or describes another merge (logged with the reason).
+    Empty when the old manifest is missing or describes another merge (logged with the reason).
     """
     path = stage / MANIFEST
     if not path.is_file():
@@ -125,22 +180,36 @@ def resume_candidates(stage: Path, manifest: dict) -> dict[str, str]:
         return {}
     candidates = {}
     for name, info in manifest["output_files"].items():
-        want, file = old["output_files"][name].get("sha256"), stage / name
-        if isinstance(want, str) and file.is_file() and file.stat().st_size == info["size"]:
+        want, file = old["output_files"][name].get("sha256_blocks"), stage / name
+        if (_finished(want) and len(want) == len(info["sha256_blocks"]) and file.is_file()
+                and file.stat().st_size == info["size"]):
             candidates[name] = want
     return candidates
 
 
-def verify_share(stage: Path, candidates: dict[str, str], rank: int, world: int) -> list[str]:
-    """This rank's share of the candidates (every world-th file), hashed: the names whose bytes match."""
+def verify_share(stage: Path, manifest: dict, candidates: dict[str, list[str]], rank: int,
+                 world: int) -> list[tuple[str, int]]:
+    """This rank's share of the candidates' blocks (dealt as the checksums were), hashed: the (file, block)
+    pairs whose bytes match."""
+    block, files = manifest["checksum_block_bytes"], manifest["output_files"]
+    buf = memoryview(bytearray(_CHUNK))
     good = []
-    for name in sorted(candidates)[rank::world]:
+    for name, k in deal_blocks([(name, files[name]["size"]) for name in sorted(candidates)], block, world)[rank]:
+        start = k * block
         try:
-            if sha256_file(stage / name) == candidates[name]:
-                good.append(name)
+            if sha256_range(stage / name, start, min(start + block, files[name]["size"]), buf) == candidates[name][k]:
+                good.append((name, k))
         except OSError:
             pass  # vanished or unreadable: written again
     return good
+
+
+def intact_files(candidates: dict[str, list[str]],
+                 shares: list[list[tuple[str, int]]]) -> dict[str, list[str]]:
+    """The candidates every block of which some rank's verify_share found intact: name -> block checksums."""
+    good = {pair for share in shares for pair in share}
+    return {name: blocks for name, blocks in candidates.items()
+            if all((name, k) in good for k in range(len(blocks)))}
 
 
 def skip_finished(plan: Plan, reused: set[str]) -> Plan:
@@ -163,17 +232,19 @@ def skip_finished(plan: Plan, reused: set[str]) -> Plan:
 class FileTracker:
     """Flushes each output file once its last batch is written, and checksums the output, every rank its share.
 
-    Rank r hashes the files of its share (every world-th file still to write, so no one rank reads back the
-    whole model) front to back in a background thread while later batches stream, so little hashing is left
-    at the end. A stretch of a file is hashed once it and all before it are known to be written: by this rank
-    itself (as soon as its write returns), or by every rank (a batch confirmed at a sync point). On one host
-    the page cache shows each rank's writes at once; across hosts (a shared filesystem promises only
-    close-to-open consistency) other ranks' stretches count only after the file's last batch, when its writers
-    have flushed and closed it. Checksums reach rank 0, which keeps the manifest, at the next sync point.
+    The checksum blocks of the files still to write are dealt over the ranks (deal_blocks: about 1/M of the
+    bytes each, even for a one-file model); rank r hashes its blocks in a background thread while later
+    batches stream, so little hashing is left at the end. A block is hashed once every output with bytes in it
+    is known to be written: by this rank itself (as soon as its write returns), or by every rank (a batch
+    confirmed at a sync point). On one host the page cache shows each rank's writes at once; across hosts (a
+    shared filesystem promises only close-to-open consistency) other ranks' outputs count only after the
+    file's last batch, when its writers have flushed and closed it. Checksums reach rank 0, which keeps the
+    manifest, at the next sync point.
     """
 
     def __init__(self, plan: Plan, sink: FileSink, group: Group, stage: Path, manifest: dict, one_host: bool):
         self.plan, self.sink, self.group, self.stage, self.manifest = plan, sink, group, stage, manifest
+        self.block = manifest["checksum_block_bytes"]
         written_in: dict[str, int] = {}
         for bi, batch in enumerate(plan.batches):
             for si in batch.steps:
@@ -183,33 +254,33 @@ class FileTracker:
         for name, bi in written_in.items():
             index = plan.location[name][0]
             self.last_batch[index] = max(self.last_batch.get(index, -1), bi)
-        pending = [i for i in range(len(plan.files)) if i not in sink.skip]
-        mine = pending[group.rank::group.world]
+        pending = [(i, f.size) for i, f in enumerate(plan.files) if i not in sink.skip]
+        mine = deal_blocks(pending, self.block, group.world)[group.rank]
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="merger-sha256") if mine else None
-        # Per file of this rank's share, in file order: (end of a stretch, the output written there, the batch
-        # after which every rank has written it). The header is written before streaming starts.
-        self.stretches: dict[int, list[tuple[int, str | None, int]]] = {}
-        for i in mine:
-            f = self.plan.files[i]
-            self.stretches[i] = [(len(f.prefix), None, -1)] + [
-                (len(f.prefix) + e.end, e.name, written_in[e.name] if one_host else self.last_batch[i])
-                for e in f.entries]
+        # This rank's blocks not yet handed to the hashing thread -> the outputs in them not known written yet;
+        # each such output -> those blocks; and the batch after which every rank has written it -> the outputs.
+        self.waiting: dict[tuple[int, int], set[str]] = {}
+        self.blocks_of: dict[str, list[tuple[int, int]]] = {}
+        self.confirmed_by: dict[int, set[str]] = {}
+        outputs = {i: block_outputs(plan.files[i], self.block) for i in {i for i, _ in mine}}
+        for i, k in mine:
+            self.waiting[(i, k)] = set(outputs[i][k])
+            for name in outputs[i][k]:
+                self.blocks_of.setdefault(name, []).append((i, k))
+                self.confirmed_by.setdefault(written_in[name] if one_host else self.last_batch[i], set()).add(name)
         self.confirmed_count = 0
-        self.own: set[str] = set()  # outputs this rank has written itself
-        self.hashed = {i: 0 for i in mine}  # bytes handed to the hashing thread so far
-        self.cursor = {i: 0 for i in mine}  # stretches handed over so far
-        self.digests = {i: hashlib.sha256() for i in mine}
         self.buffer = memoryview(bytearray(_CHUNK)) if mine else None  # the hashing thread's, reused
         self.futures: list[Future] = []
-        self.outbox: dict[str, str] = {}  # checksums finished here and not yet sent to rank 0
+        self.outbox: dict[tuple[str, int], str] = {}  # block checksums finished here, not yet sent to rank 0
         self.lock = threading.Lock()  # the outbox and the manifest, written by the hashing thread
-        self.handing = threading.Lock()  # the cursors: steps are written on stream.py's writer thread
+        self.handing = threading.Lock()  # `waiting`: steps are written on stream.py's writer thread
+        with self.handing:
+            self._hand_over([b for b, left in self.waiting.items() if not left])  # header only: written already
 
     def step_written(self, step: int) -> None:
         if self.pool is not None:
             with self.handing:
-                self.own.update(spec.name for spec in self.plan.steps[step].outputs)
-                self._hand_over()
+                self._written(spec.name for spec in self.plan.steps[step].outputs)
 
     def written(self, index: int) -> None:
         self.sink.sync([i for i, last in self.last_batch.items() if last == index])
@@ -217,41 +288,48 @@ class FileTracker:
 
     def confirmed(self, count: int) -> None:
         """Every rank, at each sync point: hand over what became hashable, and bring finished checksums to
-        rank 0 (a collective of a few bytes)."""
+        rank 0 (a collective of a few bytes per block)."""
         if self.pool is not None:
             with self.handing:
+                for batch in range(self.confirmed_count, count):
+                    self._written(self.confirmed_by.pop(batch, ()))
                 self.confirmed_count = count
-                self._hand_over()
         if self.group.distributed:
             self._send_checksums()
 
-    def _hand_over(self) -> None:
-        """Give the hashing thread every file's newly complete stretch, front to back (`handing` held)."""
-        for i, stretches in self.stretches.items():
-            k = self.cursor[i]
-            while k < len(stretches) and (stretches[k][2] < self.confirmed_count or stretches[k][1] in self.own):
-                k += 1
-            if k == self.cursor[i]:
-                continue
-            start, end = self.hashed[i], stretches[k - 1][0]
-            self.cursor[i], self.hashed[i] = k, end
-            self.futures.append(self.pool.submit(self._hash, i, start, end, k == len(stretches)))
+    def _written(self, names) -> None:
+        """These outputs' bytes are known to be on disk: hand over the blocks they completed (`handing` held)."""
+        ready = []
+        for name in names:
+            for b in self.blocks_of.pop(name, ()):
+                left = self.waiting[b]
+                left.discard(name)
+                if not left:
+                    ready.append(b)
+        self._hand_over(ready)
 
-    def _hash(self, index: int, start: int, end: int, last: bool) -> None:
-        name = self.plan.files[index].name
-        hash_range(self.digests[index], self.stage / name, start, end, self.buffer)
-        if last:
-            with self.lock:
-                if self.group.rank == 0:
-                    self._record({name: self.digests[index].hexdigest()})
-                else:
-                    self.outbox[name] = self.digests[index].hexdigest()
+    def _hand_over(self, blocks: list[tuple[int, int]]) -> None:
+        for b in blocks:
+            del self.waiting[b]
+            self.futures.append(self.pool.submit(self._hash, *b))
 
-    def _record(self, checksums: dict[str, str]) -> None:
-        """Rank 0 (`lock` held): the checksums into the manifest, and the manifest to disk for --resume."""
-        if checksums:
-            for name, sha256 in checksums.items():
-                self.manifest["output_files"][name]["sha256"] = sha256
+    def _hash(self, index: int, k: int) -> None:
+        f = self.plan.files[index]
+        start = k * self.block
+        digest = sha256_range(self.stage / f.name, start, min(start + self.block, f.size), self.buffer)
+        with self.lock:
+            if self.group.rank == 0:
+                self._record({(f.name, k): digest})
+            else:
+                self.outbox[(f.name, k)] = digest
+
+    def _record(self, checksums: dict[tuple[str, int], str]) -> None:
+        """Rank 0 (`lock` held): the block checksums into the manifest, and the manifest to disk for --resume
+        when a file got its last one (a file with blocks missing is not reused: no need to write sooner)."""
+        files = self.manifest["output_files"]
+        for (name, k), digest in checksums.items():
+            files[name]["sha256_blocks"][k] = digest
+        if any(_finished(files[name]["sha256_blocks"]) for name in {name for name, _ in checksums}):
             write_manifest(self.stage, self.manifest)
 
     def _send_checksums(self) -> None:
@@ -260,7 +338,7 @@ class FileTracker:
         shares = self.group.all_gather(outbox)
         if self.group.rank == 0:
             with self.lock:
-                self._record({name: sha256 for share in shares for name, sha256 in share.items()})
+                self._record({block: digest for share in shares for block, digest in share.items()})
 
     def wait(self) -> None:
         """Every rank, after the last batch: finish this rank's checksums; a failed one is a write error."""
@@ -275,7 +353,7 @@ class FileTracker:
 
     def final_manifest(self) -> dict:
         """Every rank, once `wait` has returned everywhere: the last checksums reach rank 0, whose manifest
-        then has every file's."""
+        then has every block's."""
         if self.group.distributed:
             self._send_checksums()
         return self.manifest
