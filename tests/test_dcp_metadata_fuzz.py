@@ -1,9 +1,9 @@
 """dcp_metadata.load_metadata against hostile and damaged `.metadata` files (hypothesis).
 
 The seed is written by torch.distributed.checkpoint itself (a single-process dcp.save). Every mutation of
-it, and arbitrary bytes, must either load to DCP's own `Metadata` or raise MergerError naming the file:
-never another exception, and never a global outside DCP's metadata classes (the restricted unpickler
-refuses those before calling anything).
+it, and arbitrary bytes, must either load to a `Metadata` (merger's stand-in for DCP's) or raise
+MergerError naming the file: never another exception, and never a global outside DCP's metadata classes
+(the restricted unpickler refuses those before calling anything).
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.distributed.checkpoint.metadata import Metadata
 
 from merger.errors import MergerError
+from merger.sources.dcp_classes import Metadata
 from merger.sources.dcp_metadata import load_metadata
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -132,9 +132,10 @@ def init_group(device: str = "auto", timeout_s: float = 600) -> Group:
         return Group()
     import torch.distributed as dist
 
-    # Before the group exists: torch.distributed.nn.functional, which torch.distributed.checkpoint imports,
-    # has `group=group.WORLD` default arguments. Evaluated with the group up, they would hold it past
-    # destroy_process_group into interpreter finalization (see Group.close).
+    # Before the group exists: torch.distributed.nn.functional, which comes with torch.distributed.checkpoint
+    # (merger reads DCP without it; code sharing the process may not), has `group=group.WORLD` default
+    # arguments. Evaluated with the group up, they would hold it past destroy_process_group into interpreter
+    # finalization (see Group.close).
     import torch.distributed.nn.functional  # noqa: F401
 
     rank = int(os.environ.get("RANK", "0"))

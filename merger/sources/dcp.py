@@ -19,6 +19,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from ..hf_folder import CONFIG_DIR, config_dir
+from .dcp_classes import BytesStorageMetadata, TensorStorageMetadata
 from .dcp_metadata import METADATA_FILE, load_metadata
 from .dcp_safetensors import DcpSafetensorsReader, holds_safetensors
 from .file_reads import RangeFile, SourceFiles, Stored
@@ -100,7 +101,7 @@ def chunk_location(storage: dict, fqn: str, offsets: tuple[int, ...], folder: Pa
     info = storage.get((fqn, offsets))
     if info is None:
         raise MergerError(f"tensor {fqn} chunk at {offsets} has no storage entry, {folder / METADATA_FILE}")
-    if getattr(info, "transform_descriptors", None):
+    if info.transform_descriptors:
         raise MergerError(f"tensor {fqn} was saved with storage transforms {list(info.transform_descriptors)} "
                           f"(e.g. compression), which merger cannot read, {folder / METADATA_FILE}")
     return str(folder / info.relative_path), (int(info.offset), int(info.length))
@@ -112,8 +113,6 @@ def _file_order(path: str) -> tuple[int, int]:
 
 
 def open_catalog(root: Path, prefix: str | None = None) -> Catalog:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
     folder = dcp_dir(root)
     if folder is None:
         raise MergerError(f"no DCP checkpoint (.metadata + __*_*.distcp) here or in {ACCELERATE_DIR}/, {root}")

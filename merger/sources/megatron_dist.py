@@ -21,6 +21,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from .dcp import chunk_location, chunk_stored
+from .dcp_classes import TensorStorageMetadata
 from .dcp_metadata import load_metadata
 from .file_reads import SourceFiles, Stored
 from .piece_keys import split_key, take, with_index
@@ -64,8 +65,6 @@ def _stacked_axes(fqn: str):
 
 
 def open_catalog(root: Path) -> Catalog:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     ckpt, hf_dir = checkpoint_dir(root)
     meta = load_metadata(ckpt)
     storage = {(i.fqn, tuple(i.offset)): s for i, s in meta.storage_data.items() if i.offset is not None}
