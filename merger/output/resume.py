@@ -45,9 +45,14 @@ CHECKSUM_BLOCK = 256 << 20
 K = TypeVar("K", bound=Hashable)
 
 
+def block_span(size: int, block: int, k: int) -> tuple[int, int]:
+    """[start, end) of checksum block k of a file of `size` bytes: [k block, (k + 1) block), the last one shorter."""
+    return k * block, min((k + 1) * block, size)
+
+
 def block_spans(size: int, block: int) -> list[tuple[int, int]]:
     """[start, end) of each checksum block of a file of `size` bytes: [0, block), [block, 2 block), ..."""
-    return [(start, min(start + block, size)) for start in range(0, size, block)]
+    return [block_span(size, block, k) for k in range(-(-size // block))]
 
 
 def deal_blocks(sizes: list[tuple[K, int]], block: int, world: int) -> list[list[tuple[K, int]]]:
@@ -195,9 +200,8 @@ def verify_share(stage: Path, manifest: dict, candidates: dict[str, list[str]], 
     buf = memoryview(bytearray(_CHUNK))
     good = []
     for name, k in deal_blocks([(name, files[name]["size"]) for name in sorted(candidates)], block, world)[rank]:
-        start = k * block
         try:
-            if sha256_range(stage / name, start, min(start + block, files[name]["size"]), buf) == candidates[name][k]:
+            if sha256_range(stage / name, *block_span(files[name]["size"], block, k), buf) == candidates[name][k]:
                 good.append((name, k))
         except OSError:
             pass  # vanished or unreadable: written again
@@ -315,8 +319,7 @@ class FileTracker:
 
     def _hash(self, index: int, k: int) -> None:
         f = self.plan.files[index]
-        start = k * self.block
-        digest = sha256_range(self.stage / f.name, start, min(start + self.block, f.size), self.buffer)
+        digest = sha256_range(self.stage / f.name, *block_span(f.size, self.block, k), self.buffer)
         with self.lock:
             if self.group.rank == 0:
                 self._record({(f.name, k): digest})
