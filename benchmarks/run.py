@@ -4,10 +4,11 @@
                              [--hidden 2048] [--settle 5] [--keep] [--chart docs/benchmark.png]
 
 For each format and checkpoint size (fp32 FSDP2 on 2 ranks, built once under bench_out/ on the meta device
-by benchmarks/build_checkpoint.py) it times, with warm page cache, alternating and repeated: `cp` of the
-data files (the floor: bytes read and written once, inside the kernel), `dd` of them with `conv=fsync` (the
-floor for a tool that reads the bytes into memory and writes them back durably, as a merge must to cast or
-checksum them), the baselines, and merger with 1 and 2 ranks (started by `launcher local`, and by torchrun).
+by benchmarks/build_checkpoint.py) it times, alternating and repeated, each run right after its data files are
+read into the page cache (`warm`): `cp` of the data files (the floor: bytes read and written once, inside the
+kernel), `dd` of them with `conv=fsync` (the floor for a tool that reads the bytes into memory and writes them
+back durably, as a merge must to cast or checksum them), the baselines, and merger with 1 and 2 ranks (started
+by `launcher local`, and by torchrun).
 - fsdp (verl's `model_world_size_W_rank_r.pt`): baseline the naive merge (benchmarks/naive_merge.py).
 - dcp (`dcp.save` folder): baselines torch's `dcp_to_torch_save` + `save_file` and accelerate's
   `merge_fsdp_weights` (benchmarks/dcp_baselines.py); both keep fp32, so merger runs with `--dtype keep`.
@@ -56,13 +57,28 @@ _MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
             "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, rc)")
 
 
-def measure(cmd: list[str], cap: int | None = None, settle: float = 0.0) -> tuple[float, int, int]:
+def warm(files: list[Path]) -> None:
+    """Read `files` into the page cache. This VM's kernel runs a DAMON scheme that pages out file pages left
+    unread for about 30 s (/sys/kernel/mm/damon/admin: action pageout, min age 6 x 5 s), so a checkpoint read
+    by the previous run is not warm for the next one after a long baseline: 45 s after a full read, 45% of the
+    4.13 GiB verl files were gone from the cache and reading them took 4.0 s instead of 1.0 s. Every timed run
+    reads them again right before it starts, so each finds them cached alike."""
+    chunk = bytearray(8 << 20)
+    for f in files:
+        with open(f, "rb", buffering=0) as src:
+            while src.readinto(chunk):
+                pass
+
+
+def measure(cmd: list[str], cap: int | None = None, settle: float = 0.0,
+            sources: list[Path] = ()) -> tuple[float, int, int]:
     os.sync()  # no run starts while the previous one's output is still being written back to disk
     # A VM that hands freed memory back to its host (virtio-balloon free page reporting, about 2 s after it is
     # freed; this machine's does) backs the next pages written for free only until then, and several times
     # slower after: a run that starts right after the previous output was deleted would be timed on cheaper
     # memory than one that starts later. Each waits alike.
     time.sleep(settle)
+    warm(sources)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     prefix = [PY, "-c", _MEASURE]
     preexec = None
@@ -132,14 +148,14 @@ def commands(fmt: str, ckpt: Path, dst: Path) -> dict[str, list[str]]:
             "merger, 2, torchrun": [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "merger", *merge]}
 
 
-def time_all(cmds: dict[str, list[str]], dst: Path, repeats: int, label: str,
-             settle: float) -> dict[str, list[tuple[float, int, int]]]:
+def time_all(cmds: dict[str, list[str]], dst: Path, repeats: int, label: str, settle: float,
+             sources: list[Path]) -> dict[str, list[tuple[float, int, int]]]:
     results: dict[str, list[tuple[float, int, int]]] = {k: [] for k in cmds}
-    for rep in range(repeats + 1):  # the first round warms the page cache and is dropped
+    for rep in range(repeats + 1):  # the first round is dropped
         for name, cmd in cmds.items():
             shutil.rmtree(dst, ignore_errors=True)
             print(f"{label}: {name}, {f'run {rep} of {repeats}' if rep else 'warm-up'} ...", end=" ", flush=True)
-            r = measure(cmd, settle=settle)
+            r = measure(cmd, settle=settle, sources=sources)
             print(f"{r[0]:.1f} s", flush=True)
             if r[2] != 0:
                 raise SystemExit(f"{name} failed with exit code {r[2]}: {' '.join(cmd)}")
@@ -215,9 +231,11 @@ def main() -> None:
         for fmt in formats:
             for layers in (int(x) for x in args.sizes.split(",")):
                 ckpt = build(fmt, layers, args.hidden, built)
-                size = sum(f.stat().st_size for f in data_files(fmt, ckpt))
+                files = data_files(fmt, ckpt)
+                size = sum(f.stat().st_size for f in files)
                 cmds = commands(fmt, ckpt, dst)
-                results = time_all(cmds, dst, args.repeats, f"{fmt} {format_size(size)}", args.settle)
+                results = time_all(cmds, dst, args.repeats, f"{fmt} {format_size(size)}", args.settle,
+                                   files)
                 capped = fits_under(cmds, dst, args.cap) if args.cap else {}
                 shutil.rmtree(dst, ignore_errors=True)
                 rows += rows_for(fmt, size, results, capped)
