@@ -31,6 +31,7 @@ from .output.source_identity import check_unchanged, source_identity
 from .output.summary import write_summary
 from .output.target import Target, check_config_dir_entries, place, resolve_target
 from .output.target_lock import TargetLock
+from .output.write_turns import should_take_turns
 from .sources import open_catalog
 from .units import format_size
 
@@ -191,8 +192,10 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
 
         on_rank_zero(group, create_files, options.debug)
         todo = skip_finished(plan, set(reused))
-        sink = FileSink(stage, plan, skip=frozenset(reused))
-        one_host = len(set(group.all_gather(socket.gethostname()))) == 1  # one page cache: hash as batches land
+        hosts = group.all_gather(socket.gethostname())
+        one_host = len(set(hosts)) == 1  # one page cache: hash as batches land
+        sink = FileSink(stage, plan, skip=frozenset(reused),
+                        take_turns=should_take_turns(stage, hosts.count(hosts[group.rank])))
         tracker = FileTracker(todo, sink, group, stage, manifest, one_host)
         progress = Progress(sum(b.out_bytes for b in todo.batches)) if group.rank == 0 else None
         run_plan(todo, prepared.catalog, group, sink, progress, options.debug, reader=reader, observer=tracker,

@@ -18,6 +18,7 @@ from ..errors import MergerError
 from ..hf_folder import INDEX, files_to_copy
 from ..mapping.steps import OutputSpec
 from ..units import format_size
+from .write_turns import write_at
 
 MANIFEST = "merge_manifest.json"
 
@@ -69,8 +70,9 @@ WRITE_CHUNK = 256 << 10
 class FileSink:
     """Writes each output tensor's bytes at its planned offset; several ranks write one file side by side."""
 
-    def __init__(self, stage: Path, plan: Plan, skip: frozenset[str] = frozenset()):
+    def __init__(self, stage: Path, plan: Plan, skip: frozenset[str] = frozenset(), take_turns: bool = False):
         self.stage, self.plan = stage, plan
+        self.take_turns = take_turns  # with the other ranks of this host (write_turns.py)
         self.fds: dict[int, int] = {}
         # Files a resumed merge reuses: their bytes are already right, so outputs landing there are dropped.
         self.skip = {i for i, f in enumerate(plan.files) if f.name in skip}
@@ -106,7 +108,7 @@ class FileSink:
     def _write(self, fd: int, index: int, data: memoryview, at: int) -> None:
         while len(data):
             try:
-                n = os.pwrite(fd, data[:WRITE_CHUNK], at)
+                n = write_at(fd, data[:WRITE_CHUNK], at, self.take_turns)
             except OSError as e:
                 raise MergerError(f"cannot write the merged model ({e.strerror}), "
                                   f"{self.stage / self.plan.files[index].name}") from e
