@@ -25,7 +25,11 @@ def _pause_after(batch: int, file: str, only: int | None):
             for future in self.futures:  # this rank's checksums of the blocks finished so far
                 future.result()
             Path(f"{file}.{self.group.rank}").write_text(str(os.getpid()))
-            time.sleep(3600)
+            # Short sleeps: a signal that lands after the file is written but before a long sleep starts would
+            # only be acted on when that sleep ends; between short ones Python runs its handler at once.
+            deadline = time.monotonic() + 3600
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
 
     return confirmed_then_pause
 
