@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 from pathlib import Path
+
+# mountinfo writes a space, tab, newline or backslash in a path as an octal escape (\040 ...); other bytes as is
+_OCTAL = re.compile(r"\\([0-7]{3})")
 
 HOST_LOCAL = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "tmpfs", "overlay"})
 
@@ -29,8 +33,7 @@ def filesystem_type(path: Path, mountinfo: str) -> str | None:
         fields = line.split()
         if "-" not in fields[6:]:
             continue
-        # mountinfo escapes spaces, tabs, newlines and backslashes in paths as octal (\040 ...)
-        mount = fields[4].encode().decode("unicode_escape")
+        mount = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
         inside = mount == "/" or path == Path(mount) or Path(mount) in path.parents
         if inside and len(mount) >= best:
             best, kind = len(mount), fields[fields.index("-", 6) + 1]

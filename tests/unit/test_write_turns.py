@@ -42,12 +42,14 @@ def test_filesystem_type_takes_the_deepest_and_latest_mount():
         r"31 20 0:41 / /data\040sets rw master:2 - nfs4 server:/export rw",
         "32 30 0:42 / /scratch/local rw - xfs /dev/nvme0n1 rw",
         "33 20 0:43 / /scratch rw - nfs server:/other rw",  # mounted over the lustre mount: it hides it
+        "34 20 0:44 / /données rw - lustre 10.0.0.2@tcp:/fs rw",  # not escaped: only space, tab, newline, \\
     ])
     assert filesystem_type(Path("/home/user/model"), mountinfo) == "ext4"
     assert filesystem_type(Path("/data sets/run1"), mountinfo) == "nfs4"
     assert filesystem_type(Path("/scratch/local/out"), mountinfo) == "xfs"
     assert filesystem_type(Path("/scratch/out"), mountinfo) == "nfs"
     assert filesystem_type(Path("/scratchy"), mountinfo) == "ext4"
+    assert filesystem_type(Path("/données/run1"), mountinfo) == "lustre"
 
 
 def test_turns_only_for_several_ranks_on_a_host_local_filesystem(tmp_path):
