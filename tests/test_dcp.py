@@ -8,6 +8,7 @@ torchtitan and transformers for the permutation alone.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -67,6 +68,21 @@ def test_accelerate_hsdp_torchrun_other_world_size(dcp_root, tmp_path):
     assert sum(m["read_bytes"] for m in moved) == sum(m["written_bytes"] for m in moved) == \
         sum(t.numel() * t.element_size() for t in merged.values())
 
+
+
+def test_kept_dtype_from_another_filesystem(dcp_root, tmp_path):
+    """Chunks kept as stored are copied inside the kernel; from a checkpoint on another filesystem (tmpfs), where
+    the kernel refuses to copy between the two, they go through memory instead, with the same result."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK) or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs a writable /dev/shm on another filesystem than the test's temporary folder")
+    source = shm / f"merger-test-dcp-{os.getpid()}"
+    shutil.copytree(dcp_root / "plain", source)
+    try:
+        run_merger("merge", "--local_dir", source, "--target_dir", tmp_path / "out", "--dtype", "keep", nproc=2)
+    finally:
+        shutil.rmtree(source)
+    assert_same_weights(tmp_path / "out", dcp_root / "reference", None)
 
 
 @pytest.fixture(scope="session")
@@ -155,8 +171,10 @@ def test_damaged_chunk_file_names_the_file(damage, dcp_root, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_flipped_bit_in_a_chunk_fails_its_checksum(dcp_root, tmp_path):
-    """A bit flipped inside a chunk's tensor data is caught by the CRC-32 of the chunk's torch.save record."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "keep"])
+def test_flipped_bit_in_a_chunk_fails_its_checksum(dcp_root, tmp_path, dtype):
+    """A bit flipped inside a chunk's tensor data is caught by the CRC-32 of the chunk's torch.save record: read
+    into memory and cast (bfloat16), or copied into the output inside the kernel and read back there (keep)."""
     import io
 
     from torch.distributed.checkpoint import FileSystemReader
@@ -168,7 +186,8 @@ def test_flipped_bit_in_a_chunk_fails_its_checksum(dcp_root, tmp_path):
     victim = folder / info.relative_path
     blob = victim.read_bytes()[info.offset:info.offset + info.length]
     flip_bit_in_tensor(victim, torch.load(io.BytesIO(blob), weights_only=True))
-    proc = run_merger("merge", "--local_dir", folder, "--target_dir", tmp_path / "out", check=False)
+    proc = run_merger("merge", "--local_dir", folder, "--target_dir", tmp_path / "out", "--dtype", dtype,
+                      check=False)
     assert proc.returncode == 1
     error = single_error_line(proc.stderr)
     assert f"checksum mismatch in tensor {index.fqn}" in error and error.endswith(str(victim)), error

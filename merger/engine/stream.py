@@ -8,6 +8,7 @@ written), bounded by the plan's budget.
 """
 from __future__ import annotations
 
+import functools
 import gc
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
@@ -27,10 +28,23 @@ from .progress import Progress
 class Sink(Protocol):
     """Receives finished outputs. A plan that places steps directly (plan.py) needs a sink that also takes part
     of a tensor, `put_part(spec, runs, piece)`, as the file writer does: each rank then hands over the pieces it
-    read, cast, with the runs of the tensor they fill (plan.Runs), and no tensor is assembled."""
+    read, cast, with the runs of the tensor they fill (plan.Runs), and no tensor is assembled. A sink may also
+    copy such a piece from its source file itself when it needs no cast, `copy_part(spec, runs, fd, at, file)`
+    (FileSink's, inside the kernel): the piece then never enters this process (_copier)."""
 
     def put(self, spec: OutputSpec, tensor: torch.Tensor) -> None:
         """Receive one finished output tensor, already in `spec`'s dtype and shape."""
+
+
+def _copier(plan: Plan, sink: Sink, route: Route):
+    """For a piece this rank places directly and writes exactly as stored (no cast), when the sink can copy it
+    from the source file itself (FileSink.copy_part: inside the kernel, never in this process's memory): the
+    function that copies it (SourceReads.copy_unchanged calls it). None: the piece is read into memory."""
+    copy_part = getattr(sink, "copy_part", None)
+    if copy_part is None or plan.writers[route.step] is not None or route.dtype != route.stored:
+        return None
+    spec = plan.steps[route.step].outputs[0]
+    return functools.partial(copy_part, spec, block_runs(spec.shape, route.piece))
 
 
 def _place(box: torch.Tensor, offsets: tuple[int, ...], piece: torch.Tensor) -> None:
@@ -98,25 +112,30 @@ class BatchBuffers:
         self.recv = torch.empty(largest(lambda r: r.writer == me and r.reader != me), dtype=torch.uint8)
 
 
-def _read_batch(batch: Batch, group: Group, reader, reads: SourceReads, buffers: BatchBuffers,
-                overflows: set[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor, list[int]]:
-    """This rank's pieces of the batch: those it writes itself by route index, and the block it sends with
-    the bytes for each peer. Steps whose pieces lost values in the cast are added to `overflows`."""
+def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceReads, buffers: BatchBuffers,
+                sink: Sink, overflows: set[int]) -> tuple[dict[int, torch.Tensor | None], torch.Tensor, list[int]]:
+    """This rank's pieces of the batch: those it writes itself by route index (None: copied into the output
+    already, see _copier), and the block it sends with the bytes for each peer. Steps whose pieces lost values in
+    the cast are added to `overflows`."""
     me = group.rank
     mine = sorted(((i, r) for i, r in enumerate(batch.routes) if r.reader == me),
                   key=lambda ir: (ir[1].writer == me, ir[1].writer, ir[0]))
     buf = buffers.read
-    local: dict[int, torch.Tensor] = {}
+    local: dict[int, torch.Tensor | None] = {}
     send_split = [0] * group.world
     at = 0
     for i, route in mine:
-        out = buf[at:at + route.nbytes].view(route.dtype).view(route.piece.sizes)
-        at += _slot(route)
         stored = reader.locate(route.copy, route.piece, route.stored)
         # One check for every format: the copy would otherwise fill a wrong shape and cast a wrong dtype silently.
         if tuple(stored.view.shape) != route.piece.sizes or stored.view.dtype != route.stored:
             raise MergerError(f"tensor {route.copy.key} is {tuple(stored.view.shape)} {stored.view.dtype} here, "
                               f"the plan expects {route.piece.sizes} {route.stored}, {route.copy.file}")
+        copier = _copier(plan, sink, route)
+        if copier is not None and reads.copy_unchanged(stored, route.copy.key, copier):
+            local[i] = None  # written: the pieces a rank writes itself come last, so the send block is unchanged
+            continue
+        out = buf[at:at + route.nbytes].view(route.dtype).view(route.piece.sizes)
+        at += _slot(route)
         reads.copy(stored, out, route.copy.key)
         if may_have_overflowed(out):  # rare: only then is the piece read again, as stored, to compare
             source = torch.empty(route.piece.sizes, dtype=route.stored)
@@ -130,7 +149,7 @@ def _read_batch(batch: Batch, group: Group, reader, reads: SourceReads, buffers:
     return local, buf[:sum(send_split)], send_split
 
 
-def _receive(batch: Batch, group: Group, local: dict[int, torch.Tensor], send: torch.Tensor,
+def _receive(batch: Batch, group: Group, local: dict[int, torch.Tensor | None], send: torch.Tensor,
              send_split: list[int], buffers: BatchBuffers) -> None:
     """One all_to_all: every piece reaches its writer; received pieces are added to `local` by route index."""
     me = group.rank
@@ -159,7 +178,7 @@ class BatchObserver(Protocol):
         """A sync point has shown that every rank wrote batches [0, count) without error."""
 
 
-def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int, local: dict[int, torch.Tensor],
+def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int, local: dict[int, torch.Tensor | None],
                  sink: Sink, observer: BatchObserver | None, overflows: set[int]) -> None:
     by_step: dict[int, list[tuple[Route, torch.Tensor]]] = {}
     elsewhere: set[int] = set()  # directly placed steps that other ranks write part of
@@ -175,7 +194,8 @@ def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int, local: dic
         elif writer is None and si in by_step:
             spec = plan.steps[si].outputs[0]
             for route, piece in by_step.pop(si):  # cast by the reader already (the route's dtype is spec's)
-                sink.put_part(spec, block_runs(spec.shape, route.piece), piece)
+                if piece is not None:  # None: copied from the source file while reading
+                    sink.put_part(spec, block_runs(spec.shape, route.piece), piece)
         else:
             continue
         if observer and si not in elsewhere:
@@ -218,7 +238,7 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
         except Exception as e:  # noqa: BLE001 - every failure must reach the sync point, or peers would hang
             error = describe_error(e, group.rank, debug)
 
-    def write(index: int, batch: Batch, local: dict[int, torch.Tensor]) -> str | None:
+    def write(index: int, batch: Batch, local: dict[int, torch.Tensor | None]) -> str | None:
         try:
             _write_batch(plan, catalog, batch, group.rank, local, sink, observer, overflows)
             if observer:
@@ -237,8 +257,8 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
             local, send, send_split = {}, torch.empty(0, dtype=torch.uint8), [0] * group.world
             if error is None:
                 try:
-                    local, send, send_split = _read_batch(batch, group, reader, reads, buffers[index % 2],
-                                                          overflows)
+                    local, send, send_split = _read_batch(plan, batch, group, reader, reads, buffers[index % 2],
+                                                          sink, overflows)
                 except Exception as e:  # noqa: BLE001
                     error = describe_error(e, group.rank, debug)
             if writing is not None:

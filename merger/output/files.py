@@ -5,9 +5,11 @@ folder `.<target>.merger-partial` next to it, so the rename is atomic on the sam
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -17,8 +19,9 @@ from ..engine.plan import Plan, Runs
 from ..errors import MergerError
 from ..hf_folder import INDEX, files_to_copy
 from ..mapping.steps import OutputSpec
+from ..sources.file_reads import Placed, source_shrank
 from ..units import format_size
-from .write_turns import write_at
+from .write_turns import copy_at, write_at
 
 MANIFEST = "merge_manifest.json"
 
@@ -65,6 +68,13 @@ def prepare_files(stage: Path, plan: Plan, keep: frozenset[str] = frozenset()) -
 # must come from contiguous free memory, and filling new ones ran at 0.6-1.0 GB/s on this project's VM against
 # 4-5 GB/s for writes of 128-256 KiB (2.2 GB into a new file; cp, which splices page by page, gets the latter).
 WRITE_CHUNK = 256 << 10
+# Bytes per copy_file_range. The kernel copies from the source's page cache to the output's without this process
+# touching them; 4.13 GiB of DCP chunks into one file took 3.3-4.8 s of system CPU in 64 MiB calls, 4.7-5.9 s in
+# 256 KiB ones, and 5.5-9.3 s as pread + pwrite of 256 KiB (benchmarks: docs/benchmarks.md).
+COPY_CHUNK = 64 << 20
+# What copy_file_range fails with where the kernel or the filesystem cannot copy between these two files
+# (another filesystem on an older kernel, a filesystem without the call): the bytes then go through memory.
+_CANNOT_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
 class FileSink:
@@ -74,13 +84,17 @@ class FileSink:
         self.stage, self.plan = stage, plan
         self.take_turns = take_turns  # with the other ranks of this host (write_turns.py)
         self.fds: dict[int, int] = {}
+        # Pieces are copied on stream.py's main thread while its writer thread writes: both open files.
+        self.opening = threading.Lock()
         # Files a resumed merge reuses: their bytes are already right, so outputs landing there are dropped.
         self.skip = {i for i, f in enumerate(plan.files) if f.name in skip}
+        self.kernel_copies = hasattr(os, "copy_file_range")  # until a copy is refused (_CANNOT_COPY)
 
     def _fd(self, index: int) -> int:
-        if index not in self.fds:
-            self.fds[index] = os.open(self.stage / self.plan.files[index].name, os.O_WRONLY)
-        return self.fds[index]
+        with self.opening:
+            if index not in self.fds:  # readable too: copied pieces are read back to check them (copy_part)
+                self.fds[index] = os.open(self.stage / self.plan.files[index].name, os.O_RDWR)
+            return self.fds[index]
 
     def put(self, spec: OutputSpec, tensor: torch.Tensor) -> None:
         entry = self.plan.location[spec.name][1]
@@ -89,21 +103,56 @@ class FileSink:
             raise MergerError(f"output {spec.name} has {size} bytes, planned {entry.end - entry.begin}")
         self.put_part(spec, Runs(0, tensor.numel()), tensor)
 
+    def _check_fit(self, spec: OutputSpec, runs: Runs, nbytes: int, item: int) -> tuple[int, int]:
+        """(file index, byte offset of the tensor in its file) for `nbytes` of output `spec` in `runs` of elements
+        of `item` bytes."""
+        index, entry = self.plan.location[spec.name]
+        planned = entry.end - entry.begin
+        last = runs.start + sum((n - 1) * s for n, s in zip(runs.outer, runs.strides)) + runs.length
+        if nbytes != runs.count * runs.length * item or (runs.count and last * item > planned):
+            raise MergerError(f"output {spec.name}: {nbytes} bytes in runs ending at byte {last * item} "
+                              f"do not fit its {planned} planned bytes")
+        return index, len(self.plan.files[index].prefix) + entry.begin
+
     def put_part(self, spec: OutputSpec, runs: Runs, piece: torch.Tensor) -> None:
         """Write `piece`'s bytes into output `spec` where `runs` (plan.py) puts them: one write per run."""
-        index, entry = self.plan.location[spec.name]
-        if index in self.skip:
+        if self.plan.location[spec.name][0] in self.skip:
             return
         data = memoryview(piece.contiguous().reshape(-1).view(torch.uint8).numpy())
-        item, planned = piece.element_size(), entry.end - entry.begin
-        last = runs.start + sum((n - 1) * s for n, s in zip(runs.outer, runs.strides)) + runs.length
-        if len(data) != runs.count * runs.length * item or (runs.count and last * item > planned):
-            raise MergerError(f"output {spec.name}: {len(data)} bytes in runs ending at byte {last * item} "
-                              f"do not fit its {planned} planned bytes")
-        fd, base = self._fd(index), len(self.plan.files[index].prefix) + entry.begin
+        item = piece.element_size()
+        index, base = self._check_fit(spec, runs, len(data), item)
+        fd = self._fd(index)
         size = runs.length * item
         for k, start in enumerate(runs.starts()):
             self._write(fd, index, data[k * size:(k + 1) * size], base + start * item)
+
+    def copy_part(self, spec: OutputSpec, runs: Runs, source: int, source_at: int,
+                  source_name: str) -> Placed | None:
+        """Copy a piece that lies in the open source file `source` from byte `source_at` on, contiguous and exactly
+        as output `spec` holds it (its dtype, little-endian), to where `runs` puts it, inside the kernel: the bytes
+        never pass through this process. Returns where they went, for a check to read them back; None when nothing was copied and the piece must go through memory (`put_part`): its file is
+        reused by a resumed merge, or this kernel or filesystem cannot copy between the two files."""
+        if not self.kernel_copies or self.plan.location[spec.name][0] in self.skip:
+            return None
+        item = spec.dtype.itemsize
+        index, base = self._check_fit(spec, runs, runs.count * runs.length * item, item)
+        fd, size, path = self._fd(index), runs.length * item, self.stage / self.plan.files[index].name
+        placed = Placed(str(path), fd, [])
+        for k, start in enumerate(runs.starts()):
+            at, src, end = base + start * item, source_at + k * size, source_at + (k + 1) * size
+            placed.runs.append((at, size))
+            while src < end:
+                try:
+                    n = copy_at(fd, source, src, at, min(COPY_CHUNK, end - src), self.take_turns)
+                except OSError as e:
+                    if e.errno in _CANNOT_COPY:  # none will work; put_part writes the whole piece again
+                        self.kernel_copies = False
+                        return None
+                    raise MergerError(f"cannot write the merged model ({e.strerror}), {path}") from e
+                if n == 0:
+                    raise source_shrank(source_name, end)
+                src, at = src + n, at + n
+        return placed
 
     def _write(self, fd: int, index: int, data: memoryview, at: int) -> None:
         while len(data):
@@ -117,7 +166,8 @@ class FileSink:
     def sync(self, indices) -> None:
         """Flush and close the files this rank wrote among `indices` (they are complete: none writes them again)."""
         for index in indices:
-            fd = self.fds.pop(index, None)
+            with self.opening:
+                fd = self.fds.pop(index, None)
             if fd is None:
                 continue
             try:
@@ -130,7 +180,9 @@ class FileSink:
 
     def start_writeback(self) -> None:
         """Let the disk take what was written so far while streaming goes on, so the final fsync is short."""
-        for fd in self.fds.values():
+        with self.opening:
+            fds = list(self.fds.values())
+        for fd in fds:
             start_writeback(fd)
 
     def close(self) -> None:

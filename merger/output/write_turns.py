@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 # mountinfo writes a space, tab, newline or backslash in a path as an octal escape (\040 ...); other bytes as is
@@ -52,12 +53,27 @@ def should_take_turns(folder: Path, ranks_on_host: int) -> bool:
     return filesystem_type(folder.resolve(), mountinfo) in HOST_LOCAL
 
 
-def write_at(fd: int, data: memoryview, at: int, take_turn: bool) -> int:
-    """One pwrite of `data` at offset `at`, in this host's turn when `take_turn`; the bytes written."""
+@contextmanager
+def turn(fd: int, take_turn: bool):
+    """This host's turn at the file `fd` (an flock on it) for the writes inside, when `take_turn`."""
     if not take_turn:
-        return os.pwrite(fd, data, at)
+        yield
+        return
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        return os.pwrite(fd, data, at)
+        yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def write_at(fd: int, data: memoryview, at: int, take_turn: bool) -> int:
+    """One pwrite of `data` at offset `at`, in this host's turn when `take_turn`; the bytes written."""
+    with turn(fd, take_turn):
+        return os.pwrite(fd, data, at)
+
+
+def copy_at(fd: int, source: int, source_at: int, at: int, size: int, take_turn: bool) -> int:
+    """One copy_file_range of `size` bytes from byte `source_at` of the file `source` to offset `at`, in this
+    host's turn when `take_turn`; the bytes copied (0: the source ends at `source_at`)."""
+    with turn(fd, take_turn):
+        return os.copy_file_range(source, fd, size, source_at, at)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -25,6 +26,23 @@ from .crc32 import crc32, crc32_combine
 from .zip_records import ZipRecord
 
 CHUNK = 1 << 20  # bytes per pread: small enough to stay in cache between the read, the checksum and the cast
+
+
+def source_shrank(file: str, end: int) -> MergerError:
+    """The error for a source file that ends before byte `end`, where data was when the merge began."""
+    return MergerError(f"source file shrank while being read: it ends before byte {end}, where data was when "
+                       f"the merge began (rewritten during the merge?), {file}")
+
+
+def pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill `view` with the bytes of the open file `fd` from `offset`, as far as the file goes; the bytes read."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
 
 
 class SourceFiles:
@@ -44,13 +62,8 @@ class SourceFiles:
 
     def read_into(self, file: str, view: memoryview, offset: int) -> None:
         """Fill `view` with the file's bytes from `offset`; a file that ends first is an error."""
-        fd, done = self.fd(file), 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got == 0:
-                raise MergerError(f"source file shrank while being read: it ends before byte {offset + len(view)}, "
-                                  f"where data was when the merge began (rewritten during the merge?), {file}")
-            done += got
+        if pread_into(self.fd(file), view, offset) < len(view):
+            raise source_shrank(file, offset + len(view))
 
     def close(self) -> None:
         for f in self.opened.values():
@@ -103,6 +116,16 @@ class Stored:
 def geometry(dtype: torch.dtype, size, stride, offset: int, numel: int) -> torch.Tensor:
     """A data-less (meta) tensor with this geometry in a storage of `numel` elements, to describe a view."""
     return torch.empty(numel, dtype=dtype, device="meta").as_strided(size, stride, offset)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a piece's bytes were copied to: the output file `file`, open as `fd` (readable), at (offset, bytes)
+    per run, in the piece's order."""
+
+    file: str
+    fd: int
+    runs: list[tuple[int, int]]
 
 
 class _Check:
@@ -175,6 +198,30 @@ class SourceReads:
             out.copy_(span.view(view.dtype).as_strided(view.shape, view.stride(), 0))
         if stored.record is not None:
             self._record(stored, first, end, crc, name)
+
+    def copy_unchanged(self, stored: Stored, name: str, place: Callable[[int, int, str], Placed | None]) -> bool:
+        """Have `place(fd, at, file)` copy the piece, contiguous in its source file and wanted exactly as stored,
+        from byte `at` of the open file `fd` into the output (FileSink.copy_part, inside the kernel), then check
+        the bytes against the storage's torch.save record by reading them back where they went: what is checked
+        is what was written. False when nothing was copied: the piece must then be read with `copy`."""
+        view = stored.view
+        if stored.start is None or view.numel() == 0 or not view.is_contiguous():
+            return False
+        first = view.storage_offset() * view.element_size()
+        placed = place(self.files.fd(stored.file), stored.start + first, stored.file)
+        if placed is None:
+            return False
+        if stored.record is not None:
+            crc, scratch = 0, memoryview(self.scratch.numpy())
+            for at, size in placed.runs:
+                for lo in range(0, size, CHUNK):
+                    part = scratch[:min(CHUNK, size - lo)]
+                    if pread_into(placed.fd, part, at + lo) < len(part):
+                        raise MergerError(f"the merged model's file ends before byte {at + size}, where tensor "
+                                          f"{name} was just copied (truncated by another process?), {placed.file}")
+                    crc = crc32(part, crc)
+            self._record(stored, first, first + view.numel() * view.element_size(), crc, name)
+        return True
 
     def _copy_run(self, stored: Stored, first: int, flat: torch.Tensor) -> tuple[int, int]:
         """Copy a contiguous run of elements from byte `first` of the storage; (end byte, CRC-32 of the run)."""
