@@ -1,6 +1,5 @@
 import gc
 import os
-import sys
 
 # merger does no linear algebra: without this, numpy's OpenBLAS starts a thread per core that spins on its own
 # while torch imports (torchrun sets OMP_NUM_THREADS, which OpenBLAS also reads; a plain run does not).
@@ -9,8 +8,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # over and over while they load (0.3-0.5 s of a 5 s merge on a 2-core machine). It stays off while merger
 # imports; then those objects move to the permanent generation, so later collections skip them.
 gc.disable()
-from .cli import main  # noqa: E402
+from .cli import command  # noqa: E402
 
 gc.freeze()
 gc.enable()
-sys.exit(main())
+command()

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 from .engine.dist import init_group
 from .engine.torchrun_error import record_for_torchrun
@@ -320,6 +321,22 @@ def _fail(message: str, code: int = 1, show: bool = True) -> int:
         print(line, file=sys.stderr)
     record_for_torchrun(line)
     return code
+
+
+def command() -> NoReturn:
+    """The `merger` command and `python -m merger`: main(), then the process ends without tearing down the
+    interpreter. Freeing torch's modules and objects one by one at exit took 0.4 s of every process on this
+    project's 2-core VM (a process that only imports merger: 1.45 s, 1.07 s without the teardown), a second
+    for each pair of ranks. By then main() has closed every file, the process group and its threads; what is
+    left in Python's buffers is flushed here. In-process callers use main(), which returns."""
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # the reader is gone (`merger inspect ... | head`) or the stream closed
+            pass
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
