@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,17 @@ def _env(extra: dict | None = None) -> dict:
 
 
 PAUSED_MERGER = ROOT / "tests" / "paused_merger.py"
+
+
+@pytest.fixture
+def other_filesystem(tmp_path):
+    """A fresh folder in /dev/shm (tmpfs), on another filesystem than `tmp_path`; removed afterwards."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK) or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs a writable /dev/shm on another filesystem than the test's temporary folder")
+    folder = Path(tempfile.mkdtemp(prefix="merger-test-", dir=shm))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 THREADS_AFTER_MERGE = ROOT / "tests" / "threads_after_merge.py"

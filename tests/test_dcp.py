@@ -8,7 +8,6 @@ torchtitan and transformers for the permutation alone.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 from pathlib import Path
@@ -70,18 +69,12 @@ def test_accelerate_hsdp_torchrun_other_world_size(dcp_root, tmp_path):
 
 
 
-def test_kept_dtype_from_another_filesystem(dcp_root, tmp_path):
+def test_kept_dtype_from_another_filesystem(dcp_root, tmp_path, other_filesystem):
     """Chunks kept as stored are copied inside the kernel; from a checkpoint on another filesystem (tmpfs), where
     the kernel refuses to copy between the two, they go through memory instead, with the same result."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir() or not os.access(shm, os.W_OK) or shm.stat().st_dev == tmp_path.stat().st_dev:
-        pytest.skip("needs a writable /dev/shm on another filesystem than the test's temporary folder")
-    source = shm / f"merger-test-dcp-{os.getpid()}"
+    source = other_filesystem / "plain"
     shutil.copytree(dcp_root / "plain", source)
-    try:
-        run_merger("merge", "--local_dir", source, "--target_dir", tmp_path / "out", "--dtype", "keep", nproc=2)
-    finally:
-        shutil.rmtree(source)
+    run_merger("merge", "--local_dir", source, "--target_dir", tmp_path / "out", "--dtype", "keep", nproc=2)
     assert_same_weights(tmp_path / "out", dcp_root / "reference", None)
 
 

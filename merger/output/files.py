@@ -104,8 +104,8 @@ class FileSink:
         self.put_part(spec, Runs(0, tensor.numel()), tensor)
 
     def _check_fit(self, spec: OutputSpec, runs: Runs, nbytes: int, item: int) -> tuple[int, int]:
-        """(file index, byte offset of the tensor in its file) for `nbytes` of output `spec` in `runs` of elements
-        of `item` bytes."""
+        """(file index, byte offset of the tensor in its file) for a part of output `spec` of `nbytes`, to lie in
+        `runs` of elements of `item` bytes: an error if it does not fill them or they end past the tensor."""
         index, entry = self.plan.location[spec.name]
         planned = entry.end - entry.begin
         last = runs.start + sum((n - 1) * s for n, s in zip(runs.outer, runs.strides)) + runs.length
@@ -130,8 +130,9 @@ class FileSink:
                   source_name: str) -> Placed | None:
         """Copy a piece that lies in the open source file `source` from byte `source_at` on, contiguous and exactly
         as output `spec` holds it (its dtype, little-endian), to where `runs` puts it, inside the kernel: the bytes
-        never pass through this process. Returns where they went, for a check to read them back; None when nothing was copied and the piece must go through memory (`put_part`): its file is
-        reused by a resumed merge, or this kernel or filesystem cannot copy between the two files."""
+        never pass through this process. Returns where they went, for a check to read them back; None when nothing
+        was copied and the piece must go through memory (`put_part`): its file is reused by a resumed merge, or
+        this kernel or filesystem cannot copy between the two files."""
         if not self.kernel_copies or self.plan.location[spec.name][0] in self.skip:
             return None
         item = spec.dtype.itemsize

@@ -212,14 +212,14 @@ class SourceReads:
         if placed is None:
             return False
         if stored.record is not None:
-            crc, scratch = 0, memoryview(self.scratch.numpy())
+            def read_back(part: memoryview, at: int) -> None:
+                if pread_into(placed.fd, part, at) < len(part):
+                    raise MergerError(f"the merged model's file ends before byte {at + len(part)}, where tensor "
+                                      f"{name} was just copied (truncated by another process?), {placed.file}")
+
+            crc = 0
             for at, size in placed.runs:
-                for lo in range(0, size, CHUNK):
-                    part = scratch[:min(CHUNK, size - lo)]
-                    if pread_into(placed.fd, part, at + lo) < len(part):
-                        raise MergerError(f"the merged model's file ends before byte {at + size}, where tensor "
-                                          f"{name} was just copied (truncated by another process?), {placed.file}")
-                    crc = crc32(part, crc)
+                crc = self._crc_in_chunks(read_back, at, at + size, crc)
             self._record(stored, first, first + view.numel() * view.element_size(), crc, name)
         return True
 
@@ -268,12 +268,18 @@ class SourceReads:
             self.checks[key] = None
 
     def _fill(self, check: _Check, begin: int, end: int) -> None:
-        crc = 0
+        read = lambda part, at: self.files.read_into(check.file, part, check.record.start + at)  # noqa: E731
+        check.add(begin, end, self._crc_in_chunks(read, begin, end))
+
+    def _crc_in_chunks(self, read: Callable[[memoryview, int], None], begin: int, end: int, crc: int = 0) -> int:
+        """The CRC-32 of bytes [begin, end), continuing `crc`, as `read(part, at)` puts them into the scratch
+        buffer chunk by chunk (`part` to be filled with the bytes from `at`)."""
+        scratch = memoryview(self.scratch.numpy())
         for lo in range(begin, end, CHUNK):
-            part = memoryview(self.scratch.numpy())[:min(CHUNK, end - lo)]
-            self.files.read_into(check.file, part, check.record.start + lo)
+            part = scratch[:min(CHUNK, end - lo)]
+            read(part, lo)
             crc = crc32(part, crc)
-        check.add(begin, end, crc)
+        return crc
 
     def finish(self) -> None:
         """Check the records that were read only in part (a storage shared with a tensor that is not merged)."""

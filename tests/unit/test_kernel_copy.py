@@ -26,9 +26,9 @@ SHAPE = (6, 1024)  # float32: rows of 4 KiB, above MIN_RUN_BYTES
 class _OneTensor:
     """The least of a plan FileSink writes through: one file holding one float32 tensor of SHAPE after a header."""
 
-    def __init__(self, prefix: bytes = b"header"):
+    def __init__(self):
         nbytes = SHAPE[0] * SHAPE[1] * 4
-        self.files = [SimpleNamespace(name="model.safetensors", prefix=prefix)]
+        self.files = [SimpleNamespace(name="model.safetensors", prefix=b"header")]
         self.location = {"w": (0, SimpleNamespace(begin=0, end=nbytes))}
 
     def create(self, folder: Path) -> Path:
@@ -77,30 +77,24 @@ def test_a_source_that_ends_early_is_one_clear_error(tmp_path):
     sink.close()
 
 
-def test_between_filesystems_the_kernel_refuses_and_the_piece_goes_through_memory(tmp_path):
-    shm = Path("/dev/shm")
-    if not shm.is_dir() or not os.access(shm, os.W_OK) or shm.stat().st_dev == tmp_path.stat().st_dev:
-        pytest.skip("needs a writable /dev/shm on another filesystem than the test's temporary folder")
-    source = shm / f"merger-test-{os.getpid()}.bin"
+def test_between_filesystems_the_kernel_refuses_and_the_piece_goes_through_memory(tmp_path, other_filesystem):
+    source = other_filesystem / "source.bin"
     source.write_bytes(bytes(3 * 4096))
+    plan = _OneTensor()
+    out = os.open(plan.create(tmp_path), os.O_WRONLY)
+    fd = os.open(source, os.O_RDONLY)
     try:
-        plan = _OneTensor()
-        out = os.open(plan.create(tmp_path), os.O_WRONLY)
-        fd = os.open(source, os.O_RDONLY)
-        try:
-            os.copy_file_range(fd, out, 16, 0, 0)
-            pytest.skip("this kernel copies between tmpfs and the test's filesystem: nothing to fall back from")
-        except OSError:
-            pass
-        finally:
-            os.close(out)
-        sink = FileSink(tmp_path, plan)
-        assert sink.copy_part(SPEC, Runs(0, 3 * 1024), fd, 0, str(source)) is None
-        assert sink.kernel_copies is False  # later pieces go through memory at once
-        os.close(fd)
-        sink.close()
+        os.copy_file_range(fd, out, 16, 0, 0)
+        pytest.skip("this kernel copies between tmpfs and the test's filesystem: nothing to fall back from")
+    except OSError:
+        pass
     finally:
-        source.unlink()
+        os.close(out)
+    sink = FileSink(tmp_path, plan)
+    assert sink.copy_part(SPEC, Runs(0, 3 * 1024), fd, 0, str(source)) is None
+    assert sink.kernel_copies is False  # later pieces go through memory at once
+    os.close(fd)
+    sink.close()
 
 
 def _saved(tmp_path: Path, damage: bool) -> tuple[str, torch.Tensor, object]:
