@@ -18,6 +18,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
 from ..hf_folder import CONFIG_DIR, config_dir
+from .dtensor_classes import classes_for, dtensor_types
 from .file_reads import Stored
 from .mapped_states import MappedStates
 from .safe_load import torch_load
@@ -47,13 +48,12 @@ def _world_size(root: Path) -> int:
 
 
 def load_rank_file(path: str) -> dict:
-    """A rank's state dict, memory-mapped: no tensor's bytes are read."""
-    import torch.distributed.tensor  # noqa: F401  registers DTensor for the weights_only unpickler
-
+    """A rank's state dict, memory-mapped: no tensor's bytes are read. Its DTensors are merger's stand-ins where
+    they cover the file's pickle, else torch's own (dtensor_classes.py)."""
     # Unpickling a DeviceMesh outside its process group warns about torch.compile; we only read its layout.
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
 
-    state = torch_load(path, "rank file")
+    state = torch_load(path, "rank file", safe_globals=classes_for(path))
     if not isinstance(state, dict):
         raise MergerError(f"rank file holds a {type(state).__name__}, not a state dict, {path}")
     return state
@@ -79,14 +79,33 @@ def _describe_placements(value) -> tuple:
     return tuple(str(p) for p in value.placements)
 
 
-def _check_placements(name: str, placements, path: str) -> None:
+def _check_placements(name: str, value, path: str) -> None:
+    placements = value.placements
     for p in placements:
         if p.is_replicate():
             continue
-        if p.is_shard() and type(p).__name__ == "Shard":
-            continue
-        raise MergerError(f"tensor {name} has placement {p}, which merger cannot merge "
-                          f"(only Shard(d) and Replicate()), {path}")
+        if not (p.is_shard() and type(p).__name__ == "Shard"):
+            raise MergerError(f"tensor {name} has placement {p}, which merger cannot merge "
+                              f"(only Shard(d) and Replicate()), {path}")
+        if type(p.dim) is not int or not 0 <= p.dim < value.dim():
+            raise MergerError(f"tensor {name} has {value.dim()} dims but placement {p}, {path}")
+    # A tensor dim split over several mesh dims is split over them in mesh-dim order (shard_region), unless the
+    # spec records another order (newer torch writes the order down): the regions would then be others.
+    order = getattr(value._spec, "shard_order", None)
+    default = _default_shard_order(placements)
+    if order is not None and [(e.tensor_dim, tuple(e.mesh_dims)) for e in order] != default:
+        shown = ", ".join(f"dim {e.tensor_dim} over mesh dims {tuple(e.mesh_dims)}" for e in order)
+        raise MergerError(f"tensor {name} is split in the order {shown}, not in mesh-dim order, which merger "
+                          f"cannot merge, {path}")
+
+
+def _default_shard_order(placements) -> list[tuple[int, tuple[int, ...]]]:
+    """(tensor dim, the mesh dims splitting it, in mesh-dim order) for each split tensor dim, by tensor dim."""
+    over: dict[int, list[int]] = {}
+    for mesh_dim, p in enumerate(placements):
+        if p.is_shard():
+            over.setdefault(p.dim, []).append(mesh_dim)
+    return [(d, tuple(over[d])) for d in sorted(over)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,7 +123,7 @@ def _unravel(index: int, shape: tuple[int, ...]) -> list[int]:
 
 
 def _dtensor_pieces(name: str, value, files: list[str], path: str) -> tuple[ShardPiece, ...]:
-    _check_placements(name, value.placements, path)
+    _check_placements(name, value, path)
     mesh = value.device_mesh.mesh
     if mesh.numel() != len(files):
         raise MergerError(f"tensor {name} lives on a mesh of {mesh.numel()} ranks but the checkpoint has "
@@ -122,8 +141,6 @@ def _dtensor_pieces(name: str, value, files: list[str], path: str) -> tuple[Shar
 
 
 def open_catalog(root: Path) -> Catalog:
-    from torch.distributed.tensor import DTensor
-
     world = _world_size(root)
     files = [str(root / f"model_world_size_{world}_rank_{r}.pt") for r in range(world)]
     missing = [f for f in files if not Path(f).exists()]
@@ -131,8 +148,9 @@ def open_catalog(root: Path) -> Catalog:
         raise MergerError(f"{len(missing)} of {world} rank files are missing, {missing[0]}")
     state = load_rank_file(files[0])
     tensors, placements, meshes = {}, set(), set()
+    dtensor = dtensor_types()
     for name, value in state.items():
-        if isinstance(value, DTensor):
+        if isinstance(value, dtensor):
             pieces = _dtensor_pieces(name, value, files, files[0])
             placements.add(_describe_placements(value))
             meshes.add((tuple(value.device_mesh.mesh.shape), value.device_mesh.mesh_dim_names))
@@ -172,16 +190,15 @@ class FsdpReader:
         return expected
 
     def check_files(self, files: list[str]) -> None:
-        from torch.distributed.tensor import DTensor
-
         expected = self._expected()
+        dtensor = dtensor_types()
         for file in files:
             state = self.states[file]
             for name, tensor in self.catalog.tensors.items():
                 value = state.get(name)
                 if not isinstance(value, torch.Tensor):
                     raise MergerError(f"tensor {name} is missing from this rank's file, {file}")
-                local = value._local_tensor if isinstance(value, DTensor) else value
+                local = value._local_tensor if isinstance(value, dtensor) else value
                 if tuple(value.shape) != tensor.shape or value.dtype != tensor.dtype:
                     raise MergerError(f"tensor {name} is {tuple(value.shape)} {value.dtype} here but "
                                       f"{tensor.shape} {tensor.dtype} on rank 0, {file}")
