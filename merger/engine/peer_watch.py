@@ -149,7 +149,10 @@ class PeerWatch:
     def _run(self) -> None:
         try:
             while not self.stopped:
-                woken = self.wake.wait(HURRIED_S if self.hurry.is_set() else PERIOD_S)
+                # Quickly until every peer is known by its process: one lost before that could only be named by the
+                # store it took along (rank 0's), and a merge can be well under way within its first second.
+                unknown = any(r not in self.who and r not in self.left for r in self.peers)
+                woken = self.wake.wait(HURRIED_S if self.hurry.is_set() or unknown else PERIOD_S)
                 self.wake.clear()
                 if self.stopped:
                     return

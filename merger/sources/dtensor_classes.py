@@ -152,15 +152,16 @@ COVERED = frozenset(name for _, name in STAND_INS)
 
 def classes_for(path: str) -> tuple:
     """The safe_globals to load the rank file `path` with: the stand-ins, or none (torch's own classes, imported
-    here) when the file names a torch.distributed class the stand-ins do not cover, or when torch's own are
-    imported already: both would claim the same names, and which one the unpickler took would be left to chance."""
+    here, as before them) when the file names a torch.distributed class the stand-ins do not cover, when its pickle
+    cannot be scanned for names, or when torch's own are imported already: both would claim the same names, and
+    which one the unpickler took would be left to chance."""
     if _TENSOR in sys.modules:
         return ()
     try:
         named = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception:  # noqa: BLE001 - a damaged or legacy file: loading it says what is wrong, in one line
-        return STAND_INS
-    if any(name.startswith("torch.distributed.") and name not in COVERED for name in named):
+    except Exception:  # noqa: BLE001 - a damaged or legacy file: loading it, as before, says what is wrong
+        named = None
+    if named is None or any(name.startswith("torch.distributed.") and name not in COVERED for name in named):
         importlib.import_module(_TENSOR)  # registers torch's own classes with the unpickler
         return ()
     return STAND_INS
