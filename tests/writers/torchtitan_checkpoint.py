@@ -154,8 +154,20 @@ def hf_config():
                                     tie_word_embeddings=False)
 
 
+def eager_flex_attention() -> None:
+    """Run torchtitan's flex attention eagerly: the same function, without torch.compile. On a CPU without AVX-512
+    (an AMD EPYC host with AVX2 only), the compiled CPU kernel gave NaN logits on its first call and other values on
+    the next, which made the oracle itself wrong; eagerly the logits are the same call after call."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+
+    FlexAttention._compiled_flex_attn = flex_attention
+
+
 def seeded_model(config):
-    """The torchtitan model of `config` with seeded values everywhere (norms too), the same on every rank."""
+    """The torchtitan model of `config` with seeded values everywhere (norms too), the same on every rank, its
+    attention run eagerly (eager_flex_attention)."""
+    eager_flex_attention()
     torch.manual_seed(0)
     model = config.build()
     with torch.no_grad():
@@ -186,13 +198,7 @@ def main() -> None:
                  "gpt_oss": (gpt_oss_titan_config, gpt_oss_hf_config)}[args.family]
     config = titan(args.mtp) if args.mtp else titan()
     model = seeded_model(config)
-    if args.family == "gpt_oss":
-        # Its experts compute in bf16 (grouped mm), and its sinks make torch.compile's flex attention fail on
-        # CPU: a bf16 model, attention run eagerly (the same function, uncompiled).
-        from torch.nn.attention.flex_attention import flex_attention
-        from torchtitan.models.common.attention import FlexAttention
-
-        FlexAttention._compiled_flex_attn = flex_attention
+    if args.family == "gpt_oss":  # its experts compute in bf16 (grouped mm): a bf16 model
         model = model.to(torch.bfloat16)
     with torch.no_grad():
         if args.family == "deepseek_v3":  # a routing bias that changes which experts are chosen
