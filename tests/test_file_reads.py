@@ -98,3 +98,47 @@ def test_a_file_that_shrank_is_a_clear_error(tmp_path):
     with pytest.raises(MergerError, match=f"source file shrank while being read.*rewritten during the merge.*, {file}$"):
         reads.copy(piece, torch.empty(12, 5), "w")
     reads.close()
+
+
+# Strided views as the readers make them, over storages larger than the 1 MiB band the reader picks them from.
+STRIDED = {
+    "GroupedMLP expert, transposed": ((4 * 600, 700), lambda t: t.view(4, 600, 700)[2].t()),
+    "column block": ((900, 800), lambda t: t[:, 100:500]),
+    "column block of rows wider than a band": ((3, 300_000), lambda t: t[:, 1000:1100]),
+    "permuted 3-D block": ((40, 50, 60), lambda t: t.permute(2, 0, 1)[5:20]),
+    "every other element": ((700_000,), lambda t: t[1::2]),
+    "transposed rows": ((1000, 600), lambda t: t.t()[100:300]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(STRIDED))
+def test_strided_views_equal_torch_indexing_and_are_checked(tmp_path, case, dtype):
+    shape, view_of = STRIDED[case]
+    base = torch.randn(shape)
+    torch.save({"t": base}, tmp_path / "state.pt")
+    file = str(tmp_path / "state.pt")
+    states, reads = MappedStates(lambda f: torch_load(f, "test file")), SourceReads()
+    piece = states.stored(file, view_of(states[file]["t"]))
+    assert not piece.view.is_contiguous()
+    out = torch.empty(piece.view.shape, dtype=dtype)
+    reads.copy(piece, out, "t")
+    assert torch.equal(out, view_of(base).to(dtype))  # the oracle: torch's own indexing of the loaded tensor
+    reads.finish()  # the rest of the storage read for the check: it passes
+    reads.close()
+
+
+def test_a_flipped_bit_inside_a_strided_span_fails(tmp_path):
+    shape, view_of = STRIDED["GroupedMLP expert, transposed"]
+    base = torch.randn(shape)
+    torch.save({"t": base}, tmp_path / "state.pt")
+    file = tmp_path / "state.pt"
+    data = bytearray(file.read_bytes())
+    data[data.find(base[2 * 600 + 400].numpy().tobytes()) + 5] ^= 0x10  # in the expert's span, past its first band
+    file.write_bytes(data)
+    states, reads = MappedStates(lambda f: torch_load(f, "test file")), SourceReads()
+    piece = states.stored(str(file), view_of(states[str(file)]["t"]))
+    reads.copy(piece, torch.empty(piece.view.shape), "t")
+    with pytest.raises(MergerError, match="checksum mismatch in tensor t"):
+        reads.finish()
+    reads.close()
