@@ -25,3 +25,10 @@ def describe(state: dict) -> dict:
                          tensor_meta=[list(meta.shape), list(meta.stride), str(meta.dtype)])
         described[name] = entry
     return described
+
+
+def describe_catalog(catalog) -> dict:
+    """A catalog's tensors as plain values: shape, dtype, and each piece's box and the files holding it."""
+    return {n: [list(t.shape), str(t.dtype), [[list(p.offsets), list(p.sizes), [c.file for c in p.copies]]
+                                              for p in t.pieces]]
+            for n, t in catalog.tensors.items()}

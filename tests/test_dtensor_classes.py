@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from conftest import ROOT, run, run_merger, run_writer, single_error_line
-from dtensor_description import describe
+from dtensor_description import describe, describe_catalog
 from merger.sources import dtensor_classes
 from merger.sources.fsdp import load_rank_file, open_catalog
 
@@ -26,7 +26,7 @@ from merger.sources.fsdp import load_rank_file, open_catalog
 _FRESH = """
 import json, sys
 from pathlib import Path
-from dtensor_description import describe
+from dtensor_description import describe, describe_catalog
 from merger.sources import dtensor_classes
 from merger.sources.fsdp import load_rank_file, open_catalog
 if sys.argv[2]:
@@ -37,8 +37,7 @@ catalog = open_catalog(Path(sys.argv[1]))
 print(json.dumps({
     "files": [describe(s) for s in states],
     "imported": sorted(m for m in ("torch.distributed.tensor", "sympy") if m in sys.modules),
-    "catalog": {n: [t.shape, str(t.dtype), [[p.offsets, p.sizes, [c.file for c in p.copies]] for p in t.pieces]]
-                for n, t in catalog.tensors.items()},
+    "catalog": describe_catalog(catalog),
 }))
 """
 
@@ -55,9 +54,7 @@ def torch_described(actor: Path) -> list[dict]:
 
 
 def catalog_here(actor: Path) -> dict:
-    return {n: [list(t.shape), str(t.dtype), [[list(p.offsets), list(p.sizes), [c.file for c in p.copies]]
-                                              for p in t.pieces]]
-            for n, t in open_catalog(actor).tensors.items()}
+    return describe_catalog(open_catalog(actor))
 
 
 @pytest.fixture(scope="module")

@@ -58,12 +58,8 @@ class DTensor(torch.Tensor):
 
 
 class DTensorSpec:
-    """The mesh, placements and metadata of a DTensor. BUILD fills the fields torch's dataclass pickled; the
-    class attributes stand for the ones an older torch did not write (shard_order: the default order)."""
-
-    tensor_meta = None
-    shard_order = None
-    use_strided_shard_as_shard_order = None
+    """The mesh, placements and metadata of a DTensor, as BUILD fills in the fields torch's dataclass pickled. An
+    older torch wrote no shard_order: fsdp.py reads it with the default order as its default."""
 
 
 class TensorMeta(NamedTuple):

@@ -248,16 +248,15 @@ class SourceReads:
         extents = [(n - 1) * st for n, st in zip(view.shape, view.stride())]
         end = (view.storage_offset() + sum(extents) + 1) * size
         outer = max(range(view.dim()), key=lambda d: view.stride(d) if view.shape[d] > 1 else -1)
-        step = view.stride(outer)
-        if sum(extents) - extents[outer] >= step:
-            outer, step = 0, 0  # one band of the whole span: a step that holds all of it
-        rows = view.shape[outer] if step == 0 else max(1, CHUNK // (step * size))
-        band_bytes = (end - first) if step == 0 else rows * step * size
+        count, step = view.shape[outer], view.stride(outer) * size  # steps along `outer`, bytes per step
+        interleaved = (sum(extents) - extents[outer]) * size >= step
+        rows = count if interleaved else max(1, CHUNK // step)
+        band_bytes = min(rows * step, end - first)
         buffer = self.scratch if band_bytes <= CHUNK else torch.empty(band_bytes, dtype=torch.uint8)
         crc, at = 0, first
-        for lo in range(0, view.shape[outer], rows):
-            n = min(rows, view.shape[outer] - lo)
-            stop = end if lo + n == view.shape[outer] else at + n * step * size
+        for lo in range(0, count, rows):
+            n = min(rows, count - lo)
+            stop = end if lo + n == count else at + n * step
             band = buffer[:stop - at]
             crc = self._read(stored, at, band, crc)
             shape = (*view.shape[:outer], n, *view.shape[outer + 1:])
