@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
 USAGE_TAIL = "put the merger's arguments after `--`, e.g. `-- merge --local_dir CKPT --target_dir OUT`"
 LOGS = "merger_slurm_logs"
+MERGER_COMMANDS = ("merge", "test", "lora", "upload", "inspect")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,9 +52,19 @@ def default_folder(merger_args: list[str]) -> Path:
     return Path(LOGS) / "%j"
 
 
+def _missing_separator(argv: list[str]) -> str | None:
+    """The command line with `--` put before the merger's command, when the user left it out."""
+    if "--" in argv:
+        return None
+    at = next((i for i, arg in enumerate(argv) if arg in MERGER_COMMANDS), None)
+    return None if at is None else shlex.join(["launcher", *argv[:at], "--", *argv[at:]])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if (fixed := _missing_separator(argv)) is not None:
+        parser.error(f"put `--` before the merger's arguments: python -m {fixed}")
     cut = argv.index("--") if "--" in argv else len(argv)
     args, merger_args = parser.parse_args(argv[:cut]), argv[cut + 1:]  # parsed first, so --help works
     if not merger_args:

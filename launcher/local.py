@@ -2,7 +2,9 @@
 torchrun would give them (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,7 +37,10 @@ def run_local(nproc: int, merger_args: list[str]) -> int:
         return 2
     port = _free_port()
     cmd = [sys.executable, "-m", "merger", *merger_args, "--device", "cpu"]
-    procs = [subprocess.Popen(cmd, env=rank_env(r, nproc, port)) for r in range(nproc)]
+    # Each rank in a session of its own: a Ctrl-C at the terminal reaches the launcher alone, which passes it on
+    # once. Had it reached the ranks too, the SIGTERM that stops stragglers would land in their Ctrl-C cleanup
+    # and be what they report.
+    procs = [subprocess.Popen(cmd, env=rank_env(r, nproc, port), start_new_session=True) for r in range(nproc)]
     status, failed_at = 0, None
     try:
         while [p for p in procs if p.poll() is None]:  # polls every rank, so each returncode is fresh
@@ -47,6 +52,7 @@ def run_local(nproc: int, merger_args: list[str]) -> int:
             time.sleep(0.1)
     except KeyboardInterrupt:
         status = 130
+        _pass_on_ctrl_c(procs)
     finally:
         for p in procs:  # only those still running: after a failure's grace period, or on Ctrl-C
             if p.poll() is None:
@@ -54,3 +60,15 @@ def run_local(nproc: int, merger_args: list[str]) -> int:
         for p in procs:
             p.wait()
     return status or next((p.returncode for p in procs if p.returncode), 0)
+
+
+def _pass_on_ctrl_c(procs: list[subprocess.Popen]) -> None:
+    """SIGINT to every rank still running, then up to GRACE_S for them to clean up and say so; a second Ctrl-C
+    stops the wait (the ranks still running are then terminated)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + GRACE_S
+    with contextlib.suppress(KeyboardInterrupt):
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)

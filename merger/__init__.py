@@ -1,3 +1,19 @@
-"""merger: turn distributed training checkpoints into standalone HuggingFace models, streaming."""
+"""merger: turn distributed training checkpoints into standalone HuggingFace models, streaming.
 
-__version__ = "0.1.0"
+As a library: `merger.merge(local_dir=..., target_dir=..., **options)`, `merger.inspect(...)`,
+`merger.verify(...)` (merger/api), raising `merger.MergerError` for bad input. They are loaded on first use, so
+`import merger` stays light (torch is imported only by a call).
+"""
+from .errors import MergerError
+from .version import __version__
+
+_API = ("merge", "inspect", "verify")
+__all__ = ["MergerError", "__version__", *_API]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'merger' has no attribute {name!r}")

@@ -10,6 +10,19 @@ class MergerError(Exception):
     """
 
 
+class UsageError(MergerError):
+    """A command line, or the API's keyword options, that do not parse: exit code 2 in the CLI."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or a SIGTERM) that stopped a merge, with what became of its partial output, for the error line.
+    `str()` stays the signal's name, as for the plain KeyboardInterrupt the signal handler raises."""
+
+    def __init__(self, signal_name: str, outcome: str):
+        super().__init__(signal_name)
+        self.outcome = outcome
+
+
 class AgreedError(MergerError):
     """A failure every rank of a group learned at a sync point: every rank raises it, rank 0 prints it."""
 

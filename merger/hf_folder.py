@@ -60,13 +60,19 @@ def config_dir(*candidates: Path) -> Path | None:
 
 
 def read_config(folder: Path) -> dict:
+    """A model's config.json. It must say what model it is (`model_type` or `architectures`): without either,
+    transformers can load neither the config nor the merged model (a `{}` merged to `{"dtype": ...}`)."""
     path = folder / CONFIG
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except FileNotFoundError as e:
         raise MergerError(f"no config.json (pass --hf_model_config_path), {folder}") from e
     except (OSError, json.JSONDecodeError) as e:
         raise MergerError(f"cannot read config.json ({e}), {path}") from e
+    if not isinstance(config, dict) or not (config.get("model_type") or config.get("architectures")):
+        raise MergerError(f"config.json names no model (no model_type, no architectures): give the model's own "
+                          f"config (--hf_model_config_path), {path}")
+    return config
 
 
 def is_inside(path: Path, *roots: Path) -> bool:

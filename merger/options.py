@@ -8,6 +8,15 @@ from pathlib import Path
 import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "keep": None}
+# The spellings HF (`torch_dtype="half"`), verl and mixed-precision configs (`bf16`) use for the same dtypes.
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def dtype_name(spelling: str) -> str:
+    """The canonical name (a key of DTYPES) for a dtype as users spell it; unknown spellings are returned as they
+    are, for the caller to refuse."""
+    lowered = spelling.lower().removeprefix("torch.")
+    return DTYPE_ALIASES.get(lowered, lowered)
 
 
 def _shapes_output(default):

@@ -101,16 +101,18 @@ def start_merger(*args, nproc: int = 1, env: dict | None = None) -> subprocess.P
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def start_ranks(*args, nproc: int, env: dict | None = None, wrap: dict | None = None) -> list[subprocess.Popen]:
+def start_ranks(*args, nproc: int, env: dict | None = None, wrap: dict | None = None,
+                args_of_rank: dict | None = None) -> list[subprocess.Popen]:
     """`python -m merger ARGS` as the `nproc` ranks of a plain env:// gloo group, as Slurm tasks or
     `launcher local` start them: no torchrun agent, rank 0 hosts the store. `wrap` maps a rank to a command
-    prefix (e.g. `unshare ...`)."""
+    prefix (e.g. `unshare ...`), `args_of_rank` a rank to arguments of its own in place of ARGS."""
     port = _free_port()
     procs = []
     for rank in range(nproc):
         ranked = {**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        cmd = [*(wrap or {}).get(rank, []), sys.executable, *merger_entry(env), *map(str, args)]
+        own = (args_of_rank or {}).get(rank, args)
+        cmd = [*(wrap or {}).get(rank, []), sys.executable, *merger_entry(env), *map(str, own)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(ranked), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     return procs

@@ -1,6 +1,6 @@
-"""The command line against its documentation: the `merge` options table of docs/options.md and the parser agree,
-every option has help text, a misspelled flag or backend fails at parse time with a hint, and every relative link
-in README.md and docs/ leads to a file that exists."""
+"""The command line against its documentation: each command's options table in docs/options.md and its parser
+agree, every option has help text, a misspelled flag or backend fails at parse time with one line and a hint (the
+launcher's missing `--` too), and every relative link in README.md and docs/ leads to a file that exists."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +9,11 @@ import re
 
 import pytest
 
+import merger
 from conftest import ROOT
-from merger.cli import build_parser, main
+from launcher.cli import main as launcher_main
+from merger.api.flags import build_parser
+from merger.cli import main
 
 REQUIRED = ["--local_dir", "ckpt", "--target_dir", "out"]
 
@@ -25,32 +28,48 @@ def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
             if a.option_strings and not isinstance(a, argparse._HelpAction)}
 
 
-def _options_table_rows() -> list[tuple[list[str], list[str], str]]:
-    """(flags, default of each flag, whole row) for every row of the `merge` options table in docs/options.md."""
+def _options_table_rows(command: str) -> list[tuple[list[str], list[str], str]]:
+    """(flags, default of each flag, whole row) for every row of the `command` options table in docs/options.md;
+    a flag's first spelling only (`--base_model DIR` (also `--base`) gives `--base_model`)."""
     text = (ROOT / "docs" / "options.md").read_text()
-    table = text[text.index("## `merge` options"):].split("\n\n")[1]
+    section = text[text.index(f"## `{command}` options"):]
+    table = next(block for block in section.split("\n\n") if block.startswith("| flag |"))
     rows = []
     for line in table.splitlines()[2:]:
         flags_cell, default_cell, _ = (c.strip() for c in line.strip("|").split("|"))
-        flags = [f.split()[0] for f in re.findall(r"`([^`]+)`", flags_cell)]
+        flags = [f.split()[0] for f in re.findall(r"`([^`]+)`", re.sub(r"\(also [^)]*\)", "", flags_cell))]
         defaults = [d.strip() for d in default_cell.split(",")]
         rows.append((flags, defaults, line))
     return rows
 
 
-def _parsed(*args: str):
-    return build_parser().parse_args(["merge", *REQUIRED, *args])
+REQUIRED_OF = {"merge": REQUIRED, "test": ["--local_dir", "ckpt", "--test_hf_dir", "ref"],
+               "lora": ["--base_model", "base", "--adapter", "a", "--target_dir", "out"],
+               "upload": ["--target_dir", "out", "--hf_upload_path", "user/name"],
+               "inspect": ["--local_dir", "ckpt"], "watch": ["--local_dir", "run", "--target_dir", "out"]}
 
 
-def test_options_table_matches_the_merge_parser():
-    """Every flag in the table exists with the documented default, every choice is named in its row, and every
-    merge option has a row."""
-    options = _options(_subparsers(build_parser())["merge"])
+def _parsed(command: str, *args: str):
+    return build_parser().parse_args([command, *REQUIRED_OF[command], *args])
+
+
+def _same_as_merges(action: argparse.Action, merge_options: dict[str, argparse.Action]) -> bool:
+    """A flag another command shares with merge, spelt, defaulted and explained the same: merge's row covers it."""
+    twin = merge_options.get(action.option_strings[0])
+    return twin is not None and (twin.default, twin.help, twin.choices) == (action.default, action.help, action.choices)
+
+
+@pytest.mark.parametrize("command", list(REQUIRED_OF))
+def test_options_tables_match_the_parsers(command):
+    """Every flag in the command's table exists with the documented default, every choice is named in its row,
+    and every option of the command has a row (one it shares with merge, in merge's table)."""
+    commands = _subparsers(build_parser())
+    options, merge_options = _options(commands[command]), _options(commands["merge"])
     documented = set()
-    for flags, defaults, line in _options_table_rows():
+    for flags, defaults, line in _options_table_rows(command):
         assert len(flags) == len(defaults), f"one default per flag: {line}"
         for flag, default in zip(flags, defaults):
-            assert flag in options, f"docs/options.md documents {flag}, which merge does not take"
+            assert flag in options, f"docs/options.md documents {flag}, which {command} does not take"
             action = options[flag]
             documented.add(flag)
             if default == "required":
@@ -58,12 +77,15 @@ def test_options_table_matches_the_merge_parser():
             elif default == "off":
                 assert action.nargs == 0 and action.default is False, flag
             elif re.fullmatch(r"`[^`]+`", default):  # a literal: as if given on the command line
-                assert getattr(_parsed(), action.dest) == getattr(_parsed(flag, default.strip("`")), action.dest), flag
+                assert (getattr(_parsed(command), action.dest)
+                        == getattr(_parsed(command, flag, default.strip("`")), action.dest)), flag
             else:  # prose ("none", "detected", ...): the parser leaves it unset for the merge to decide
                 assert action.default is None and not action.required, flag
             for choice in action.choices or ():
                 assert f"`{choice}`" in line, f"{flag} accepts {choice!r}, which its docs/options.md row does not name"
-    assert sorted(set(options) - documented) == [], "merge options missing from the table in docs/options.md"
+    missing = [f for f, a in options.items() if f not in documented and (command == "merge"
+                                                                         or not _same_as_merges(a, merge_options))]
+    assert missing == [], f"{command} options missing from its table in docs/options.md"
 
 
 def test_every_option_has_help_text():
@@ -80,11 +102,40 @@ def test_every_option_has_help_text():
     (["merge", *REQUIRED, "--max_shard_size", "2XB"], "argument --max_shard_size/--max-shard-size: cannot read size"),
 ])
 def test_a_mistyped_flag_or_value_fails_at_parse_time_with_a_hint(args, expected, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("merger: error: ") and expected in err, err  # no usage block
+
+
+def test_an_unknown_flag_is_named_once_with_where_to_look(capsys):
+    assert main(["merge", *REQUIRED, "--verfy"]) == 2
+    assert capsys.readouterr().err == ("merger: error: unknown flag --verfy (did you mean --verify?) (merger merge "
+                                       "--help lists every flag)\n")
+
+
+def test_version_and_the_top_level_help_name_every_command(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(args)
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"merger {merger.__version__}\n"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = capsys.readouterr().out
+    assert all(f"    {command} " in shown for command in _subparsers(build_parser())), shown
+
+
+def test_lora_takes_merges_spelling_of_the_base_and_the_old_one():
+    for flag in ("--base_model", "--base-model", "--base"):
+        args = build_parser().parse_args(["lora", flag, "base", "--adapter", "a", "--target_dir", "out"])
+        assert args.local_dir == pathlib.Path("base")
+
+
+def test_launcher_without_the_separator_shows_the_command_with_it(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        launcher_main(["local", "--nproc", "2", "merge", "--local_dir", "ckpt", "--target_dir", "out"])
     assert exit_info.value.code == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert expected in last and "Traceback" not in last
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "launcher: error: put `--` before the merger's arguments: python -m launcher local --nproc 2 -- merge "
+        "--local_dir ckpt --target_dir out")
 
 
 DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -1,12 +1,18 @@
 """Usual mistakes get a hint in the one-line error, as real merger processes on a real verl FSDP checkpoint:
---local_dir one level too high, and LoRA flags on a checkpoint with no adapter."""
+--local_dir one level too high, a run folder, a path inside the checkpoint, LoRA flags on a checkpoint with no
+adapter, a config that names no model, a URL where a folder goes; and the dtypes as HF and verl users spell them."""
 from __future__ import annotations
 
+import json
 import re
+import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import assert_same_weights, run_merger
+from conftest import assert_same_weights, run_merger, single_error_line
+from merger.cli import main
 from merger.sources import BACKENDS
 
 
@@ -35,3 +41,68 @@ def test_lora_flags_on_a_checkpoint_without_lora_are_an_error(fsdp_checkpoint, t
         f"merger: error: {named} applies to checkpoints with a LoRA adapter, and this fsdp checkpoint has none "
         f"(no lora_A / lora_B tensors), {actor}")
     assert not (tmp_path / "out").exists()
+
+
+def _suggested(line: str) -> str:
+    return re.search(r"--local_dir (\S+)$", line).group(1)
+
+
+def test_run_folder_points_to_the_step_its_tracker_names(fsdp_checkpoint, tmp_path):
+    actor, reference = fsdp_checkpoint("llama", world=1)
+    run = tmp_path / "run"
+    for step in (1, 2):  # the tracker names step 1, not the highest-numbered folder
+        shutil.copytree(actor, run / f"global_step_{step}" / "actor")
+    (run / "latest_checkpointed_iteration.txt").write_text("1\n")
+    proc = run_merger("merge", "--local_dir", run, "--target_dir", tmp_path / "out", check=False)
+    line = single_error_line(proc.stderr)
+    assert proc.returncode == 1 and line.endswith(
+        f"{run}; it looks like a training run's folder: pass its latest checkpoint (fsdp), --local_dir "
+        f"{run / 'global_step_1' / 'actor'}")
+    run_merger("merge", "--local_dir", _suggested(line), "--target_dir", tmp_path / "out", "--dtype", "keep")
+    assert_same_weights(tmp_path / "out", reference, None)
+
+
+@pytest.mark.parametrize("given, says", [
+    ("huggingface", "this is a checkpoint's HF config folder: pass the checkpoint (fsdp), --local_dir {actor}"),
+    ("model_world_size_1_rank_0.pt", "pass the folder that holds it: --local_dir {actor}"),
+])
+def test_a_path_inside_the_checkpoint_points_to_it(fsdp_checkpoint, tmp_path, given, says):
+    actor, _ = fsdp_checkpoint("llama", world=1)
+    proc = run_merger("merge", "--local_dir", actor / given, "--target_dir", tmp_path / "out", check=False)
+    assert proc.returncode == 1 and single_error_line(proc.stderr).endswith(says.format(actor=actor))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_that_names_no_model_is_refused(fsdp_checkpoint, tmp_path):
+    actor, _ = fsdp_checkpoint("llama", world=1)
+    copy = Path(shutil.copytree(actor, tmp_path / "actor"))
+    (copy / "huggingface" / "config.json").write_text("{}")
+    proc = run_merger("merge", "--local_dir", copy, "--target_dir", tmp_path / "out", check=False)
+    assert proc.returncode == 1 and single_error_line(proc.stderr) == (
+        f"merger: error: config.json names no model (no model_type, no architectures): give the model's own config "
+        f"(--hf_model_config_path), {copy / 'huggingface' / 'config.json'}")
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.merger-partial").exists()
+
+
+@pytest.mark.parametrize("flag", ["--local_dir", "--target_dir", "--hf_model_config_path"])
+def test_a_url_is_refused_with_the_scheme_named(fsdp_checkpoint, tmp_path, flag, capsys, monkeypatch):
+    actor, _ = fsdp_checkpoint("llama", world=1)
+    monkeypatch.chdir(tmp_path)  # where a URL read as a relative path would become folders `gs:/bucket/run`
+    args = {"--local_dir": str(actor), "--target_dir": "out", flag: "gs://bucket/run"}
+    assert main(["merge", *[a for pair in args.items() for a in pair]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err == (f"merger: error: argument {flag}/{flag.replace('_', '-')}: gs:// paths are not supported: merger "
+                   f"reads and writes local folders, and folders of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2), "
+                   f"gs://bucket/run\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("spelling, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16),
+                                             ("half", torch.float16), ("fp32", torch.float32),
+                                             ("float", torch.float32)])
+def test_dtype_as_hf_and_verl_spell_it(fsdp_checkpoint, tmp_path, spelling, dtype):
+    actor, reference = fsdp_checkpoint("llama", world=1)
+    run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", "--dtype", spelling)
+    assert_same_weights(tmp_path / "out", reference, dtype)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")

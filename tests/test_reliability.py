@@ -18,13 +18,14 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import (PAUSED_MERGER, ROOT, assert_same_weights, flip_bit_in_tensor, merge_here, run, run_merger,
+from conftest import (PAUSED_MERGER, ROOT, _env, assert_same_weights, flip_bit_in_tensor, merge_here, run, run_merger,
                       single_error_line, snapshot, start_merger, start_ranks, torchrun_cmd)
 from merger.cli import main
 from merger.output.resume import CHECKSUM_BLOCK, deal_blocks
@@ -135,7 +136,8 @@ def test_bad_input_fails_before_any_output(case, ckpt, tmp_path, capsys):
 
 def test_source_that_is_not_a_folder(ckpt, tmp_path, capsys):
     code, errors = merge_here(capsys, "--local_dir", ckpt / RANK0, "--target_dir", tmp_path / "out")
-    assert code == 1 and errors == [f"merger: error: checkpoint path is not a folder, {ckpt / RANK0}"]
+    assert code == 1 and errors == [f"merger: error: checkpoint path is not a folder, {ckpt / RANK0}; pass the folder "
+                                    f"that holds it: --local_dir {ckpt}"]
 
 
 @pytest.mark.parametrize("target", ["parent is a file", "target is a file", "target not empty"])
@@ -564,7 +566,7 @@ def test_a_block_is_hashed_once_every_tensor_in_it_is_written(how, ckpt, tmp_pat
     are known written, exactly the blocks whose every tensor (by the file's own header) they wrote have a
     checksum, hashlib's; the rest get theirs when the last batch is."""
     from merger.engine.dist import Group
-    from merger.merge import prepare
+    from merger.api.pipeline import prepare
     from merger.options import MergeOptions
     from merger.output import resume
     from merger.output.files import FileSink
@@ -632,20 +634,65 @@ def test_resume_verifies_blocks_on_every_rank(ckpt, tmp_path, monkeypatch):
     assert sorted(resume.intact_files(candidates, shares)) == sorted(set(files) - {flipped, unfinished})
 
 
-def test_ctrl_c_names_the_signal(ckpt, tmp_path):
-    pause = tmp_path / "paused"
-    env = {"MERGER_TEST_PAUSE_AFTER_BATCH": "3", "MERGER_TEST_PAUSE_FILE": str(pause)}
-    proc = start_merger("merge", "--local_dir", ckpt, "--target_dir", tmp_path / "out", *SMALL, env=env)
+def _paused(procs: list[subprocess.Popen], pause: Path, ranks: int) -> None:
+    """Wait until every rank has paused after its batch (paused_merger.py wrote its pid)."""
     deadline = time.monotonic() + 120
-    while not (Path(f"{pause}.0").exists() and Path(f"{pause}.0").read_text()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+    while not all(Path(f"{pause}.{r}").exists() and Path(f"{pause}.{r}").read_text() for r in range(ranks)):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [p.communicate() for p in procs]
         time.sleep(0.2)
+
+
+def _kept_and_resumed(ckpt: Path, reference: Path, out: Path, stage: Path, err: str) -> None:
+    """A merge stopped by Ctrl-C kept its staging folder and said how to go on; a rerun without --resume or
+    --overwrite leaves it alone, and --resume finishes the model."""
+    assert stage.is_dir() and (stage / "merge_manifest.json").is_file() and not out.exists()
+    kept = (f"; the partial merge is kept in {stage}: rerun with --resume to continue it, or --overwrite to start "
+            f"over")
+    assert any(line.startswith("merger: error:") and line.endswith(kept) for line in err.splitlines()), err
+    before = snapshot(stage)
+    again = run_merger("merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, check=False)
+    assert again.returncode == 1 and single_error_line(again.stderr) == (
+        f"merger: error: a partial merge is kept in {stage}: pass --resume to continue it, or --overwrite to "
+        f"start over, {out}")
+    assert snapshot(stage) == before and not out.exists()
+    resumed = run_merger("merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, "--resume")
+    assert "reusing" in resumed.stderr
+    assert_same_weights(out, reference, torch.bfloat16)
+
+
+def test_ctrl_c_keeps_the_partial_merge_and_says_so(ckpt, reference, tmp_path):
+    pause = tmp_path / "paused"
+    out, stage = tmp_path / "out", tmp_path / ".out.merger-partial"
+    env = {"MERGER_TEST_PAUSE_AFTER_BATCH": "3", "MERGER_TEST_PAUSE_FILE": str(pause)}
+    proc = start_merger("merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, env=env)
+    _paused([proc], pause, 1)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert [line for line in err.splitlines() if line.startswith("merger: error:")] == [
-        "merger: error: interrupted by SIGINT"], err
-    assert not (tmp_path / ".out.merger-partial").exists()
+        f"merger: error: interrupted by SIGINT; the partial merge is kept in {stage}: rerun with --resume to "
+        f"continue it, or --overwrite to start over"], err
+    _kept_and_resumed(ckpt, reference, out, stage, err)
+
+
+def test_ctrl_c_at_launcher_local_reaches_every_rank_as_sigint(ckpt, reference, tmp_path):
+    # The terminal's Ctrl-C goes to the launcher (its ranks run in sessions of their own): each rank must learn
+    # it as SIGINT, once, and not be terminated in the middle of its cleanup.
+    pause = tmp_path / "paused"
+    out, stage = tmp_path / "out", tmp_path / ".out.merger-partial"
+    env = {"MERGER_TEST_PAUSE_AFTER_BATCH": "3", "MERGER_TEST_PAUSE_FILE": str(pause)}
+    launcher = subprocess.Popen([sys.executable, ROOT / "tests" / "paused_launcher.py", "local", "--nproc",
+                                 str(WORLD), "--", "merge", "--local_dir", ckpt, "--target_dir", out, *SMALL],
+                                cwd=ROOT, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _paused([launcher], pause, WORLD)
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=60)
+    errors = sorted(line for line in err.splitlines() if line.startswith("merger: error:"))
+    assert launcher.returncode == 130 and "SIGTERM" not in err, err
+    assert errors == [f"merger: error: interrupted by SIGINT (rank 0); the partial merge is kept in {stage}: rerun "
+                      f"with --resume to continue it, or --overwrite to start over",
+                      "merger: error: interrupted by SIGINT (rank 1)"], err
+    _kept_and_resumed(ckpt, reference, out, stage, err)
 
 
 # Options that change how a merge runs, not what it writes: a resume with them reuses the finished files all the same.
@@ -731,7 +778,7 @@ def test_resume_counts_only_the_bytes_still_to_write_against_free_space(ckpt, tm
     """After a disk-full failure the kept staging folder's unfinished files fill the disk; --resume writes them
     anew, so their space counts as free (it used to refuse the resume that would fit)."""
     from merger.engine.dist import Group
-    from merger.merge import prepare
+    from merger.api.pipeline import prepare
     from merger.options import MergeOptions
     from merger.output.files import prepare_files
 

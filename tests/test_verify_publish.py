@@ -23,7 +23,7 @@ from merger.output import publish
 from merger.engine.compare import _differences
 from merger.engine.dist import Group
 from merger.errors import MergerError
-from merger.merge import prepare, verify_staged
+from merger.api.pipeline import prepare, verify_staged
 from merger.options import MergeOptions
 
 

@@ -48,6 +48,9 @@ class Group:
     device: torch.device = torch.device("cpu")
     control: object = None  # gloo process group for status and small objects; None when world == 1
     watch: PeerWatch | None = None  # None when world == 1
+    # The group pieces travel in: None for the default group merger started itself; a caller's group otherwise,
+    # which close() leaves as it was found (and destroys only the control group merger made beside it).
+    borrowed: object = None
 
     @property
     def distributed(self) -> bool:
@@ -62,7 +65,7 @@ class Group:
         on_device = recv if recv.device == self.device else torch.empty(recv.numel(), dtype=torch.uint8,
                                                                         device=self.device)
         with _collective(self.rank, self.watch):
-            dist.all_to_all_single(on_device, send.to(self.device), recv_split, send_split)
+            dist.all_to_all_single(on_device, send.to(self.device), recv_split, send_split, group=self.borrowed)
         if on_device is not recv:
             recv.copy_(on_device)
         return recv
@@ -117,7 +120,10 @@ class Group:
                 self.watch.stop()  # first: from here on this rank's exit is no loss to its peers
             with contextlib.suppress(Exception):  # peers already gone (a failed merge): nothing left to wait for
                 dist.barrier(group=self.control)
-            dist.destroy_process_group()
+            if self.borrowed is None:
+                dist.destroy_process_group()
+            elif self.control is not self.borrowed:
+                dist.destroy_process_group(self.control)
             # gloo's worker threads free the last collectives' tensors after those return, which takes the GIL.
             # Kept alive by this reference until interpreter finalization, they would do it mid-teardown and
             # abort the process ("terminate called without an active exception"); the last reference
@@ -151,6 +157,23 @@ def init_group(device: str = "auto", timeout_s: float = 600) -> Group:
         return Group(rank, world, torch.device("cuda", local), control, PeerWatch(rank, world))
     dist.init_process_group("gloo", timeout=timeout)
     return Group(rank, world, torch.device("cpu"), dist.group.WORLD, PeerWatch(rank, world))
+
+
+def borrow_group(process_group=None) -> Group:
+    """A Group over the caller's torch.distributed group (`process_group`, else the default one a training script
+    started), used as it is and left so: no peer watch (what a lost rank means is the caller's job's to decide)
+    and, over NCCL, a gloo group of merger's own for control, made here with every rank of the default group
+    (torch's rule for new_group) and destroyed by close()."""
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world <= 1:
+        return Group()
+    if dist.get_backend(group) == "gloo":
+        return Group(rank, world, torch.device("cpu"), group, borrowed=group)
+    control = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
+    return Group(rank, world, torch.device("cuda", torch.cuda.current_device()), control, borrowed=group)
 
 
 def on_every_rank(group: Group, fn: Callable[[], object], debug: bool = False):

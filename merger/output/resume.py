@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Hashable, TypeVar
 
-from .. import __version__
+from ..version import __version__
 from ..catalog import Catalog
 from ..engine.dist import Group
 from ..engine.plan import Batch, OutputFile, Plan

@@ -1,4 +1,5 @@
-"""`--summary-json`: one JSON file saying what a merge did, written by rank 0 on success and on failure."""
+"""What a merge did, as one plain dict: `merger.merge()` returns it on every rank, and `--summary-json` writes it
+as JSON from rank 0, on success and on failure."""
 from __future__ import annotations
 
 import json
@@ -13,14 +14,13 @@ from ..engine.plan import Plan, traffic
 from ..options import MergeOptions
 
 
-def write_summary(path: Path, catalog: Catalog, plan: Plan, options: MergeOptions, group: Group, started: float,
-                  verify: CompareResult | None, uploaded: str | None, error: str | None) -> None:
-    """`--summary-json`: what was merged, by how many ranks, into what, how fast, how much memory, verified."""
+def merge_summary(catalog: Catalog, plan: Plan, options: MergeOptions, group: Group, started: float,
+                  verify: CompareResult | None, uploaded: str | None, error: str | None) -> dict:
+    """What was merged, by how many ranks, into what, how fast, how much memory, verified; the same on every rank
+    (a sync point: every rank's peak memory is gathered)."""
     peaks = group.all_gather(peak_rss_bytes())
-    if group.rank != 0:
-        return
     c = catalog
-    summary = {
+    return {
         "status": "failed" if error else "ok", "error": error,
         "source_format": c.format, "source_dir": str(Path(options.local_dir).absolute()),
         "checkpoint_world_size": c.details.get("world_size"), "merge_world_size": group.world,
@@ -31,4 +31,8 @@ def write_summary(path: Path, catalog: Catalog, plan: Plan, options: MergeOption
         "bytes_per_rank": traffic(plan),
         "verify": verify.as_dict() if verify else None, "uploaded_to": uploaded,
     }
-    Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def write_summary(path: Path, summary: dict, group: Group) -> None:
+    if group.rank == 0:
+        Path(path).write_text(json.dumps(summary, indent=2) + "\n")

@@ -37,6 +37,11 @@ class Target:
         raise MergerError(f"target folder holds an earlier merge: pass --overwrite to replace it, {self.path}")
 
 
+def stage_of(target: Path) -> Path:
+    """Where a merge into `target` is written until it is complete: `.<target>.merger-partial` beside it."""
+    return target.parent / f".{target.name}{STAGE_SUFFIX}"
+
+
 def is_staging(folder: Path) -> bool:
     """A folder a merge writes before it is complete: never a merged model, whatever its manifest says."""
     return folder.name == STAGE_IN_CONFIG_DIR or (folder.name.startswith(".") and folder.name.endswith(STAGE_SUFFIX))
@@ -97,8 +102,7 @@ def resolve_target(target: Path, sources: list[Path], hf_dir: Path | None, data_
         raise MergerError(f"target folder is not empty and holds no merger output (no {MANIFEST}): merger "
                           f"replaces only an empty folder or an earlier merge; choose another --target_dir, {target}")
     _check_parent(target.parent)
-    return Target(target, target.parent / f".{target.name}{STAGE_SUFFIX}",
-                  target.parent / f".{target.name}.merger-lock", earlier=earlier)
+    return Target(target, stage_of(target), target.parent / f".{target.name}.merger-lock", earlier=earlier)
 
 
 def _check_parent(parent: Path) -> None:

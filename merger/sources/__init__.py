@@ -5,11 +5,15 @@ A format is registered here by name with `detect(root) -> bool` and `open_catalo
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+import re
 from pathlib import Path
 
 from ..catalog import Catalog
 from ..errors import MergerError
+from ..hf_folder import CONFIG_DIR
+from .megatron_layout import TRACKER  # verl names its run's last step the same way
 
 # name -> module under merger.sources; order matters for auto-detection (most specific first).
 BACKENDS = {
@@ -32,14 +36,47 @@ def _detect(root: Path) -> str | None:
     return next((name for name in BACKENDS if _module(name).detect(root)), None)
 
 
+def _step_number(folder: Path) -> int | None:
+    """N of a step folder as trainers name them: global_step_N (verl), checkpoint-N (HF Trainer), step-N, iter_N."""
+    match = re.fullmatch(r"(?:global_step_|checkpoint-|step-|iter_)(\d+)", folder.name)
+    return int(match.group(1)) if match else None
+
+
+def _latest_step(run: Path) -> tuple[Path, str] | None:
+    """The checkpoint of the run's latest step, with its backend: the step that verl's (and Megatron's)
+    latest_checkpointed_iteration.txt names, else the highest-numbered one; its actor/ (critic/) where the step
+    folder holds the roles."""
+    steps = sorted((p for p in run.iterdir() if p.is_dir() and _step_number(p) is not None), key=_step_number)
+    with contextlib.suppress(OSError, ValueError):
+        latest = int((run / TRACKER).read_text().strip())
+        steps = [p for p in steps if _step_number(p) == latest] or steps
+    for step in reversed(steps):
+        for folder in (step, step / "actor", step / "critic"):
+            if folder.is_dir() and (name := _detect(folder)):
+                return folder, name
+    return None
+
+
+def _layout_hint(root: Path) -> str:
+    """Where the checkpoint probably is, for the usual slips: a run folder (its latest step), a step folder
+    (global_step_N/ instead of global_step_N/actor), or the checkpoint's huggingface/ config folder."""
+    if root.name == CONFIG_DIR and (name := _detect(root.parent)):
+        return f"; this is a checkpoint's HF config folder: pass the checkpoint ({name}), --local_dir {root.parent}"
+    below = [(sub, name) for sub in sorted(p for p in root.iterdir() if p.is_dir() and _step_number(p) is None)
+             if (name := _detect(sub))]
+    if below:
+        return "".join(f"; {sub.name}/ below it looks like a checkpoint (--backend {name}): pass --local_dir {sub}"
+                       for sub, name in below)
+    if (latest := _latest_step(root)) is not None:
+        return f"; it looks like a training run's folder: pass its latest checkpoint ({latest[1]}), " \
+               f"--local_dir {latest[0]}"
+    return ""
+
+
 def detect_backend(root: Path) -> str:
     if found := _detect(root):
         return found
-    # A common slip: --local_dir one level too high (global_step_N/ instead of global_step_N/actor).
-    below = [(sub, name) for sub in sorted(p for p in root.iterdir() if p.is_dir()) if (name := _detect(sub))]
-    hint = "".join(f"; {sub.name}/ below it looks like a checkpoint (--backend {name}): pass --local_dir {sub}"
-                   for sub, name in below)
-    raise MergerError(f"no known checkpoint layout (looked for: {', '.join(BACKENDS)}), {root}{hint}")
+    raise MergerError(f"no known checkpoint layout (looked for: {', '.join(BACKENDS)}), {root}{_layout_hint(root)}")
 
 
 def open_catalog(root: Path, backend: str = "auto", prefix: str | None = None) -> Catalog:
@@ -54,7 +91,8 @@ def _open_folder(root: Path, backend: str, prefix: str | None) -> Catalog:
     if not root.exists():
         raise MergerError(f"checkpoint folder does not exist, {root}")
     if not root.is_dir():
-        raise MergerError(f"checkpoint path is not a folder, {root}")
+        hint = f"; pass the folder that holds it: --local_dir {root.parent}" if _detect(root.parent) else ""
+        raise MergerError(f"checkpoint path is not a folder, {root}{hint}")
     if backend == "auto":
         backend = detect_backend(root)
     elif backend not in BACKENDS:

@@ -10,30 +10,32 @@ import logging
 import shutil
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .catalog import Catalog
-from .engine.compare import CompareResult, compare_with_folder
-from .engine.dist import Group, on_every_rank, on_rank_zero
-from .engine.memory import peak_rss_bytes
-from .engine.peer_watch import Cleanup
-from .engine.plan import Plan, plan_layout
-from .engine.progress import Progress
-from .engine.stream import run_plan
-from .errors import MergerError
-from .mapping.registry import build_mapping
-from .options import MergeOptions
-from .output.files import FileSink, finish, prepare_files, write_manifest
-from .output.resume import (FileTracker, intact_files, resume_candidates, skip_finished, start_manifest,
+from ..catalog import Catalog
+from ..engine.compare import CompareResult, compare_with_folder
+from ..engine.dist import Group, on_every_rank, on_rank_zero
+from ..engine.memory import peak_rss_bytes
+from ..engine.peer_watch import Cleanup
+from ..engine.plan import Plan, plan_layout
+from ..engine.plan_agreement import agree_on_plan
+from ..engine.progress import Progress
+from ..engine.stream import run_plan
+from ..errors import Interrupted, MergerError
+from ..mapping.registry import build_mapping
+from ..options import MergeOptions
+from ..output.files import FileSink, finish, prepare_files, write_manifest
+from ..output.resume import (FileTracker, intact_files, resume_candidates, skip_finished, start_manifest,
                             verify_share, why_not_done)
-from .output.source_identity import check_unchanged, source_identity
-from .output.summary import write_summary
-from .output.target import Target, check_config_dir_entries, place, resolve_target
-from .output.target_lock import TargetLock
-from .output.write_turns import should_take_turns
-from .sources import open_catalog
-from .units import format_size
+from ..output.source_identity import check_unchanged, source_identity
+from ..output.summary import merge_summary, write_summary
+from ..output.target import Target, check_config_dir_entries, place, resolve_target
+from ..output.target_lock import TargetLock
+from ..output.write_turns import should_take_turns
+from ..sources import open_catalog
+from ..units import format_size
 
 log = logging.getLogger("merger")
 
@@ -59,18 +61,28 @@ def prepare(options: MergeOptions, group: Group) -> Prepared:
         return Prepared(catalog, mapping.hf_dir, plan, mapping.config_updates, mapping.config_removals,
                         mapping.extra_files, source.notes + mapping.notes)
 
-    return log_prepared(on_every_rank(group, build, options.debug), group)
+    prepared = on_every_rank(group, build, options.debug)
+    agree_on_plan(prepared.catalog, prepared.plan, group)  # before anything is written: one merge, not a mix
+    return log_prepared(prepared, group)
 
 
 def log_prepared(prepared: Prepared, group: Group) -> Prepared:
     if group.rank == 0:
         c, p = prepared.catalog, prepared.plan
-        log.info("merger: %s checkpoint, %d tensors (%s) in %d files -> %d output files (%s), %d batches, "
+        log.info("merger: %s checkpoint, %d tensors (%s) in %d files -> %d output files (%s, %s), %d batches, "
                  "%d merge ranks", c.format, len(c.tensors), format_size(c.nbytes), len(c.files), len(p.files),
-                 format_size(p.total_bytes), len(p.batches), group.world)
+                 format_size(p.total_bytes), _output_dtypes(p), len(p.batches), group.world)
         for note in prepared.notes:
             log.info(note)
     return prepared
+
+
+def _output_dtypes(plan: Plan) -> str:
+    """The dtypes the output is written in, e.g. `bfloat16` or `bfloat16: 290 tensors, float32: 2`."""
+    counts = Counter(str(e.dtype).removeprefix("torch.") for f in plan.files for e in f.entries)
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{name}: {n} tensor{'s' * (n != 1)}" for name, n in counts.most_common())
 
 
 def open_checked_reader(prepared: Prepared, group: Group, debug: bool = False):
@@ -124,8 +136,8 @@ def _open_target(options: MergeOptions, prepared: Prepared) -> Target:
 def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, started: float) -> CompareResult | None:
     """Stream into the staging folder, finish it, verify it when asked, rename it into place.
 
-    On failure the staging folder is removed (or kept for --keep-partial / --resume): the target only
-    ever holds a complete model. Rank 0 holds the target's lock throughout, so no other merge writes there.
+    On failure the staging folder is removed (or kept for --keep-partial / --resume, and after Ctrl-C): the
+    target only ever holds a complete model; a kept one is replaced only with --overwrite. Rank 0 holds the target's lock throughout, so no other merge writes there.
     """
     plan = prepared.plan
     lock: TargetLock | None = None
@@ -147,20 +159,24 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
             log.info("merger: --resume: the merge at %s is not this one (%s)", target.path, reason)
             target.refuse_earlier()
         if target.stage.exists() and not options.resume:
-            log.info("merger: removing the partial merge left in %s (--resume would reuse it)", target.stage)
+            if not options.overwrite:  # kept on purpose (--keep-partial, Ctrl-C), or left by a killed merge
+                raise MergerError(f"a partial merge is kept in {target.stage}: pass --resume to continue it, or "
+                                  f"--overwrite to start over, {target.path}")
+            log.info("merger: --overwrite: removing the partial merge left in %s", target.stage)
         return target, manifest, resume_candidates(target.stage, manifest) if options.resume else {}
 
     reader = open_checked_reader(prepared, group, options.debug)  # bad input fails before anything is created
     target = sink = tracker = None
+    keep = options.keep_partial or options.resume  # and after Ctrl-C: a user who stops a merge may resume it
 
     def discard() -> None:
-        """After a failure: the staging folder kept for --keep-partial / --resume, else removed; the target's
-        lock released. Run by rank 0 on the failure path, or by the lowest surviving rank's peer watch when a
-        rank is lost (every rank knows the target once setup is agreed)."""
+        """After a failure: the staging folder kept for --keep-partial / --resume / Ctrl-C, else removed; the
+        target's lock released. Run by rank 0 on the failure path, or by the lowest surviving rank's peer watch
+        when a rank is lost (every rank knows the target once setup is agreed)."""
         if tracker is not None:
             tracker.stop()  # no checksum thread may write into the staging folder while it is removed
         if target is not None and target.stage.exists():
-            if options.keep_partial or options.resume:
+            if keep:
                 log.info("merger: kept the partial merge in %s (rerun with --resume to continue from it)",
                          target.stage)
             else:
@@ -222,14 +238,19 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
 
         # Never at once with the cleanup: a rename during a removal would move a half-removed folder.
         on_rank_zero(group, lambda: cleanup.instead(move_into_place), options.debug)
-    except BaseException:
+    except BaseException as e:
         if tracker is not None:
             tracker.stop()  # no checksum thread may outlive the files it reads
         if sink is not None:
             with contextlib.suppress(Exception):
                 sink.close()
+        ctrl_c = isinstance(e, KeyboardInterrupt) and str(e) in ("", "SIGINT")  # the handler's SIGTERM has args
+        keep = keep or ctrl_c
         if group.rank == 0:
             cleanup()
+            if ctrl_c and target is not None and target.stage.exists():
+                raise Interrupted("SIGINT", f"the partial merge is kept in {target.stage}: rerun with --resume "
+                                            f"to continue it, or --overwrite to start over") from e
         raise
     finally:
         if lock is not None:
@@ -240,16 +261,24 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
     return verified
 
 
-def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = None) -> Path:
-    """Merge into options.target_dir; `prepared` (catalog and plan) defaults to the checkpoint at local_dir."""
+def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = None) -> dict:
+    """Merge into options.target_dir and say what was done (output/summary.py), on every rank; `prepared`
+    (catalog and plan) defaults to the checkpoint at local_dir."""
     started = time.monotonic()
     target = Path(options.target_dir).absolute()
     prepared = prepared or prepare(options, group)
     verified, uploaded = None, None
+
+    def summary(error: str | None) -> dict:
+        said = merge_summary(prepared.catalog, prepared.plan, options, group, started, verified, uploaded, error)
+        if options.summary_json:
+            write_summary(options.summary_json, said, group)
+        return said
+
     try:
         verified = _stage_and_place(options, group, prepared, started)
         if options.hf_upload_path:
-            from .output.publish import upload_merged
+            from ..output.publish import upload_merged
 
             def publish():
                 nonlocal uploaded
@@ -258,10 +287,6 @@ def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = N
             on_rank_zero(group, publish, options.debug)  # one rank uploads; every rank learns if it failed
     except MergerError as e:
         if options.summary_json:
-            write_summary(options.summary_json, prepared.catalog, prepared.plan, options, group, started, verified,
-                          uploaded, str(e))
+            summary(str(e))
         raise
-    if options.summary_json:
-        write_summary(options.summary_json, prepared.catalog, prepared.plan, options, group, started, verified,
-                      uploaded, None)
-    return target
+    return summary(None)

@@ -1,0 +1,267 @@
+"""Every command's flags, in one parser: the command line parses with it, and the Python API checks its keyword
+options through the same actions, so both accept the same values and refuse the rest with the same line.
+
+verl spells flags with underscores (`--local_dir`); the dashed forms (`--local-dir`) work as well. A command line
+that does not parse raises UsageError (exit code 2 in the CLI), never argparse's usage block and exit.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from ..errors import UsageError
+from ..mapping.torchtitan import MODELS
+from ..options import DTYPES, MergeOptions, dtype_name
+from ..sources import BACKENDS
+from ..units import parse_size, positive_int
+from ..version import __version__
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, plus a hint for a misspelled flag: argparse reports the required flag the typo left out, or
+    "unrecognized arguments", but never which known flag was meant."""
+
+    _args: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._args = list(sys.argv[1:] if args is None else args)  # a subcommand's parser gets its own part
+        return super().parse_known_args(args, namespace)
+
+    def _command_parser(self) -> argparse.ArgumentParser | None:
+        """The parser whose flags the arguments are: this one, or for the top level the chosen subcommand's
+        (argparse reports a subcommand's unrecognized arguments from the top level)."""
+        if self._subparsers is None:
+            return self
+        commands = next(a.choices for a in self._subparsers._group_actions if a.choices)
+        return next((commands[arg] for arg in self._args if arg in commands), None)
+
+    def error(self, message) -> NoReturn:
+        """Raise UsageError with one line, not the usage block: the unknown flags with the known one each most likely meant (argparse's
+        own complaint about them, "unrecognized arguments" or a required flag the typo left out, says less),
+        else argparse's message; and where --help lists the rest."""
+        parser = self._command_parser()
+        known = [s for s in parser._option_string_actions if s.startswith("--")] if parser else []
+        unknown = []
+        for arg in self._args if parser else []:
+            flag = arg.split("=", 1)[0]
+            if flag.startswith("--") and not any(s.startswith(flag) for s in known):  # abbreviations are known
+                close = difflib.get_close_matches(flag, known, n=1)
+                unknown.append(f"unknown flag {flag}" + (f" (did you mean {close[0]}?)" if close else ""))
+        about_flags = unknown or "arguments are required" in message or "unrecognized arguments" in message
+        where = f" ({parser.prog if parser else self.prog} --help lists every flag)" if about_flags else ""
+        raise UsageError(f"{'; '.join(unknown) or message}{where}")
+
+
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def local_path(text: str) -> Path:
+    """A path argument: a local or mounted path, or file://. Any other URL is refused here, where a Path would
+    have squeezed `s3://b/x` to the local folder `s3:/b/x`."""
+    if (scheme := _SCHEME.match(text)) is None:
+        return Path(text)
+    if scheme.group(1).lower() == "file":
+        return Path(text[len("file://"):])
+    raise argparse.ArgumentTypeError(f"{scheme.group(1)}:// paths are not supported: merger reads and writes local "
+                                     f"folders, and folders of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2), "
+                                     f"{text}")
+
+
+def _flag(*names: str) -> list[str]:
+    """verl spells flags with underscores; accept both `--local_dir` and `--local-dir`."""
+    out = []
+    for name in names:
+        out += [name, name.replace("_", "-")] if "_" in name else [name]
+    return list(dict.fromkeys(out))
+
+
+def _add_source_args(p: argparse.ArgumentParser, what: str = "the checkpoint folder (e.g. global_step_100/actor)"
+                     ) -> None:
+    p.add_argument(*_flag("--local_dir"), dest="local_dir", type=local_path, required=True, help=what)
+    p.add_argument("--backend", default="auto", choices=["auto", *BACKENDS],
+                   help="checkpoint format (default auto: detect it)")
+    p.add_argument("--prefix", default=None,
+                   help="DCP: prefix to take off tensor names and keep only those under it, e.g. 'model' "
+                        "(default: 'model.' when accelerate nested the state dict; '' keeps names as saved)")
+    p.add_argument("--model", choices=["auto", "hf", *MODELS], default="auto",
+                   help="naming of the source tensors (default: detect; torchtitan-<family> converts torchtitan's "
+                        "names to HF's and needs --hf_model_config_path)")
+    p.add_argument(*_flag("--hf_model_config_path"), dest="hf_model_config_path", type=local_path, default=None,
+                   help="folder with config.json, tokenizer, processor, chat template, remote code (default: "
+                        "huggingface/ in the checkpoint)")
+    p.add_argument(*_flag("--tie_word_embedding"), dest="tie_word_embedding", action="store_true",
+                   help="write lm_head once, tied to the input embedding, whatever config.json says")
+    p.add_argument(*_flag("--trust_remote_code"), dest="trust_remote_code", action="store_true",
+                   help="accepted for verl's command line: remote-code files are always copied; pass "
+                        "trust_remote_code=True when loading the output")
+    p.add_argument(*_flag("--is_value_model"), dest="is_value_model", action="store_true",
+                   help="a critic: write a token-classification model (score.weight, one label)")
+    p.add_argument(*_flag("--drop_mtp"), dest="drop_mtp", action="store_true",
+                   help="Megatron: leave multi-token-prediction layers out (and num_nextn_predict_layers 0); "
+                        "default: write them after the decoder layers, as DeepSeek-V3's checkpoints hold them")
+    p.add_argument("--lora", choices=["fuse", "separate"], default="fuse",
+                   help="PEFT-wrapped checkpoints: fold the adapter in (default) or write base weights unfused; "
+                        "both also write lora_adapter/ in PEFT's format")
+    p.add_argument(*_flag("--lora_r"), dest="lora_r", type=int, default=None,
+                   help="LoRA rank, when the checkpoint has no lora_train_meta.json")
+    p.add_argument(*_flag("--lora_alpha"), dest="lora_alpha", type=float, default=None,
+                   help="LoRA alpha, when the checkpoint records none (no lora_train_meta.json; Megatron-Bridge "
+                        "adapter shards without their HF export)")
+    p.add_argument(*_flag("--base_model"), dest="base_model", type=local_path, default=None,
+                   help="adapter-only checkpoints (accelerate adapter_only DCP, verl save_lora_only): HF "
+                        "safetensors folder to fold the adapter into (default: write the adapter as a PEFT adapter "
+                        "folder)")
+    p.add_argument(*_flag("--adapter_config"), dest="adapter_config", type=local_path, default=None,
+                   help="checkpoints with a LoRA adapter: its adapter_config.json, file or folder (r, lora_alpha, "
+                        "use_rslora, rank/alpha patterns; default: checkpoint-N/ and its parent for accelerate, "
+                        "lora_train_meta.json and the tensors for verl)")
+
+
+def _add_dtype_args(p: argparse.ArgumentParser, default: str, why: str) -> None:
+    # argparse converts first, then checks the canonical name against the choices
+    p.add_argument("--dtype", type=dtype_name, choices=list(DTYPES), default=default,
+                   help=f"output dtype of floating tensors (default {default}: {why}; also spelt bf16, fp16, half, "
+                        f"fp32, float); keep = each tensor's own dtype")
+    p.add_argument(*_flag("--allow_overflow"), dest="allow_overflow", action="store_true",
+                   help="with --dtype float16: write inf for values beyond float16's range (default: fail, "
+                        "naming the tensors)")
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(*_flag("--max_inflight"), dest="max_inflight", type=parse_size, default="512MiB",
+                   help="memory budget per rank for pieces in flight (default 512MiB; a larger tensor goes alone)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where pieces travel under torchrun: cuda uses NCCL, cpu gloo (default: cuda if present)")
+    p.add_argument(*_flag("--dist_timeout"), dest="dist_timeout", type=float, default=600.0,
+                   help="seconds a rank waits for its peers before giving up (default 600)")
+    p.add_argument(*_flag("--log_level"), dest="log_level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="what to log (default INFO)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+TARGET_HELP = "where the HF model goes; it appears whole or not at all"
+SHARD_HELP = "largest output safetensors file (default 5GB; 200KB, 2GB, 2GiB or bytes)"
+VERIFY_HELP = "before the final rename, re-read every written tensor and compare it with its source"
+OVERWRITE_HELP = ("replace an earlier merger output at the target, or start over from a partial merge kept beside "
+                  "it (never any other folder, never the source)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="merger", description="Turn distributed training checkpoints into HuggingFace models.",
+                     epilog="merger COMMAND --help lists a command's flags; docs/options.md describes them all")
+    parser.add_argument("--version", action="version", version=f"merger {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    merge = sub.add_parser("merge", help="merge a checkpoint into a HF model folder")
+    _add_source_args(merge)
+    _add_dtype_args(merge, "bfloat16", "as verl writes it")
+    merge.add_argument(*_flag("--target_dir"), dest="target_dir", type=local_path, required=True, help=TARGET_HELP)
+    merge.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
+                       help=SHARD_HELP)
+    merge.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    merge.add_argument(*_flag("--keep_partial"), dest="keep_partial", action="store_true",
+                       help="on failure keep the staging folder .<target>.merger-partial (default: remove it; "
+                            "Ctrl-C always keeps it)")
+    merge.add_argument("--resume", action="store_true",
+                       help="reuse the output files an interrupted merge finished (checksums in its manifest); "
+                            "implies --keep-partial")
+    merge.add_argument("--verify", action="store_true", help=VERIFY_HELP)
+    merge.add_argument(*_flag("--hf_upload_path"), dest="hf_upload_path", default=None, metavar="USER/NAME",
+                       help="after a successful merge, create this Hugging Face Hub repo and upload the model")
+    merge.add_argument("--private", action="store_true", help="with --hf_upload_path: create a private repo")
+    merge.add_argument(*_flag("--summary_json"), dest="summary_json", type=local_path, default=None, metavar="PATH",
+                       help="write a JSON summary: sizes, ranks, files, time, peak memory per rank, verify result")
+    _add_run_args(merge)
+
+    test = sub.add_parser("test", help="merge in memory and compare with a reference HF folder")
+    _add_source_args(test)
+    test.add_argument(*_flag("--test_hf_dir"), dest="test_hf_dir", type=local_path, required=True,
+                      help="the HF model folder to compare the merge with")
+    test.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bytes must match)")
+    test.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    _add_run_args(test)
+
+    lora = sub.add_parser("lora", help="fold PEFT adapter folders, in order, into a HF safetensors base model")
+    lora.add_argument(*_flag("--base_model"), "--base", dest="local_dir", type=local_path, required=True,
+                      metavar="DIR", help="HF model folder (safetensors) to fold the adapters into")
+    lora.add_argument("--adapter", dest="adapters", type=local_path, action="append", required=True,
+                      help="PEFT adapter folder; repeat to apply several in order")
+    lora.add_argument(*_flag("--target_dir"), dest="target_dir", type=local_path, required=True, help=TARGET_HELP)
+    _add_dtype_args(lora, "keep", "the base's own, as PEFT's merge_and_unload")
+    lora.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
+                      help=SHARD_HELP)
+    lora.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    _add_run_args(lora)
+
+    upload = sub.add_parser("upload", help="publish a folder a merge finished to the Hugging Face Hub (e.g. to retry "
+                                           "a failed --hf_upload_path)")
+    upload.add_argument(*_flag("--target_dir"), dest="target_dir", type=local_path, required=True,
+                        help="the merged model: a folder with merge_manifest.json saying it is complete")
+    upload.add_argument(*_flag("--hf_upload_path"), dest="hf_upload_path", required=True, metavar="USER/NAME",
+                        help="Hub repo to create (kept if it exists) and upload into")
+    upload.add_argument("--private", action="store_true", help="create a private repo")
+    upload.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    watch = sub.add_parser("watch", help="convert each finished checkpoint of a training run into its own HF folder, "
+                                         "once; keep watching for new ones")
+    _add_source_args(watch, "the run folder, which holds a folder per saved step (global_step_N/, checkpoint-N/, "
+                            "iter_N/, step-N/)")
+    watch.add_argument(*_flag("--target_dir"), dest="target_dir", type=local_path, required=True,
+                       help="where the steps go, each as TARGET_DIR/<step folder's name>")
+    watch.add_argument("--role", choices=["actor", "critic"], default="actor",
+                       help="verl runs: which model of global_step_N/ to convert (default actor)")
+    watch.add_argument("--once", action="store_true",
+                       help="convert what is finished now and exit (1 if a step failed); default: keep watching")
+    watch.add_argument("--interval", type=float, default=60.0,
+                       help="seconds between looks at the run folder (default 60)")
+    _add_dtype_args(watch, "bfloat16", "as verl writes it")
+    watch.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
+                       help=SHARD_HELP)
+    watch.add_argument("--verify", action="store_true", help=VERIFY_HELP)
+    _add_run_args(watch)
+
+    inspect = sub.add_parser("inspect", help="describe a checkpoint and the planned output, reading no tensor data")
+    _add_source_args(inspect)
+    _add_dtype_args(inspect, "bfloat16", "as verl writes it")
+    inspect.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
+                         help=SHARD_HELP)
+    inspect.add_argument(*_flag("--merge_ranks"), dest="merge_ranks", type=positive_int, default=1, metavar="N",
+                         help="plan for N merge ranks (torchrun's --nproc_per_node times --nnodes): what each "
+                              "reads, exchanges and writes")
+    inspect.add_argument("--json", action="store_true", help="print the description as JSON")
+    inspect.add_argument("--debug", action="store_true", help="show tracebacks")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> MergeOptions:
+    fields = MergeOptions.__dataclass_fields__
+    return MergeOptions(**{k: v for k, v in vars(args).items() if k in fields})
+
+
+def command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def keywords_to_args(command: str, keywords: dict) -> argparse.Namespace:
+    """`command`'s options given as keyword arguments (the flags' names, `local_dir=...`), parsed as the command
+    line would parse them: the same conversions, defaults and checks, UsageError for the rest."""
+    parser = command_parsers(build_parser())[command]
+    actions = {a.dest: a for a in reversed(parser._actions) if a.option_strings and a.dest != "help"}
+    argv: list[str] = []
+    for key, value in keywords.items():
+        action = actions.get(key)
+        if action is None:
+            close = difflib.get_close_matches(key, actions, n=1)
+            raise UsageError(f"unknown option {key}" + (f" (did you mean {close[0]}?)" if close else ""))
+        flag = action.option_strings[0]
+        if action.nargs == 0:  # an on/off flag
+            argv += [flag] if value else []
+        elif isinstance(action, argparse._AppendAction):  # repeated: a list of values
+            argv += [part for v in (value if isinstance(value, (list, tuple)) else [value]) for part in (flag, str(v))]
+        elif value is not None:
+            argv += [flag, str(value)]
+    return parser.parse_args(argv)

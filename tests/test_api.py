@@ -1,0 +1,79 @@
+"""The Python API (merger.merge / inspect / verify) against the same oracles as the CLI: the model's own weights
+(save_pretrained's output); in this process, and inside a training script's own process group under torchrun."""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import merger
+from conftest import ROOT, assert_same_weights, run, torchrun_cmd
+
+
+def _process_state():
+    return (logging.getLogger().handlers[:], logging.getLogger("merger").handlers[:],
+            signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), torch.get_num_threads())
+
+
+def test_merge_returns_the_summary_and_leaves_the_process_as_found(fsdp_checkpoint, tmp_path):
+    actor, reference = fsdp_checkpoint("llama", world=2)
+    before = _process_state()
+    summary = merger.merge(local_dir=actor, target_dir=tmp_path / "out", dtype="bf16", max_shard_size="50KB")
+    assert _process_state() == before
+    assert_same_weights(tmp_path / "out", reference, torch.bfloat16)
+    assert summary["status"] == "ok" and summary["dtype"] == "bfloat16" and summary["merge_world_size"] == 1
+    written = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    assert sorted(f["name"] for f in summary["output_files"]) == written and len(written) > 1
+
+
+@pytest.mark.parametrize("call, line", [
+    (lambda tmp: merger.merge(local_dir=tmp / "missing", target_dir=tmp / "out"),
+     "checkpoint folder does not exist, {tmp}/missing"),
+    (lambda tmp: merger.merge(local_dir=tmp, target_dir=tmp / "out", dtyp="bf16"),
+     "unknown option dtyp (did you mean dtype?)"),
+    (lambda tmp: merger.merge(local_dir=tmp, target_dir=tmp / "out", dtype="fp8"),
+     "argument --dtype: invalid choice: 'fp8' (choose from 'bfloat16', 'float16', 'float32', 'keep')"),
+    (lambda tmp: merger.merge(local_dir=tmp, target_dir="s3://bucket/out"),
+     "argument --target_dir/--target-dir: s3:// paths are not supported: merger reads and writes local folders, and "
+     "folders of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2), s3://bucket/out"),
+])
+def test_bad_input_raises_the_clis_line(tmp_path, call, line):
+    before = _process_state()
+    with pytest.raises(merger.MergerError) as raised:
+        call(tmp_path)
+    assert str(raised.value) == line.format(tmp=tmp_path)
+    assert _process_state() == before and not (tmp_path / "out").exists()
+
+
+def test_inspect_and_verify(fsdp_checkpoint, tmp_path):
+    actor, reference = fsdp_checkpoint("llama", world=2)
+    weights = load_file(reference / "model.safetensors")
+    info = merger.inspect(actor, merge_ranks=2)
+    assert info["format"] == "fsdp" and info["source_files"] == 2 and info["output_tensors"] == len(weights)
+    assert len(info["bytes_per_rank"]) == 2
+    assert merger.verify(actor, reference)["ok"] is True
+    changed = Path(tmp_path / "changed")
+    changed.mkdir()
+    for f in reference.iterdir():
+        if f.name != "model.safetensors":
+            (changed / f.name).write_bytes(f.read_bytes())
+    name = sorted(weights)[0]
+    save_file({**weights, name: weights[name] + 1}, changed / "model.safetensors", metadata={"format": "pt"})
+    result = merger.verify(actor, changed)
+    assert result["ok"] is False and result["differ"] == 1
+
+
+def test_merge_inside_a_training_scripts_process_group(fsdp_checkpoint, tmp_path):
+    actor, reference = fsdp_checkpoint("llama", world=2)
+    proc = run(torchrun_cmd(2) + [str(ROOT / "tests" / "api_in_trainer.py"), str(actor), str(tmp_path / "out")])
+    reports = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+                     key=lambda r: r["rank"])
+    missing = f"rank 0: checkpoint folder does not exist, {actor}-missing"  # every rank learns rank 0's error
+    assert reports == [{"rank": r, "status": "ok", "world": 2, "raised": missing, "group_sum": 2.0, "unchanged": True}
+                       for r in range(2)], proc.stderr[-3000:]
+    assert_same_weights(tmp_path / "out", reference, torch.float32)

@@ -1,0 +1,116 @@
+"""`merger watch` on a verl run folder whose steps appear while it runs, as real processes on real FSDP2
+checkpoints; the oracle is each step's own weights (save_pretrained's output) and the files' identities.
+
+One watcher sees: a finished step converted; a step saved but not yet named by the tracker left alone; then a
+step that fails (a truncated rank file) reported and retried on the next pass once repaired, while the step
+beside it is converted. A restarted watcher converts nothing twice, and one killed mid-merge resumes its step."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, _env, assert_same_weights, run_merger, start_merger
+from merger.watch import finished_steps
+
+SMALL = ["--max_shard_size", "20KB", "--max_inflight", "1"]
+
+
+def _step(run: Path, n: int, actor: Path) -> Path:
+    return Path(shutil.copytree(actor, run / f"global_step_{n}" / "actor"))
+
+
+def _track(run: Path, n: int) -> None:
+    (run / "latest_checkpointed_iteration.txt").write_text(f"{n}\n")
+
+
+def _wait_for(what, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+
+
+def _identities(folder: Path) -> dict:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(folder.iterdir())}
+
+
+def test_watch_converts_each_finished_step_once(fsdp_checkpoint, tmp_path):
+    actor, reference = fsdp_checkpoint("llama", 2)
+    run, out, log = tmp_path / "run", tmp_path / "out", tmp_path / "watch.log"
+    _step(run, 1, actor)
+    _step(run, 2, actor)  # saved, but the tracker still names step 1: not finished
+    _track(run, 1)
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "merger", "watch", "--local_dir", run, "--target_dir", out,
+                                 "--interval", "0.2"], cwd=ROOT, env=_env(), stderr=err, stdout=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: (out / "global_step_1" / "merge_manifest.json").exists(), proc, log)
+        time.sleep(1)  # several more passes
+        assert sorted(p.name for p in out.iterdir()) == ["global_step_1"]
+        first = _identities(out / "global_step_1")
+
+        broken = _step(run, 3, actor)
+        rank1 = broken / "model_world_size_2_rank_1.pt"
+        rank1.write_bytes(rank1.read_bytes()[:-1000])
+        _track(run, 3)  # steps 2 and 3 finished; 3 cannot be read
+        _wait_for(lambda: (out / "global_step_2" / "merge_manifest.json").exists()
+                  and "watch: global_step_3 failed, retried on the next pass" in log.read_text(), proc, log)
+        shutil.copy(actor / rank1.name, rank1)  # repaired: the next pass converts it
+        _wait_for(lambda: (out / "global_step_3" / "merge_manifest.json").exists(), proc, log)
+        assert _identities(out / "global_step_1") == first  # never converted again
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    assert proc.returncode == 130
+    for step in (1, 2, 3):
+        assert_same_weights(out / f"global_step_{step}", reference, torch.bfloat16)
+
+    # A restarted watcher finds every finished step converted and touches nothing.
+    before = {step.name: _identities(step) for step in out.iterdir()}
+    again = run_merger("watch", "--local_dir", run, "--target_dir", out, "--once")
+    assert "watch: " in again.stderr and "-> " + str(out / "global_step") not in again.stderr
+    assert {step.name: _identities(step) for step in out.iterdir()} == before
+
+
+def test_a_watcher_killed_mid_merge_resumes_the_step(fsdp_checkpoint, tmp_path):
+    actor, reference = fsdp_checkpoint("llama", 2)
+    run, out, pause = tmp_path / "run", tmp_path / "out", tmp_path / "paused"
+    _step(run, 1, actor)
+    _track(run, 1)
+    env = {"MERGER_TEST_PAUSE_AFTER_BATCH": "3", "MERGER_TEST_PAUSE_FILE": str(pause)}
+    proc = start_merger("watch", "--local_dir", run, "--target_dir", out, *SMALL, env=env)
+    deadline = time.monotonic() + 120
+    while not (Path(f"{pause}.0").exists() and Path(f"{pause}.0").read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert (out / ".global_step_1.merger-partial").is_dir() and not (out / "global_step_1").exists()
+    again = run_merger("watch", "--local_dir", run, "--target_dir", out, *SMALL, "--once")
+    assert "--resume: reusing" in again.stderr and "reusing 0 of" not in again.stderr, again.stderr
+    assert_same_weights(out / "global_step_1", reference, torch.bfloat16)
+
+
+@pytest.mark.parametrize("layout, finish, source", [
+    ("checkpoint-{n}", lambda step, run: (step / "trainer_state.json").write_text("{}"), "{step}"),
+    ("step-{n}", lambda step, run: (step / ".metadata").write_bytes(b""), "{step}"),
+    ("iter_{n:07d}", lambda step, run: _track(run, int(step.name[5:])), "{step}"),
+    ("global_step_{n}", lambda step, run: _track(run, int(step.name[12:])), "{step}/actor"),
+])
+def test_each_trainers_mark_of_a_finished_step(tmp_path, layout, finish, source):
+    run = tmp_path / "run"
+    steps = [run / layout.format(n=n) for n in (5, 10)]
+    for step in steps:
+        (step / "actor").mkdir(parents=True)
+    assert finished_steps(run, "actor") == []
+    finish(steps[0], run)
+    found = finished_steps(run, "actor")
+    assert [(s.number, s.name, s.source) for s in found] == [(5, steps[0].name, Path(source.format(step=steps[0])))]
