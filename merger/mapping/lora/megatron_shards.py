@@ -75,7 +75,7 @@ def adapted_linears(catalog: Catalog, config: dict, where: str) -> list[AdaptedL
             raise MergerError(f"adapter shards {a.name} {a.shape} and {b.name} {b.shape} are not LoRA's [r, in] and "
                               f"[out, r], {where}")
         kind, names = hf_names(table, linear + ".weight", config.get("num_hidden_layers", 0), family, catalog)
-        shapes, fn = transform_of(b.name, b.shape, kind, names, config)
+        shapes, fn = transform_of(b.name, b.shape, kind, names, config, family)
         found.append(AdaptedLinear(linear, a.name, b.name, fn, names, tuple(shapes)))
     return found
 
