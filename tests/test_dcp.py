@@ -42,8 +42,8 @@ def dcp_root(tmp_path_factory) -> Path:
 def torchtitan_root(tmp_path_factory) -> Path:
     _need_torchtitan()
     root = tmp_path_factory.mktemp("torchtitan")
-    run_writer("torchtitan_checkpoint.py", "--out", root / "checkpoint" / "step-1", "--hf", root / "hf",
-               "--reference", root / "reference", nproc=2)
+    run_writer("torchtitan_checkpoint.py", "--family", "llama", "--out", root / "checkpoint" / "step-1", "--hf",
+               root / "hf", "--reference", root / "reference", nproc=2)
     return root
 
 
