@@ -1,11 +1,14 @@
 """The model families merger maps, one record each (family.py): adding a family is adding a record here, plus a
 kind (kinds.py) only for a new transform.
 
-The records are checked together when imported: a model type belongs to one family, a torchtitan mark to one
-family's rows, and exactly one torchtitan family has no mark (what torchtitan names are when nothing marks them).
+The records are checked together when imported: a model type belongs to one family, every Megatron row names a
+tensor whose TP split sources/megatron_tp.py knows (a legacy checkpoint is read by it before the family is known),
+a torchtitan mark belongs to one family's rows, and exactly one torchtitan family has no mark (what torchtitan
+names are when nothing marks them).
 """
 from __future__ import annotations
 
+from ..sources.megatron_tp import split_known
 from . import megatron_rows as mr
 from . import torchtitan_rows as tr
 from .family import Family, Row
@@ -40,13 +43,24 @@ MEGATRON_FAMILIES = tuple(f for f in FAMILIES if f.megatron)
 TORCHTITAN_FAMILIES = tuple(f for f in FAMILIES if f.torchtitan)
 
 
-def _checked(families: tuple[Family, ...]) -> Family:
-    """The records agree with one another; returns the torchtitan family without marks."""
+def _one_family_per_model_type(families: tuple[Family, ...]) -> None:
     owner: dict[str, str] = {}
     for family in families:
         for model_type in family.model_types:
             if owner.setdefault(model_type, family.name) != family.name:
                 raise ValueError(f"model type {model_type!r} belongs to families {owner[model_type]} and {family.name}")
+
+
+def _tp_split_known(families: tuple[Family, ...]) -> None:
+    tables = [(f"the {f.name} family", f.megatron) for f in families] + [
+        ("Megatron's global rows", mr.MEGATRON.globals), ("Megatron's MTP rows", mr.MEGATRON.mtp.rows)]
+    for where, rows in tables:
+        for row in rows:
+            if not split_known(row.source):
+                raise ValueError(f"row {row.source!r} of {where}: sources/megatron_tp.py does not say how TP splits it")
+
+
+def _unmarked_torchtitan_family(families: tuple[Family, ...]) -> Family:
     torchtitan = [f for f in families if f.torchtitan]
     for family in torchtitan:
         for mark in family.torchtitan_marks:
@@ -59,7 +73,14 @@ def _checked(families: tuple[Family, ...]) -> Family:
     return unmarked[0]
 
 
-TORCHTITAN_UNMARKED = _checked(FAMILIES)
+def checked_together(families: tuple[Family, ...]) -> Family:
+    """Raises where the records disagree with one another; returns the torchtitan family without marks."""
+    _one_family_per_model_type(families)
+    _tp_split_known(families)
+    return _unmarked_torchtitan_family(families)
+
+
+TORCHTITAN_UNMARKED = checked_together(FAMILIES)
 
 
 def megatron_family(model_type: str) -> Family | None:

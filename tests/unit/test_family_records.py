@@ -165,3 +165,21 @@ def test_every_megatron_family_has_a_test_case():
 
 def test_every_torchtitan_family_has_a_test_case():
     assert {f.name for f in TORCHTITAN_FAMILIES} - _families_of(_torchtitan_cases()) == set()
+
+
+def test_records_that_disagree_are_refused():
+    from merger.mapping.families import checked_together
+
+    llama, gpt_oss = (next(f for f in FAMILIES if f.name == n) for n in ("llama", "gpt_oss"))
+    with pytest.raises(ValueError, match=r"model type 'llama' belongs to families llama and copy"):
+        checked_together((llama, Family("copy", ("llama",), megatron=llama.megatron)))
+    unsplit = Row("self_attention.linear_gdn_in.weight", "rename", ("linear_attn.in_proj.weight",))
+    with pytest.raises(ValueError, match=r"row 'self_attention.linear_gdn_in.weight' of the gdn family: "
+                                         r"sources/megatron_tp.py does not say how TP splits it"):
+        checked_together((llama, Family("gdn", ("gdn",), megatron=(unsplit,))))
+    with pytest.raises(ValueError, match=r"torchtitan families without marks: \['llama', 'copy'\]"):
+        checked_together((llama, Family("copy", ("copy",), torchtitan=llama.torchtitan)))
+    with pytest.raises(ValueError, match=r"family copy: mark 'attention.sinks' is also a row of gpt_oss"):
+        sinks = Row("attention.sinks", "rename", ("self_attn.sinks",))
+        checked_together((llama, gpt_oss, Family("copy", ("copy",), torchtitan=(sinks,),
+                                                 torchtitan_marks=("attention.sinks",))))
