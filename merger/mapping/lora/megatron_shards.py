@@ -6,8 +6,8 @@ Each adapted Megatron linear `<linear>` holds `adapter.linear_in.weight` [r, in]
 in its run config, `lora.alpha`), or --adapter_config (an adapter_config.json of this adapter); r is read off the
 shapes.
 
-The Megatron family table names the HF tensors `<linear>.weight` becomes and its row transform (q/k/v per query
-group, fc1 into gate and up, or a rename). The transform only moves rows, so it splits B the same way, and the
+The family record's Megatron row names the HF tensors `<linear>.weight` becomes and its kind's transform (q/k/v per
+query group, fc1 into gate and up, or a rename). The transform only moves rows, so it splits B the same way, and the
 adapter is a PEFT adapter on the HF modules: A shared, B split. With a base (`--base_model DIR`, else the weights
 mbridge wrote into `model/huggingface/`) each HF weight gains scale * B_j @ A as fold.py folds PEFT adapters
 (`--lora separate`: the base as it is), and that PEFT adapter is written beside as `lora_adapter/`; without one,
