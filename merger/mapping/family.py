@@ -77,6 +77,10 @@ class Family:
     def __post_init__(self):
         for naming, rows in (("Megatron", self.megatron), ("torchtitan", self.torchtitan)):
             sources_once(rows, f"the {self.name} family's {naming} rows")
+        for row in self.megatron:  # the Megatron mapper maps every row it matches: it has no skip to honour
+            if row.kind == "skip" or row.only_with:
+                raise ValueError(f"row {row.source!r} of the {self.name} family: Megatron rows name weights (the "
+                                 f"named rules of sources/megatron_skips.py leave the rest out)")
         sources = {row.source for row in self.torchtitan}
         for mark in self.torchtitan_marks:
             if mark not in sources:

@@ -183,3 +183,19 @@ def test_records_that_disagree_are_refused():
         sinks = Row("attention.sinks", "rename", ("self_attn.sinks",))
         checked_together((llama, gpt_oss, Family("copy", ("copy",), torchtitan=(sinks,),
                                                  torchtitan_marks=("attention.sinks",))))
+
+
+def test_a_megatron_row_is_a_weight():
+    with pytest.raises(ValueError, match=r"row 'mlp.router.expert_bias' of the toy family: Megatron rows name weights"):
+        Family("toy", ("toy",), megatron=(Row("mlp.router.expert_bias", "skip", reason="no HF equivalent"),))
+
+
+def test_torchtitan_names_are_the_family_their_marks_say():
+    from merger.mapping.torchtitan import family_of
+
+    common = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.feed_forward.w1.weight"]
+    assert family_of(common, "ckpt").name == "llama"
+    assert family_of(common + ["layers.0.attention.k_norm.weight"], "ckpt").name == "qwen3"
+    assert family_of(common + ["layers.1.attention.wkv_a.weight"], "ckpt").name == "deepseek_v3"
+    with pytest.raises(MergerError, match=r"marks of the qwen3 and deepseek_v3 families \(--model names the family\)"):
+        family_of(common + ["layers.0.attention.k_norm.weight", "layers.1.attention.wkv_a.weight"], "ckpt")
