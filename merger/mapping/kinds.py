@@ -78,13 +78,14 @@ def _swapped(name: str, shape: tuple[int, ...], config: dict):
 KINDS: dict[str, Kind] = {}
 
 
-def register(kind: Kind) -> None:
-    if kind.name in KINDS:
-        raise ValueError(f"kind {kind.name!r} is registered twice")
-    KINDS[kind.name] = kind
+def register(*kinds: Kind) -> None:
+    for kind in kinds:
+        if kind.name in KINDS:
+            raise ValueError(f"kind {kind.name!r} is registered twice")
+        KINDS[kind.name] = kind
 
 
-for _kind in (
+register(
     Kind("rename", 1, _as_is),
     Kind("qkv", 3, _qkv),  # Megatron's fused QKV: q, k, v
     Kind("gate_up", 2, _gate_up),  # a gated fc1, cat(gate, up): gate, up
@@ -96,8 +97,7 @@ for _kind in (
     # dims swapped, gate and up still interleaved as both interleave them
     Kind("experts_fused", 1, _swapped),
     Kind("skip", 0, None),  # no HF equivalent: left out, for the reason its row gives
-):
-    register(_kind)
+)
 
 
 def step(name: str, shape: tuple[int, ...], dtype: torch.dtype, kind: str, targets: tuple[str, ...],

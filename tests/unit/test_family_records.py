@@ -17,7 +17,7 @@ import torch
 from merger.errors import MergerError
 from merger.mapping.families import FAMILIES, MEGATRON_FAMILIES, TORCHTITAN_FAMILIES
 from merger.mapping.family import Family, Row
-from merger.mapping.kinds import KINDS, step
+from merger.mapping.kinds import KINDS, register, step
 
 pytestmark = pytest.mark.unit
 
@@ -57,6 +57,11 @@ def test_a_family_is_refused_for_a_mark_or_row_count_it_has_no_row_for():
         Family("toy", ("toy",), megatron=rows, config_rows={"self_attn.q_a_proj.weight": lambda c: 1})
     with pytest.raises(ValueError, match=r"row 'attention.wq.weight' appears twice in the toy family's Megatron rows"):
         Family("toy", ("toy",), megatron=rows + rows)
+
+
+def test_a_kind_is_registered_once():
+    with pytest.raises(ValueError, match="kind 'rename' is registered twice"):
+        register(KINDS["rename"])
 
 
 def _plan(kind: str, shape: tuple[int, ...], config: dict):
