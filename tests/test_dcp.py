@@ -42,8 +42,8 @@ def dcp_root(tmp_path_factory) -> Path:
 def torchtitan_root(tmp_path_factory) -> Path:
     _need_torchtitan()
     root = tmp_path_factory.mktemp("torchtitan")
-    run_writer("torchtitan_checkpoint.py", "--out", root / "checkpoint" / "step-1", "--hf", root / "hf",
-               "--reference", root / "reference", nproc=2)
+    run_writer("torchtitan_checkpoint.py", "--family", "llama", "--out", root / "checkpoint" / "step-1", "--hf",
+               root / "hf", "--reference", root / "reference", nproc=2)
     return root
 
 
@@ -202,7 +202,7 @@ def test_rotary_permute_matches_torchtitan_and_hf_rotary():
     from torchtitan.models.common import ComplexRoPE
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from merger.mapping.torchtitan import rotary_permute
+    from merger.mapping.transforms import rotary_permute
 
     heads, kv_heads, head_dim, dim, seq = 4, 2, 8, 32, 6
     torch.manual_seed(0)

@@ -1,2 +1,3 @@
 """The mapping: source tensor names to output steps. registry.py picks the mapper; policy.py applies ties and
-dtypes once; model families are tables (megatron_families.py); LoRA modes are mappers too (lora/)."""
+dtypes once; model families are typed records (families.py) whose rows' kinds (kinds.py) carry the transforms;
+LoRA modes are mappers too (lora/)."""

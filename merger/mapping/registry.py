@@ -1,8 +1,9 @@
 """Which mapping a checkpoint gets, decided in one place: the first mapper in MAPPERS that claims its catalog.
 
 A mapper turns the catalog's names into steps (mapping/steps.py): LoRA modes first (adapter folders given to
-`merger lora`, an adapter saved alone, a PEFT-wrapped model), then the naming conventions (Megatron by its
-family's table, torchtitan Llama by name, a FP8 block-scaled HF release dequantized, HF names as they are).
+`merger lora`, an adapter saved alone, a PEFT-wrapped model), then the naming conventions (Megatron and
+torchtitan through the family's record, families.py; a FP8 block-scaled HF release dequantized; HF names as they
+are).
 The tie and dtype policy and the config changes the output's class needs are applied once, to whichever
 mapping was built. Adding a naming is one
 module with `claims` and `build`, and a row here.

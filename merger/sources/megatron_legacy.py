@@ -5,7 +5,7 @@ layer numbers local to its pipeline chunk and expert numbers local to its EP ran
 lowest-TP-rank file of every (PP, EP) slice (memory-mapped: no tensor bytes) and describes the canonical
 global tensors: layers renumbered in (virtual stage, stage) order, experts as ep * local_count + local under
 SequentialMLP's names whichever module saved them (GroupedMLP, TEGroupedMLP), TP shards placed as pieces
-(column-parallel along dim 0, row-parallel along dim 1, replicated as one piece with a copy in every file);
+(split along the dim megatron_tp.py gives, or whole as one piece with a copy in every file);
 experts are split by expert TP instead, which may differ from TP. A gated fc1 holds [gate_r; up_r] per TP
 rank, so each half is its own piece placed in cat(gate, up): the global fc1 then reads the same as
 torch_dist's. Entries that are not weights are left out by the named rules of megatron_skips.py.
@@ -28,6 +28,7 @@ from .mapped_states import MappedStates
 from .piece_keys import split_expert, split_key, take, take_expert, with_expert, with_slice
 from .megatron_skips import NOT_A_TENSOR, skip_rule
 from .megatron_layout import checkpoint_dir
+from .megatron_tp import tp_dim
 from .safe_load import torch_load
 
 FILE = "model_optim_rng.pt"
@@ -36,13 +37,6 @@ LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
 GROUPED = re.compile(r"(.*\.mlp\.experts\.)weight([12])")  # GroupedMLP: all local experts in one matrix
 TE_GROUPED = re.compile(r"(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)")  # TEGroupedMLP
-COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
-          "word_embeddings.weight", "output_layer.weight", "linear_q_proj.weight", "linear_q_up_proj.weight",
-          "linear_kv_up_proj.weight", "eh_proj.weight")
-# MLA's down projections: column-parallel in the local spec, whole on every rank in TE's (a TELinear, with the
-# q/kv norms fused into the up projections, so `linear_kv_up_proj.layer_norm_weight` marks a TE layer).
-MLA_DOWN = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
-ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
 def detect(root: Path) -> bool:
@@ -146,16 +140,6 @@ def _is_gated(local: dict[str, tuple[torch.Tensor, str]], name: str) -> bool:
     return name.endswith("linear_fc1.weight") and fc2 is not None and local[name][0].shape[0] == 2 * fc2[0].shape[1]
 
 
-def _tp_dim(local: dict[str, tuple[torch.Tensor, str]], name: str) -> int | None:
-    """The dim a tensor is split along over TP (or expert TP) ranks (None: replicated)."""
-    if name == "output_layer.weight" and local[name][0].shape[0] == 1:
-        return None  # a critic's value head: a replicated Linear(hidden, 1), not a vocab-parallel layer
-    if name.endswith(MLA_DOWN):
-        fused_norm = name.rsplit(".", 2)[0] + ".linear_kv_up_proj.layer_norm_weight"
-        return None if fused_norm in local else 0
-    return 0 if name.endswith(COLUMN) else 1 if name.endswith(ROW) else None
-
-
 def _pieces(local: torch.Tensor, dim: int | None, gated: bool, copies: dict[int, list[PieceCopy]], tp_size: int):
     """Global shape and pieces of one tensor from its rank-0 local shape and every rank's copies (`tp_size`
     ranks: TP, or expert TP for experts)."""
@@ -250,7 +234,7 @@ def open_catalog(root: Path) -> Catalog:
                     g = global_name(name, vp, pp, ep, per_rank)
                     expert = EXPERT.fullmatch(name) is not None
                     entry = entries.setdefault(g, {"value": value, "gated": _is_gated(local, name), "copies": {},
-                                                   "dim": _tp_dim(local, name),
+                                                   "dim": tp_dim(name, tuple(value.shape), local),
                                                    "ranks": etp_size if expert else tp_size})
                     if tuple(entry["value"].shape) != tuple(value.shape):
                         raise MergerError(f"tensor {name} differs in shape between EP ranks, {reference}")

@@ -50,7 +50,7 @@ DEFAULTS = dict(arch="qwen2", tp=1, pp=1, vpp=None, ep=1, layers=2, heads=4, gro
                 experts=4, optim_only=0, value=0, lora=0, alpha=0)
 
 
-def parse(defaults: dict = DEFAULTS, about: str = "arch: llama, qwen2, qwen3, qwen2_moe, mixtral, qwen3_moe; "
+def parse(defaults: dict = DEFAULTS, about: str = "arch: llama, mistral, qwen2, qwen3, qwen2_moe, mixtral, qwen3_moe; "
           "groups 1 = MQA; vocab is HF's, padded to 128 x tp; optim_only: a torch_dist save without model tensors; "
           "value: a critic with a 1-output head; lora=R,alpha=A: LoRA adapters of rank R on every layer's linears, "
           "saved alone as Megatron-Bridge does into lora_dist/, the logits with them live", fixed: dict | None = None
@@ -117,6 +117,8 @@ def hf_config(a: Namespace, config):
     moe = dict(num_experts_per_tok=2, intermediate_size=config.ffn_hidden_size)
     if a.arch == "llama":
         return transformers.LlamaConfig(intermediate_size=config.ffn_hidden_size, **common)
+    if a.arch == "mistral":
+        return transformers.MistralConfig(intermediate_size=config.ffn_hidden_size, **common)
     if a.arch == "qwen2":
         return transformers.Qwen2Config(intermediate_size=config.ffn_hidden_size, **common)
     if a.arch == "qwen3":

@@ -6,8 +6,8 @@ Each adapted Megatron linear `<linear>` holds `adapter.linear_in.weight` [r, in]
 in its run config, `lora.alpha`), or --adapter_config (an adapter_config.json of this adapter); r is read off the
 shapes.
 
-The Megatron family table names the HF tensors `<linear>.weight` becomes and its row transform (q/k/v per query
-group, fc1 into gate and up, or a rename). The transform only moves rows, so it splits B the same way, and the
+The family record's Megatron row names the HF tensors `<linear>.weight` becomes and its kind's transform (q/k/v per
+query group, fc1 into gate and up, or a rename). The transform only moves rows, so it splits B the same way, and the
 adapter is a PEFT adapter on the HF modules: A shared, B split. With a base (`--base_model DIR`, else the weights
 mbridge wrote into `model/huggingface/`) each HF weight gains scale * B_j @ A as fold.py folds PEFT adapters
 (`--lora separate`: the base as it is), and that PEFT adapter is written beside as `lora_adapter/`; without one,
@@ -75,7 +75,7 @@ def adapted_linears(catalog: Catalog, config: dict, where: str) -> list[AdaptedL
             raise MergerError(f"adapter shards {a.name} {a.shape} and {b.name} {b.shape} are not LoRA's [r, in] and "
                               f"[out, r], {where}")
         kind, names = hf_names(table, linear + ".weight", config.get("num_hidden_layers", 0), family, catalog)
-        shapes, fn = transform_of(b.name, b.shape, kind, names, config)
+        shapes, fn = transform_of(b.name, b.shape, kind, names, config, family)
         found.append(AdaptedLinear(linear, a.name, b.name, fn, names, tuple(shapes)))
     return found
 

@@ -1,7 +1,10 @@
-"""Pure tensor transforms from Megatron's layouts to HF's, each with its shape rule beside it.
+"""Pure tensor transforms from a training framework's layouts to HF's, each with its shape rule beside it.
 
-The grouped QKV layout stacks, per query group, that group's query heads then one key and one value head:
-rows = groups x (heads_per_group + 2) x head_dim (MHA: groups = heads; MQA: groups = 1).
+Megatron's grouped QKV layout stacks, per query group, that group's query heads then one key and one value head:
+rows = groups x (heads_per_group + 2) x head_dim (MHA: groups = heads; MQA: groups = 1). torchtitan's Llama (like
+Meta's original) applies rotary embeddings to adjacent pairs of each head's channels, HF's Llama rotates the first
+half of a head against the second half, so the same model in HF stores q_proj / k_proj rows permuted within each
+head (row 2i goes to row i and row 2i+1 to row i + head_dim/2).
 """
 from __future__ import annotations
 
@@ -47,3 +50,30 @@ def vocab_shapes(shape: tuple[int, ...], vocab: int, name: str) -> list[tuple[in
 def unpad_vocab(tensors: list[torch.Tensor], vocab: int) -> list[torch.Tensor]:
     """Megatron pads the vocab to a multiple of 128 x TP; the rows past HF's vocab size are padding."""
     return [tensors[0][:vocab]]
+
+
+def rotary_shapes(shape: tuple[int, ...], heads: int, head_dim: int, name: str) -> list[tuple[int, ...]]:
+    if len(shape) != 2 or shape[0] != heads * head_dim or head_dim % 2:
+        raise MergerError(f"tensor {name} is {shape} but config.json gives {heads} heads of dim {head_dim} "
+                          f"(pass the HF config of this model with --hf_model_config_path)")
+    return [shape]
+
+
+def rotary_permute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[n_heads * head_dim, in] with pairs (2i, 2i+1) per head -> halves (i, i + head_dim/2) per head."""
+    rows, cols = weight.shape
+    head_dim = rows // n_heads
+    return weight.reshape(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def permute_rotary(tensors: list[torch.Tensor], heads: int) -> list[torch.Tensor]:
+    return [rotary_permute(tensors[0], heads)]
+
+
+def swapped_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    return [(*shape[:-2], shape[-1], shape[-2])]
+
+
+def swap_last_dims(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[E, out, in] -> [E, in, out]: a stacked expert tensor as transformers keeps it on disk (gpt-oss)."""
+    return [tensors[0].transpose(-2, -1)]

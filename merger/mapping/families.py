@@ -1,0 +1,87 @@
+"""The model families merger maps, one record each (family.py): adding a family is adding a record here, plus a
+kind (kinds.py) only for a new transform.
+
+The records are checked together when imported: a model type belongs to one family, every Megatron row names a
+tensor whose TP split sources/megatron_tp.py knows (a legacy checkpoint is read by it before the family is known),
+a torchtitan mark belongs to one family's rows, and exactly one torchtitan family has no mark (what torchtitan
+names are when nothing marks them).
+"""
+from __future__ import annotations
+
+from ..sources.megatron_tp import split_known
+from . import megatron_rows as mr
+from . import torchtitan_rows as tr
+from .family import Family, Row
+
+FAMILIES = (
+    Family("llama", ("llama",), megatron=mr.ATTENTION + mr.DENSE_MLP,
+           torchtitan=tr.NORMS + tr.gqa("rotary_q", "rotary_kv") + tr.DENSE_FFN, torchtitan_any_config=True),
+    Family("mistral", ("mistral",), megatron=mr.ATTENTION + mr.DENSE_MLP),
+    Family("qwen2", ("qwen2",), megatron=mr.ATTENTION + mr.DENSE_MLP),
+    # dense and MoE under one record: Qwen3-MoE's rows add the experts (and keep the dense MLP for mlp_only_layers)
+    Family("qwen3", ("qwen3", "qwen3_moe"), megatron=mr.ATTENTION + mr.QK_NORM + mr.DENSE_MLP + mr.EXPERTS,
+           torchtitan=tr.NORMS + tr.gqa("rename", "rename") + tr.QK_NORM + tr.DENSE_FFN + tr.ROUTED_EXPERTS + (
+               Row("moe.expert_bias_E", "skip", reason="Qwen3-MoE routes by scores alone: torchtitan's "
+                                                          "load-balancing bias has no HF equivalent"),),
+           torchtitan_marks=("attention.k_norm.weight",)),
+    Family("qwen2_moe", ("qwen2_moe",),  # dense rows for mlp_only_layers
+           megatron=mr.ATTENTION + mr.DENSE_MLP + mr.EXPERTS + mr.SHARED_EXPERT),
+    Family("mixtral", ("mixtral",), megatron=mr.ATTENTION + mr.MIXTRAL_EXPERTS),
+    Family("deepseek_v3", ("deepseek_v3", "kimi_k2"),
+           megatron=mr.MLA + mr.DENSE_MLP + mr.DEEPSEEK_MOE,  # dense rows for the first_k_dense_replace layers
+           torchtitan=tr.NORMS + tr.MLA + tr.DENSE_FFN + tr.ROUTED_EXPERTS + tr.SHARED_EXPERTS + (
+               Row("moe.expert_bias_E", "rename", ("mlp.gate.e_score_correction_bias",)),),
+           torchtitan_marks=("attention.wkv_a.weight",),
+           mtp_count_key="num_nextn_predict_layers",
+           # TE keeps MLA's down projections whole on every rank, the local spec splits them
+           config_rows={"self_attn.q_a_proj.weight": lambda c: c["q_lora_rank"],
+                        "self_attn.kv_a_proj_with_mqa.weight": lambda c: c["kv_lora_rank"] + c["qk_rope_head_dim"]}),
+    Family("gpt_oss", ("gpt_oss",), torchtitan=tr.NORMS + tr.GPT_OSS,
+           torchtitan_marks=("moe.routed_experts.inner_experts.mlp1_weight_EGD",)),
+)
+MEGATRON_FAMILIES = tuple(f for f in FAMILIES if f.megatron)
+TORCHTITAN_FAMILIES = tuple(f for f in FAMILIES if f.torchtitan)
+
+
+def _one_family_per_model_type(families: tuple[Family, ...]) -> None:
+    owner: dict[str, str] = {}
+    for family in families:
+        for model_type in family.model_types:
+            if owner.setdefault(model_type, family.name) != family.name:
+                raise ValueError(f"model type {model_type!r} belongs to families {owner[model_type]} and {family.name}")
+
+
+def _tp_split_known(families: tuple[Family, ...]) -> None:
+    tables = [(f"the {f.name} family", f.megatron) for f in families] + [
+        ("Megatron's global rows", mr.MEGATRON.globals), ("Megatron's MTP rows", mr.MEGATRON.mtp.rows)]
+    for where, rows in tables:
+        for row in rows:
+            if not split_known(row.source):
+                raise ValueError(f"row {row.source!r} of {where}: sources/megatron_tp.py does not say how TP splits it")
+
+
+def _unmarked_torchtitan_family(families: tuple[Family, ...]) -> Family:
+    torchtitan = [f for f in families if f.torchtitan]
+    for family in torchtitan:
+        for mark in family.torchtitan_marks:
+            others = [f.name for f in torchtitan if f is not family and any(r.source == mark for r in f.torchtitan)]
+            if others:
+                raise ValueError(f"family {family.name}: mark {mark!r} is also a row of {', '.join(others)}")
+    unmarked = [f for f in torchtitan if not f.torchtitan_marks]
+    if len(unmarked) != 1:
+        raise ValueError(f"torchtitan families without marks: {[f.name for f in unmarked]}; exactly one is needed")
+    return unmarked[0]
+
+
+def checked_together(families: tuple[Family, ...]) -> Family:
+    """Raises where the records disagree with one another; returns the torchtitan family without marks."""
+    _one_family_per_model_type(families)
+    _tp_split_known(families)
+    return _unmarked_torchtitan_family(families)
+
+
+TORCHTITAN_UNMARKED = checked_together(FAMILIES)
+
+
+def megatron_family(model_type: str) -> Family | None:
+    return next((f for f in MEGATRON_FAMILIES if model_type in f.model_types), None)

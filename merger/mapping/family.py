@@ -1,0 +1,91 @@
+"""A model family as one typed record, and the rows its tables are made of.
+
+A `Row` maps one source tensor: its name (after the layer prefix for a layer row), its kind (kinds.py: the
+shape rule and transform that make it HF's) and the HF names it becomes (after `model.layers.{i}.` for a layer
+row; `{e}` is the expert number). A skip gives no names but the reason HF has no place for the tensor. Rows are
+checked when built, so a table with an unknown kind, a rename with several targets or a reasonless skip fails
+at import, naming the row.
+
+A `Family` holds what merger knows of one model family: the config.json model types it writes, its layer rows
+under each training framework's names (Megatron's, torchtitan's; none: that framework's checkpoints of it are
+not mapped), what tells its torchtitan checkpoints apart, whether HF has multi-token-prediction layers for it,
+and the row counts config.json fixes. The records are in families.py; adding a family is adding a record.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .kinds import KINDS
+
+
+@dataclass(frozen=True)
+class Row:
+    source: str
+    kind: str
+    targets: tuple[str, ...] = ()
+    reason: str = ""  # why a skip (or a row left out for want of `only_with`) has no HF name
+    # A tensor of the same layer the row needs beside it (named as `source` is): without it the tensor is a
+    # placeholder, left out for `reason` (torchtitan's MLA builds a query norm even without q-LoRA).
+    only_with: str = ""
+
+    def __post_init__(self):
+        kind = KINDS.get(self.kind)
+        if kind is None:
+            raise ValueError(f"row {self.source!r}: unknown kind {self.kind!r} (known: {', '.join(KINDS)})")
+        if not isinstance(self.targets, tuple) or len(self.targets) != kind.targets:
+            raise ValueError(f"row {self.source!r}: a {self.kind} row has {kind.targets} HF name(s), not "
+                             f"{self.targets!r}")
+        if (kind.targets == 0 or self.only_with) and not self.reason:
+            raise ValueError(f"row {self.source!r}: a {self.kind} row{' with only_with' if self.only_with else ''} "
+                             f"needs the reason the tensor has no HF name")
+        # `{e}` comes from the source's name (Megatron's local_experts.{e}) or from a per-expert stack
+        numbered = "{e}" in self.source or kind.per_expert
+        if any(("{e}" in t) != numbered for t in self.targets):
+            raise ValueError(f"row {self.source!r}: its HF names {self.targets!r} "
+                             f"{'lack' if numbered else 'hold'} the expert number {{e}}")
+
+    def pattern(self, prefix: str) -> re.Pattern:
+        """The source names this row maps after regex `prefix`, with the expert number as group `e`."""
+        return re.compile(prefix + re.escape(self.source).replace(r"\{e\}", r"(?P<e>\d+)"))
+
+
+def sources_once(rows: tuple[Row, ...], where: str) -> None:
+    """A table names each source once: a second row for it would never be reached."""
+    seen = set()
+    for row in rows:
+        if row.source in seen:
+            raise ValueError(f"row {row.source!r} appears twice in {where}")
+        seen.add(row.source)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # in messages, and torchtitan's --model torchtitan-<name>
+    model_types: tuple[str, ...]  # config.json model types it writes
+    megatron: tuple[Row, ...] = ()  # layer rows after `decoder.layers.{i}.`
+    torchtitan: tuple[Row, ...] = ()  # layer rows after `layers.{i}.`
+    # Layer names only this family's torchtitan checkpoints hold (no other family's torchtitan rows name them):
+    # they tell it apart; the one torchtitan family without any is what names nothing else marks are.
+    torchtitan_marks: tuple[str, ...] = ()
+    torchtitan_any_config: bool = False  # its torchtitan names fit any model_type's config (a plain Llama's)
+    mtp_count_key: str | None = None  # config.json's count of MTP layers; None: HF has no MTP layers for it
+    # HF layer-row name -> the row count config.json fixes for it, for tensors a TP layout could leave ambiguous
+    config_rows: dict[str, Callable[[dict], int]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for naming, rows in (("Megatron", self.megatron), ("torchtitan", self.torchtitan)):
+            sources_once(rows, f"the {self.name} family's {naming} rows")
+        for row in self.megatron:  # the Megatron mapper maps every row it matches: it has no skip to honour
+            if row.kind == "skip" or row.only_with:
+                raise ValueError(f"row {row.source!r} of the {self.name} family: Megatron rows name weights (the "
+                                 f"named rules of sources/megatron_skips.py leave the rest out)")
+        sources = {row.source for row in self.torchtitan}
+        for mark in self.torchtitan_marks:
+            if mark not in sources:
+                raise ValueError(f"family {self.name}: mark {mark!r} is none of its torchtitan rows")
+        targets = {t for row in self.megatron for t in row.targets}
+        for name in self.config_rows:
+            if name not in targets:
+                raise ValueError(f"family {self.name}: config row count for {name!r}, which no Megatron row writes")

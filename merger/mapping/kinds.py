@@ -1,0 +1,109 @@
+"""The kinds of row a family's table may hold (family.py), each registered once: how many HF names a row of the
+kind gives, and its plan, the HF shapes a source tensor becomes with the transform that makes them (None: the
+tensor as it is, written as a cast the reading rank can place itself). A new transform is one more registered
+kind, testable alone through its plan; a row naming a kind not registered here is refused when its table is
+imported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+
+from ..errors import MergerError
+from . import transforms as tf
+from .steps import OutputSpec, Step, Transform, cast
+
+# (source name, its shape, config.json) -> the HF shapes it becomes and the transform (None: as it is)
+Plan = Callable[[str, tuple[int, ...], dict], tuple[list[tuple[int, ...]], Transform | None]]
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    targets: int  # the HF names a row of this kind gives; 0: a skip, whose row says why instead
+    plan: Plan | None  # None: a skip, never planned
+    # An [E, ...] stack of a MoE layer's routed experts, each expert's part written under its own HF name (`{e}`
+    # in the row's target); the plan is one expert's.
+    per_expert: bool = False
+
+
+def head_counts(config: dict) -> tuple[int, int, int]:
+    """(query heads, key-value heads, head dim) of the attention, from the HF config."""
+    try:
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise MergerError(f"config.json has no {e} (the attention's head counts come from the HF config of the "
+                          f"model, --hf_model_config_path)") from e
+    return heads, int(config.get("num_key_value_heads") or heads), int(config.get("head_dim") or hidden // heads)
+
+
+def _as_is(name: str, shape: tuple[int, ...], config: dict):
+    return [shape], None
+
+
+def _qkv(name: str, shape: tuple[int, ...], config: dict):
+    heads, groups, head_dim = head_counts(config)
+    return tf.qkv_shapes(shape, heads, groups, head_dim, name), partial(
+        tf.split_qkv, heads=heads, groups=groups, head_dim=head_dim)
+
+
+def _gate_up(name: str, shape: tuple[int, ...], config: dict):
+    return tf.gate_up_shapes(shape, name), tf.split_gate_up
+
+
+def _vocab(name: str, shape: tuple[int, ...], config: dict):
+    vocab = config["vocab_size"]
+    shapes = tf.vocab_shapes(shape, vocab, name)
+    # no padding rows: as it is (a plain cast, which each rank places where it reads it)
+    return shapes, None if shapes[0] == shape else partial(tf.unpad_vocab, vocab=vocab)
+
+
+def _rotary(key_value: bool, name: str, shape: tuple[int, ...], config: dict):
+    heads, groups, head_dim = head_counts(config)
+    count = groups if key_value else heads
+    return tf.rotary_shapes(shape, count, head_dim, name), partial(tf.permute_rotary, heads=count)
+
+
+def _one_expert(name: str, shape: tuple[int, ...], config: dict):
+    return [shape[1:]], None
+
+
+def _swapped(name: str, shape: tuple[int, ...], config: dict):
+    return tf.swapped_shapes(shape), tf.swap_last_dims
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def register(*kinds: Kind) -> None:
+    for kind in kinds:
+        if kind.name in KINDS:
+            raise ValueError(f"kind {kind.name!r} is registered twice")
+        KINDS[kind.name] = kind
+
+
+register(
+    Kind("rename", 1, _as_is),
+    Kind("qkv", 3, _qkv),  # Megatron's fused QKV: q, k, v
+    Kind("gate_up", 2, _gate_up),  # a gated fc1, cat(gate, up): gate, up
+    Kind("vocab", 1, _vocab),  # Megatron's padded vocab rows, unpadded
+    Kind("rotary_q", 1, partial(_rotary, False)),  # torchtitan Llama's wq, permuted by query head
+    Kind("rotary_kv", 1, partial(_rotary, True)),  # its wk, permuted by key-value head
+    Kind("experts", 1, _one_expert, per_expert=True),
+    # a stacked expert tensor transformers also keeps stacked on disk (gpt-oss), written whole with its last two
+    # dims swapped, gate and up still interleaved as both interleave them
+    Kind("experts_fused", 1, _swapped),
+    Kind("skip", 0, None),  # no HF equivalent: left out, for the reason its row gives
+)
+
+
+def step(name: str, shape: tuple[int, ...], dtype: torch.dtype, kind: str, targets: tuple[str, ...],
+         config: dict) -> Step:
+    """The step writing source tensor `name` as `targets` under its row's `kind`."""
+    shapes, fn = KINDS[kind].plan(name, shape, config)
+    if fn is None:
+        return cast(name, targets[0], shape, dtype)
+    return Step((name,), tuple(OutputSpec(t, s, dtype) for t, s in zip(targets, shapes)), fn)

@@ -1,0 +1,96 @@
+"""Megatron's naming (its global and multi-token-prediction rows) and the layer rows its families are made of.
+
+Layer rows follow `decoder.layers.{i}.` (`{e}` is the global expert number). Both local-spec and TE names appear
+(`input_layernorm.weight` or `linear_qkv.layer_norm_weight`), since the layer spec decides which one a
+checkpoint holds. An MTP layer (`mtp.layers.{j}.`) holds its own rows, its transformer layer
+(`transformer_layer.`, Megatron-Bridge's `mtp_model_layer.`) with the family's layer rows, and writes the shared
+embedding and output layer again as that layer's `embed_tokens` and `shared_head.head`. The families that use
+these rows are the records of families.py.
+"""
+from __future__ import annotations
+
+from .family import Row
+from .naming import MtpNaming, Naming
+
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+
+ATTENTION = (
+    Row("input_layernorm.weight", "rename", ("input_layernorm.weight",)),
+    Row("self_attention.linear_qkv.layer_norm_weight", "rename", ("input_layernorm.weight",)),
+    Row("self_attention.linear_qkv.weight", "qkv", tuple(f"{p}.weight" for p in QKV)),
+    Row("self_attention.linear_qkv.bias", "qkv", tuple(f"{p}.bias" for p in QKV)),
+    Row("self_attention.linear_proj.weight", "rename", ("self_attn.o_proj.weight",)),
+    Row("pre_mlp_layernorm.weight", "rename", ("post_attention_layernorm.weight",)),
+    Row("mlp.linear_fc1.layer_norm_weight", "rename", ("post_attention_layernorm.weight",)),
+)
+QK_NORM = (
+    Row("self_attention.q_layernorm.weight", "rename", ("self_attn.q_norm.weight",)),
+    Row("self_attention.k_layernorm.weight", "rename", ("self_attn.k_norm.weight",)),
+)
+DENSE_MLP = (
+    Row("mlp.linear_fc1.weight", "gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    Row("mlp.linear_fc2.weight", "rename", ("mlp.down_proj.weight",)),
+)
+EXPERTS = (
+    Row("mlp.router.weight", "rename", ("mlp.gate.weight",)),
+    Row("mlp.experts.local_experts.{e}.linear_fc1.weight", "gate_up",
+        ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
+    Row("mlp.experts.local_experts.{e}.linear_fc2.weight", "rename", ("mlp.experts.{e}.down_proj.weight",)),
+)
+SHARED_EXPERT = (
+    Row("mlp.shared_experts.linear_fc1.weight", "gate_up",
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")),
+    Row("mlp.shared_experts.linear_fc2.weight", "rename", ("mlp.shared_expert.down_proj.weight",)),
+    Row("mlp.shared_experts.gate_weight", "rename", ("mlp.shared_expert_gate.weight",)),
+)
+MIXTRAL_EXPERTS = (  # the hub's names, which transformers converts to its fused layout on load
+    Row("mlp.router.weight", "rename", ("block_sparse_moe.gate.weight",)),
+    Row("mlp.experts.local_experts.{e}.linear_fc1.weight", "gate_up",
+        ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight")),
+    Row("mlp.experts.local_experts.{e}.linear_fc2.weight", "rename", ("block_sparse_moe.experts.{e}.w2.weight",)),
+)
+MLA = (  # multi-latent attention, with q-LoRA (q_down/q_up) or without (q_proj); TE fuses the norms
+    Row("input_layernorm.weight", "rename", ("input_layernorm.weight",)),
+    Row("self_attention.linear_q_proj.layer_norm_weight", "rename", ("input_layernorm.weight",)),
+    Row("self_attention.linear_q_proj.weight", "rename", ("self_attn.q_proj.weight",)),
+    Row("self_attention.linear_q_down_proj.weight", "rename", ("self_attn.q_a_proj.weight",)),
+    Row("self_attention.q_layernorm.weight", "rename", ("self_attn.q_a_layernorm.weight",)),
+    Row("self_attention.linear_q_up_proj.layer_norm_weight", "rename", ("self_attn.q_a_layernorm.weight",)),
+    Row("self_attention.linear_q_up_proj.weight", "rename", ("self_attn.q_b_proj.weight",)),
+    Row("self_attention.linear_kv_down_proj.weight", "rename", ("self_attn.kv_a_proj_with_mqa.weight",)),
+    Row("self_attention.kv_layernorm.weight", "rename", ("self_attn.kv_a_layernorm.weight",)),
+    Row("self_attention.linear_kv_up_proj.layer_norm_weight", "rename", ("self_attn.kv_a_layernorm.weight",)),
+    Row("self_attention.linear_kv_up_proj.weight", "rename", ("self_attn.kv_b_proj.weight",)),
+    Row("self_attention.linear_proj.weight", "rename", ("self_attn.o_proj.weight",)),
+    Row("pre_mlp_layernorm.weight", "rename", ("post_attention_layernorm.weight",)),
+    Row("mlp.linear_fc1.layer_norm_weight", "rename", ("post_attention_layernorm.weight",)),
+)
+DEEPSEEK_MOE = EXPERTS + (  # a sigmoid router whose expert bias steers the choice, and shared experts
+    Row("mlp.router.expert_bias", "rename", ("mlp.gate.e_score_correction_bias",)),
+    Row("mlp.shared_experts.linear_fc1.weight", "gate_up",
+        ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")),
+    Row("mlp.shared_experts.linear_fc2.weight", "rename", ("mlp.shared_experts.down_proj.weight",)),
+)
+
+MEGATRON = Naming(
+    "Megatron", "decoder.layers.",
+    globals=(
+        Row("embedding.word_embeddings.weight", "vocab", ("model.embed_tokens.weight",)),
+        Row("decoder.final_layernorm.weight", "rename", ("model.norm.weight",)),
+        Row("output_layer.weight", "vocab", ("lm_head.weight",)),
+    ),
+    mtp=MtpNaming(
+        "mtp.layers.", ("transformer_layer.", "mtp_model_layer."),
+        rows=(
+            Row("enorm.weight", "rename", ("enorm.weight",)),
+            Row("hnorm.weight", "rename", ("hnorm.weight",)),
+            Row("eh_proj.weight", "rename", ("eh_proj.weight",)),
+            Row("final_layernorm.weight", "rename", ("shared_head.norm.weight",)),
+        ),
+        shared=(
+            Row("embedding.word_embeddings.weight", "vocab", ("embed_tokens.weight",)),
+            Row("output_layer.weight", "vocab", ("shared_head.head.weight",)),
+        ),
+        tied_source="embedding.word_embeddings.weight",  # tied: no output layer, the embedding is the head
+    ),
+)

@@ -1,0 +1,106 @@
+"""torchtitan's naming (its global and multi-token-prediction rows) and the layer rows its families are made of.
+
+Layer rows follow `layers.{i}.`. Both naming generations of torchtitan are accepted: `attention.wq` / `output`
+(<= 0.2) and `attention.qkv_linear.wq` / `lm_head` (0.3). Llama's wq / wk are rotary-permuted (kinds rotary_q,
+rotary_kv); Qwen3 (CosSinRoPE) and DeepSeek-V3 (HF's `rope_interleave`) need no permutation. A MoE layer's
+routed experts are stacked [E, ...] tensors (kind experts). MLA's query norm is written only beside q-LoRA's
+`wq_a`: without it torchtitan still builds a 1-element placeholder, which HF has no place for. torchtitan's MTP
+block `mtp_layers.{j}.` holds its own rows beside its transformer layer's. The families that use these rows are
+the records of families.py.
+"""
+from __future__ import annotations
+
+from .family import Row
+from .naming import MtpNaming, Naming
+
+NORMS = (
+    Row("attention_norm.weight", "rename", ("input_layernorm.weight",)),
+    Row("ffn_norm.weight", "rename", ("post_attention_layernorm.weight",)),
+)
+
+
+def gqa(q_kind: str, kv_kind: str) -> tuple[Row, ...]:
+    """Grouped-query attention under both naming generations, wq / wk as `q_kind` / `kv_kind`."""
+    rows = []
+    for prefix in ("attention.", "attention.qkv_linear."):
+        rows += [Row(f"{prefix}wq.weight", q_kind, ("self_attn.q_proj.weight",)),
+                 Row(f"{prefix}wk.weight", kv_kind, ("self_attn.k_proj.weight",)),
+                 Row(f"{prefix}wv.weight", "rename", ("self_attn.v_proj.weight",))]
+    return (*rows, Row("attention.wo.weight", "rename", ("self_attn.o_proj.weight",)))
+
+
+QK_NORM = (
+    Row("attention.q_norm.weight", "rename", ("self_attn.q_norm.weight",)),
+    Row("attention.k_norm.weight", "rename", ("self_attn.k_norm.weight",)),
+)
+DENSE_FFN = (
+    Row("feed_forward.w1.weight", "rename", ("mlp.gate_proj.weight",)),
+    Row("feed_forward.w2.weight", "rename", ("mlp.down_proj.weight",)),
+    Row("feed_forward.w3.weight", "rename", ("mlp.up_proj.weight",)),
+)
+ROUTED_EXPERTS = (
+    Row("moe.router.gate.weight", "rename", ("mlp.gate.weight",)),
+    Row("moe.routed_experts.inner_experts.w1_EFD", "experts", ("mlp.experts.{e}.gate_proj.weight",)),
+    Row("moe.routed_experts.inner_experts.w2_EDF", "experts", ("mlp.experts.{e}.down_proj.weight",)),
+    Row("moe.routed_experts.inner_experts.w3_EFD", "experts", ("mlp.experts.{e}.up_proj.weight",)),
+)
+SHARED_EXPERTS = (
+    Row("moe.shared_experts.w1.weight", "rename", ("mlp.shared_experts.gate_proj.weight",)),
+    Row("moe.shared_experts.w2.weight", "rename", ("mlp.shared_experts.down_proj.weight",)),
+    Row("moe.shared_experts.w3.weight", "rename", ("mlp.shared_experts.up_proj.weight",)),
+)
+MLA = (
+    Row("attention.wq.weight", "rename", ("self_attn.q_proj.weight",)),  # without q-LoRA
+    Row("attention.wq_a.weight", "rename", ("self_attn.q_a_proj.weight",)),
+    Row("attention.q_norm.weight", "rename", ("self_attn.q_a_layernorm.weight",), only_with="attention.wq_a.weight",
+        reason="a placeholder torchtitan builds without q-LoRA"),
+    Row("attention.wq_b.weight", "rename", ("self_attn.q_b_proj.weight",)),
+    Row("attention.wkv_a.weight", "rename", ("self_attn.kv_a_proj_with_mqa.weight",)),
+    Row("attention.kv_norm.weight", "rename", ("self_attn.kv_a_layernorm.weight",)),
+    Row("attention.wkv_b.weight", "rename", ("self_attn.kv_b_proj.weight",)),
+    Row("attention.wo.weight", "rename", ("self_attn.o_proj.weight",)),
+)
+GPT_OSS = (  # attention with biases and sinks, a router with a bias, experts fused on disk as transformers keeps them
+    Row("attention.qkv_linear.wq.weight", "rename", ("self_attn.q_proj.weight",)),
+    Row("attention.qkv_linear.wq.bias", "rename", ("self_attn.q_proj.bias",)),
+    Row("attention.qkv_linear.wk.weight", "rename", ("self_attn.k_proj.weight",)),
+    Row("attention.qkv_linear.wk.bias", "rename", ("self_attn.k_proj.bias",)),
+    Row("attention.qkv_linear.wv.weight", "rename", ("self_attn.v_proj.weight",)),
+    Row("attention.qkv_linear.wv.bias", "rename", ("self_attn.v_proj.bias",)),
+    Row("attention.wo.weight", "rename", ("self_attn.o_proj.weight",)),
+    Row("attention.wo.bias", "rename", ("self_attn.o_proj.bias",)),
+    Row("attention.sinks", "rename", ("self_attn.sinks",)),
+    Row("moe.router.gate.weight", "rename", ("mlp.router.weight",)),
+    Row("moe.router.gate.bias", "rename", ("mlp.router.bias",)),
+    Row("moe.routed_experts.inner_experts.mlp1_weight_EGD", "experts_fused", ("mlp.experts.gate_up_proj",)),
+    Row("moe.routed_experts.inner_experts.mlp1_bias_EG", "rename", ("mlp.experts.gate_up_proj_bias",)),
+    Row("moe.routed_experts.inner_experts.mlp2_weight_EDF", "experts_fused", ("mlp.experts.down_proj",)),
+    Row("moe.routed_experts.inner_experts.mlp2_bias_ED", "rename", ("mlp.experts.down_proj_bias",)),
+    Row("moe.expert_bias_E", "skip", reason="GPT-OSS routes by the router's logits alone: torchtitan's "
+                                            "load-balancing bias has no HF equivalent"),
+)
+
+TORCHTITAN = Naming(
+    "torchtitan", "layers.",
+    globals=(
+        Row("tok_embeddings.weight", "rename", ("model.embed_tokens.weight",)),
+        Row("norm.weight", "rename", ("model.norm.weight",)),
+        Row("output.weight", "rename", ("lm_head.weight",)),
+        Row("lm_head.weight", "rename", ("lm_head.weight",)),
+    ),
+    mtp=MtpNaming(
+        "mtp_layers.", ("",),  # its transformer layer's rows sit beside its own
+        rows=(
+            Row("enorm.weight", "rename", ("enorm.weight",)),
+            Row("hnorm.weight", "rename", ("hnorm.weight",)),
+            Row("eh_proj.weight", "rename", ("eh_proj.weight",)),
+            Row("mtp_norm.weight", "rename", ("shared_head.norm.weight",)),
+        ),
+        shared=(
+            Row("tok_embeddings.weight", "rename", ("embed_tokens.weight",)),
+            Row("lm_head.weight", "rename", ("shared_head.head.weight",)),
+        ),
+    ),
+)
+# Rotary tables some torchtitan versions keep as buffers: recomputed by HF, never weights.
+DROPPED_BUFFERS = ("freqs_cis", "rope.cache")

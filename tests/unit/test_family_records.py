@@ -1,0 +1,206 @@
+"""Family records and row kinds alone: tables refused at import for an unknown kind, a rename with several
+targets or a reasonless skip; each kind's plan against a hand-built reference of the layout it undoes; and every
+family in the registry written by a test that checks it against the framework's own forward pass.
+
+Oracles: the layouts as Megatron and torchtitan build them, assembled here with plain indexing (Megatron's fused
+QKV: per query group its query heads then one key and one value head; its padded vocab; torchtitan's interleaved
+rotary pairs; gpt-oss's [E, out, in] experts), and the test files' own case lists.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from merger.errors import MergerError
+from merger.mapping.families import FAMILIES, MEGATRON_FAMILIES, TORCHTITAN_FAMILIES
+from merger.mapping.family import Family, Row
+from merger.mapping.kinds import KINDS, register, step
+
+pytestmark = pytest.mark.unit
+
+TESTS = Path(__file__).resolve().parent.parent
+
+
+def test_a_row_of_an_unknown_kind_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"row 'mlp.linear_fc1.weight': unknown kind 'gate_upp'"):
+        Row("mlp.linear_fc1.weight", "gate_upp", ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+
+
+def test_a_rename_with_several_targets_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"row 'mlp.linear_fc1.weight': a rename row has 1 HF name"):
+        Row("mlp.linear_fc1.weight", "rename", ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+
+
+def test_a_skip_without_a_reason_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"row 'moe.expert_bias_E': a skip row needs the reason"):
+        Row("moe.expert_bias_E", "skip")
+
+
+def test_a_row_with_the_wrong_number_of_targets_for_its_kind_is_refused():
+    with pytest.raises(ValueError, match=r"row 'self_attention.linear_qkv.weight': a qkv row has 3 HF name"):
+        Row("self_attention.linear_qkv.weight", "qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
+
+
+def test_an_expert_row_must_number_its_targets():
+    with pytest.raises(ValueError, match=r"row 'moe.w1_EFD': its HF names .* lack the expert number"):
+        Row("moe.w1_EFD", "experts", ("mlp.gate_proj.weight",))
+
+
+def test_a_family_is_refused_for_a_mark_or_row_count_it_has_no_row_for():
+    rows = (Row("attention.wq.weight", "rename", ("self_attn.q_proj.weight",)),)
+    with pytest.raises(ValueError, match=r"family toy: mark 'attention.wkv_a.weight' is none of its torchtitan rows"):
+        Family("toy", ("toy",), torchtitan=rows, torchtitan_marks=("attention.wkv_a.weight",))
+    with pytest.raises(ValueError, match=r"family toy: config row count for 'self_attn.q_a_proj.weight'"):
+        Family("toy", ("toy",), megatron=rows, config_rows={"self_attn.q_a_proj.weight": lambda c: 1})
+    with pytest.raises(ValueError, match=r"row 'attention.wq.weight' appears twice in the toy family's Megatron rows"):
+        Family("toy", ("toy",), megatron=rows + rows)
+
+
+def test_a_kind_is_registered_once():
+    with pytest.raises(ValueError, match="kind 'rename' is registered twice"):
+        register(KINDS["rename"])
+
+
+def _plan(kind: str, shape: tuple[int, ...], config: dict):
+    return KINDS[kind].plan("t", shape, config)
+
+
+def test_qkv_splits_megatrons_grouped_layout():
+    heads, groups, head_dim, hidden = 6, 2, 4, 8
+    q = torch.randn(heads * head_dim, hidden)
+    k, v = torch.randn(groups * head_dim, hidden), torch.randn(groups * head_dim, hidden)
+    per = heads // groups
+    fused = torch.cat([torch.cat([q[g * per * head_dim:(g + 1) * per * head_dim], k[g * head_dim:(g + 1) * head_dim],
+                                  v[g * head_dim:(g + 1) * head_dim]]) for g in range(groups)])
+    config = dict(num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim, hidden_size=hidden)
+    shapes, fn = _plan("qkv", tuple(fused.shape), config)
+    assert shapes == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+    assert all(torch.equal(a, b) for a, b in zip(fn([fused]), [q, k, v]))
+    with pytest.raises(MergerError, match="tensor t has 33 rows"):
+        _plan("qkv", (33, hidden), config)
+
+
+def test_gate_up_splits_the_halves_and_refuses_odd_rows():
+    gate, up = torch.randn(5, 3), torch.randn(5, 3)
+    shapes, fn = _plan("gate_up", (10, 3), {})
+    assert shapes == [(5, 3), (5, 3)]
+    assert all(torch.equal(a, b) for a, b in zip(fn([torch.cat([gate, up])]), [gate, up]))
+    with pytest.raises(MergerError, match="odd number of rows"):
+        _plan("gate_up", (9, 3), {})
+
+
+def test_vocab_drops_padding_rows_and_is_a_cast_without_them():
+    embedding = torch.randn(101, 4)
+    padded = torch.cat([embedding, torch.zeros(27, 4)])  # Megatron pads to a multiple of 128 x TP
+    shapes, fn = _plan("vocab", (128, 4), {"vocab_size": 101})
+    assert shapes == [(101, 4)] and torch.equal(fn([padded])[0], embedding)
+    written = step("embedding", (101, 4), torch.float32, "vocab", ("model.embed_tokens.weight",), {"vocab_size": 101})
+    assert written.is_cast and written.outputs[0].shape == (101, 4)
+    with pytest.raises(MergerError, match="fewer than config.json's vocab_size 101"):
+        _plan("vocab", (100, 4), {"vocab_size": 101})
+
+
+@pytest.mark.parametrize("kind", ["rotary_q", "rotary_kv"])
+def test_rotary_moves_interleaved_pairs_to_halves_per_head(kind):
+    heads, kv_heads, head_dim, hidden = 4, 2, 6, 5
+    count = heads if kind == "rotary_q" else kv_heads
+    interleaved = torch.randn(count * head_dim, hidden)
+    halves = torch.empty_like(interleaved)
+    for h in range(count):
+        for i in range(head_dim // 2):  # pair (2i, 2i+1) of head h -> rows i and i + head_dim/2
+            halves[h * head_dim + i] = interleaved[h * head_dim + 2 * i]
+            halves[h * head_dim + head_dim // 2 + i] = interleaved[h * head_dim + 2 * i + 1]
+    config = dict(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, hidden_size=hidden)
+    shapes, fn = _plan(kind, tuple(interleaved.shape), config)
+    assert shapes == [tuple(interleaved.shape)] and torch.equal(fn([interleaved])[0], halves)
+
+
+def test_fused_experts_are_written_in_to_out_and_stacked_experts_one_at_a_time():
+    experts = torch.randn(3, 4, 5)  # [E, out, in]
+    shapes, fn = _plan("experts_fused", (3, 4, 5), {})
+    swapped = torch.stack([e.T for e in experts])
+    assert shapes == [(3, 5, 4)] and torch.equal(fn([experts])[0], swapped)
+    assert _plan("experts", (3, 4, 5), {}) == ([(4, 5)], None) and KINDS["experts"].per_expert
+
+
+def _megatron_cases() -> set[str]:
+    """The model types the Megatron logits tests write (test_megatron.py, test_megatron_deepseek.py)."""
+    import megatron_checkpoint
+    import megatron_deepseek
+    import test_megatron
+    import test_megatron_deepseek
+
+    found = set()
+    for cases, names, defaults in ((test_megatron.CASES, test_megatron.MODELS, megatron_checkpoint.DEFAULTS),
+                                   (test_megatron_deepseek.CASES, test_megatron_deepseek.CASES,
+                                    megatron_deepseek.DEFAULTS)):
+        for name in names:
+            spec = dict(pair.split("=") for pair in cases[name].split(",") if pair)
+            found.add(spec.get("arch", defaults["arch"]))
+    return found
+
+
+def _torchtitan_cases() -> set[str]:
+    """The families the tests have torchtitan write: `--family` of tests/writers/torchtitan_checkpoint.py (a
+    model type), as a literal in a run_writer call or through test_torchtitan's _written_by_torchtitan."""
+    found = set()
+    for path in TESTS.glob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            args = [a.value if isinstance(a, ast.Constant) else None for a in node.args]
+            called = getattr(node.func, "id", None)
+            if called == "_written_by_torchtitan":
+                found.add(args[1])
+            elif called == "run_writer" and args[:1] == ["torchtitan_checkpoint.py"] and "--family" in args:
+                found.add(args[args.index("--family") + 1])
+    return found - {None}
+
+
+def _families_of(model_types: set[str]) -> set[str]:
+    return {f.name for f in FAMILIES for t in model_types if t in f.model_types}
+
+
+def test_every_megatron_family_has_a_test_case():
+    assert {f.name for f in MEGATRON_FAMILIES} - _families_of(_megatron_cases()) == set()
+
+
+def test_every_torchtitan_family_has_a_test_case():
+    assert {f.name for f in TORCHTITAN_FAMILIES} - _families_of(_torchtitan_cases()) == set()
+
+
+def test_records_that_disagree_are_refused():
+    from merger.mapping.families import checked_together
+
+    llama, gpt_oss = (next(f for f in FAMILIES if f.name == n) for n in ("llama", "gpt_oss"))
+    with pytest.raises(ValueError, match=r"model type 'llama' belongs to families llama and copy"):
+        checked_together((llama, Family("copy", ("llama",), megatron=llama.megatron)))
+    unsplit = Row("self_attention.linear_gdn_in.weight", "rename", ("linear_attn.in_proj.weight",))
+    with pytest.raises(ValueError, match=r"row 'self_attention.linear_gdn_in.weight' of the gdn family: "
+                                         r"sources/megatron_tp.py does not say how TP splits it"):
+        checked_together((llama, Family("gdn", ("gdn",), megatron=(unsplit,))))
+    with pytest.raises(ValueError, match=r"torchtitan families without marks: \['llama', 'copy'\]"):
+        checked_together((llama, Family("copy", ("copy",), torchtitan=llama.torchtitan)))
+    with pytest.raises(ValueError, match=r"family copy: mark 'attention.sinks' is also a row of gpt_oss"):
+        sinks = Row("attention.sinks", "rename", ("self_attn.sinks",))
+        checked_together((llama, gpt_oss, Family("copy", ("copy",), torchtitan=(sinks,),
+                                                 torchtitan_marks=("attention.sinks",))))
+
+
+def test_a_megatron_row_is_a_weight():
+    with pytest.raises(ValueError, match=r"row 'mlp.router.expert_bias' of the toy family: Megatron rows name weights"):
+        Family("toy", ("toy",), megatron=(Row("mlp.router.expert_bias", "skip", reason="no HF equivalent"),))
+
+
+def test_torchtitan_names_are_the_family_their_marks_say():
+    from merger.mapping.torchtitan import family_of
+
+    common = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.feed_forward.w1.weight"]
+    assert family_of(common, "ckpt").name == "llama"
+    assert family_of(common + ["layers.0.attention.k_norm.weight"], "ckpt").name == "qwen3"
+    assert family_of(common + ["layers.1.attention.wkv_a.weight"], "ckpt").name == "deepseek_v3"
+    with pytest.raises(MergerError, match=r"marks of the qwen3 and deepseek_v3 families \(--model names the family\)"):
+        family_of(common + ["layers.0.attention.k_norm.weight", "layers.1.attention.wkv_a.weight"], "ckpt")
