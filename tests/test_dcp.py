@@ -187,6 +187,39 @@ def test_flipped_bit_in_a_chunk_fails_its_checksum(dcp_root, tmp_path, dtype):
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.merger-partial").exists()
 
 
+def _metadata_naming(folder: Path, old: str, new: str) -> None:
+    """Rewrite `.metadata` as torch pickles it, with the storage entries of file `old` naming `new` instead."""
+    import dataclasses
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    metadata.storage_data = {index: dataclasses.replace(info, relative_path=new) if info.relative_path == old
+                             else info for index, info in metadata.storage_data.items()}
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
+@pytest.mark.parametrize("how", ["named in .metadata", "linked"])
+def test_a_chunk_file_outside_the_folder_is_refused(how, dcp_root, tmp_path):
+    """`.metadata` names each chunk's file relative to the folder: a name leading out of it, or a chunk file that
+    is a link out of it, stops the merge at once, naming `.metadata`."""
+    folder = Path(shutil.copytree(dcp_root / "plain", tmp_path / "ckpt"))
+    victim = sorted(folder.glob("__*.distcp"))[-1]
+    outside = victim.rename(tmp_path / "outside.distcp")
+    if how == "linked":
+        victim.symlink_to(outside)
+        name = victim.name
+    else:
+        name = "../outside.distcp"
+        _metadata_naming(folder, victim.name, name)
+    proc = run_merger("merge", "--local_dir", folder, "--target_dir", tmp_path / "out", check=False)
+    assert proc.returncode == 1
+    error = single_error_line(proc.stderr)
+    assert f"names '{name}', which lies outside the checkpoint folder" in error, error
+    assert error.endswith(str(folder / ".metadata")) and not (tmp_path / "out").exists()
+
+
 def test_torchtitan_llama_to_hf(torchtitan_root, tmp_path):
     """Names and wq/wk permutation equal torchtitan's own to_hf of the unsharded model, bit for bit."""
     run_merger("merge", "--local_dir", torchtitan_root / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",
