@@ -193,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="plan for N merge ranks (torchrun's --nproc_per_node times --nnodes): what each "
                               "reads, exchanges and writes")
     inspect.add_argument("--json", action="store_true", help="print the description as JSON")
+    inspect.add_argument("--check", action="store_true",
+                         help="instead of the description, read every source byte a merge reads that the format "
+                              "checksums (torch.save CRC-32s; safetensors: offsets within the file) and name each "
+                              "damaged or truncated file")
     inspect.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
@@ -244,6 +248,24 @@ def _inspect(options: MergeOptions, as_json: bool, merge_ranks: int) -> int:
     return 0
 
 
+def _check_sources(options: MergeOptions) -> int:
+    """`inspect --check`: one error line per bad file, or one line saying what was checked (rank 0 prints)."""
+    from .engine.source_check import check_sources
+    from .merge import prepare
+
+    group = init_group("cpu", options.dist_timeout)  # control messages only: gloo
+    try:
+        result = check_sources(prepare(options, group).catalog, group, options.debug)
+    finally:
+        group.close()
+    for line in result.bad.values():
+        _fail(line, show=group.rank == 0)
+    if not result.bad and group.rank == 0:
+        print(f"checked {result.files} source files, {result.bytes} bytes ({format_size(result.bytes)}) of tensor "
+              f"data: all fine")
+    return 1 if result.bad else 0
+
+
 def _print_skipped(skipped: dict[str, str]) -> None:
     """One line per rule: how many stored entries it left out, and the first of them (--json lists them all)."""
     by_rule: dict[str, list[str]] = {}
@@ -262,7 +284,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     options = options_from_args(args)
     if args.command == "inspect":
-        return _inspect(options, args.json, args.merge_ranks)
+        return _check_sources(options) if args.check else _inspect(options, args.json, args.merge_ranks)
     with _one_intra_op_thread():
         return _run_on_group(args, options)
 
