@@ -74,9 +74,9 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=["auto", "hf", *MODELS], default="auto",
                    help="naming of the source tensors (default: detect; torchtitan-<family> converts torchtitan's "
                         "names to HF's and needs --hf_model_config_path)")
-    p.add_argument(*_flag("--hf_model_config_path"), dest="hf_model_config_path", type=Path, default=None,
-                   help="folder with config.json, tokenizer, processor, chat template, remote code (default: "
-                        "huggingface/ in the checkpoint)")
+    p.add_argument(*_flag("--hf_model_config_path"), dest="hf_model_config_path", default=None,
+                   help="folder with config.json, tokenizer, processor, chat template, remote code, or a Hub model "
+                        "id (owner/name; default: huggingface/ in the checkpoint)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
                    help="output dtype of floating tensors (default bfloat16, as verl); keep = source dtype")
     _add_overflow_arg(p)
@@ -98,10 +98,10 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(*_flag("--lora_alpha"), dest="lora_alpha", type=float, default=None,
                    help="LoRA alpha, when the checkpoint records none (no lora_train_meta.json; Megatron-Bridge "
                         "adapter shards without their HF export)")
-    p.add_argument(*_flag("--base_model"), dest="base_model", type=Path, default=None,
+    p.add_argument(*_flag("--base_model"), dest="base_model", default=None,
                    help="adapter-only checkpoints (accelerate adapter_only DCP, verl save_lora_only): HF "
-                        "safetensors folder to fold the adapter into (default: write the adapter as a PEFT adapter "
-                        "folder)")
+                        "safetensors folder, or Hub model id, to fold the adapter into (default: write the adapter "
+                        "as a PEFT adapter folder)")
     p.add_argument(*_flag("--adapter_config"), dest="adapter_config", type=Path, default=None,
                    help="checkpoints with a LoRA adapter: its adapter_config.json, file or folder (r, lora_alpha, "
                         "use_rslora, rank/alpha patterns; default: checkpoint-N/ and its parent for accelerate, "

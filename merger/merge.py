@@ -22,6 +22,7 @@ from .engine.plan import Plan, plan_layout
 from .engine.progress import Progress
 from .engine.stream import run_plan
 from .errors import MergerError
+from .mapping.hub_folders import with_hub_folders
 from .mapping.registry import build_mapping
 from .options import MergeOptions
 from .output.files import FileSink, finish, prepare_files, write_manifest
@@ -53,7 +54,7 @@ def prepare(options: MergeOptions, group: Group) -> Prepared:
     """Catalog, mapping and plan, identical on every rank, from metadata alone: the one place a plan is made."""
     def build():
         source = open_catalog(Path(options.local_dir), options.backend, options.prefix)
-        mapping = build_mapping(source, options)
+        mapping = build_mapping(source, with_hub_folders(options))  # Hub ids among the flags: their snapshots
         catalog = mapping.catalog or source
         plan = plan_layout(catalog, mapping.steps, group.world, options.max_shard_size, options.max_inflight)
         return Prepared(catalog, mapping.hf_dir, plan, mapping.config_updates, mapping.config_removals,
