@@ -203,3 +203,18 @@ def single_error_line(stderr: str) -> str:
     errors = [line for line in stderr.splitlines() if line.startswith("merger: error:")]
     assert len(errors) == 1, stderr
     return errors[0]
+
+
+def metadata_naming(folder: Path, old: str, new: str) -> None:
+    """Rewrite a DCP folder's `.metadata` as torch pickles it (torch's reader and classes, not merger's), with the
+    storage entries of file `old` naming `new` instead."""
+    import dataclasses
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    metadata.storage_data = {index: dataclasses.replace(info, relative_path=new) if info.relative_path == old
+                             else info for index, info in metadata.storage_data.items()}
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)

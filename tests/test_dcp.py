@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (assert_same_weights, flip_bit_in_tensor, load_safetensors_folder, run_merger, run_writer,
-                      single_error_line)
+from conftest import (assert_same_weights, flip_bit_in_tensor, load_safetensors_folder, metadata_naming, run_merger,
+                      run_writer, single_error_line)
 from enums_by_name import repickle
 
 
@@ -185,19 +185,9 @@ def test_flipped_bit_in_a_chunk_fails_its_checksum(dcp_root, tmp_path, dtype):
     error = single_error_line(proc.stderr)
     assert f"checksum mismatch in tensor {index.fqn}" in error and error.endswith(str(victim)), error
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.merger-partial").exists()
-
-
-def _metadata_naming(folder: Path, old: str, new: str) -> None:
-    """Rewrite `.metadata` as torch pickles it, with the storage entries of file `old` naming `new` instead."""
-    import dataclasses
-
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(str(folder)).read_metadata()
-    metadata.storage_data = {index: dataclasses.replace(info, relative_path=new) if info.relative_path == old
-                             else info for index, info in metadata.storage_data.items()}
-    with open(folder / ".metadata", "wb") as f:
-        pickle.dump(metadata, f)
+    # found before a merge too, reading the chunks' blobs alone
+    proc = run_merger("inspect", "--local_dir", folder, "--check", check=False)
+    assert proc.returncode == 1 and single_error_line(proc.stderr) == error, proc.stderr
 
 
 @pytest.mark.parametrize("how", ["named in .metadata", "linked"])
@@ -212,7 +202,7 @@ def test_a_chunk_file_outside_the_folder_is_refused(how, dcp_root, tmp_path):
         name = victim.name
     else:
         name = "../outside.distcp"
-        _metadata_naming(folder, victim.name, name)
+        metadata_naming(folder, victim.name, name)
     proc = run_merger("merge", "--local_dir", folder, "--target_dir", tmp_path / "out", check=False)
     assert proc.returncode == 1
     error = single_error_line(proc.stderr)

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 import merger.merge
 from conftest import assert_same_weights, load_safetensors_folder, merge_here, run_merger, snapshot
+from hub_cache import cache_model
 from merger.engine.process_id import ProcessId
 from merger.output.target_lock import STALE_AFTER_S
 
@@ -331,5 +332,13 @@ def test_a_weight_file_linked_within_the_folder_merges(sharded, reference, tmp_p
     inside.rename(sharded / "stored" / inside.name)
     inside.symlink_to(Path("stored") / inside.name)
     code, errors = merge_here(capsys, "--local_dir", sharded, "--target_dir", tmp_path / "out", "--dtype", "keep")
+    assert code == 0, errors
+    assert_same_weights(tmp_path / "out", reference, None)
+
+
+def test_a_hub_cache_snapshot_with_an_index_merges(sharded, reference, tmp_path, capsys):
+    """A snapshot's files are links into its repo's blobs/, outside the snapshot folder: allowed there alone."""
+    snapshot = cache_model(tmp_path / "hub", "merger-test/sharded", sharded)
+    code, errors = merge_here(capsys, "--local_dir", snapshot, "--target_dir", tmp_path / "out", "--dtype", "keep")
     assert code == 0, errors
     assert_same_weights(tmp_path / "out", reference, None)
