@@ -65,8 +65,8 @@ def torchrun_cmd(nproc: int) -> list[str]:
 
 
 def run(cmd: list[str], timeout: float = 300, check: bool = True, env: dict | None = None,
-        preexec_fn=None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout,
+        preexec_fn=None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(env), capture_output=True, text=True, timeout=timeout,
                           preexec_fn=preexec_fn)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n--- stdout\n{proc.stdout}"
@@ -75,11 +75,11 @@ def run(cmd: list[str], timeout: float = 300, check: bool = True, env: dict | No
 
 
 def run_merger(*args, nproc: int = 1, check: bool = True, timeout: float = 300,
-               env: dict | None = None, preexec_fn=None) -> subprocess.CompletedProcess:
-    """`python -m merger ARGS` as one process, or under torchrun with `nproc` gloo ranks."""
+               env: dict | None = None, preexec_fn=None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """`python -m merger ARGS` as one process, or under torchrun with `nproc` gloo ranks, in folder `cwd`."""
     prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
     return run(prefix + [*merger_entry(env), *map(str, args)], timeout=timeout, check=check, env=env,
-               preexec_fn=preexec_fn)
+               preexec_fn=preexec_fn, cwd=cwd)
 
 
 def run_merger_leaving_no_thread(*args, nproc: int) -> subprocess.CompletedProcess:

@@ -183,6 +183,12 @@ def test_verl_lora_only_into_a_base_given_as_a_hub_id(peft_lora_checkpoint, tmp_
     config = json.loads((tmp_path / "merged" / "lora_adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "merger-test/lora-base"  # loads anywhere, unlike a cache path
 
+    # The id is no folder of the working directory: a target there named like its owner holds no source.
+    (tmp_path / "cwd").mkdir()
+    run_merger("merge", "--local_dir", actor, "--target_dir", "merger-test", "--base_model", "merger-test/lora-base",
+               "--dtype", "keep", env=offline_env(cache), cwd=tmp_path / "cwd")
+    assert_same_weights(tmp_path / "cwd" / "merger-test", ref_dir / "merged", None)
+
 
 def test_verl_lora_only_adapter_config(peft_lora_checkpoint, tmp_path, capsys, caplog):
     """An adapter with rsLoRA, rank_pattern and alpha_pattern (which lora_train_meta.json cannot record): with
