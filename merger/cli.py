@@ -16,8 +16,9 @@ import sys
 import threading
 from typing import NoReturn
 
-from .api import inspect_with, merge_with, verify_with, watch_with
+from .api import check_with, inspect_with, merge_with, verify_with, watch_with
 from .api.flags import build_parser, options_from_args
+from .engine.source_check import SourceCheck
 from .engine.torchrun_error import record_for_torchrun
 from .errors import AgreedError, Interrupted, MergerError, UsageError
 from .units import format_size
@@ -49,6 +50,17 @@ def _print_inspection(info: dict, as_json: bool) -> int:
     return 0
 
 
+def _print_check(result: SourceCheck) -> int:
+    """`inspect --check`: one error line per bad file, or one line saying what was checked (rank 0 prints)."""
+    shown = os.environ.get("RANK", "0") == "0"
+    for line in result.bad.values():
+        _fail(line, show=shown)
+    if not result.bad and shown:
+        print(f"checked {result.files} source files, {result.bytes} bytes ({format_size(result.bytes)}) of tensor "
+              f"data: all fine")
+    return 1 if result.bad else 0
+
+
 def _print_skipped(skipped: dict[str, str]) -> None:
     """One line per rule: how many stored entries it left out, and the first of them (--json lists them all)."""
     by_rule: dict[str, list[str]] = {}
@@ -66,6 +78,8 @@ def _run(args: argparse.Namespace) -> int:
         print(publish_folder(args.target_dir.absolute(), args.hf_upload_path, args.private))
         return 0
     options = options_from_args(args)
+    if args.command == "inspect" and args.check:
+        return _print_check(check_with(options))
     if args.command == "inspect":
         return _print_inspection(inspect_with(options, args.merge_ranks), args.json)
     if args.command == "test":

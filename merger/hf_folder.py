@@ -35,6 +35,8 @@ def read_index(path: Path) -> dict:
         index["weight_map"] = dict(index["weight_map"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise MergerError(f"cannot read the safetensors index ({e}), {path}") from e
+    if not all(isinstance(name, str) for name in index["weight_map"].values()):
+        raise MergerError(f"the safetensors index maps a tensor to something other than a file name, {path}")
     return index
 
 
@@ -43,8 +45,8 @@ def weight_files(root: Path, index: dict | None = None) -> list[Path]:
     else every *.safetensors."""
     if index is None and (root / INDEX).is_file():
         index = read_index(root / INDEX)
-    if index is not None:
-        return [root / name for name in dict.fromkeys(sorted(index["weight_map"].values()))]
+    if index is not None:  # names the index gives: each must lie inside the folder
+        return [named_file(root, name, root / INDEX) for name in dict.fromkeys(sorted(index["weight_map"].values()))]
     if (root / SINGLE_FILE).is_file():
         return [root / SINGLE_FILE]
     return sorted(root.glob("*.safetensors")) if root.is_dir() else []
@@ -80,15 +82,36 @@ def is_inside(path: Path, *roots: Path) -> bool:
     return any(path == root or root in path.parents for root in roots)
 
 
+def _real_roots(folder: Path) -> list[Path]:
+    """Where the files of `folder` may really lie: inside it, or, for a Hub cache snapshot (whose files are
+    links into the repo's blobs/), inside that repo's blobs/."""
+    roots = [folder.resolve()]
+    if folder.parent.name == "snapshots":
+        roots.append((folder.parent.parent / "blobs").resolve())
+    return roots
+
+
+def named_file(folder: Path, name: object, named_in: Path) -> Path:
+    """`folder / name` for a file that the checkpoint's own metadata (`named_in`: an index, DCP's `.metadata`, a
+    manifest) names: refused unless it lies inside `folder`, symlinks followed only as `files_to_copy` follows
+    them. A name like `../x` or `/x`, or a link out of the folder, would let a checkpoint pull any file of the
+    machine into the merge (and into a model meant for upload)."""
+    if not isinstance(name, str) or not name:
+        raise MergerError(f"{named_in.name} names a file as {name!r}, not a relative path, {named_in}")
+    path = folder / name
+    if not is_inside(path.resolve(), *_real_roots(folder)):
+        raise MergerError(f"{named_in.name} names {name!r}, which lies outside the checkpoint folder "
+                          f"{folder}, {named_in}")
+    return path
+
+
 def files_to_copy(folder: Path) -> list[Path]:
     """Config, tokenizer, processor, chat template and remote-code files: regular files inside `folder` only.
 
     A symlink is followed only when it stays inside the folder (or, for a Hub cache snapshot, inside that
     repo's blobs/): a link pointing elsewhere could copy any file of the machine into a model meant for upload.
     """
-    roots = [folder.resolve()]
-    if folder.parent.name == "snapshots":
-        roots.append((folder.parent.parent / "blobs").resolve())
+    roots = _real_roots(folder)
     files = []
     for src in sorted(folder.iterdir()):
         if is_weight_file(src.name):

@@ -33,7 +33,7 @@ class MergeOptions:
     local_dir: Path
     target_dir: Path | None = None
     backend: str = "auto"  # the detected format is what a resume compares, so an explicit spelling changes nothing
-    hf_model_config_path: Path | None = _shapes_output(None)
+    hf_model_config_path: str | Path | None = _shapes_output(None)  # a folder, or a Hub model id (hub_folders.py)
     prefix: str | None = _shapes_output(None)  # DCP: the nesting prefix to take off names (None: detect)
     model: str = _shapes_output("auto")  # source naming: auto (detect from names), hf, torchtitan-llama
     dtype: str = _shapes_output("bfloat16")
@@ -57,7 +57,7 @@ class MergeOptions:
     lora: str = _shapes_output("fuse")  # PEFT-wrapped checkpoints: fold the adapter in, or write it apart
     lora_r: int | None = _shapes_output(None)
     lora_alpha: float | None = _shapes_output(None)
-    base_model: Path | None = _shapes_output(None)  # adapter-only checkpoints: the HF folder to fold into
+    base_model: str | Path | None = _shapes_output(None)  # adapter-only checkpoints: HF folder or Hub id to fold into
     adapter_config: Path | None = _shapes_output(None)  # LoRA checkpoints: the adapter's adapter_config.json
     adapters: tuple[Path, ...] = _shapes_output(())  # `merger lora`: PEFT adapter folders folded into the base
 

@@ -7,6 +7,7 @@ handlers, the signal handlers and torch's thread count are still as the script l
 """
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -30,6 +31,7 @@ if __name__ == "__main__":
              signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), torch.get_num_threads())
     total = torch.ones(1)
     dist.all_reduce(total)  # the script's group still works
-    print(json.dumps({"rank": dist.get_rank(), "status": summary["status"], "world": summary["merge_world_size"],
-                      "raised": raised, "group_sum": total.item(), "unchanged": before == after}))
+    report = {"rank": dist.get_rank(), "status": summary["status"], "world": summary["merge_world_size"],
+              "raised": raised, "group_sum": total.item(), "unchanged": before == after}
+    os.write(1, (json.dumps(report) + "\n").encode())  # one write: the ranks share torchrun's stdout
     dist.destroy_process_group()

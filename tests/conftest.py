@@ -65,8 +65,8 @@ def torchrun_cmd(nproc: int) -> list[str]:
 
 
 def run(cmd: list[str], timeout: float = 300, check: bool = True, env: dict | None = None,
-        preexec_fn=None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout,
+        preexec_fn=None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(env), capture_output=True, text=True, timeout=timeout,
                           preexec_fn=preexec_fn)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n--- stdout\n{proc.stdout}"
@@ -75,11 +75,11 @@ def run(cmd: list[str], timeout: float = 300, check: bool = True, env: dict | No
 
 
 def run_merger(*args, nproc: int = 1, check: bool = True, timeout: float = 300,
-               env: dict | None = None, preexec_fn=None) -> subprocess.CompletedProcess:
-    """`python -m merger ARGS` as one process, or under torchrun with `nproc` gloo ranks."""
+               env: dict | None = None, preexec_fn=None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """`python -m merger ARGS` as one process, or under torchrun with `nproc` gloo ranks, in folder `cwd`."""
     prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
     return run(prefix + [*merger_entry(env), *map(str, args)], timeout=timeout, check=check, env=env,
-               preexec_fn=preexec_fn)
+               preexec_fn=preexec_fn, cwd=cwd)
 
 
 def run_merger_leaving_no_thread(*args, nproc: int) -> subprocess.CompletedProcess:
@@ -205,3 +205,18 @@ def single_error_line(stderr: str) -> str:
     errors = [line for line in stderr.splitlines() if line.startswith("merger: error:")]
     assert len(errors) == 1, stderr
     return errors[0]
+
+
+def metadata_naming(folder: Path, old: str, new: str) -> None:
+    """Rewrite a DCP folder's `.metadata` as torch pickles it (torch's reader and classes, not merger's), with the
+    storage entries of file `old` naming `new` instead."""
+    import dataclasses
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    metadata.storage_data = {index: dataclasses.replace(info, relative_path=new) if info.relative_path == old
+                             else info for index, info in metadata.storage_data.items()}
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (assert_same_weights, flip_bit_in_tensor, load_safetensors_folder, run_merger, run_writer,
-                      single_error_line)
+from conftest import (assert_same_weights, flip_bit_in_tensor, load_safetensors_folder, metadata_naming, run_merger,
+                      run_writer, single_error_line)
 from enums_by_name import repickle
 
 
@@ -185,6 +185,29 @@ def test_flipped_bit_in_a_chunk_fails_its_checksum(dcp_root, tmp_path, dtype):
     error = single_error_line(proc.stderr)
     assert f"checksum mismatch in tensor {index.fqn}" in error and error.endswith(str(victim)), error
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.merger-partial").exists()
+    # found before a merge too, reading the chunks' blobs alone
+    proc = run_merger("inspect", "--local_dir", folder, "--check", check=False)
+    assert proc.returncode == 1 and single_error_line(proc.stderr) == error, proc.stderr
+
+
+@pytest.mark.parametrize("how", ["named in .metadata", "linked"])
+def test_a_chunk_file_outside_the_folder_is_refused(how, dcp_root, tmp_path):
+    """`.metadata` names each chunk's file relative to the folder: a name leading out of it, or a chunk file that
+    is a link out of it, stops the merge at once, naming `.metadata`."""
+    folder = Path(shutil.copytree(dcp_root / "plain", tmp_path / "ckpt"))
+    victim = sorted(folder.glob("__*.distcp"))[-1]
+    outside = victim.rename(tmp_path / "outside.distcp")
+    if how == "linked":
+        victim.symlink_to(outside)
+        name = victim.name
+    else:
+        name = "../outside.distcp"
+        metadata_naming(folder, victim.name, name)
+    proc = run_merger("merge", "--local_dir", folder, "--target_dir", tmp_path / "out", check=False)
+    assert proc.returncode == 1
+    error = single_error_line(proc.stderr)
+    assert f"names '{name}', which lies outside the checkpoint folder" in error, error
+    assert error.endswith(str(folder / ".metadata")) and not (tmp_path / "out").exists()
 
 
 def test_torchtitan_llama_to_hf(torchtitan_root, tmp_path):

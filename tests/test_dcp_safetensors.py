@@ -73,3 +73,20 @@ def test_hf_storage_writer_shards_torchrun(st_root, tmp_path, capsys):
                         "--hf_model_config_path", str(st_root / "hf")]) == 1
     assert "shard files of saving ranks [1] are missing" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
+
+
+def test_inspect_check_finds_a_truncated_chunk_file(st_root, tmp_path, capsys):
+    """`inspect` reads `.metadata` alone and sees nothing wrong with a chunk file cut short; `--check` reads each
+    file's safetensors header and bounds, and names it."""
+    folder = Path(shutil.copytree(st_root / "plain", tmp_path / "plain"))
+    assert merger_main(["inspect", "--local_dir", str(folder), "--check"]) == 0
+    assert "all fine" in capsys.readouterr().out
+
+    victim = folder / "__1_0.distcp"
+    victim.write_bytes(victim.read_bytes()[:-5])
+    assert merger_main(["inspect", "--local_dir", str(folder)]) == 0
+    capsys.readouterr()
+    assert merger_main(["inspect", "--local_dir", str(folder), "--check"]) == 1
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("merger: error:")]
+    assert len(errors) == 1 and errors[0].endswith(str(victim)) and "all fine" not in out, err

@@ -156,6 +156,19 @@ def test_truncated_partition_is_one_error_under_torchrun(ds_root, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_latest_tag_linked_out_of_the_checkpoint_is_refused(ds_root, tmp_path):
+    """`latest` names the step folder: a link leading out of the checkpoint is never followed."""
+    case = copy_case(ds_root, "s2_fp32_frozen", tmp_path)
+    step = case / "out" / "global_step1"
+    step.symlink_to(step.rename(tmp_path / "elsewhere"))
+    proc = run_merger("merge", "--local_dir", case / "out", "--target_dir", tmp_path / "hf",
+                      "--hf_model_config_path", case / "hf", check=False)
+    assert proc.returncode == 1
+    line = single_error_line(proc.stderr)
+    assert "latest names 'global_step1', which lies outside the checkpoint folder" in line, line
+    assert line.endswith(str(case / "out" / "latest")) and not (tmp_path / "hf").exists()
+
+
 @pytest.mark.parametrize("extra, says", [
     ("zero_pp_rank_0_mp_rank_01_optim_states.pt", "model-parallel"),
     ("layer_01-model_states.pt", "pipeline-parallel"),

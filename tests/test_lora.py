@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from conftest import assert_same_weights, load_safetensors_folder, merge_here, run_merger, run_writer
+from hub_cache import cache_model, offline_env
 from merger.cli import main as merger_main
 from peft_adapters import CASES, TOKENS, write_all
 
@@ -168,6 +169,25 @@ def test_verl_lora_only_into_base_torchrun(peft_lora_checkpoint, tmp_path):
                "--dtype", "keep", nproc=2)
     assert_same_weights(tmp_path / "merged", ref_dir / "merged", None)
     _assert_peft_adapter(tmp_path / "merged" / "lora_adapter", base, ref_dir)
+
+
+def test_verl_lora_only_into_a_base_given_as_a_hub_id(peft_lora_checkpoint, tmp_path):
+    """--base_model owner/name: the base found in huggingface_hub's cache (laid out as the library does, offline),
+    folded into as from the local folder."""
+    actor, ref_dir = _lora_only(peft_lora_checkpoint, "plain")
+    cache = tmp_path / "hub"
+    cache_model(cache, "merger-test/lora-base", peft_lora_checkpoint / "reference" / "base")
+    run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "merged", "--base_model",
+               "merger-test/lora-base", "--dtype", "keep", env=offline_env(cache))
+    assert_same_weights(tmp_path / "merged", ref_dir / "merged", None)
+    config = json.loads((tmp_path / "merged" / "lora_adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "merger-test/lora-base"  # loads anywhere, unlike a cache path
+
+    # The id is no folder of the working directory: a target there named like its owner holds no source.
+    (tmp_path / "cwd").mkdir()
+    run_merger("merge", "--local_dir", actor, "--target_dir", "merger-test", "--base_model", "merger-test/lora-base",
+               "--dtype", "keep", env=offline_env(cache), cwd=tmp_path / "cwd")
+    assert_same_weights(tmp_path / "cwd" / "merger-test", ref_dir / "merged", None)
 
 
 def test_verl_lora_only_adapter_config(peft_lora_checkpoint, tmp_path, capsys, caplog):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (assert_same_weights, flip_bit_in_tensor, run_merger, run_merger_leaving_no_thread, run_writer,
-                      single_error_line)
+from conftest import (assert_same_weights, flip_bit_in_tensor, metadata_naming, run_merger,
+                      run_merger_leaving_no_thread, run_writer, single_error_line)
 from conftest import merge_in_process as merge
 from enums_by_name import repickle
 
@@ -240,3 +240,18 @@ def test_hostile_dcp_metadata_is_refused_not_run(megatron_root, tmp_path, capsys
                  "--hf_model_config_path", str(megatron_root / "tp2_gqa_bias" / "hf")]) == 1
     assert not marker.exists()
     assert "refusing to load global" in capsys.readouterr().err
+
+
+def test_chunk_file_outside_the_checkpoint_is_refused(megatron_root, tmp_path, capsys):
+    """torch_dist's `.metadata` names each chunk's file: one leading out of the folder stops the merge at once."""
+    from merger.cli import main
+
+    src = Path(shutil.copytree(megatron_root / "tp2_gqa_bias" / "dist" / "iter_0000001", tmp_path / "iter"))
+    victim = sorted(src.glob("*.distcp"))[-1]
+    victim.rename(tmp_path / "outside.distcp")
+    metadata_naming(src, victim.name, "../outside.distcp")
+    assert main(["merge", "--local_dir", str(src), "--target_dir", str(tmp_path / "out"),
+                 "--hf_model_config_path", str(megatron_root / "tp2_gqa_bias" / "hf")]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("merger: error:")]
+    assert len(errors) == 1 and "names '../outside.distcp', which lies outside the checkpoint folder" in errors[0]
+    assert errors[0].endswith(str(src / ".metadata")) and not (tmp_path / "out").exists()

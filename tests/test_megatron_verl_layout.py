@@ -106,6 +106,24 @@ def test_manifest_path_that_does_not_exist(lora_run, tmp_path, entry):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("how", ["named", "linked"])
+def test_manifest_path_outside_the_checkpoint(lora_run, tmp_path, how):
+    """The model folder ckpt_contents.json names must lie inside the checkpoint: `../`, or a link leading out."""
+    actor = write_actor(lora_run, tmp_path, base_weights=True)
+    outside = (actor / "model" / "huggingface").rename(tmp_path / "elsewhere")
+    if how == "linked":
+        (actor / "model" / "huggingface").symlink_to(outside)
+        name = "model/huggingface"
+    else:
+        name = "../elsewhere"
+        write_manifest(actor, {"model": {**HF, "path": name}, "hf_config": {**HF, "path": name}}, peft_on=True)
+    result = run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", check=False)
+    assert result.returncode == 1
+    line = single_error_line(result.stderr)
+    assert f"names '{name}', which lies outside the checkpoint folder" in line, line
+    assert line.endswith(str(actor / "ckpt_contents.json")) and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_lora_adapter_folded_into_hf_weights(lora_run, megatron_root, tmp_path, nproc):
     """mbridge wrote base weights beside the exported adapter: merged as PEFT's merge_and_unload, under torchrun

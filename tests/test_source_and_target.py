@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 import merger.api.pipeline
 from conftest import assert_same_weights, load_safetensors_folder, merge_here, run_merger, snapshot
+from hub_cache import cache_model
 from merger.engine.process_id import ProcessId
 from merger.output.target_lock import STALE_AFTER_S
 
@@ -280,3 +281,64 @@ def test_resume_after_a_merge_that_finished_has_nothing_to_do(ckpt, reference, t
     assert other.returncode == 1 and "options that shape the output changed" in other.stderr
     assert "pass --overwrite to replace it" in other.stderr and snapshot(out) == before
     assert_same_weights(out, reference, torch.bfloat16)
+
+
+# --- the files a checkpoint names lie inside it ------------------------------------------------------------------
+
+@pytest.fixture
+def sharded(reference, tmp_path) -> Path:
+    """The model's weights as transformers saves a large model: several files and model.safetensors.index.json."""
+    import transformers
+
+    folder = tmp_path / "sharded"
+    transformers.AutoModelForCausalLM.from_pretrained(reference).save_pretrained(folder, max_shard_size="40KB")
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    return folder
+
+
+def _moved_out(folder: Path) -> tuple[Path, Path]:
+    """The folder's last weight file moved beside the folder: (where it was, where it is now)."""
+    inside = sorted(folder.glob("model-*.safetensors"))[-1]
+    outside = folder.parent / "outside.safetensors"
+    inside.rename(outside)
+    return inside, outside
+
+
+def test_an_index_naming_a_file_outside_the_folder_is_refused(sharded, tmp_path, capsys):
+    inside, outside = _moved_out(sharded)
+    index_path = sharded / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {k: "../outside.safetensors" if v == inside.name else v
+                           for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    code, errors = merge_here(capsys, "--local_dir", sharded, "--target_dir", tmp_path / "out")
+    assert code == 1 and len(errors) == 1, errors
+    assert "'../outside.safetensors', which lies outside the checkpoint folder" in errors[0], errors
+    assert errors[0].endswith(str(index_path)) and not (tmp_path / "out").exists()
+
+
+def test_a_weight_file_linked_out_of_the_folder_is_refused(sharded, tmp_path, capsys):
+    inside, outside = _moved_out(sharded)
+    inside.symlink_to(outside)  # the index is as saved; the file it names is a link out of the folder
+    code, errors = merge_here(capsys, "--local_dir", sharded, "--target_dir", tmp_path / "out")
+    assert code == 1 and len(errors) == 1, errors
+    assert f"'{inside.name}', which lies outside the checkpoint folder" in errors[0], errors
+    assert errors[0].endswith(str(sharded / "model.safetensors.index.json"))
+
+
+def test_a_weight_file_linked_within_the_folder_merges(sharded, reference, tmp_path, capsys):
+    inside = sorted(sharded.glob("model-*.safetensors"))[-1]
+    (sharded / "stored").mkdir()
+    inside.rename(sharded / "stored" / inside.name)
+    inside.symlink_to(Path("stored") / inside.name)
+    code, errors = merge_here(capsys, "--local_dir", sharded, "--target_dir", tmp_path / "out", "--dtype", "keep")
+    assert code == 0, errors
+    assert_same_weights(tmp_path / "out", reference, None)
+
+
+def test_a_hub_cache_snapshot_with_an_index_merges(sharded, reference, tmp_path, capsys):
+    """A snapshot's files are links into its repo's blobs/, outside the snapshot folder: allowed there alone."""
+    snapshot = cache_model(tmp_path / "hub", "merger-test/sharded", sharded)
+    code, errors = merge_here(capsys, "--local_dir", snapshot, "--target_dir", tmp_path / "out", "--dtype", "keep")
+    assert code == 0, errors
+    assert_same_weights(tmp_path / "out", reference, None)

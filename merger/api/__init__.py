@@ -19,6 +19,7 @@ from pathlib import Path
 from ..engine.compare import CompareResult, compare_with_folder
 from ..engine.dist import Group, borrow_group, init_group
 from ..engine.plan import rerouted, traffic
+from ..engine.source_check import SourceCheck, check_sources
 from ..errors import MergerError
 from .pipeline import prepare, run_merge
 from ..options import MergeOptions
@@ -79,6 +80,14 @@ def watch_with(options: MergeOptions, role: str, once: bool, interval: float) ->
 
     with _one_intra_op_thread(), joined_group(options) as joined:
         return watch(options, role, once, interval, joined)
+
+
+def check_with(options: MergeOptions) -> SourceCheck:
+    """`inspect --check`: every source byte a merge would read that the format checksums, read and checked, on
+    every rank of the group (control messages only: gloo)."""
+    options.device = "cpu"
+    with joined_group(options) as joined:
+        return check_sources(prepare(options, joined).catalog, joined, options.debug)
 
 
 def inspect_with(options: MergeOptions, merge_ranks: int) -> dict:

@@ -71,6 +71,13 @@ def local_path(text: str) -> Path:
                                      f"{text}")
 
 
+def folder_or_hub_id(text: str) -> str:
+    """A folder, or a Hub model id (mapping/hub_folders.py decides which): kept as given, since a Path would turn
+    the local `./Qwen/x` into what reads as the id `Qwen/x`; URLs are refused as for any path."""
+    local_path(text)
+    return text
+
+
 def _flag(*names: str) -> list[str]:
     """verl spells flags with underscores; accept both `--local_dir` and `--local-dir`."""
     out = []
@@ -90,9 +97,9 @@ def _add_source_args(p: argparse.ArgumentParser, what: str = "the checkpoint fol
     p.add_argument("--model", choices=["auto", "hf", *MODELS], default="auto",
                    help="naming of the source tensors (default: detect; torchtitan-<family> converts torchtitan's "
                         "names to HF's and needs --hf_model_config_path)")
-    p.add_argument(*_flag("--hf_model_config_path"), dest="hf_model_config_path", type=local_path, default=None,
-                   help="folder with config.json, tokenizer, processor, chat template, remote code (default: "
-                        "huggingface/ in the checkpoint)")
+    p.add_argument(*_flag("--hf_model_config_path"), dest="hf_model_config_path", type=folder_or_hub_id,
+                   default=None, help="folder with config.json, tokenizer, processor, chat template, remote code, or "
+                                      "a Hub model id (owner/name; default: huggingface/ in the checkpoint)")
     p.add_argument(*_flag("--tie_word_embedding"), dest="tie_word_embedding", action="store_true",
                    help="write lm_head once, tied to the input embedding, whatever config.json says")
     p.add_argument(*_flag("--trust_remote_code"), dest="trust_remote_code", action="store_true",
@@ -111,10 +118,10 @@ def _add_source_args(p: argparse.ArgumentParser, what: str = "the checkpoint fol
     p.add_argument(*_flag("--lora_alpha"), dest="lora_alpha", type=float, default=None,
                    help="LoRA alpha, when the checkpoint records none (no lora_train_meta.json; Megatron-Bridge "
                         "adapter shards without their HF export)")
-    p.add_argument(*_flag("--base_model"), dest="base_model", type=local_path, default=None,
+    p.add_argument(*_flag("--base_model"), dest="base_model", type=folder_or_hub_id, default=None,
                    help="adapter-only checkpoints (accelerate adapter_only DCP, verl save_lora_only): HF "
-                        "safetensors folder to fold the adapter into (default: write the adapter as a PEFT adapter "
-                        "folder)")
+                        "safetensors folder, or Hub model id, to fold the adapter into (default: write the adapter "
+                        "as a PEFT adapter folder)")
     p.add_argument(*_flag("--adapter_config"), dest="adapter_config", type=local_path, default=None,
                    help="checkpoints with a LoRA adapter: its adapter_config.json, file or folder (r, lora_alpha, "
                         "use_rslora, rank/alpha patterns; default: checkpoint-N/ and its parent for accelerate, "
@@ -233,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="plan for N merge ranks (torchrun's --nproc_per_node times --nnodes): what each "
                               "reads, exchanges and writes")
     inspect.add_argument("--json", action="store_true", help="print the description as JSON")
+    inspect.add_argument("--check", action="store_true",
+                         help="instead of the description, read every source byte a merge reads that the format "
+                              "checksums (torch.save CRC-32s; safetensors: offsets within the file) and name each "
+                              "damaged or truncated file")
     inspect.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 

@@ -24,6 +24,7 @@ from ..engine.plan_agreement import agree_on_plan
 from ..engine.progress import Progress
 from ..engine.stream import run_plan
 from ..errors import Interrupted, MergerError
+from ..mapping.hub_folders import with_hub_folders
 from ..mapping.registry import build_mapping
 from ..options import MergeOptions
 from ..output.files import FileSink, finish, prepare_files, write_manifest
@@ -49,17 +50,19 @@ class Prepared:
     config_removals: tuple[str, ...] = ()
     extra_files: dict[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # what the merge found and does, logged once by rank 0
+    base_model: Path | None = None  # --base_model's folder (a Hub id's snapshot folder), a source like the others
 
 
 def prepare(options: MergeOptions, group: Group) -> Prepared:
     """Catalog, mapping and plan, identical on every rank, from metadata alone: the one place a plan is made."""
     def build():
         source = open_catalog(Path(options.local_dir), options.backend, options.prefix)
-        mapping = build_mapping(source, options)
+        local = with_hub_folders(options)  # Hub ids among the flags: their snapshot folders
+        mapping = build_mapping(source, local)
         catalog = mapping.catalog or source
         plan = plan_layout(catalog, mapping.steps, group.world, options.max_shard_size, options.max_inflight)
         return Prepared(catalog, mapping.hf_dir, plan, mapping.config_updates, mapping.config_removals,
-                        mapping.extra_files, source.notes + mapping.notes)
+                        mapping.extra_files, source.notes + mapping.notes, local.base_model)
 
     prepared = on_every_rank(group, build, options.debug)
     agree_on_plan(prepared.catalog, prepared.plan, group)  # before anything is written: one merge, not a mix
@@ -111,7 +114,7 @@ def _source_paths(options: MergeOptions, prepared: Prepared) -> list[Path]:
     """Every folder and file the merge reads: a target may be none of them, hold none and lie in none."""
     c = prepared.catalog
     paths = [Path(options.local_dir), Path(c.root), *{Path(f).parent for f in c.files}]
-    return paths + [Path(p) for p in (prepared.hf_dir, options.base_model, options.adapter_config) if p is not None]
+    return paths + [Path(p) for p in (prepared.hf_dir, prepared.base_model, options.adapter_config) if p is not None]
 
 
 def _open_target(options: MergeOptions, prepared: Prepared) -> Target:

@@ -18,7 +18,7 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
-from ..hf_folder import CONFIG_DIR, config_dir
+from ..hf_folder import CONFIG_DIR, config_dir, named_file
 from .dcp_classes import BytesStorageMetadata, TensorStorageMetadata
 from .dcp_metadata import METADATA_FILE, load_metadata
 from .dcp_safetensors import DcpSafetensorsReader, holds_safetensors
@@ -96,6 +96,15 @@ def _chunk_pieces(fqn: str, meta, storage: dict, folder: Path) -> tuple[ShardPie
     return tuple(pieces)
 
 
+def storage_entries(metadata, folder: Path) -> dict:
+    """`.metadata`'s storage entries by (fqn, chunk offsets), every file they name checked to lie in `folder`."""
+    storage = {(idx.fqn, tuple(int(o) for o in idx.offset or ())): info
+               for idx, info in (metadata.storage_data or {}).items()}
+    for name in {info.relative_path for info in storage.values()}:
+        named_file(folder, name, folder / METADATA_FILE)
+    return storage
+
+
 def chunk_location(storage: dict, fqn: str, offsets: tuple[int, ...], folder: Path) -> tuple[str, tuple[int, int]]:
     """The .distcp file and byte range holding one chunk, from `.metadata`'s storage entries by (fqn, offsets)."""
     info = storage.get((fqn, offsets))
@@ -118,8 +127,7 @@ def open_catalog(root: Path, prefix: str | None = None) -> Catalog:
         raise MergerError(f"no DCP checkpoint (.metadata + __*_*.distcp) here or in {ACCELERATE_DIR}/, {root}")
     metadata = load_metadata(folder)
     planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    storage = {(idx.fqn, tuple(int(o) for o in idx.offset or ())): info
-               for idx, info in (metadata.storage_data or {}).items()}
+    storage = storage_entries(metadata, folder)
 
     tensor_fqns = [f for f, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)]
     prefix, chosen = _select(tensor_fqns, planner_data, prefix, folder)

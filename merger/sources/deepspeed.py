@@ -24,7 +24,7 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, row_major_index
 from ..errors import MergerError
-from ..hf_folder import config_dir
+from ..hf_folder import config_dir, named_file
 from .deepspeed_states import load_states
 from .file_reads import Stored
 from .flat_runs import run_boxes
@@ -48,7 +48,7 @@ def step_dir(root: Path) -> Path | None:
         except (OSError, UnicodeDecodeError):
             return None
         if tag not in ("", ".", "..") and "/" not in tag and (root / tag).is_dir():
-            return root / tag
+            return named_file(root, tag, latest)  # the tag's folder, a link out of the checkpoint refused
     return None
 
 

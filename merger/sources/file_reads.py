@@ -118,6 +118,12 @@ def geometry(dtype: torch.dtype, size, stride, offset: int, numel: int) -> torch
     return torch.empty(numel, dtype=dtype, device="meta").as_strided(size, stride, offset)
 
 
+def _span_end(view: torch.Tensor) -> int:
+    """The end (in bytes, from the storage's start) of the storage span a non-empty view covers."""
+    extents = sum((n - 1) * st for n, st in zip(view.shape, view.stride()))
+    return (view.storage_offset() + extents + 1) * view.element_size()
+
+
 @dataclass(frozen=True)
 class Placed:
     """Where a piece's bytes were copied to: the output file `file`, open as `fd` (readable), at (offset, bytes)
@@ -219,6 +225,29 @@ class SourceReads:
             self._record(stored, first, first + view.numel() * view.element_size(), crc, name)
         return True
 
+    def verify(self, stored: Stored, name: str) -> int:
+        """Check the piece's bytes without copying them (`inspect --check`): its torch.save record is read whole
+        and its CRC-32 compared, as a merge would; bytes no format checksums (safetensors) must lie within the
+        file. The bytes read or bounded: a record counts once, however many pieces view it."""
+        view = stored.view
+        if stored.start is None or view.numel() == 0:
+            return 0  # loaded whole (a pre-zip torch file, which loading checked), or nothing to read
+        if stored.record is None:
+            end = stored.start + _span_end(view)
+            size = os.fstat(self.files.fd(stored.file)).st_size
+            if end > size:
+                raise MergerError(f"tensor {name} ends at byte {end}, past the end of the file ({size} bytes; "
+                                  f"truncated?), {stored.file}")
+            return view.numel() * view.element_size()
+        key = (stored.file, stored.start)
+        if key in self.checks:
+            return 0
+        check = self.checks[key] = _Check(stored.file, stored.record, name)
+        self._fill(check, 0, stored.record.size)
+        check.verify()
+        self.checks[key] = None
+        return stored.record.size
+
     def _copy_run(self, stored: Stored, first: int, flat: torch.Tensor) -> tuple[int, int]:
         """Copy a contiguous run of elements from byte `first` of the storage; (end byte, CRC-32 of the run)."""
         dtype = stored.view.dtype
@@ -246,7 +275,7 @@ class SourceReads:
         view = stored.view
         size = view.element_size()
         extents = [(n - 1) * st for n, st in zip(view.shape, view.stride())]
-        end = (view.storage_offset() + sum(extents) + 1) * size
+        end = _span_end(view)
         outer = max(range(view.dim()), key=lambda d: view.stride(d) if view.shape[d] > 1 else -1)
         count, step = view.shape[outer], view.stride(outer) * size  # steps along `outer`, bytes per step
         interleaved = (sum(extents) - extents[outer]) * size >= step

@@ -20,7 +20,7 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
-from .dcp import chunk_location, chunk_stored
+from .dcp import chunk_location, chunk_stored, storage_entries
 from .dcp_classes import TensorStorageMetadata
 from .dcp_metadata import load_metadata
 from .file_reads import SourceFiles, Stored
@@ -67,7 +67,7 @@ def _stacked_axes(fqn: str):
 def open_catalog(root: Path) -> Catalog:
     ckpt, hf_dir = checkpoint_dir(root)
     meta = load_metadata(ckpt)
-    storage = {(i.fqn, tuple(i.offset)): s for i, s in meta.storage_data.items() if i.offset is not None}
+    storage = storage_entries(meta, ckpt)
     pieces: dict[str, list[ShardPiece]] = {}
     shapes: dict[str, tuple] = {}
     dtypes: dict[str, torch.dtype] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import zipfile
 
 import torch
 
@@ -55,5 +56,18 @@ def torch_load(path: str, what: str, mmap: bool = True, safe_globals: tuple = ()
         found = re.search(r"refusing to call getattr\(.*", text)
         if found:
             raise MergerError(f"refusing to load {what}: {found.group(0)}, {path}") from e
+        if _cut_short_zip(path):
+            raise MergerError(f"cannot load {what}: a zip archive whose end (the directory of its records) is "
+                              f"missing or damaged (truncated?), {path}") from e
         first_line = text.strip().splitlines()[0] if text.strip() else type(e).__name__
         raise MergerError(f"cannot load {what} ({first_line}), {path}") from e
+
+
+def _cut_short_zip(path: str) -> bool:
+    """A torch.save zip whose directory, at the end of the file, cannot be found: what a copy cut short or an
+    interrupted save leaves (torch.load then says only "Invalid argument" or the like)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == _ZIP and not zipfile.is_zipfile(f)
+    except OSError:
+        return False

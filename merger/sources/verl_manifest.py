@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import MergerError
-from ..hf_folder import is_inside
+from ..hf_folder import named_file
 
 MANIFEST = "ckpt_contents.json"
 DIST = "megatron_dist_checkpoint"
@@ -49,9 +49,7 @@ def read_manifest(root: Path) -> VerlModel:
         rel = entry[field]
         if not isinstance(rel, str) or not rel:
             raise MergerError(f"{MANIFEST} gives contents.{key}.{field} as {rel!r}, not a relative path, {path}")
-        where = root / rel
-        if not is_inside(where.resolve(), root.resolve()):
-            raise MergerError(f"{MANIFEST} places contents.{key}.{field} {rel!r} outside the checkpoint, {path}")
+        where = named_file(root, rel, path)
         if not where.exists():
             raise MergerError(f"{MANIFEST} names contents.{key}.{field} {rel!r}, which does not exist, {path}")
         return where

@@ -15,6 +15,7 @@ from ...hf_folder import read_config, weight_files
 from ...options import MergeOptions
 from ...sources import hf_safetensors
 from ...sources.union import union_catalog
+from ..hub_folders import hub_id_of
 from ..policy import ties
 from ..steps import Mapping, Step
 from .adapter import LoraAdapter, adapter_from_folder, open_adapter_catalog
@@ -35,6 +36,12 @@ def base_folder(catalog: Catalog, options: MergeOptions) -> Path | None:
     if options.base_model is not None:
         return Path(options.base_model)
     return catalog.hf_dir if catalog.hf_dir and weight_files(catalog.hf_dir) else None
+
+
+def base_model_name(base_dir: str | Path) -> str:
+    """What the adapter's config records as its base_model_name_or_path: the Hub id of a base taken from the Hub
+    cache (`--base_model owner/name`), which loads anywhere, else the folder's absolute path."""
+    return hub_id_of(Path(base_dir)) or str(Path(base_dir).absolute())
 
 
 def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[LoraAdapter], options: MergeOptions,

@@ -25,7 +25,7 @@ from ...options import MergeOptions
 from ..steps import Mapping, Step
 from .adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, LoraAdapter, adapter_file_steps, adapter_from_catalog,
                       describe, file_keys, split_key)
-from .adapter_folders import fold_into_base, open_base
+from .adapter_folders import base_model_name, fold_into_base, open_base
 from .checkpoint_config import checkpoint_config
 from .peft_state import ADAPTER_DIR, ADAPTER_FILE, is_peft_state, lora_note, split_state_names, state_keys
 
@@ -64,7 +64,7 @@ def peft_config(catalog: Catalog, keys: dict[str, str], options: MergeOptions,
     if found is not None:
         return config, f"adapter in {catalog.root} with config {found}"
     if options.base_model is not None:
-        config["base_model_name_or_path"] = str(Path(options.base_model).absolute())
+        config["base_model_name_or_path"] = base_model_name(options.base_model)
     elif model_config.get("_name_or_path"):
         config["base_model_name_or_path"] = model_config["_name_or_path"]
     return config, f"adapter in {catalog.root}"

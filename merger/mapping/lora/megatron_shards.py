@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -31,7 +30,7 @@ from ..hf import model_config
 from ..megatron import family_of, family_table, hf_names, transform_of
 from ..steps import Mapping, OutputSpec, Step, Transform, cast
 from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, config_from_tensors, describe, read_config_file
-from .adapter_folders import base_folder, fold_into_base, open_base
+from .adapter_folders import base_folder, base_model_name, fold_into_base, open_base
 from .adapter_state import ADAPTER_PART, adapter_folder_of
 from .checkpoint_config import given_config_path, resolve_flag
 from .fold import fold_lora, lora_scale
@@ -158,7 +157,7 @@ def peft_config(linears: list[AdaptedLinear], catalog: Catalog, model: dict, bas
             shapes[f"{_module(weight)}.lora_B.weight"] = b_shape
     config = config_from_tensors({k: k for k in shapes}, shapes, model,
                                  None if base is None else {n: n for n in base}, r, alpha, {})
-    config["base_model_name_or_path"] = (str(Path(options.base_model).absolute()) if options.base_model is not None
+    config["base_model_name_or_path"] = (base_model_name(options.base_model) if options.base_model is not None
                                          else model.get("_name_or_path"))
     return config
 
