@@ -109,11 +109,13 @@ def test_every_local_dir_layout(ds_root, merged, tmp_path):
 
 
 def test_trainer_output_dir_names_its_checkpoint(ds_root, tmp_path, capsys):
-    """HF Trainer's output_dir holds checkpoint-N/ folders and no `latest`: the one error line names the one to pass."""
+    """HF Trainer's output_dir holds checkpoint-N/ folders and no `latest`: the one error line names the latest one
+    (the highest N) to pass."""
     out = ds_root / "trainer_s1_bf16" / "out"
     code, errors = merge_here(capsys, "--local_dir", out, "--target_dir", tmp_path / "hf")
     assert code != 0 and len(errors) == 1, errors
-    assert errors[0].endswith(f"(--backend deepspeed): pass --local_dir {out / 'checkpoint-1'}"), errors
+    assert errors[0].endswith(f"it looks like a training run's folder: pass its latest checkpoint (deepspeed), "
+                              f"--local_dir {out / 'checkpoint-1'}"), errors
 
 
 def test_default_bf16_equals_trainer_save(ds_root, tmp_path):
