@@ -1,6 +1,6 @@
 """GLM-4.5 / 4.6 (HF glm4_moe) Megatron checkpoints merged to HF, checked against Megatron's own forward pass.
 
-megatron-core writes both cases at TP2, legacy and torch_dist (tests/writers/megatron_deepseek.py with
+megatron-core writes every case at TP2 or EP2, legacy and torch_dist (tests/writers/megatron_deepseek.py with
 arch=glm4_moe, one torchrun launch of 2 gloo ranks): GQA attention with qkv bias, half-rotary heads wider than
 hidden / heads, a dense first layer then DeepSeek-V3's MoE (sigmoid router whose expert bias steers the choice,
 scaled top-k weights, a shared expert). Oracles: Megatron's CPU logits for the main model (transformers'
@@ -22,7 +22,9 @@ from megatron_mtp_models import (assert_megatron_logits, assert_mtp_dropped, loa
 CASES = {
     "glm45_tp2": "arch=glm4_moe,tp=2,qk_norm=1",  # GLM-4.5's q/k norms; one MTP layer
     "glm45_no_qk_norm_tp2": "arch=glm4_moe,tp=2,qk_norm=0,mtp=0",  # use_qk_norm false; no MTP layer
+    "glm45_ep2": "arch=glm4_moe,ep=2,qk_norm=1",  # 2 experts on each EP rank, the MTP layer's too
 }
+WITH_MTP = ["glm45_tp2", "glm45_ep2"]
 
 
 @pytest.fixture(scope="session")
@@ -63,11 +65,12 @@ def test_names_and_shapes_are_those_save_pretrained_writes(case, glm_root, merge
     assert ours == own
 
 
-def test_mtp_layer_reproduces_megatron_mtp_logits(glm_root, merged):
+@pytest.mark.parametrize("case", WITH_MTP)
+def test_mtp_layer_reproduces_megatron_mtp_logits(case, glm_root, merged):
     """transformers' MtpModel, loading the merged `model.layers.{L}.*` as it loads GLM-4.5's layer 92, predicts
     the token after next as Megatron's MTP layer does."""
-    expected = oracle(glm_root, "glm45_tp2")
-    model, _ = load(merged("glm45_tp2", "legacy"))
+    expected = oracle(glm_root, case)
+    model, _ = load(merged(case, "legacy"))
     assert model.config.num_nextn_predict_layers == 1
     assert_megatron_logits(mtp_logits(model, expected["tokens"]), expected["mtp_logits"][0])
 

@@ -28,7 +28,7 @@ from leave_group import leave_group
 from megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, parse, randomise_vectors, save_dist,
                                  save_legacy, write_save_dirs)
 
-DEFAULTS = dict(arch="deepseek_v3", tp=1, layers=2, dense=1, q_lora=1, qk_norm=0, mtp=1, vocab=101)
+DEFAULTS = dict(arch="deepseek_v3", tp=1, ep=1, layers=2, dense=1, q_lora=1, qk_norm=0, mtp=1, vocab=101)
 HIDDEN, HEADS, FFN, MOE_FFN, EXPERTS = 32, 4, 40, 24, 4
 Q_LORA, KV_LORA, NOPE, ROPE, V_DIM = 24, 16, 8, 8, 8
 GLM_HEAD_DIM, GLM_ROTARY = 16, 0.5  # GLM-4.5's heads are wider than hidden / heads; rotary on half of each head
@@ -72,6 +72,7 @@ def transformer_config(a: Namespace):
         params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, init_method_std=0.05, mtp_num_layers=a.mtp or None,
+        expert_model_parallel_size=a.ep,
     )
     if a.arch == "llama":
         return TransformerConfig(num_query_groups=2, kv_channels=HIDDEN // HEADS, **kw)
@@ -165,7 +166,7 @@ def mtp_params(model) -> dict[str, torch.Tensor]:
 def write_case(a: Namespace, out: Path) -> None:
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(a.tp)
+    ps.initialize_model_parallel(a.tp, expert_model_parallel_size=a.ep)
     config = transformer_config(a)
     model = build_model(a, config)
     save_legacy(a, [model], out / "legacy")
@@ -181,10 +182,11 @@ def write_case(a: Namespace, out: Path) -> None:
 
 
 def main() -> None:
-    # What megatron_checkpoint.save_legacy records in the args: one pipeline stage, no EP, untied.
-    out, cases = parse(DEFAULTS, "arch: deepseek_v3, glm4_moe or llama; dense: how many first layers have a dense MLP; "
+    # What megatron_checkpoint.save_legacy records in the args: one pipeline stage, untied.
+    out, cases = parse(DEFAULTS, "arch: deepseek_v3, glm4_moe or llama; ep: expert-parallel size; "
+                       "dense: how many first layers have a dense MLP; "
                        "qk_norm: glm4_moe's q/k norms",
-                       fixed=dict(pp=1, vpp=None, ep=1, tied=False))
+                       fixed=dict(pp=1, vpp=None, tied=False))
     cpu_patches()
     mla_patches()
     dist.init_process_group("gloo")
