@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (assert_same_weights, load_safetensors_folder, merge_here, run_merger, run_writer,
-                      single_error_line)
+from conftest import assert_same_weights, load_safetensors_folder, merge_here, run_merger, single_error_line
 from conftest import merge_in_process as merge
+from megatron_mtp_models import (assert_megatron_logits, assert_mtp_dropped, load, load_beside_mtp, logits_of,
+                                 merged_once, mtp_logits, oracle, write_cases)
 
 CASES = {
     "dsv3_tp2": "tp=2",  # q-LoRA, layers [dense, MoE], one MTP layer
@@ -31,53 +32,19 @@ DEEPSEEK = ["dsv3_tp2", "dsv3_no_q_lora_tp2"]
 
 @pytest.fixture(scope="session")
 def deepseek_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("megatron_deepseek")
-    run_writer("megatron_deepseek.py", "--out", root,
-               *[arg for name, spec in CASES.items() for arg in ("--case", f"{name}:{spec}")], nproc=2)
-    return root
+    return write_cases(tmp_path_factory, "megatron_deepseek", CASES)
 
 
 @pytest.fixture(scope="session")
 def merged(deepseek_root, tmp_path_factory):
-    """merged(case, fmt, *flags) -> fp32 HF folder merged from ROOT/case/fmt, built once."""
-    cache: dict = {}
-
-    def make(case: str, fmt: str, *flags: str) -> Path:
-        if (case, fmt, flags) not in cache:
-            out = tmp_path_factory.mktemp(f"{case}_{fmt}") / "hf"
-            cache[(case, fmt, flags)] = merge(deepseek_root / case / fmt, out, "--hf_model_config_path",
-                                              deepseek_root / case / "hf", "--dtype", "float32", *flags)
-        return cache[(case, fmt, flags)]
-
-    return make
-
-
-def oracle(root: Path, case: str) -> dict:
-    return torch.load(root / case / "logits.pt", weights_only=True)
-
-
-def load(folder: Path):
-    """The merged model and the keys it did not load. transformers' DeepseekV3 knows MTP layers only as
-    DeepSeek-V3's layer 61, so a tiny model's MTP layer loads as unexpected keys: nothing may be missing."""
-    import transformers
-
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                                    output_loading_info=True)
-    assert not info["missing_keys"], info
-    return model.eval(), set(info["unexpected_keys"])
+    return merged_once(deepseek_root, tmp_path_factory)
 
 
 @pytest.mark.parametrize("case", DEEPSEEK)
 def test_merge_reproduces_megatron_logits(case, deepseek_root, merged):
     expected = oracle(deepseek_root, case)
-    model, unexpected = load(merged(case, "legacy"))
-    mtp_layer = f"model.layers.{model.config.num_hidden_layers}."
-    assert all(k.startswith(mtp_layer) for k in unexpected), unexpected
-    assert bool(unexpected) == ("mtp_logits" in expected)
-    with torch.no_grad():
-        logits = model(expected["tokens"]).logits
-    assert logits.shape == expected["logits"].shape
-    assert (logits - expected["logits"]).abs().max().item() < 1e-4
+    model = load_beside_mtp(merged(case, "legacy"), expected)
+    assert_megatron_logits(logits_of(model, expected["tokens"]), expected["logits"])
 
 
 @pytest.mark.parametrize("case", DEEPSEEK)
@@ -88,22 +55,10 @@ def test_torch_dist_merge_equals_legacy_merge(case, merged):
 def test_mtp_layer_reproduces_megatron_mtp_logits(deepseek_root, merged):
     """transformers' MtpModel, loading the merged `model.layers.{L}.*` as it loads DeepSeek-V3's layer 61, predicts
     the token after next as Megatron's MTP layer does."""
-    from transformers.modeling_layers import MtpModel
-
     expected = oracle(deepseek_root, "dsv3_tp2")
     model, _ = load(merged("dsv3_tp2", "legacy"))
-    layers = model.config.num_hidden_layers
     assert model.config.num_nextn_predict_layers == 1
-    model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{layers}\..*"]  # where MtpModel looks
-    mtp = MtpModel.from_pretrained(model)
-    tokens = expected["tokens"]
-    # Megatron's MTP layer sees token i + 1's embedding at position i, and a 0 rolled in at the end.
-    shifted = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)
-    with torch.no_grad():
-        hidden = model.model(tokens).last_hidden_state
-        out = mtp.forward_layer(0, hidden, torch.arange(tokens.shape[1])[None], None, input_ids=shifted)
-        logits = mtp._project_to_logits(out)
-    assert (logits - expected["mtp_logits"][0]).abs().max().item() < 1e-4
+    assert_megatron_logits(mtp_logits(model, expected["tokens"]), expected["mtp_logits"][0])
 
 
 def test_mtp_tensors_are_the_megatron_mtp_module(deepseek_root, merged):
@@ -126,15 +81,7 @@ def test_drop_mtp_leaves_the_mtp_layer_out(deepseek_root, merged, tmp_path, capl
     out = merge(deepseek_root / case / "legacy", tmp_path / "out", "--hf_model_config_path", deepseek_root / case / "hf",
                 "--dtype", "float32", "--drop-mtp")
     assert "merger: 1 multi-token-prediction layer(s) left out (--drop-mtp)" in caplog.text
-    config = json.loads((out / "config.json").read_text())
-    assert config["num_nextn_predict_layers"] == 0
-    model, unexpected = load(out)
-    assert not unexpected
-    with_mtp = load_safetensors_folder(merged(case, "legacy"))
-    assert sorted(load_safetensors_folder(out)) == sorted(k for k in with_mtp if not k.startswith("model.layers.2."))
-    expected = oracle(deepseek_root, case)
-    with torch.no_grad():
-        assert (model(expected["tokens"]).logits - expected["logits"]).abs().max().item() < 1e-4
+    assert_mtp_dropped(out, merged(case, "legacy"), oracle(deepseek_root, case))
 
 
 def test_checkpoint_without_mtp_sets_no_mtp_layers(deepseek_root, merged):

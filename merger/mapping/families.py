@@ -36,6 +36,10 @@ FAMILIES = (
            # TE keeps MLA's down projections whole on every rank, the local spec splits them
            config_rows={"self_attn.q_a_proj.weight": lambda c: c["q_lora_rank"],
                         "self_attn.kv_a_proj_with_mqa.weight": lambda c: c["kv_lora_rank"] + c["qk_rope_head_dim"]}),
+    # GLM-4.5 / 4.6: GQA attention (qkv bias, q/k norms when use_qk_norm) before DeepSeek-V3's MoE; its MTP
+    # layers are HF's model.layers.{L+k}, as DeepSeek-V3's are
+    Family("glm4_moe", ("glm4_moe",), megatron=mr.ATTENTION + mr.QK_NORM + mr.DENSE_MLP + mr.DEEPSEEK_MOE,
+           mtp_count_key="num_nextn_predict_layers"),
     Family("gpt_oss", ("gpt_oss",), torchtitan=tr.NORMS + tr.GPT_OSS,
            torchtitan_marks=("moe.routed_experts.inner_experts.mlp1_weight_EGD",)),
 )

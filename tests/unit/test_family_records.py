@@ -127,15 +127,19 @@ def test_fused_experts_are_written_in_to_out_and_stacked_experts_one_at_a_time()
 
 
 def _megatron_cases() -> set[str]:
-    """The model types the Megatron logits tests write (test_megatron.py, test_megatron_deepseek.py)."""
+    """The model types the Megatron logits tests write (test_megatron.py, test_megatron_deepseek.py,
+    test_megatron_glm45.py)."""
     import megatron_checkpoint
     import megatron_deepseek
     import test_megatron
     import test_megatron_deepseek
+    import test_megatron_glm45
 
     found = set()
     for cases, names, defaults in ((test_megatron.CASES, test_megatron.MODELS, megatron_checkpoint.DEFAULTS),
                                    (test_megatron_deepseek.CASES, test_megatron_deepseek.CASES,
+                                    megatron_deepseek.DEFAULTS),
+                                   (test_megatron_glm45.CASES, test_megatron_glm45.CASES,
                                     megatron_deepseek.DEFAULTS)):
         for name in names:
             spec = dict(pair.split("=") for pair in cases[name].split(",") if pair)

@@ -4,8 +4,10 @@
 
 A tiny model as DeepSeek-V3 is built: multi-latent attention (with q-LoRA, or `q_lora=0` without), dense first
 layers then MoE layers (`moe_layer_freq` as a list), a sigmoid router with expert bias and group-limited
-routing, shared experts, and `mtp` multi-token-prediction layers. `arch=llama` builds a plain GQA model with
-MTP layers instead (a checkpoint whose HF family has no MTP). Every rank builds its slice from one seed
+routing, shared experts, and `mtp` multi-token-prediction layers. `arch=glm4_moe` builds GLM-4.5's variant of
+that model: GQA attention with qkv bias, partial rotary, a head dim other than hidden / heads, q/k norms with
+`qk_norm=1`, and the same MoE without routing groups. `arch=llama` builds a plain GQA model with MTP layers
+instead (a checkpoint whose HF family has no MTP). Every rank builds its slice from one seed
 (local spec, `use_cpu_initialization`) and saves it as megatron_checkpoint.py does, into ROOT/NAME/:
 legacy/ and dist/ (Megatron-LM save dirs), hf/ (the transformers config and a tokenizer) and logits.pt:
 - "tokens", "logits": Megatron's own forward logits, sliced to the HF vocab size;
@@ -26,9 +28,21 @@ from leave_group import leave_group
 from megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, parse, randomise_vectors, save_dist,
                                  save_legacy, write_save_dirs)
 
-DEFAULTS = dict(arch="deepseek_v3", tp=1, layers=2, dense=1, q_lora=1, mtp=1, vocab=101)
+DEFAULTS = dict(arch="deepseek_v3", tp=1, ep=1, layers=2, dense=1, q_lora=1, qk_norm=0, mtp=1, vocab=101)
 HIDDEN, HEADS, FFN, MOE_FFN, EXPERTS = 32, 4, 40, 24, 4
 Q_LORA, KV_LORA, NOPE, ROPE, V_DIM = 24, 16, 8, 8, 8
+GLM_HEAD_DIM, GLM_ROTARY = 16, 0.5  # GLM-4.5's heads are wider than hidden / heads; rotary on half of each head
+
+
+def moe_config(a: Namespace) -> dict:
+    """The MoE both families share: sigmoid scores whose expert bias steers the choice (not the weights), top-k
+    weights normalised then scaled, one shared expert, the first `dense` layers dense."""
+    return dict(
+        num_moe_experts=EXPERTS, moe_layer_freq=[0] * a.dense + [1] * (a.layers - a.dense),
+        moe_ffn_hidden_size=MOE_FFN, moe_shared_expert_intermediate_size=MOE_FFN, moe_router_topk=2,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=2.5, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather", moe_permute_fusion=False)
 
 
 def mla_patches() -> None:
@@ -58,20 +72,20 @@ def transformer_config(a: Namespace):
         params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, init_method_std=0.05, mtp_num_layers=a.mtp or None,
+        expert_model_parallel_size=a.ep,
     )
     if a.arch == "llama":
         return TransformerConfig(num_query_groups=2, kv_channels=HIDDEN // HEADS, **kw)
+    if a.arch == "glm4_moe":  # its partial rotary is GPTModel's rotary_percent (build_model)
+        return TransformerConfig(num_query_groups=2, kv_channels=GLM_HEAD_DIM, add_qkv_bias=True,
+                                 qk_layernorm=bool(a.qk_norm), **moe_config(a), **kw)
     # MLA: the q/kv LoRA norms are Megatron's q/kv layernorms (qk_layernorm). The softmax scale includes YaRN's
     # mscale even with plain rope, so the scaling factor stays 1 to match HF's rope_type "default".
     return MLATransformerConfig(
         multi_latent_attention=True, q_lora_rank=Q_LORA if a.q_lora else None, kv_lora_rank=KV_LORA,
         qk_head_dim=NOPE, qk_pos_emb_head_dim=ROPE, v_head_dim=V_DIM, qk_layernorm=True, rope_type="rope",
-        rotary_base=10000, rotary_scaling_factor=1.0,
-        num_moe_experts=EXPERTS, moe_layer_freq=[0] * a.dense + [1] * (a.layers - a.dense),
-        moe_ffn_hidden_size=MOE_FFN, moe_shared_expert_intermediate_size=MOE_FFN, moe_router_topk=2,
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=2,
-        moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5, moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather", moe_permute_fusion=False, **kw)
+        rotary_base=10000, rotary_scaling_factor=1.0, moe_router_num_groups=2, moe_router_group_topk=1,
+        **moe_config(a), **kw)
 
 
 def hf_config(a: Namespace):
@@ -81,15 +95,19 @@ def hf_config(a: Namespace):
                   rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=False, rope_theta=10000.0)
     if a.arch == "llama":
         return transformers.LlamaConfig(intermediate_size=FFN, num_key_value_heads=2, **common)
+    moe = dict(intermediate_size=FFN, moe_intermediate_size=MOE_FFN, n_shared_experts=1, n_routed_experts=EXPERTS,
+               num_experts_per_tok=2, norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=a.dense)
+    if a.arch == "glm4_moe":  # num_nextn_predict_layers left at its default, as for DeepSeek-V3 below
+        return transformers.Glm4MoeConfig(
+            num_key_value_heads=2, head_dim=GLM_HEAD_DIM, attention_bias=True, use_qk_norm=bool(a.qk_norm),
+            partial_rotary_factor=GLM_ROTARY, n_group=1, topk_group=1, **moe, **common)
     # Megatron scores a routing group by its top topk/group_topk experts, HF by its top 2: equal here (2/1).
     # SDPA needs num_key_value_heads == num_attention_heads. num_nextn_predict_layers is left at its default:
     # the merge sets it to the MTP layers the checkpoint holds.
     return transformers.DeepseekV3Config(
-        num_key_value_heads=HEADS, intermediate_size=FFN, moe_intermediate_size=MOE_FFN, n_shared_experts=1,
-        n_routed_experts=EXPERTS, num_experts_per_tok=2, n_group=2, topk_group=1, norm_topk_prob=True,
-        routed_scaling_factor=2.5, first_k_dense_replace=a.dense, q_lora_rank=Q_LORA if a.q_lora else None,
+        num_key_value_heads=HEADS, n_group=2, topk_group=1, q_lora_rank=Q_LORA if a.q_lora else None,
         kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V_DIM, rope_interleave=True,
-        **common)
+        **moe, **common)
 
 
 def build_model(a: Namespace, config):
@@ -102,7 +120,8 @@ def build_model(a: Namespace, config):
     model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=padded_vocab(a.vocab, a.tp),
                      max_sequence_length=64, pre_process=True, post_process=True,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                     rotary_base=10000, parallel_output=False, mtp_block_spec=mtp).eval()
+                     rotary_base=10000, rotary_percent=GLM_ROTARY if a.arch == "glm4_moe" else 1.0,
+                     parallel_output=False, mtp_block_spec=mtp).eval()
     randomise_vectors([model])
     with torch.no_grad():  # the expert bias starts at 0 and is a buffer: the same on every rank
         for name, buf in model.named_buffers():
@@ -147,7 +166,7 @@ def mtp_params(model) -> dict[str, torch.Tensor]:
 def write_case(a: Namespace, out: Path) -> None:
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(a.tp)
+    ps.initialize_model_parallel(a.tp, expert_model_parallel_size=a.ep)
     config = transformer_config(a)
     model = build_model(a, config)
     save_legacy(a, [model], out / "legacy")
@@ -163,9 +182,11 @@ def write_case(a: Namespace, out: Path) -> None:
 
 
 def main() -> None:
-    # What megatron_checkpoint.save_legacy records in the args: one pipeline stage, no EP, untied.
-    out, cases = parse(DEFAULTS, "arch: deepseek_v3 or llama; dense: how many first layers have a dense MLP",
-                       fixed=dict(pp=1, vpp=None, ep=1, tied=False))
+    # What megatron_checkpoint.save_legacy records in the args: one pipeline stage, untied.
+    out, cases = parse(DEFAULTS, "arch: deepseek_v3, glm4_moe or llama; ep: expert-parallel size; "
+                       "dense: how many first layers have a dense MLP; "
+                       "qk_norm: glm4_moe's q/k norms",
+                       fixed=dict(pp=1, vpp=None, tied=False))
     cpu_patches()
     mla_patches()
     dist.init_process_group("gloo")

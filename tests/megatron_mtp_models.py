@@ -1,0 +1,97 @@
+"""What the tests of tests/writers/megatron_deepseek.py's checkpoints share (DeepSeek-V3 and GLM-4.5 style, with
+multi-token-prediction layers): the cases written in one torchrun launch, each merged once per set of flags, the
+oracle the writer saved, the merged model loaded, its MTP layer's logits as transformers computes them, and the
+checks against Megatron's logits (fp32, max abs diff < 1e-4, the same argmax)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from conftest import load_safetensors_folder, merge_in_process, run_writer
+
+
+def write_cases(tmp_path_factory, name: str, cases: dict[str, str]) -> Path:
+    """The folder holding ROOT/case/{legacy,dist,hf,logits.pt} for each NAME: spec of `cases`."""
+    root = tmp_path_factory.mktemp(name)
+    run_writer("megatron_deepseek.py", "--out", root,
+               *[arg for case, spec in cases.items() for arg in ("--case", f"{case}:{spec}")], nproc=2)
+    return root
+
+
+def merged_once(root: Path, tmp_path_factory):
+    """merged(case, fmt, *flags) -> fp32 HF folder merged from ROOT/case/fmt, built once."""
+    cache: dict = {}
+
+    def make(case: str, fmt: str, *flags: str) -> Path:
+        if (case, fmt, flags) not in cache:
+            out = tmp_path_factory.mktemp(f"{case}_{fmt}") / "hf"
+            cache[(case, fmt, flags)] = merge_in_process(root / case / fmt, out, "--hf_model_config_path",
+                                                         root / case / "hf", "--dtype", "float32", *flags)
+        return cache[(case, fmt, flags)]
+
+    return make
+
+
+def oracle(root: Path, case: str) -> dict:
+    return torch.load(root / case / "logits.pt", weights_only=True)
+
+
+def load(folder: Path):
+    """The merged model and the keys it did not load. transformers ignores MTP layers only at the real models'
+    layer numbers (DeepSeek-V3's 61, GLM-4.5's 92), so a tiny model's MTP layer loads as unexpected keys: nothing
+    may be missing."""
+    import transformers
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"], info
+    return model.eval(), set(info["unexpected_keys"])
+
+
+def load_beside_mtp(folder: Path, expected: dict):
+    """The merged model, checked to leave unloaded only its MTP layer, and that only where Megatron's had one."""
+    model, unexpected = load(folder)
+    mtp_layer = f"model.layers.{model.config.num_hidden_layers}."
+    assert all(k.startswith(mtp_layer) for k in unexpected), unexpected
+    assert bool(unexpected) == ("mtp_logits" in expected)
+    return model
+
+
+def assert_megatron_logits(logits: torch.Tensor, expected: torch.Tensor) -> None:
+    assert logits.shape == expected.shape
+    assert (logits - expected).abs().max().item() < 1e-4
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def logits_of(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def assert_mtp_dropped(out: Path, with_mtp: Path, expected: dict) -> None:
+    """`out`, merged with --drop-mtp, is `with_mtp` without its MTP layer: config.json counts none, every tensor but
+    the MTP layer's is there, the model loads whole and gives Megatron's logits."""
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    model, unexpected = load(out)
+    assert not unexpected
+    mtp_layer = f"model.layers.{model.config.num_hidden_layers}."
+    assert sorted(load_safetensors_folder(out)) == sorted(
+        k for k in load_safetensors_folder(with_mtp) if not k.startswith(mtp_layer))
+    assert_megatron_logits(logits_of(model, expected["tokens"]), expected["logits"])
+
+
+def mtp_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The first MTP layer's logits from transformers' own MtpModel, which loads the merged `model.layers.{L}.*` as
+    it loads the real models' MTP layer, fed as Megatron feeds its MTP layer: token i + 1's embedding at position
+    i, and a 0 rolled in at the end."""
+    from transformers.modeling_layers import MtpModel
+
+    model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{model.config.num_hidden_layers}\..*"]
+    mtp = MtpModel.from_pretrained(model)
+    shifted = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)
+    with torch.no_grad():
+        hidden = model.model(tokens).last_hidden_state
+        out = mtp.forward_layer(0, hidden, torch.arange(tokens.shape[1])[None], None, input_ids=shifted)
+        return mtp._project_to_logits(out)
