@@ -65,6 +65,10 @@ class RemoteRank:
         return self.returncode
 
 
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def _error(message: str) -> int:
     print(f"launcher: error: {message}", file=sys.stderr)
     return 1
@@ -91,7 +95,9 @@ def _connect(ray, address: str | None, cpus: float, nproc: int) -> None:
     if address:
         ray.init(address=address, **common)
     else:
-        ray.init(num_cpus=math.ceil(cpus * nproc), include_dashboard=False, **common)
+        # "local": a new cluster even where one started by `ray start` runs on this machine, which ray.init()
+        # would join instead.
+        ray.init(address="local", num_cpus=math.ceil(cpus * nproc), include_dashboard=False, **common)
 
 
 def _spelled(bundle: dict[str, float]) -> str:
@@ -164,16 +170,18 @@ def run_ray(nproc: int, gpus: int, cpus: float, address: str | None, merger_args
     if address and (why := _unreachable(address)):
         return _error(f"could not reach the Ray cluster at {address}: {why}")
     try:
-        _connect(ray, address, cpus, nproc)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        return _error(f"could not reach the Ray cluster at {address or 'a new local cluster'}: "
-                      f"{str(e).strip().splitlines()[0]}")
-    try:
+        try:
+            _connect(ray, address, cpus, nproc)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            where = f"reach the Ray cluster at {address}" if address else "start a local Ray cluster"
+            return _error(f"could not {where}: {_first_line(e)}")
         group = _place(ray, nproc, bundle)
         if group is None:
             return 1
         return supervise(_start_ranks(ray, group, nproc, gpus, cpus, merger_args))
     except KeyboardInterrupt:  # before the ranks started; once they run, supervise passes Ctrl-C on
         return 130
+    except ray.exceptions.RayError as e:  # an actor that could not start (its runtime environment, its node)
+        return _error(f"Ray could not start the ranks: {_first_line(e)}")
     finally:
         ray.shutdown()  # ends the actors (and a local cluster); the placement group goes with the job
