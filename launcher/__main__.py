@@ -1,4 +1,4 @@
-"""`python -m launcher slurm|local [options] -- merge <merger args>`."""
+"""`python -m launcher slurm|local|ray [options] -- merge <merger args>`."""
 import sys
 
 from .cli import main

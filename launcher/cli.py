@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -37,6 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
     local = sub.add_parser("local", help="run N ranks on this machine as a gloo group (no torchrun needed)",
                            epilog=USAGE_TAIL)
     local.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
+
+    ray = sub.add_parser("ray", help="run N ranks as Ray actors, one per placement-group bundle, spread over the "
+                                     "cluster's nodes (pip install 'merger[ray]')", epilog=USAGE_TAIL)
+    ray.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
+    ray.add_argument("--gpus-per-rank", type=int, default=0,
+                     help="GPUs in each rank's bundle; with any, ranks talk over NCCL and the merger runs with "
+                          "--device cuda (default 0: gloo, --device cpu)")
+    ray.add_argument("--cpus-per-rank", type=float, default=1, help="CPUs in each rank's bundle (default 1)")
+    ray.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
+                     help="the Ray cluster to join (default $RAY_ADDRESS; without it, start a local cluster "
+                          "that ends with the launcher)")
     return parser
 
 
@@ -73,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         from .local import run_local
 
         return run_local(args.nproc, merger_args)
+    if args.mode == "ray":
+        from .ray import run_ray
+
+        return run_ray(args.nproc, args.gpus_per_rank, args.cpus_per_rank, args.address, merger_args)
     from .slurm import submit
 
     if args.folder is None:

@@ -1,6 +1,8 @@
-"""The launcher's command line, without Slurm: where the job's logs go by default."""
+"""The launcher's command line, without a cluster: where the job's logs go by default, and the ray mode where
+Ray is not installed."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,3 +19,11 @@ def test_logs_default_to_beside_the_target(tmp_path, target):
 
 def test_logs_without_a_target_go_to_the_current_folder():
     assert default_folder(["test", "--local_dir", "ckpt", "--test_hf_dir", "ref"]) == Path("merger_slurm_logs/%j")
+
+
+def test_ray_mode_without_ray_says_how_to_install_it(monkeypatch, capsys):
+    from launcher.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as where Ray is not installed: `import ray` fails
+    assert main(["ray", "--nproc", "2", "--", "merge", "--local_dir", "ckpt", "--target_dir", "out"]) == 1
+    assert capsys.readouterr().err == "launcher: error: the ray launcher needs Ray: pip install 'merger[ray]'\n"

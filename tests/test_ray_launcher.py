@@ -1,0 +1,99 @@
+"""`python -m launcher ray`: merges on a local Ray cluster that the launcher itself starts (ray.init() in its
+process, kept on 127.0.0.1 by RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, gone when the launcher ends; never `ray stop`,
+which would end every Ray process on the machine). The oracle is the model's own save_pretrained output."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, _env, _free_port, assert_same_weights, single_error_line
+from test_reliability import SMALL, WORLD, _lost_line
+
+pytest.importorskip("ray", reason="the ray launcher's tests need Ray: pip install 'merger[ray]'")
+
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+RAY_ENV_OFF = ["RAY_ADDRESS"]  # a cluster the caller points at is not this test's
+
+
+def _ray_env() -> dict:
+    env = _env(RAY_ENV)
+    for key in RAY_ENV_OFF:
+        env.pop(key, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def checkpoint(fsdp_checkpoint):
+    """Big enough (6 layers, SMALL's many batches) that a rank can be killed in the middle of its merge."""
+    return fsdp_checkpoint("llama", WORLD, extra=("--layers", "6", "--hidden", "64"))
+
+
+def launcher_ray(*args) -> list[str]:
+    return [sys.executable, "-m", "launcher", "ray", "--nproc", str(WORLD), "--", *map(str, args)]
+
+
+def test_launcher_ray_merges_on_a_local_cluster(checkpoint, tmp_path):
+    actor, reference = checkpoint
+    proc = subprocess.run(launcher_ray("merge", "--local_dir", actor, "--target_dir", tmp_path / "out"), cwd=ROOT,
+                          env=_ray_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{WORLD} merge ranks" in proc.stderr, proc.stderr  # one group of WORLD ranks, not WORLD single merges
+    assert_same_weights(tmp_path / "out", reference, torch.bfloat16)
+
+
+def test_launcher_ray_bad_input_is_one_line(tmp_path):
+    missing = tmp_path / "no_such_actor"
+    proc = subprocess.run(launcher_ray("merge", "--local_dir", missing, "--target_dir", tmp_path / "out"), cwd=ROOT,
+                          env=_ray_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert str(missing) in single_error_line(proc.stderr) and "Traceback" not in proc.stderr, proc.stderr
+
+
+def _rank_pid(rank: int, target: Path) -> int | None:
+    """The pid of the `python -m merger` process of merge rank `rank` writing `target` (under Ray it is no child
+    of the launcher: its actor's worker is a child of Ray's raylet)."""
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            if cmdline[1:3] == [b"-m", b"merger"] and str(target).encode() in cmdline:
+                if f"RANK={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                    return int(proc.name)
+    return None
+
+
+def test_launcher_ray_ends_the_job_when_a_rank_is_killed(checkpoint, tmp_path):
+    # As test_reliability's test_rank_killed_during_an_exchange: once the staging folder exists, rank 1 is
+    # stopped (its peer goes on into the next collective and waits there), then killed.
+    actor = checkpoint[0]
+    out, stage = tmp_path / "out", tmp_path / ".out.merger-partial"
+    launcher = subprocess.Popen(launcher_ray("merge", "--local_dir", actor, "--target_dir", out, *SMALL), cwd=ROOT,
+                                env=_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (stage.exists() and (victim := _rank_pid(1, out))):
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+        time.sleep(0.05)
+    os.kill(victim, signal.SIGSTOP)
+    time.sleep(1)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = launcher.communicate(timeout=60)
+    assert time.monotonic() - killed < 15 and launcher.returncode != 0, err
+    assert [line for line in err.splitlines() if line.startswith("merger: error:")] == [_lost_line(1, victim)], err
+    assert not out.exists() and not stage.exists()
+
+
+def test_launcher_ray_refuses_an_address_where_nothing_answers(capsys):
+    from launcher.cli import main
+
+    address = f"127.0.0.1:{_free_port()}"
+    assert main(["ray", "--address", address, "--", "merge", "--local_dir", "ckpt", "--target_dir", "out"]) == 1
+    assert capsys.readouterr().err == f"launcher: error: could not reach the Ray cluster at {address}: " \
+                                      f"Connection refused\n"
