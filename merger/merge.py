@@ -16,7 +16,7 @@ from pathlib import Path
 from .catalog import Catalog
 from .engine.compare import CompareResult, compare_with_folder
 from .engine.dist import Group, on_every_rank, on_rank_zero
-from .engine.memory import peak_rss_bytes
+from .engine.memory import peak_rss_per_rank
 from .engine.peer_watch import Cleanup
 from .engine.plan import Plan, plan_layout
 from .engine.progress import Progress
@@ -234,9 +234,12 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
     finally:
         if lock is not None:
             lock.release()
+    peaks = peak_rss_per_rank(group)  # the largest of them is what a rank needs: rank 0 may have held least
     if group.rank == 0:
-        log.info("merger: wrote %s to %s in %.1fs (peak RSS rank 0: %s)", format_size(plan.total_bytes), target.path,
-                 time.monotonic() - started, format_size(peak_rss_bytes()))
+        peak = max(range(group.world), key=peaks.__getitem__)
+        log.info("merger: wrote %s to %s in %.1fs (peak RSS: %s%s)", format_size(plan.total_bytes), target.path,
+                 time.monotonic() - started, format_size(peaks[peak]),
+                 f", rank {peak} of {group.world}" if group.distributed else "")
     return verified
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..catalog import Catalog
 from ..engine.compare import CompareResult
 from ..engine.dist import Group
-from ..engine.memory import peak_rss_bytes
+from ..engine.memory import peak_rss_per_rank
 from ..engine.plan import Plan, traffic
 from ..options import MergeOptions
 
@@ -16,7 +16,7 @@ from ..options import MergeOptions
 def write_summary(path: Path, catalog: Catalog, plan: Plan, options: MergeOptions, group: Group, started: float,
                   verify: CompareResult | None, uploaded: str | None, error: str | None) -> None:
     """`--summary-json`: what was merged, by how many ranks, into what, how fast, how much memory, verified."""
-    peaks = group.all_gather(peak_rss_bytes())
+    peaks = peak_rss_per_rank(group)
     if group.rank != 0:
         return
     c = catalog
