@@ -21,7 +21,8 @@ from .engine.peer_watch import Cleanup
 from .engine.plan import Plan, plan_layout
 from .engine.progress import Progress
 from .engine.stream import run_plan
-from .errors import MergerError
+from .engine.tie_check import settle_tie
+from .errors import AgreedError, MergerError
 from .mapping.registry import build_mapping
 from .options import MergeOptions
 from .output.files import FileSink, finish, prepare_files, write_manifest
@@ -50,16 +51,23 @@ class Prepared:
 
 
 def prepare(options: MergeOptions, group: Group) -> Prepared:
-    """Catalog, mapping and plan, identical on every rank, from metadata alone: the one place a plan is made."""
+    """Catalog, mapping and plan, identical on every rank, from metadata alone (but for the values of a tied
+    lm_head and input embedding, compared when the source holds both): the one place a plan is made."""
     def build():
         source = open_catalog(Path(options.local_dir), options.backend, options.prefix)
-        mapping = build_mapping(source, options)
-        catalog = mapping.catalog or source
-        plan = plan_layout(catalog, mapping.steps, group.world, options.max_shard_size, options.max_inflight)
+        return source, build_mapping(source, options)
+
+    source, mapping = on_every_rank(group, build, options.debug)
+    catalog = mapping.catalog or source
+    mapping = settle_tie(mapping, catalog, group, options)  # reads lm_head and the input embedding: a collective
+
+    def layout():
+        plan = plan_layout(catalog, mapping.steps, group.world, options.max_shard_size, options.max_inflight,
+                           tie=mapping.tie)
         return Prepared(catalog, mapping.hf_dir, plan, mapping.config_updates, mapping.config_removals,
                         mapping.extra_files, source.notes + mapping.notes)
 
-    return log_prepared(on_every_rank(group, build, options.debug), group)
+    return log_prepared(on_every_rank(group, layout, options.debug), group)
 
 
 def log_prepared(prepared: Prepared, group: Group) -> Prepared:
@@ -88,8 +96,8 @@ def verify_staged(stage: Path, prepared: Prepared, group: Group, options: MergeO
     the files' headers and index sound. Raises on every rank when anything is off."""
     result = compare_with_folder(prepared.plan, prepared.catalog, group, stage, cast=False, label="verify",
                                  debug=options.debug, allow_overflow=options.allow_overflow)
-    if not result.ok:
-        raise MergerError(f"the written output failed verification ({result.differ} tensors differ, "
+    if not result.ok:  # every rank has the same result (gathered): one line, from rank 0
+        raise AgreedError(f"the written output failed verification ({result.differ} tensors differ, "
                           f"{result.missing + result.extra} names disagree, {len(result.problems)} index "
                           f"problems); nothing was moved to the target, {stage}")
     return result

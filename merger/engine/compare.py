@@ -8,6 +8,9 @@ at the same place, read with pread a chunk at a time, so the check holds no more
 straight from the source file, chunk by chunk, and never enters a batch buffer. The folder itself is checked
 first: every safetensors header valid, the index's entries in the files it names, total_size right. Rank 0
 gathers the findings and prints the worst.
+
+A tied lm_head the merge left out (`Plan.tie`) is compared too, with the folder's input embedding: a source
+tensor the output does not hold, as itself or as the tensor it is tied to, fails the comparison.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from ..mapping.steps import OutputSpec
 from ..safetensors_io import TensorEntry, read_header
 from ..sources.file_reads import CHUNK, Placed, pread_into
 from .dist import Group, on_every_rank
-from .plan import Plan, Runs
+from .plan import Plan, Runs, plan_layout
 from .progress import Progress
 from .stream import run_plan
 
@@ -131,16 +134,22 @@ def _combine(found: Mismatch, more: Mismatch) -> Mismatch:
 class CompareSink:
     """Compares each output, whole or in parts, with the folder's tensor. `cast`: compare in the folder's dtype
     (`merger test`, whose reference may be stored in another dtype); otherwise the dtype itself must match
-    (`--verify`). Called from the stream's reading and writing threads at once."""
+    (`--verify`). `aliases`: outputs compared with a folder tensor of another name (a tied lm_head, with the
+    input embedding). Called from the stream's reading and writing threads at once."""
 
     reference: ReferenceModel
     atol: float = 0.0
     rtol: float = 0.0
     cast: bool = True
+    aliases: dict[str, str] = field(default_factory=dict)
     checked: set[str] = field(default_factory=set)
     checked_bytes: int = 0
     mismatches: dict[str, Mismatch] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _label(self, spec: OutputSpec) -> str:
+        name = self.aliases.get(spec.name)
+        return spec.name if name is None else f"{spec.name} (left out as tied to {name})"
 
     def _found(self, found: Mismatch) -> None:
         with self.lock:
@@ -149,18 +158,21 @@ class CompareSink:
 
     def _entry(self, spec: OutputSpec) -> TensorEntry | None:
         """The folder's tensor to compare `spec` with; None when there is none (a name the comparison of names
-        reports) or its shape or dtype is not `spec`'s."""
-        held = self.reference.entries.get(spec.name)
+        reports, or an alias's missing target, reported here) or its shape or dtype is not `spec`'s."""
+        name = self.aliases.get(spec.name, spec.name)
+        held = self.reference.entries.get(name)
         if held is None:
+            if spec.name in self.aliases:
+                self._found(Mismatch(self._label(spec), "not in the folder"))
             return None
         entry = held[2]
         with self.lock:
             self.checked.add(spec.name)
         if tuple(entry.shape) != tuple(spec.shape):
-            self._found(Mismatch(spec.name, f"shape {tuple(spec.shape)} vs {tuple(entry.shape)}"))
+            self._found(Mismatch(self._label(spec), f"shape {tuple(spec.shape)} vs {tuple(entry.shape)}"))
             return None
         if not self.cast and entry.dtype != spec.dtype:
-            self._found(Mismatch(spec.name, f"dtype {spec.dtype} vs {entry.dtype}"))
+            self._found(Mismatch(self._label(spec), f"dtype {spec.dtype} vs {entry.dtype}"))
             return None
         return entry
 
@@ -174,7 +186,7 @@ class CompareSink:
             hi = min(length, lo + step)
             ref = torch.empty((hi - lo) * item, dtype=torch.uint8)
             self.reference.read_into(entry.name, (start + lo) * item, ref)
-            found = _differences(spec.name, ours(lo, hi).to(entry.dtype), ref.view(entry.dtype),
+            found = _differences(self._label(spec), ours(lo, hi).to(entry.dtype), ref.view(entry.dtype),
                                  self.atol, self.rtol)
             if found is not None:
                 found.numel = math.prod(spec.shape)
@@ -278,9 +290,14 @@ def compare_with_folder(plan: Plan, catalog: Catalog, group: Group, folder: Path
     """Stream `plan` and compare every output with `folder` on every rank; the same result on all ranks."""
     reference = on_every_rank(group, lambda: ReferenceModel(Path(folder)), debug)
     try:
-        sink = CompareSink(reference, atol, rtol, cast)
-        progress = Progress(plan.total_bytes, "comparing") if group.rank == 0 else None
-        run_plan(plan, catalog, group, sink, progress, debug, allow_overflow=allow_overflow)
+        aliases, compared = {}, plan
+        if plan.tie is not None and plan.tie.kept is not None:  # the left-out lm_head, against the embedding
+            aliases = {plan.tie.step.outputs[0].name: plan.tie.kept}
+            compared = on_every_rank(group, lambda: plan_layout(catalog, [*plan.steps, plan.tie.step], plan.world,
+                                                                plan.total_bytes, plan.max_inflight), debug)
+        sink = CompareSink(reference, atol, rtol, cast, aliases)
+        progress = Progress(compared.total_bytes, "comparing") if group.rank == 0 else None
+        run_plan(compared, catalog, group, sink, progress, debug, allow_overflow=allow_overflow)
     finally:
         reference.close()
     return report(group, sink, set(plan.weight_map), reference, label)

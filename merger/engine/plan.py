@@ -19,7 +19,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, row_major_index
 from ..errors import MergerError
 from ..hf_folder import shard_name
-from ..mapping.steps import OutputSpec, Step
+from ..mapping.steps import OutputSpec, Step, Tie
 from ..safetensors_io import TensorEntry, build_header
 
 
@@ -75,6 +75,7 @@ class Plan:
     batches: list[Batch]
     world: int
     max_inflight: int
+    tie: Tie | None = None  # lm_head.weight, left out as tied to the input embedding: what --verify checks it by
 
     @property
     def direct(self) -> bool:
@@ -184,9 +185,9 @@ def places_directly(catalog: Catalog, step: Step) -> bool:
 
 
 def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size: int,
-                max_inflight: int, direct: bool = True) -> Plan:
+                max_inflight: int, direct: bool = True, tie: Tie | None = None) -> Plan:
     """`direct`: place pure casts directly (the sink writes parts of a tensor at their offsets, as the file
-    writer does); False assembles every output whole at one rank (a comparison needs whole tensors)."""
+    writer does); False assembles every output whole at one rank. `tie`: the mapping's left-out lm_head."""
     _check_steps(catalog, steps)
     steps = sorted(steps, key=lambda s: natural_key(s.outputs[0].name) if s.outputs else ())
     outputs = [spec for step in steps for spec in step.outputs]
@@ -207,7 +208,7 @@ def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size:
             location[entry.name] = (i, entry)
 
     writers, batches = _route(catalog, steps, world, max_inflight, direct)
-    return Plan(steps, writers, files, location, batches, world, max_inflight)
+    return Plan(steps, writers, files, location, batches, world, max_inflight, tie)
 
 
 def rerouted(plan: Plan, catalog: Catalog, world: int | None = None, direct: bool | None = None) -> Plan:
