@@ -32,7 +32,7 @@ from ..sources.file_reads import CHUNK, Placed, pread_into
 from .dist import Group, on_every_rank
 from .plan import Plan, Runs, plan_layout
 from .progress import Progress
-from .stream import run_plan
+from .stream import read_in_place, run_plan
 
 
 class ReferenceModel:
@@ -208,23 +208,16 @@ class CompareSink:
             self._compare_run(spec, entry, start, runs.length, lambda lo, hi, at=at: flat[at + lo:at + hi])
 
     def copy_part(self, spec: OutputSpec, runs: Runs, source: int, source_at: int, source_name: str) -> Placed:
-        """A part of output `spec` the merge copies unchanged from the open source file `source` (from byte
-        `source_at`, contiguous): compared from there a chunk at a time, never read whole. Returns where its
-        bytes are to be checked against their torch.save record: in the source itself, nothing being copied."""
+        """A part of output `spec` the merge copies unchanged from the open source file `source`: compared from
+        there a chunk at a time (stream.read_in_place), never held whole."""
         entry = self._entry(spec)
-        item = spec.dtype.itemsize
-        if entry is not None:
-            for k, start in enumerate(runs.starts()):
-                at = source_at + k * runs.length * item
 
-                def ours(lo: int, hi: int, at: int = at) -> torch.Tensor:
-                    out = torch.empty((hi - lo) * item, dtype=torch.uint8)
-                    if pread_into(source, memoryview(out.numpy()), at + lo * item) < out.numel():
-                        raise MergerError(f"source file ends inside tensor {spec.name}, {source_name}")
-                    return out.view(spec.dtype)
+        def compare(index: int, chunk: torch.Tensor) -> None:
+            if entry is not None:
+                ours = chunk.view(spec.dtype)
+                self._compare_run(spec, entry, index, ours.numel(), lambda lo, hi: ours[lo:hi])
 
-                self._compare_run(spec, entry, start, runs.length, ours)
-        return Placed(source_name, source, [(source_at, runs.count * runs.length * item)])
+        return read_in_place(runs, spec.dtype.itemsize, source, source_at, source_name, compare)
 
 
 @dataclass

@@ -2,19 +2,22 @@
 
 A config copied from a tied model, or edited by hand, says `tie_word_embeddings: true` over a checkpoint whose
 lm_head was trained apart from the input embedding. Writing it tied would drop that lm_head: the output would
-load with the input embedding in its place. So when the mapping writes both (`Mapping.tie`), the two are
-streamed through the engine like any merge (same batches, same memory budget, any rank count) into a sink
-that fingerprints them as they would be written; every rank gets the same sums and the same answer before
-the plan is fixed. Equal: lm_head is left out, as save_pretrained does. Different: both are written and the
-output's config says `tie_word_embeddings: false` (the checkpoint's weights are the model, a copied flag is
-not), with a note in the log; `--tie_word_embedding` asks for the tie whatever the values are, and is obeyed
-with a note (then `--verify` fails: the output lacks the source's lm_head).
+load with the input embedding in its place. So when the mapping writes both (`Mapping.tie`), the two are streamed
+through the engine like any merge (same batches, same memory budget, any rank count) into a sink that checksums
+them as they would be written; every rank gets every rank's checksums, so all reach the same answer before the
+plan is fixed. Equal: lm_head is left out, as save_pretrained does. Different: both are written and the output's
+config says `tie_word_embeddings: false` (the checkpoint's weights are the model, a copied flag is not), with a
+note in the log; `--tie_word_embedding` asks for the tie whatever the values are, and is obeyed with a note (then
+`--verify` fails: the output lacks the source's lm_head).
 
-The fingerprint of a tensor is the sum, modulo 2^64, of a mixed 64-bit hash of each element's bits and its
-row-major position: a sum does not depend on how the elements are split into pieces, ranks and batches,
-and two tensors with the same bits at the same places have the same one. Different tensors share it with a
-chance of about 2^-64; `--verify` compares the kept lm_head's source values with the output element by
-element.
+What is compared is the CRC-32 of each run of elements a rank is handed (a row block, a row of a column block, a
+1 MiB chunk of a piece read where it lies), keyed by the run's first element. Sharded alike (the usual case:
+both are [vocab, hidden] and cut the same way), the two tensors give the same keys, and one CRC that differs
+proves a difference; a trained-apart lm_head differs in every run, so taking it for the embedding would
+need every one of its CRCs to collide. Cut differently, the runs' CRCs are combined into each tensor's
+whole CRC (crc32_combine) and those are compared. CRC-32 runs at gigabytes a second (sources/crc32.py), so a
+tied model's merge costs little more than reading its embedding twice more. `--verify` compares the left-out lm_head's source
+values with the output element by element.
 """
 from __future__ import annotations
 
@@ -25,73 +28,60 @@ import torch
 from ..catalog import Catalog
 from ..mapping.steps import Mapping, OutputSpec, Tie
 from ..options import MergeOptions
+from ..sources.crc32 import crc32, crc32_combine
+from ..sources.file_reads import Placed
 from .dist import Group, on_every_rank
 from .plan import Runs, plan_layout
-from .stream import run_plan
-
-_MASK = (1 << 64) - 1
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_ELEMENTS = 1 << 18  # elements hashed at once: a few MiB of int64 temporaries
+from .stream import read_in_place, run_plan
 
 
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-# splitmix64's constants; torch's int64 arithmetic wraps, so products and sums are taken modulo 2^64.
-_GOLDEN, _MIX1, _MIX2 = map(_signed, (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
-
-
-def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x >> n as unsigned 64-bit (torch shifts int64 arithmetically)."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def _hash_sum(bits: torch.Tensor, index: torch.Tensor) -> int:
-    """The sum of splitmix64(bits + index * golden) over the elements, modulo 2^64."""
-    x = bits.to(torch.int64) + index * _GOLDEN
-    x = (x ^ _shift(x, 30)) * _MIX1
-    x = (x ^ _shift(x, 27)) * _MIX2
-    x = x ^ _shift(x, 31)
-    return int(x.sum()) & _MASK
-
-
-class FingerprintSink:
-    """Sums each output's element hashes (see the module's docstring) over the parts this rank is given."""
+class ChecksumSink:
+    """The CRC-32 of every run of each output this rank is handed: name -> {first element: (elements, crc)}."""
 
     def __init__(self):
-        self.sums: dict[str, int] = {}
+        self.runs: dict[str, dict[int, tuple[int, int]]] = {}
 
     def put(self, spec: OutputSpec, tensor: torch.Tensor) -> None:
         self.put_part(spec, Runs(0, tensor.numel()), tensor)
 
     def put_part(self, spec: OutputSpec, runs: Runs, piece: torch.Tensor) -> None:
-        flat = piece.contiguous().reshape(-1)
-        bits = flat.view(_BITS[flat.element_size()])
-        total = self.sums.get(spec.name, 0)
-        per_group = max(1, _ELEMENTS // max(runs.length, 1))  # whole runs hashed together, or one run in slices
-        starts = torch.tensor(list(runs.starts()), dtype=torch.int64)
-        for g in range(0, len(starts), per_group):
-            group = starts[g:g + per_group]
-            rows = bits[g * runs.length:(g + len(group)) * runs.length].view(len(group), runs.length)
-            for lo in range(0, runs.length, _ELEMENTS):
-                hi = min(runs.length, lo + _ELEMENTS)
-                index = (group[:, None] + torch.arange(lo, hi)).reshape(-1)
-                total += _hash_sum(rows[:, lo:hi].reshape(-1), index)
-        self.sums[spec.name] = total & _MASK
+        data = memoryview(piece.contiguous().reshape(-1).view(torch.uint8).numpy())
+        size = runs.length * piece.element_size()
+        found = self.runs.setdefault(spec.name, {})
+        for k, start in enumerate(runs.starts()):
+            found[start] = (runs.length, crc32(data[k * size:(k + 1) * size]))
+
+    def copy_part(self, spec: OutputSpec, runs: Runs, source: int, source_at: int, source_name: str) -> Placed:
+        """A part the merge would copy unchanged from the source file: checksummed from there a chunk at a time
+        (stream.read_in_place), so the check holds no batch of it either."""
+        item = spec.dtype.itemsize
+        return read_in_place(runs, item, source, source_at, source_name, lambda index, chunk: self.put_part(
+            spec, Runs(index, chunk.numel() // item), chunk.view(spec.dtype)))
+
+
+def _whole_crc(runs: dict[int, tuple[int, int]], item: int) -> int:
+    """The CRC-32 of a tensor's bytes from the CRCs of the runs that tile it."""
+    crc = 0
+    for start in sorted(runs):
+        count, part = runs[start]
+        crc = crc32_combine(crc, part, count * item)
+    return crc
 
 
 def _same_values(catalog: Catalog, tie: Tie, kept, group: Group, options: MergeOptions) -> bool:
     """Whether lm_head and the input embedding would be written with the same bytes, streamed on every rank."""
     plan = on_every_rank(group, lambda: plan_layout(catalog, [tie.step, kept], group.world, options.max_shard_size,
                                                     options.max_inflight), options.debug)
-    sink = FingerprintSink()
+    sink = ChecksumSink()
     # A float16 overflow is the merge's to report, once, after this check.
     run_plan(plan, catalog, group, sink, debug=options.debug, allow_overflow=True)
-    gathered = group.all_gather(sink.sums)
-    head, embedding = (sum(sums.get(name, 0) for sums in gathered) & _MASK for name in (tie.step.outputs[0].name,
-                                                                                        tie.kept))
-    return head == embedding
+    shares = group.all_gather(sink.runs)
+    head, embedding = ({start: run for share in shares for start, run in share.get(name, {}).items()}
+                       for name in (tie.step.outputs[0].name, tie.kept))
+    if head.keys() == embedding.keys():
+        return head == embedding
+    item = tie.step.outputs[0].dtype.itemsize
+    return _whole_crc(head, item) == _whole_crc(embedding, item)
 
 
 def settle_tie(mapping: Mapping, catalog: Catalog, group: Group, options: MergeOptions) -> Mapping:

@@ -1,12 +1,12 @@
 """The tie and dtype policy, applied once to every mapper's steps.
 
-Tied embeddings: a model whose config ties its output embedding to its input embedding (transformers' rule,
-or --tie_word_embedding) is written with `lm_head.weight` left out, as save_pretrained writes it; a mapping
-that unties them (a LoRA adapter that changed one side) says so with `tie_word_embeddings: false` among its
-config updates, and then both are written. When the source holds both tensors, the config alone does not
-decide: the left-out step is kept in `Mapping.tie`, and the merge compares the two tensors' values before
-the plan is fixed (engine/tie_check.py), writing both when they differ. Dtype: every model tensor that is floating point takes --dtype
-(`keep`: its own); side files (an adapter folder's weights) keep the dtype their mapper declared.
+Tied embeddings: a model whose config ties its output embedding to its input embedding (transformers' rule, or
+--tie_word_embedding) is written with `lm_head.weight` left out, as save_pretrained writes it; a mapping that
+unties them (a LoRA adapter that changed one side) says so with `tie_word_embeddings: false` among its config
+updates, and then both are written. When the source holds both tensors, the config alone does not decide: the
+left-out step is kept in `Mapping.tie`, and the merge compares the two tensors' values before the plan is fixed
+(engine/tie_check.py), writing both when they differ. Dtype: every model tensor that is floating point takes
+--dtype (`keep`: its own); side files (an adapter folder's weights) keep the dtype their mapper declared.
 """
 from __future__ import annotations
 
