@@ -76,6 +76,10 @@ def test_a_tied_model_is_written_tied(tied, tmp_path):
     assert f"merger verify: {written + 1} tensors" in proc.stdout  # lm_head too, against the embedding
     assert "merger verify: PASSED" in proc.stdout
 
+    # `merger test` against save_pretrained's folder (fp32, no lm_head) checks the source's lm_head the same way
+    test = run_merger("test", "--local_dir", actor, "--test_hf_dir", reference, nproc=2)
+    assert f"merger test: {written + 1} tensors" in test.stdout and "merger test: PASSED" in test.stdout
+
 
 def test_an_untied_model_is_written_untied(untied, tmp_path):
     actor, reference = untied
