@@ -211,14 +211,12 @@ def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size:
     return Plan(steps, writers, files, location, batches, world, max_inflight, tie)
 
 
-def rerouted(plan: Plan, catalog: Catalog, world: int | None = None, direct: bool | None = None) -> Plan:
-    """The same outputs in the same files, routed for `world` ranks, placing steps directly or not (`direct`
-    False: every step written whole by one rank, as a comparison needs); None keeps the plan's own."""
-    world = plan.world if world is None else world
-    direct = plan.direct if direct is None else direct
-    if world == plan.world and direct == plan.direct:
+def rerouted(plan: Plan, catalog: Catalog, world: int) -> Plan:
+    """The same outputs in the same files, placed as the plan places them, routed for `world` ranks (`inspect
+    --merge_ranks`)."""
+    if world == plan.world:
         return plan
-    writers, batches = _route(catalog, plan.steps, world, plan.max_inflight, direct)
+    writers, batches = _route(catalog, plan.steps, world, plan.max_inflight, plan.direct)
     return dataclasses.replace(plan, writers=writers, batches=batches, world=world)
 
 
