@@ -146,8 +146,9 @@ class Runs:
 
     def starts(self):
         """The element index of each run, in the piece's own row-major order."""
-        if len(self.outer) == 1:  # a column block: the common case, with no per-run arithmetic in Python
+        if len(self.outer) == 1 and self.strides[0]:  # a column block: the common case, no per-run arithmetic
             return range(self.start, self.start + self.outer[0] * self.strides[0], self.strides[0])
+        # (a stride of 0: a later dim is 0, so are the runs; range() refuses a step of 0)
         return (self.start + sum(i * s for i, s in zip(index, self.strides))
                 for index in itertools.product(*map(range, self.outer)))
 
