@@ -20,7 +20,7 @@ by `launcher local`, and by torchrun).
 Wall times are medians; peak RSS is the largest resident set of any single process of the run (i.e. per
 rank); ratios are against the cp floor and the format's first baseline; the same figures are drawn into
 docs/benchmark.png (benchmarks/chart.py). With --cap, each merge also runs
-under a hard cgroup-v1 memory limit to show which ones fit. The checkpoints this run builds (GBs) are removed at
+under a hard cgroup-v1 memory limit to show which ones fit, merger on 1 rank with --verify too. The checkpoints this run builds (GBs) are removed at
 the end unless --keep; kept ones are reused by the next run.
 """
 from __future__ import annotations
@@ -45,6 +45,7 @@ CGROUP = Path("/sys/fs/cgroup/memory/merger_bench")
 FORMATS = ("fsdp", "dcp", "deepspeed", "megatron_moe")
 FLOOR = "cp (floor)"
 USER_FLOOR = "dd + fsync"
+VERIFIED = "merger, 1 rank"  # the run that --cap also tries with --verify
 # Written last by build_checkpoint.py: its presence means the checkpoint is complete.
 DONE = {"fsdp": "fsdp_config.json", "dcp": "huggingface/config.json", "deepspeed": "config.json",
         "megatron_moe": "huggingface/config.json"}
@@ -165,13 +166,19 @@ def time_all(cmds: dict[str, list[str]], dst: Path, repeats: int, label: str, se
 
 
 def fits_under(cmds: dict[str, list[str]], dst: Path, cap: int) -> dict[str, str]:
-    """Each merge (not the floors) once under the hard memory cap: "fits" or "killed"."""
+    """Each merge (not the floors) once under the hard memory cap: "fits" or "killed"; merger on 1 rank also with
+    --verify, which streams under the same budget, so it must fit where the plain merge fits."""
     verdicts = {}
     for name, cmd in cmds.items():
-        if name not in (FLOOR, USER_FLOOR):
+        if name in (FLOOR, USER_FLOOR):
+            continue
+        runs = {name: cmd, f"{name} --verify": cmd + ["--verify"]} if name == VERIFIED else {name: cmd}
+        found = []
+        for label, run in runs.items():
             shutil.rmtree(dst, ignore_errors=True)
-            print(f"{name} under a {format_size(cap)} cap ...", flush=True)
-            verdicts[name] = "fits" if measure(cmd, cap)[2] == 0 else "killed"
+            print(f"{label} under a {format_size(cap)} cap ...", flush=True)
+            found.append(("fits" if measure(run, cap)[2] == 0 else "killed") + label.removeprefix(name))
+        verdicts[name] = ", ".join(found)
     return verdicts
 
 

@@ -119,19 +119,3 @@ def read_header(path: str, start: int = 0) -> tuple[int, dict[str, TensorEntry],
                           f"{expected}, {path}")
     return start + 8 + n, entries, metadata
 
-
-def read_tensor(path: str, data_start: int, entry: TensorEntry) -> torch.Tensor:
-    """One tensor's bytes read with pread into a fresh tensor (no mapping left behind)."""
-    out = torch.empty(entry.end - entry.begin, dtype=torch.uint8)
-    view = memoryview(out.numpy())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], data_start + entry.begin + done)
-            if got == 0:
-                raise MergerError(f"file ends inside tensor {entry.name!r}, {path}")
-            done += got
-    finally:
-        os.close(fd)
-    return out.view(entry.dtype).reshape(entry.shape)

@@ -93,6 +93,22 @@ def test_tied_output_layer_is_dropped_and_vocab_unpadded(merged):
     assert weights["model.embed_tokens.weight"].shape[0] == 101
 
 
+def test_a_config_that_ties_a_distinct_output_layer_keeps_it(megatron_root, tmp_path):
+    """An untied model's config edited to tie the embeddings: output_layer, trained apart from the embedding, is
+    still written as lm_head (vocab unpadded, over 2 TP ranks), the output's config unties, and the merged model
+    reproduces Megatron's logits."""
+    case = "tp2_gqa_bias"
+    hf = tmp_path / "hf"
+    shutil.copytree(megatron_root / case / "hf", hf)
+    config = json.loads((hf / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    (hf / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    out = merge(megatron_root / case / "legacy", tmp_path / "out", "--hf_model_config_path", hf, "--dtype", "float32")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    oracle = torch.load(megatron_root / case / "logits.pt", weights_only=True)
+    assert (hf_logits(out, oracle["tokens"], False) - oracle["logits"]).abs().max().item() < 1e-4
+
+
 def test_critic_becomes_token_classification(merged):
     import transformers
 

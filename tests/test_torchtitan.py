@@ -6,6 +6,7 @@ family)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,24 @@ def test_qwen3_moe_torchrun_equals_one_process(qwen3_moe_root, qwen3_moe_merged,
                nproc=3)
     one, three = load_safetensors_folder(qwen3_moe_merged[0]), load_safetensors_folder(tmp_path / "out")
     assert one.keys() == three.keys() and all(torch.equal(one[n], three[n]) for n in one)
+
+
+def test_a_config_that_ties_a_distinct_output_keeps_it(qwen3_moe_root, tmp_path):
+    """torchtitan's `output` (lm_head) under a config edited to tie the embeddings, merged on 2 ranks: still
+    written, the output's config unties, and the model gives torchtitan's logits."""
+    hf = tmp_path / "hf"
+    shutil.copytree(qwen3_moe_root / "hf", hf)
+    config = json.loads((hf / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    (hf / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    proc = run_merger("merge", "--local_dir", qwen3_moe_root / "checkpoint" / "step-1", "--target_dir",
+                      tmp_path / "out", "--hf_model_config_path", hf, "--dtype", "float32", "--verify", nproc=2)
+    assert "both are written, and the output's config.json says tie_word_embeddings: false" in proc.stderr
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert model.config.tie_word_embeddings is False
+    with torch.no_grad():
+        logits = model(torch.tensor(TOKENS)).logits
+    assert (logits - torch.load(qwen3_moe_root / "logits.pt", weights_only=True)).abs().max().item() < 1e-4
 
 
 def test_torchtitan_names_with_another_model_config_are_refused(qwen3_moe_root, tmp_path):

@@ -17,13 +17,14 @@ from pathlib import Path
 from ..catalog import Catalog
 from ..engine.compare import CompareResult, compare_with_folder
 from ..engine.dist import Group, on_every_rank, on_rank_zero
-from ..engine.memory import peak_rss_bytes
+from ..engine.memory import peak_rss_per_rank
 from ..engine.peer_watch import Cleanup
 from ..engine.plan import Plan, plan_layout
 from ..engine.plan_agreement import agree_on_plan
 from ..engine.progress import Progress
 from ..engine.stream import run_plan
-from ..errors import Interrupted, MergerError
+from ..engine.tie_check import settle_tie
+from ..errors import AgreedError, Interrupted, MergerError
 from ..mapping.hub_folders import with_hub_folders
 from ..mapping.registry import build_mapping
 from ..options import MergeOptions
@@ -54,17 +55,25 @@ class Prepared:
 
 
 def prepare(options: MergeOptions, group: Group) -> Prepared:
-    """Catalog, mapping and plan, identical on every rank, from metadata alone: the one place a plan is made."""
+    """Catalog, mapping and plan, identical on every rank, from metadata alone (but for the values of a tied
+    lm_head and input embedding, compared when the source holds both): the one place a plan is made."""
     def build():
         source = open_catalog(Path(options.local_dir), options.backend, options.prefix)
         local = with_hub_folders(options)  # Hub ids among the flags: their snapshot folders
-        mapping = build_mapping(source, local)
-        catalog = mapping.catalog or source
-        plan = plan_layout(catalog, mapping.steps, group.world, options.max_shard_size, options.max_inflight)
+        return source, local, build_mapping(source, local)
+
+    source, local, mapping = on_every_rank(group, build, options.debug)
+    catalog = mapping.catalog or source
+    agree_on_plan(catalog, None, group)  # the tie check below already exchanges pieces: the ranks must agree first
+    mapping = settle_tie(mapping, catalog, group, options)  # reads lm_head and the input embedding: a collective
+
+    def layout():
+        plan = plan_layout(catalog, mapping.steps, group.world, options.max_shard_size, options.max_inflight,
+                           tie=mapping.tie)
         return Prepared(catalog, mapping.hf_dir, plan, mapping.config_updates, mapping.config_removals,
                         mapping.extra_files, source.notes + mapping.notes, local.base_model)
 
-    prepared = on_every_rank(group, build, options.debug)
+    prepared = on_every_rank(group, layout, options.debug)
     agree_on_plan(prepared.catalog, prepared.plan, group)  # before anything is written: one merge, not a mix
     return log_prepared(prepared, group)
 
@@ -103,8 +112,8 @@ def verify_staged(stage: Path, prepared: Prepared, group: Group, options: MergeO
     the files' headers and index sound. Raises on every rank when anything is off."""
     result = compare_with_folder(prepared.plan, prepared.catalog, group, stage, cast=False, label="verify",
                                  debug=options.debug, allow_overflow=options.allow_overflow)
-    if not result.ok:
-        raise MergerError(f"the written output failed verification ({result.differ} tensors differ, "
+    if not result.ok:  # every rank has the same result (gathered): one line, from rank 0
+        raise AgreedError(f"the written output failed verification ({result.differ} tensors differ, "
                           f"{result.missing + result.extra} names disagree, {len(result.problems)} index "
                           f"problems); nothing was moved to the target, {stage}")
     return result
@@ -258,9 +267,12 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
     finally:
         if lock is not None:
             lock.release()
+    peaks = peak_rss_per_rank(group)  # the largest of them is what a rank needs: rank 0 may have held least
     if group.rank == 0:
-        log.info("merger: wrote %s to %s in %.1fs (peak RSS rank 0: %s)", format_size(plan.total_bytes), target.path,
-                 time.monotonic() - started, format_size(peak_rss_bytes()))
+        peak = max(range(group.world), key=peaks.__getitem__)
+        log.info("merger: wrote %s to %s in %.1fs (peak RSS: %s%s)", format_size(plan.total_bytes), target.path,
+                 time.monotonic() - started, format_size(peaks[peak]),
+                 f", rank {peak} of {group.world}" if group.distributed else "")
     return verified
 
 

@@ -6,6 +6,7 @@ import ctypes.util
 import resource
 import sys
 
+from .dist import Group
 
 _SYNC_FILE_RANGE_WRITE = 2
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
@@ -23,3 +24,8 @@ def start_writeback(fd: int) -> None:
 def peak_rss_bytes() -> int:
     """This process's peak resident set size so far (ru_maxrss is KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_rss_per_rank(group: Group) -> list[int]:
+    """Every rank's peak resident set size so far, in rank order, on every rank: a collective."""
+    return group.all_gather(peak_rss_bytes())

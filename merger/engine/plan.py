@@ -19,7 +19,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, row_major_index
 from ..errors import MergerError
 from ..hf_folder import shard_name
-from ..mapping.steps import OutputSpec, Step
+from ..mapping.steps import OutputSpec, Step, Tie
 from ..safetensors_io import TensorEntry, build_header
 
 
@@ -75,6 +75,7 @@ class Plan:
     batches: list[Batch]
     world: int
     max_inflight: int
+    tie: Tie | None = None  # lm_head.weight, left out as tied to the input embedding: what --verify checks it by
 
     @property
     def direct(self) -> bool:
@@ -145,8 +146,9 @@ class Runs:
 
     def starts(self):
         """The element index of each run, in the piece's own row-major order."""
-        if len(self.outer) == 1:  # a column block: the common case, with no per-run arithmetic in Python
+        if len(self.outer) == 1 and self.strides[0]:  # a column block: the common case, no per-run arithmetic
             return range(self.start, self.start + self.outer[0] * self.strides[0], self.strides[0])
+        # (a stride of 0: a later dim is 0, so are the runs; range() refuses a step of 0)
         return (self.start + sum(i * s for i, s in zip(index, self.strides))
                 for index in itertools.product(*map(range, self.outer)))
 
@@ -184,9 +186,9 @@ def places_directly(catalog: Catalog, step: Step) -> bool:
 
 
 def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size: int,
-                max_inflight: int, direct: bool = True) -> Plan:
+                max_inflight: int, direct: bool = True, tie: Tie | None = None) -> Plan:
     """`direct`: place pure casts directly (the sink writes parts of a tensor at their offsets, as the file
-    writer does); False assembles every output whole at one rank (a comparison needs whole tensors)."""
+    writer does); False assembles every output whole at one rank. `tie`: the mapping's left-out lm_head."""
     _check_steps(catalog, steps)
     steps = sorted(steps, key=lambda s: natural_key(s.outputs[0].name) if s.outputs else ())
     outputs = [spec for step in steps for spec in step.outputs]
@@ -207,17 +209,15 @@ def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size:
             location[entry.name] = (i, entry)
 
     writers, batches = _route(catalog, steps, world, max_inflight, direct)
-    return Plan(steps, writers, files, location, batches, world, max_inflight)
+    return Plan(steps, writers, files, location, batches, world, max_inflight, tie)
 
 
-def rerouted(plan: Plan, catalog: Catalog, world: int | None = None, direct: bool | None = None) -> Plan:
-    """The same outputs in the same files, routed for `world` ranks, placing steps directly or not (`direct`
-    False: every step written whole by one rank, as a comparison needs); None keeps the plan's own."""
-    world = plan.world if world is None else world
-    direct = plan.direct if direct is None else direct
-    if world == plan.world and direct == plan.direct:
+def rerouted(plan: Plan, catalog: Catalog, world: int) -> Plan:
+    """The same outputs in the same files, placed as the plan places them, routed for `world` ranks (`inspect
+    --merge_ranks`)."""
+    if world == plan.world:
         return plan
-    writers, batches = _route(catalog, plan.steps, world, plan.max_inflight, direct)
+    writers, batches = _route(catalog, plan.steps, world, plan.max_inflight, plan.direct)
     return dataclasses.replace(plan, writers=writers, batches=batches, world=world)
 
 

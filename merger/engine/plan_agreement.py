@@ -55,11 +55,12 @@ def _sha256(*parts) -> str:
     return h.hexdigest()
 
 
-def plan_digest(files: list[tuple[str, int]], catalog: Catalog, plan: Plan) -> PlanDigest:
-    layout = [(f.name, f.prefix) for f in plan.files]
-    batches = [(b.steps, len(b.routes), b.out_bytes) for b in plan.batches]
+def plan_digest(files: list[tuple[str, int]], catalog: Catalog, plan: Plan | None) -> PlanDigest:
+    """The digest of what a rank merges; `plan` None: of the checkpoint alone, before planning."""
+    layout = [(f.name, f.prefix) for f in plan.files] if plan is not None else None
+    batches = [(b.steps, len(b.routes), b.out_bytes) for b in plan.batches] if plan is not None else None
     return PlanDigest(len(files), sum(size for _, size in files), _sha256(files), len(catalog.tensors),
-                      _sha256(layout, plan.writers, batches))
+                      _sha256(layout, plan.writers if plan is not None else None, batches))
 
 
 def _describe(rank: int, digests: list[PlanDigest], files: list[list[tuple[str, int]]]) -> str:
@@ -86,9 +87,11 @@ def _first_file_difference(theirs: list[tuple[str, int]], ours: list[tuple[str, 
     return "the same files in another order"
 
 
-def agree_on_plan(catalog: Catalog, plan: Plan, group: Group, files: list[tuple[str, int]] | None = None) -> None:
-    """Raise the same AgreedError on every rank unless every rank built the same catalog and plan; `files` are the
-    source files as this rank sees them (default: source_files(catalog))."""
+def agree_on_plan(catalog: Catalog, plan: Plan | None, group: Group, files: list[tuple[str, int]] | None = None
+                  ) -> None:
+    """Raise the same AgreedError on every rank unless every rank built the same catalog and plan (`plan` None:
+    the same catalog, before anything is read from it); `files` are the source files as this rank sees them
+    (default: source_files(catalog))."""
     if not group.distributed:
         return
     files = source_files(catalog) if files is None else files

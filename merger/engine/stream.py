@@ -11,17 +11,17 @@ from __future__ import annotations
 import functools
 import gc
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
 from ..catalog import Catalog
 from ..errors import AgreedError, MergerError, describe_error
 from ..mapping.steps import OutputSpec
-from ..sources.file_reads import SourceReads
+from ..sources.file_reads import CHUNK, Placed, SourceReads, pread_into, source_shrank
 from .dist import Group
 from .overflow import may_have_overflowed, overflow_message, overflowed
-from .plan import Batch, Plan, Route, block_runs
+from .plan import Batch, Plan, Route, Runs, block_runs
 from .progress import Progress
 
 
@@ -30,10 +30,29 @@ class Sink(Protocol):
     of a tensor, `put_part(spec, runs, piece)`, as the file writer does: each rank then hands over the pieces it
     read, cast, with the runs of the tensor they fill (plan.Runs), and no tensor is assembled. A sink may also
     copy such a piece from its source file itself when it needs no cast, `copy_part(spec, runs, fd, at, file)`
-    (FileSink's, inside the kernel): the piece then never enters this process (_copier)."""
+    (FileSink's, inside the kernel): the piece then never enters this process (_copier); a sink that only reads
+    it (a comparison, the tie check) reads it where it lies, a chunk at a time (read_in_place)."""
 
     def put(self, spec: OutputSpec, tensor: torch.Tensor) -> None:
         """Receive one finished output tensor, already in `spec`'s dtype and shape."""
+
+
+def read_in_place(runs: Runs, item: int, source: int, source_at: int, file: str,
+                  use: Callable[[int, torch.Tensor], None]) -> Placed:
+    """For a sink that reads an unchanged piece where it lies instead of copying it (a comparison, a checksum):
+    its copy_part hands `use` the piece's bytes, contiguous in the open file `source` from byte `source_at`, a
+    CHUNK at a time (the index in the tensor of the chunk's first element, a uint8 tensor), so no batch buffer
+    holds the piece. Returns where its bytes are to be checked against their torch.save record: in the source
+    itself, nothing being copied."""
+    size = runs.length * item
+    for k, start in enumerate(runs.starts()):
+        at = source_at + k * size
+        for lo in range(0, size, CHUNK):
+            chunk = torch.empty(min(CHUNK, size - lo), dtype=torch.uint8)
+            if pread_into(source, memoryview(chunk.numpy()), at + lo) < chunk.numel():
+                raise source_shrank(file, at + lo + chunk.numel())
+            use(start + lo // item, chunk)
+    return Placed(file, source, [(source_at, runs.count * size)])
 
 
 def _copier(plan: Plan, sink: Sink, route: Route):

@@ -1,10 +1,12 @@
 """The tie and dtype policy, applied once to every mapper's steps.
 
-Tied embeddings: a model whose config ties its output embedding to its input embedding (transformers' rule,
-or --tie_word_embedding) is written with `lm_head.weight` left out, as save_pretrained writes it; a mapping
-that unties them (a LoRA adapter that changed one side) says so with `tie_word_embeddings: false` among its
-config updates, and then both are written. Dtype: every model tensor that is floating point takes --dtype
-(`keep`: its own); side files (an adapter folder's weights) keep the dtype their mapper declared.
+Tied embeddings: a model whose config ties its output embedding to its input embedding (transformers' rule, or
+--tie_word_embedding) is written with `lm_head.weight` left out, as save_pretrained writes it; a mapping that
+unties them (a LoRA adapter that changed one side) says so with `tie_word_embeddings: false` among its config
+updates, and then both are written. When the source holds both tensors, the config alone does not decide: the
+left-out step is kept in `Mapping.tie`, and the merge compares the two tensors' values before the plan is fixed
+(engine/tie_check.py), writing both when they differ. Dtype: every model tensor that is floating point takes
+--dtype (`keep`: its own); side files (an adapter folder's weights) keep the dtype their mapper declared.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 from ..errors import MergerError
 from ..options import MergeOptions
-from .steps import FLOAT8, Mapping, OutputSpec, Step, output_dtype
+from .steps import FLOAT8, Mapping, OutputSpec, Step, Tie, output_dtype
 
 TIED_OUTPUT = "lm_head.weight"
 # Names of the input embedding in common HF architectures: the tensor a tied lm_head shares.
@@ -58,13 +60,22 @@ def _refuse_scaleless_float8(steps: list[Step], wanted: torch.dtype | None, conf
                               f"{config_dir / 'config.json' if config_dir else 'config.json'}")
 
 
+def _tie(steps: list[Step]) -> Tie | None:
+    """The step writing lm_head.weight and the input embedding it would be tied to; None when the mapping writes
+    no lm_head, or nothing else (a lone lm_head is all there is)."""
+    head = [s for s in steps if [(o.name, o.file) for o in s.outputs] == [(TIED_OUTPUT, None)]]
+    if not head or sum(o.file is None for s in steps for o in s.outputs) == 1:
+        return None
+    return Tie(head[0], input_embedding(o.name for s in steps for o in s.outputs if o.file is None))
+
+
 def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
-    """`mapping` with the tied output left out and every model tensor in the output dtype."""
+    """`mapping` with the tied output left out (in `tie`) and every model tensor in the output dtype."""
     tied = ties(mapping.config, options) and mapping.config_updates.get("tie_word_embeddings") is not False
-    steps = mapping.steps
-    if tied and sum(o.file is None for s in steps for o in s.outputs) > 1:  # a lone lm_head is all there is
-        steps = [s for s in steps if [(o.name, o.file) for o in s.outputs] != [(TIED_OUTPUT, None)]]
     wanted = options.torch_dtype
-    _refuse_scaleless_float8(steps, wanted, mapping.hf_dir)
-    steps = [Step(s.inputs, tuple(_cast(o, wanted) for o in s.outputs), s.transform) for s in steps]
-    return dataclasses.replace(mapping, steps=steps)
+    _refuse_scaleless_float8(mapping.steps, wanted, mapping.hf_dir)
+    steps = [Step(s.inputs, tuple(_cast(o, wanted) for o in s.outputs), s.transform) for s in mapping.steps]
+    tie = _tie(steps) if tied else None
+    if tie is not None:
+        steps = [s for s in steps if s is not tie.step]
+    return dataclasses.replace(mapping, steps=steps, tie=tie)

@@ -62,6 +62,17 @@ def output_dtype(source: torch.dtype, wanted: torch.dtype | None) -> torch.dtype
     return wanted if wanted is not None and source.is_floating_point else source
 
 
+@dataclass(frozen=True)
+class Tie:
+    """A tied model's output embedding, left out of the written files: `step` would write it (lm_head.weight),
+    `kept` names the output it is tied to, the input embedding (None: the mapping names none the policy knows).
+    The merge compares the two before the plan is fixed (engine/tie_check.py), and `--verify` compares the
+    source's lm_head with the written input embedding."""
+
+    step: Step
+    kept: str | None
+
+
 @dataclass
 class Mapping:
     """A mapper's answer: the steps, and what the target needs beside the weights."""
@@ -77,3 +88,4 @@ class Mapping:
     extra_files: dict[str, str] = field(default_factory=dict)  # path relative to the target -> text
     notes: tuple[str, ...] = ()  # what the merge found and does, for the log
     catalog: Catalog | None = None  # what the steps read when it is more than the checkpoint (a base model too)
+    tie: Tie | None = None  # set by the tie policy (policy.py): lm_head.weight, left out as tied

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..catalog import Catalog
 from ..engine.compare import CompareResult
 from ..engine.dist import Group
-from ..engine.memory import peak_rss_bytes
+from ..engine.memory import peak_rss_per_rank
 from ..engine.plan import Plan, traffic
 from ..options import MergeOptions
 
@@ -18,7 +18,7 @@ def merge_summary(catalog: Catalog, plan: Plan, options: MergeOptions, group: Gr
                   verify: CompareResult | None, uploaded: str | None, error: str | None) -> dict:
     """What was merged, by how many ranks, into what, how fast, how much memory, verified; the same on every rank
     (a sync point: every rank's peak memory is gathered)."""
-    peaks = group.all_gather(peak_rss_bytes())
+    peaks = peak_rss_per_rank(group)
     c = catalog
     return {
         "status": "failed" if error else "ok", "error": error,

@@ -187,10 +187,10 @@ def test_any_names_plan_and_layer_numbers_sort_as_numbers(names, layers):
 @SETTINGS
 @given(synthetics(), plan_args(), plan_args(), st.booleans())
 def test_rerouted_plan_is_the_plan_for_that_world(syn, args, other, direct):
-    """`merger test` and a resumed merge reroute a plan for another world or placement: the result is the plan
-    that world would have made itself, and its traffic writes every output byte once and receives what is sent."""
-    plan = _plan(syn, args)
-    again = rerouted(plan, syn.catalog, other["world"], direct)
+    """`inspect --merge_ranks` reroutes a plan for another world: the result is the plan that world would have
+    made itself, and its traffic writes every output byte once and receives what is sent."""
+    plan = _plan(syn, args, direct)
+    again = rerouted(plan, syn.catalog, other["world"])
     assert again == _plan(syn, dict(args, world=other["world"]), direct)
     ranks = traffic(again)
     assert sum(r["written_bytes"] for r in ranks) == again.total_bytes

@@ -1,0 +1,62 @@
+"""`merge --verify`, and the check of a config that ties the embeddings, stream under the merge's own batch
+budget (issue #35, items 4 and 1).
+
+A 364 MB fp32 FSDP2 checkpoint (benchmarks/build_checkpoint.py: 2 rank files, a 131 MB embedding and lm_head
+each) merged on 1 rank with `--dtype keep --max_inflight 16MiB`, with and without `--verify`: the peak RSS the
+summary reports (getrusage, the kernel's count) may grow by a few chunks with verify, never by a tensor. When
+verify assembled every tensor whole and read the written one whole beside it, it grew by 2 x 131 MB.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run, run_merger, torchrun_cmd
+
+MiB = 1 << 20
+MARGIN = 48 * MiB  # a few 1 MiB chunks and allocator slack; the checkpoint is 364 MB, its largest tensor 131 MB
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    actor = tmp_path_factory.mktemp("verify_memory") / "actor"
+    run(torchrun_cmd(2) + [str(ROOT / "benchmarks" / "build_checkpoint.py"), "--out", str(actor), "--layers", "2",
+                           "--hidden", "1024", "--format", "fsdp"], timeout=600)
+    return actor
+
+
+def _peak(actor: Path, root: Path, *extra) -> int:
+    summary = root / "summary.json"
+    run_merger("merge", "--local_dir", actor, "--target_dir", root / "out", "--dtype", "keep", "--max_inflight",
+               "16MiB", "--summary-json", summary, *extra, timeout=600)
+    report = json.loads(summary.read_text())
+    assert report["status"] == "ok" and (report["verify"] or {}).get("ok", True)
+    return max(report["peak_rss_bytes_per_rank"])
+
+
+def test_verify_peak_stays_near_the_merge_peak(checkpoint, tmp_path):
+    nbytes = sum(f.stat().st_size for f in checkpoint.glob("model_world_size_*.pt"))
+    assert nbytes > 300 * 10**6
+    plain = _peak(checkpoint, tmp_path / "plain")
+    verified = _peak(checkpoint, tmp_path / "verified", "--verify")
+    assert verified - plain < MARGIN, (plain / MiB, verified / MiB)
+
+
+def test_checking_a_tie_the_config_claims_stays_near_the_merge_peak(checkpoint, tmp_path):
+    """The same checkpoint under a config that ties the embeddings: both 131 MB tensors are read and compared
+    before the plan is fixed (they differ: both are written), a chunk at a time, never a batch of them."""
+    lying = tmp_path / "actor"
+    lying.mkdir()
+    for f in checkpoint.iterdir():
+        if f.is_file():
+            (lying / f.name).symlink_to(f)
+    shutil.copytree(checkpoint / "huggingface", lying / "huggingface")
+    config = json.loads((lying / "huggingface" / "config.json").read_text())
+    (lying / "huggingface" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    plain = _peak(checkpoint, tmp_path / "plain")
+    checked = _peak(lying, tmp_path / "checked")
+    assert json.loads((tmp_path / "checked" / "out" / "config.json").read_text())["tie_word_embeddings"] is False
+    assert checked - plain < MARGIN, (plain / MiB, checked / MiB)
