@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -92,7 +92,7 @@ class Catalog:
     root: Path
     tensors: dict[str, SourceTensor]
     files: list[str]
-    reader_factory: type
+    reader_factory: Callable[[Catalog], PieceReader]  # a reader class, or a partial of one
     hf_dir: Path | None = None
     # The names' convention, which picks the mapping: "hf" (HF module names, or torchtitan's, told apart by the
     # names themselves) or "megatron" (mcore names, mapped through the model family's table).

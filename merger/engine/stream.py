@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import gc
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -25,16 +25,32 @@ from .plan import Batch, Plan, Route, Runs, block_runs
 from .progress import Progress
 
 
+@runtime_checkable
 class Sink(Protocol):
-    """Receives finished outputs. A plan that places steps directly (plan.py) needs a sink that also takes part
-    of a tensor, `put_part(spec, runs, piece)`, as the file writer does: each rank then hands over the pieces it
-    read, cast, with the runs of the tensor they fill (plan.Runs), and no tensor is assembled. A sink may also
-    copy such a piece from its source file itself when it needs no cast, `copy_part(spec, runs, fd, at, file)`
-    (FileSink's, inside the kernel): the piece then never enters this process (_copier); a sink that only reads
-    it (a comparison, the tie check) reads it where it lies, a chunk at a time (read_in_place)."""
+    """Receives finished outputs: what every sink does."""
 
     def put(self, spec: OutputSpec, tensor: torch.Tensor) -> None:
         """Receive one finished output tensor, already in `spec`'s dtype and shape."""
+
+
+@runtime_checkable
+class PartSink(Sink, Protocol):
+    """A sink for a plan that places steps directly (plan.py), as every sink merger has is: each rank hands over
+    the pieces it read, cast, with the runs of the tensor they fill (plan.Runs), and no tensor is assembled."""
+
+    def put_part(self, spec: OutputSpec, runs: Runs, piece: torch.Tensor) -> None:
+        """Receive one piece of output `spec`, filling `runs` of it."""
+
+
+@runtime_checkable
+class CopyingSink(PartSink, Protocol):
+    """A sink that takes a directly placed piece needing no cast from its source file itself: the piece then never
+    enters this process (FileSink's copy inside the kernel), or is read where it lies, a chunk at a time (a
+    comparison, the tie check: read_in_place)."""
+
+    def copy_part(self, spec: OutputSpec, runs: Runs, source: int, source_at: int, source_name: str) -> Placed:
+        """Take the piece's bytes, contiguous in the open file `source` from byte `source_at`; return where they
+        are to be checked against their torch.save record."""
 
 
 def read_in_place(runs: Runs, item: int, source: int, source_at: int, file: str,
@@ -55,11 +71,10 @@ def read_in_place(runs: Runs, item: int, source: int, source_at: int, file: str,
     return Placed(file, source, [(source_at, runs.count * size)])
 
 
-def _copier(plan: Plan, sink: Sink, route: Route):
+def _copier(plan: Plan, copy_part: Callable | None, route: Route):
     """For a piece this rank places directly and writes exactly as stored (no cast), when the sink can copy it
-    from the source file itself (FileSink.copy_part: inside the kernel, never in this process's memory): the
-    function that copies it (SourceReads.copy_unchanged calls it). None: the piece is read into memory."""
-    copy_part = getattr(sink, "copy_part", None)
+    from the source file itself (`copy_part`, a CopyingSink's): the function that copies it
+    (SourceReads.copy_unchanged calls it). None: the piece is read into memory."""
     if copy_part is None or plan.writers[route.step] is not None or route.dtype != route.stored:
         return None
     spec = plan.steps[route.step].outputs[0]
@@ -132,7 +147,8 @@ class BatchBuffers:
 
 
 def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceReads, buffers: BatchBuffers,
-                sink: Sink, overflows: set[int]) -> tuple[dict[int, torch.Tensor | None], torch.Tensor, list[int]]:
+                copy_part: Callable | None, overflows: set[int]
+                ) -> tuple[dict[int, torch.Tensor | None], torch.Tensor, list[int]]:
     """This rank's pieces of the batch: those it writes itself by route index (None: copied into the output
     already, see _copier), and the block it sends with the bytes for each peer. Steps whose pieces lost values in
     the cast are added to `overflows`."""
@@ -149,7 +165,7 @@ def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceRea
         if tuple(stored.view.shape) != route.piece.sizes or stored.view.dtype != route.stored:
             raise MergerError(f"tensor {route.copy.key} is {tuple(stored.view.shape)} {stored.view.dtype} here, "
                               f"the plan expects {route.piece.sizes} {route.stored}, {route.copy.file}")
-        copier = _copier(plan, sink, route)
+        copier = _copier(plan, copy_part, route)
         if copier is not None and reads.copy_unchanged(stored, route.copy.key, copier):
             local[i] = None  # written: the pieces a rank writes itself come last, so the send block is unchanged
             continue
@@ -230,6 +246,8 @@ def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: P
     # full passes would otherwise walk them all again and again while the batches allocate. Unfrozen after, or
     # whatever was alive now (a caller's garbage cycles, triton's bindings: nanobind then reports them as leaked
     # at exit) could never be collected in a process that goes on.
+    if plan.direct and not isinstance(sink, PartSink):  # checked once, before any byte moves
+        raise TypeError(f"{type(sink).__name__} takes no parts (put_part), and the plan places steps directly")
     gc.freeze()
     try:
         _stream_plan(plan, catalog, group, sink, progress, debug, reader, observer, allow_overflow)
@@ -250,6 +268,7 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
     """
     error = None
     overflows: set[int] = set()  # steps whose float16 cast made an inf; added to by both threads
+    copy_part = sink.copy_part if isinstance(sink, CopyingSink) else None  # asked once, not for every piece
     if reader is None:
         reader = catalog.open_reader()
         try:
@@ -277,7 +296,7 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
             if error is None:
                 try:
                     local, send, send_split = _read_batch(plan, batch, group, reader, reads, buffers[index % 2],
-                                                          sink, overflows)
+                                                          copy_part, overflows)
                 except Exception as e:  # noqa: BLE001
                     error = describe_error(e, group.rank, debug)
             if writing is not None:

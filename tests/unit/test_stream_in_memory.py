@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load as load_safetensors
-from synthetic import MemoryReader, MemorySink, Synthetic, plan_args, run_in_threads, synthetics
+from synthetic import (MemoryReader, MemorySink, Synthetic, plan_args, run_in_threads, single_tensor_steps,
+                       synthetics)
 
 from merger.catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from merger.engine.dist import Group
@@ -102,3 +103,26 @@ def test_a_step_is_written_by_the_rank_holding_its_inputs_while_writes_stay_even
     sink = MemorySink(plan)
     run_in_threads(world, lambda group: run_plan(plan, catalog, group, sink))
     _check_output(Synthetic(catalog, steps, expected), plan, sink)
+
+
+class _WholeTensorsOnly:
+    """A sink that takes whole tensors only (no put_part): `put` records what it was handed."""
+
+    def __init__(self):
+        self.handed: list[str] = []
+
+    def put(self, spec: OutputSpec, tensor: torch.Tensor) -> None:
+        self.handed.append(spec.name)
+
+
+def test_a_direct_plan_refuses_a_sink_without_parts_before_any_byte_moves():
+    catalog, steps = single_tensor_steps(["a", "b"])
+    direct = plan_layout(catalog, steps, 1, 1 << 30, 1 << 20)
+    assert direct.direct
+    sink = _WholeTensorsOnly()
+    with pytest.raises(TypeError, match="_WholeTensorsOnly takes no parts"):
+        run_plan(direct, catalog, Group(), sink)
+    assert sink.handed == []
+    assembled = plan_layout(catalog, steps, 1, 1 << 30, 1 << 20, direct=False)
+    run_plan(assembled, catalog, Group(), sink)  # whole tensors are all an assembling plan hands over
+    assert sorted(sink.handed) == ["a", "b"]
