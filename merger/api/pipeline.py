@@ -20,7 +20,7 @@ from ..engine.dist import Group, on_every_rank, on_rank_zero
 from ..engine.memory import peak_rss_per_rank
 from ..engine.peer_watch import Cleanup
 from ..engine.plan import Plan, plan_layout
-from ..engine.plan_agreement import agree_on_plan
+from ..engine.plan_agreement import agree_on_plan, source_files
 from ..engine.progress import Progress
 from ..engine.stream import run_plan
 from ..engine.tie_check import settle_tie
@@ -64,7 +64,8 @@ def prepare(options: MergeOptions, group: Group) -> Prepared:
 
     source, local, mapping = on_every_rank(group, build, options.debug)
     catalog = mapping.catalog or source
-    agree_on_plan(catalog, None, group)  # the tie check below already exchanges pieces: the ranks must agree first
+    files = source_files(catalog) if group.distributed else []  # stat'ed once, compared twice
+    agree_on_plan(catalog, None, group, files)  # the tie check below already exchanges pieces: agree first
     mapping = settle_tie(mapping, catalog, group, options)  # reads lm_head and the input embedding: a collective
 
     def layout():
@@ -74,7 +75,7 @@ def prepare(options: MergeOptions, group: Group) -> Prepared:
                         mapping.extra_files, source.notes + mapping.notes, local.base_model)
 
     prepared = on_every_rank(group, layout, options.debug)
-    agree_on_plan(prepared.catalog, prepared.plan, group)  # before anything is written: one merge, not a mix
+    agree_on_plan(prepared.catalog, prepared.plan, group, files)  # before anything is written: one merge, not a mix
     return log_prepared(prepared, group)
 
 
@@ -149,7 +150,8 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
     """Stream into the staging folder, finish it, verify it when asked, rename it into place.
 
     On failure the staging folder is removed (or kept for --keep-partial / --resume, and after Ctrl-C): the
-    target only ever holds a complete model; a kept one is replaced only with --overwrite. Rank 0 holds the target's lock throughout, so no other merge writes there.
+    target only ever holds a complete model; a kept one is replaced only with --overwrite. Rank 0 holds the
+    target's lock throughout, so no other merge writes there.
     """
     plan = prepared.plan
     lock: TargetLock | None = None
