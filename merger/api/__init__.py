@@ -48,16 +48,12 @@ def verify(local_dir: str | os.PathLike, test_hf_dir: str | os.PathLike, *, atol
            group=None, **options) -> dict:
     """Merge in memory and compare every tensor with the HF folder `test_hf_dir` (a reference model, or the
     output of an earlier merge), in that folder's dtypes; `ok` says whether all matched within atol/rtol."""
-    args = _args("test", local_dir=local_dir, test_hf_dir=test_hf_dir, atol=atol, rtol=rtol, **options)
+    args = keywords_to_args("test", dict(local_dir=local_dir, test_hf_dir=test_hf_dir, atol=atol, rtol=rtol, **options))
     return verify_with(options_from_args(args), args.test_hf_dir, atol, rtol, group).as_dict()
 
 
-def _args(command: str, **keywords):
-    return keywords_to_args(command, keywords)
-
-
 def _options(command: str, **keywords) -> MergeOptions:
-    return options_from_args(_args(command, **keywords))
+    return options_from_args(keywords_to_args(command, keywords))
 
 
 def merge_with(options: MergeOptions, group=None) -> dict:

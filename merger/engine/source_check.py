@@ -26,11 +26,13 @@ class SourceCheck:
 
 def check_sources(catalog: Catalog, group: Group, debug: bool = False) -> SourceCheck:
     mine = catalog.files_of_rank(group.rank, group.world)
+    opened = set(mine)
     pieces_in: dict[str, list[tuple[SourceTensor, ShardPiece, PieceCopy]]] = {}
     for t in catalog.tensors.values():
         for piece in t.pieces:
             for copy in piece.copies:  # every copy: a replica's file is checked like any other
-                pieces_in.setdefault(copy.file, []).append((t, piece, copy))
+                if copy.file in opened:  # this rank's files only: the others are its peers' to check
+                    pieces_in.setdefault(copy.file, []).append((t, piece, copy))
     reader = on_every_rank(group, catalog.open_reader, debug)
     bad = _opened(reader, mine, group.rank, debug)
     reads = SourceReads()
