@@ -20,7 +20,7 @@ from .api import check_with, inspect_with, merge_with, verify_with, watch_with
 from .api.flags import build_parser, options_from_args
 from .engine.source_check import SourceCheck
 from .engine.torchrun_error import record_for_torchrun
-from .errors import AgreedError, Interrupted, MergerError, UsageError
+from .errors import AgreedError, Interrupted, MergerError, UsageError, show_error_line
 from .units import format_size
 
 
@@ -103,7 +103,7 @@ def _fail(message: str, code: int = 1, show: bool = True) -> int:
     """The `merger: error:` line on stderr (when this rank shows it) and, under torchrun, in its error record."""
     line = f"merger: error: {message}"
     if show:
-        print(line, file=sys.stderr)
+        show_error_line(line)
     record_for_torchrun(line)
     return code
 

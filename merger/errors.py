@@ -1,4 +1,5 @@
 """The one exception type that reaches users as a single `merger: error: ...` line."""
+import sys
 import traceback
 
 
@@ -35,3 +36,10 @@ def describe_error(e: BaseException, rank: int, debug: bool) -> str:
         return f"{(e.strerror or str(e)).lower()}, {e.filename or 'unknown file'}"
     text = f"internal error on rank {rank}: {type(e).__name__}: {e}"
     return text + ("\n" + traceback.format_exc() if debug else "")
+
+
+def show_error_line(line: str) -> None:
+    """Write an error line to stderr in one write() call. Ranks share a terminal or a pipe, and print() writes
+    the text and its newline separately: a second rank's line could land between them, mid-line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -35,6 +35,7 @@ import time
 from dataclasses import asdict
 from typing import Callable
 
+from ..errors import show_error_line
 from .process_id import ProcessId
 from .torchrun_error import record_for_torchrun
 
@@ -277,7 +278,7 @@ class PeerWatch:
         finally:
             line = f"merger: error: {message}{'' if every_rank else '; every other rank stopped'}"
             if self.rank == reporter:
-                print(line, file=sys.stderr, flush=True)
+                show_error_line(line)
             record_for_torchrun(line)  # every rank that ends here: torchrun's report names the loss
             sys.stdout.flush()
             os._exit(status)
