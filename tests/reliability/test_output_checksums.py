@@ -120,12 +120,12 @@ def test_a_block_is_hashed_once_every_tensor_in_it_is_written(how, ckpt, tmp_pat
     # Across hosts other ranks' bytes count only once the file's last batch is confirmed: just the header's.
     ready = [names <= done if one_host else not names for names in inside]
     assert any(ready) and not all(ready) and len(want) > 20
-    assert manifest["output_files"][file.name]["sha256_blocks"] == [w if r else None for w, r in zip(want, ready)]
+    assert manifest.output_files[file.name].sha256_blocks == [w if r else None for w, r in zip(want, ready)]
 
     tracker = resume.FileTracker(plan, FileSink(out, plan), Group(), out, manifest, one_host)
     tracker.confirmed(len(plan.batches))
     tracker.wait()
-    assert manifest["output_files"][file.name]["sha256_blocks"] == want
+    assert manifest.output_files[file.name].sha256_blocks == want
 
 
 def test_resume_verifies_blocks_on_every_rank(ckpt, tmp_path, monkeypatch):
@@ -133,6 +133,7 @@ def test_resume_verifies_blocks_on_every_rank(ckpt, tmp_path, monkeypatch):
     file's last checksum missing: the finished model is no longer intact, and the 3 ranks' shares of the blocks
     together clear every file but those two for reuse."""
     from merger.output import resume
+    from merger.output.manifest import read_manifest
 
     out, block = tmp_path / "out", 4000
     monkeypatch.setattr(resume, "CHECKSUM_BLOCK", block)
@@ -141,16 +142,17 @@ def test_resume_verifies_blocks_on_every_rank(ckpt, tmp_path, monkeypatch):
     files = manifest["output_files"]
     assert {n: f["sha256_blocks"] for n, f in files.items()} == {n: block_sha256(out / n, block) for n in files}
     flipped, unfinished = [n for n in files if len(files[n]["sha256_blocks"]) > 2][:2]
-    assert resume.why_not_done(out, manifest) is None  # --resume on the finished model: nothing to do
+    merged = read_manifest(out)  # what a rerun of this very merge starts from
+    assert resume.why_not_done(out, merged) is None  # --resume on the finished model: nothing to do
     data = bytearray((out / flipped).read_bytes())
     data[block + block // 2] ^= 1
     (out / flipped).write_bytes(data)
-    assert resume.why_not_done(out, manifest) == f"{flipped} no longer matches its checksums"
+    assert resume.why_not_done(out, merged) == f"{flipped} no longer matches its checksums"
     cut = dict(files[unfinished], sha256_blocks=files[unfinished]["sha256_blocks"][:-1] + [None])
     (out / "merge_manifest.json").write_text(json.dumps(dict(manifest, output_files={**files, unfinished: cut})))
 
-    candidates = resume.resume_candidates(out, manifest)
+    candidates = resume.resume_candidates(out, merged)
     assert set(candidates) == set(files) - {unfinished}
-    shares = [resume.verify_share(out, manifest, candidates, rank, 3) for rank in range(3)]
+    shares = [resume.verify_share(out, merged, candidates, rank, 3) for rank in range(3)]
     assert all(shares)
     assert sorted(resume.intact_files(candidates, shares)) == sorted(set(files) - {flipped, unfinished})
