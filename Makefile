@@ -28,7 +28,7 @@ unit: setup
 
 demo: setup
 	rm -rf $(DEMO)
-	$(VENV)/bin/torchrun --nproc_per_node 2 tests/writers/fsdp_checkpoint.py --arch llama --hidden 64 --layers 2 \
+	$(VENV)/bin/torchrun --nproc_per_node 2 -m tests.writers.fsdp_checkpoint --arch llama --hidden 64 --layers 2 \
 		--out $(DEMO)/global_step_1/actor --reference $(DEMO)/reference
 	$(VENV)/bin/torchrun --nproc_per_node 2 -m merger merge --local_dir $(DEMO)/global_step_1/actor \
 		--target_dir $(DEMO)/merged

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-# the test writers are scripts that import one another by module name
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "writers"))
-import megatron_checkpoint as mc
-import megatron_moe_checkpoint as moe
-from leave_group import leave_group
+# the test writers are modules of the repository's tests.writers package
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.writers import megatron_checkpoint as mc
+from tests.writers import megatron_moe_checkpoint as moe
+from tests.writers.leave_group import leave_group
 
 from build_checkpoint import size_parser  # benchmarks/, the script's own folder
 

@@ -74,7 +74,7 @@ def finished_steps(run: Path, role: str) -> list[Step]:
 def converted(target: Path) -> bool:
     """`target` holds a merge that finished (its manifest says so): the step is done, and nothing is read."""
     manifest = earlier_merge(target)
-    return manifest is not None and manifest.get("complete") is True
+    return manifest is not None and manifest.complete is True
 
 
 def convert_pending(options: MergeOptions, role: str, group: Group) -> list[str]:

@@ -12,7 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import merger
-from conftest import ROOT, assert_same_weights, run, torchrun_cmd
+from tests.helpers.paths import HELPERS
+from tests.helpers.processes import run, torchrun_cmd
+from tests.helpers.weights import assert_same_weights
 
 
 def _process_state():
@@ -70,7 +72,7 @@ def test_inspect_and_verify(fsdp_checkpoint, tmp_path):
 
 def test_merge_inside_a_training_scripts_process_group(fsdp_checkpoint, tmp_path):
     actor, reference = fsdp_checkpoint("llama", world=2)
-    proc = run(torchrun_cmd(2) + [str(ROOT / "tests" / "api_in_trainer.py"), str(actor), str(tmp_path / "out")])
+    proc = run(torchrun_cmd(2) + [str(HELPERS / "api_in_trainer.py"), str(actor), str(tmp_path / "out")])
     reports = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
                      key=lambda r: r["rank"])
     missing = f"rank 0: checkpoint folder does not exist, {actor}-missing"  # every rank learns rank 0's error

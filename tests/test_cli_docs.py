@@ -10,10 +10,10 @@ import re
 import pytest
 
 import merger
-from conftest import ROOT
 from launcher.cli import main as launcher_main
 from merger.api.flags import build_parser
 from merger.cli import main
+from tests.helpers.paths import ROOT
 
 REQUIRED = ["--local_dir", "ckpt", "--target_dir", "out"]
 

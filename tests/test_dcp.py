@@ -15,18 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (assert_same_weights, flip_bit_in_tensor, load_safetensors_folder, metadata_naming, run_merger,
-                      run_writer, single_error_line)
-from enums_by_name import repickle
-
-
-def _need_torchtitan():
-    try:
-        import torchtitan.models.llama3  # noqa: F401
-    except ModuleNotFoundError as e:
-        if e.name != "triton":
-            raise
-        pytest.skip("torchtitan 0.3.0 imports triton at import time and triton is not installed (pip install triton)")
+from tests.helpers.enums_by_name import repickle
+from tests.helpers.files import flip_bit_in_tensor, metadata_naming
+from tests.helpers.in_process import single_error_line
+from tests.helpers.processes import run_merger, run_writer
+from tests.helpers.skips import need_torchtitan
+from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +34,7 @@ def dcp_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def torchtitan_root(tmp_path_factory) -> Path:
-    _need_torchtitan()
+    need_torchtitan()
     root = tmp_path_factory.mktemp("torchtitan")
     run_writer("torchtitan_checkpoint.py", "--family", "llama", "--out", root / "checkpoint" / "step-1", "--hf",
                root / "hf", "--reference", root / "reference", nproc=2)
@@ -220,7 +214,7 @@ def test_torchtitan_llama_to_hf(torchtitan_root, tmp_path):
 def test_rotary_permute_matches_torchtitan_and_hf_rotary():
     """Attention scores of torchtitan's complex RoPE on the original wq/wk equal those of HF's rotate-half RoPE
     on the permuted weights, for query and grouped kv heads."""
-    _need_torchtitan()
+    need_torchtitan()
     import transformers
     from torchtitan.models.common import ComplexRoPE
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb

@@ -23,12 +23,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem, metadata, planner
 
-from conftest import ROOT
-from dcp_fields import plain
-from enums_by_name import EnumsByName
 from merger.errors import MergerError
 from merger.sources import dcp_classes
 from merger.sources.dcp_metadata import load_metadata
+from tests.helpers.dcp_fields import plain
+from tests.helpers.enums_by_name import EnumsByName
+from tests.helpers.paths import ROOT
 
 
 def _chunks(*boxes):

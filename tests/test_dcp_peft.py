@@ -16,9 +16,10 @@ import pytest
 import torch
 import transformers
 
-from conftest import assert_same_weights, load_safetensors_folder, run_merger, run_writer
 from merger.cli import main as merger_main
-from peft_adapters import TOKENS
+from tests.helpers.processes import run_merger, run_writer
+from tests.helpers.weights import assert_same_weights, load_safetensors_folder
+from tests.writers.peft_adapters import TOKENS
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_same_weights, run_merger, run_merger_leaving_no_thread, run_writer
 from merger.cli import main as merger_main
+from tests.helpers.processes import run_merger, run_merger_leaving_no_thread, run_writer
+from tests.helpers.weights import assert_same_weights
 
 
 @pytest.fixture(scope="session")

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (WRITERS, load_safetensors_folder, merge_here, merge_in_process, run, run_merger,
-                      run_merger_leaving_no_thread, single_error_line, torchrun_cmd)
-from deepspeed_checkpoint import BUFFER, CASES
+from tests.helpers.in_process import merge_here, merge_in_process, single_error_line
+from tests.helpers.processes import run, run_merger, run_merger_leaving_no_thread, run_writer
+from tests.helpers.weights import load_safetensors_folder
+from tests.writers.deepspeed_checkpoint import BUFFER, CASES
 
 TIED = {name for name, (_, _, tied, _, _) in CASES.items() if tied}
 
@@ -24,8 +25,7 @@ TIED = {name for name, (_, _, tied, _, _) in CASES.items() if tied}
 @pytest.fixture(scope="session")
 def ds_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("deepspeed")
-    run(torchrun_cmd(3) + [str(WRITERS / "deepspeed_checkpoint.py"), "--out", str(root)],
-        env={"DS_ACCELERATOR": "cpu"})
+    run_writer("deepspeed_checkpoint.py", "--out", root, nproc=3, env={"DS_ACCELERATOR": "cpu"})
     return root
 
 

@@ -16,19 +16,20 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from conftest import ROOT, run, run_merger, run_writer, single_error_line
-from dtensor_description import describe, describe_catalog
 from merger.sources import dtensor_classes
 from merger.sources.fsdp import load_rank_file, open_catalog
+from tests.helpers.dtensor_description import describe, describe_catalog
+from tests.helpers.in_process import single_error_line
+from tests.helpers.processes import run, run_merger, run_writer
 
 
 # In a fresh process: merger's loader over each file, the modules it left imported, and the catalog.
 _FRESH = """
 import json, sys
 from pathlib import Path
-from dtensor_description import describe, describe_catalog
 from merger.sources import dtensor_classes
 from merger.sources.fsdp import load_rank_file, open_catalog
+from tests.helpers.dtensor_description import describe, describe_catalog
 if sys.argv[2]:
     dtensor_classes.COVERED = dtensor_classes.COVERED - {sys.argv[2]}
 files = sorted(Path(sys.argv[1]).glob("model_world_size_*_rank_*.pt"))
@@ -43,7 +44,7 @@ print(json.dumps({
 
 
 def fresh_load(actor: Path, uncover: str = "") -> dict:
-    out = run([sys.executable, "-c", _FRESH, str(actor), uncover], env={"PYTHONPATH": str(ROOT / "tests")})
+    out = run([sys.executable, "-c", _FRESH, str(actor), uncover])
     return json.loads(out.stdout)
 
 

@@ -18,8 +18,11 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from conftest import load_safetensors_folder, merge_here, run_merger, snapshot
-from fp8_release import FIRST_SCALE, SHARD1, SHARD2, write_release
+from tests.helpers.files import snapshot
+from tests.helpers.in_process import merge_here
+from tests.helpers.processes import run_merger
+from tests.helpers.weights import load_safetensors_folder
+from tests.writers.fp8_release import FIRST_SCALE, SHARD1, SHARD2, write_release
 
 
 def dequantized(release: Path) -> dict[str, torch.Tensor]:

@@ -9,7 +9,8 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from conftest import assert_same_weights, load_safetensors_folder, run_merger
+from tests.helpers.processes import run_merger
+from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
 
 def same_logits(merged, reference, dtype) -> None:

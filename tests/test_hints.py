@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_same_weights, run_merger, single_error_line
 from merger.cli import main
 from merger.sources import BACKENDS
+from tests.helpers.in_process import single_error_line
+from tests.helpers.processes import run_merger
+from tests.helpers.weights import assert_same_weights
 
 
 def test_local_dir_one_level_too_high_names_the_checkpoint_below(fsdp_checkpoint, tmp_path):

@@ -2,7 +2,7 @@
 HF_HUB_OFFLINE set (there is no network here; --base_model as a Hub id is tested in test_lora.py).
 
 The checkpoint is a real verl FSDP save (conftest's fsdp_checkpoint) whose huggingface/ folder is moved into a
-cache laid out as huggingface_hub's (tests/hub_cache.py, checked by huggingface_hub's own scan_cache_dir). The
+cache laid out as huggingface_hub's (tests/helpers/hub_cache.py, checked by huggingface_hub's own scan_cache_dir). The
 oracles are the model's own weights (save_pretrained) and the config files as training saved them.
 """
 from __future__ import annotations
@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_same_weights, run_merger, single_error_line
-from hub_cache import cache_model, offline_env
+from tests.helpers.hub_cache import cache_model, offline_env
+from tests.helpers.in_process import single_error_line
+from tests.helpers.processes import run_merger
+from tests.helpers.weights import assert_same_weights
 
 REPO = "merger-test/tiny-llama"
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import sys
 
-from conftest import assert_same_weights, run
+from tests.helpers.processes import run
+from tests.helpers.weights import assert_same_weights
 
 MERGE_IN_PROCESS = """
 import gc, sys

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import flip_bit_in_tensor, run_merger
+from tests.helpers.files import flip_bit_in_tensor
+from tests.helpers.processes import run_merger
 
 WORLD = 2
 

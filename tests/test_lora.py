@@ -13,10 +13,12 @@ import pytest
 import torch
 import transformers
 
-from conftest import assert_same_weights, load_safetensors_folder, merge_here, run_merger, run_writer
-from hub_cache import cache_model, offline_env
 from merger.cli import main as merger_main
-from peft_adapters import CASES, TOKENS, write_all
+from tests.helpers.hub_cache import cache_model, offline_env
+from tests.helpers.in_process import merge_here
+from tests.helpers.processes import run_merger, run_writer
+from tests.helpers.weights import assert_same_weights, load_safetensors_folder
+from tests.writers.peft_adapters import CASES, TOKENS, write_all
 
 
 @pytest.fixture(scope="session")

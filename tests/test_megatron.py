@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (assert_same_weights, flip_bit_in_tensor, metadata_naming, run_merger,
-                      run_merger_leaving_no_thread, run_writer, single_error_line)
-from conftest import merge_in_process as merge
-from enums_by_name import repickle
+from tests.helpers.enums_by_name import repickle
+from tests.helpers.files import flip_bit_in_tensor, metadata_naming
+from tests.helpers.in_process import merge_in_process as merge
+from tests.helpers.in_process import single_error_line
+from tests.helpers.logits import hf_logits
+from tests.helpers.processes import run_merger, run_merger_leaving_no_thread, run_writer
+from tests.helpers.weights import assert_same_weights
 
 CASES = {
     "tp2_gqa_bias": "arch=qwen2,tp=2",  # Qwen2: qkv bias, 4 heads in 2 groups, split over 2 TP ranks
@@ -61,17 +64,6 @@ def is_critic(case: str) -> bool:
     return "value=1" in CASES[case]
 
 
-def hf_logits(folder: Path, tokens: torch.Tensor, critic: bool) -> torch.Tensor:
-    """The merged model's logits (values for a critic); it must load with no missing or unexpected key."""
-    import transformers
-
-    auto = transformers.AutoModelForTokenClassification if critic else transformers.AutoModelForCausalLM
-    model, info = auto.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    with torch.no_grad():
-        return model.eval()(tokens).logits
-
-
 @pytest.mark.parametrize("case", MODELS)
 def test_legacy_merge_reproduces_megatron_logits(case, megatron_root, merged):
     oracle = torch.load(megatron_root / case / "logits.pt", weights_only=True)
@@ -86,7 +78,7 @@ def test_torch_dist_merge_equals_legacy_merge(case, merged):
 
 
 def test_tied_output_layer_is_dropped_and_vocab_unpadded(merged):
-    from conftest import load_safetensors_folder
+    from tests.helpers.weights import load_safetensors_folder
 
     weights = load_safetensors_folder(merged("tp2_pp2_vpp2_tied", "legacy"))
     assert "lm_head.weight" not in weights
@@ -118,7 +110,7 @@ def test_critic_becomes_token_classification(merged):
 
 
 def test_moe_experts_are_numbered_globally(merged):
-    from conftest import load_safetensors_folder
+    from tests.helpers.weights import load_safetensors_folder
 
     names = load_safetensors_folder(merged("moe_tp2_ep2", "legacy"))
     for layer in range(2):

@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_same_weights, load_safetensors_folder, merge_here, run_merger, single_error_line
-from conftest import merge_in_process as merge
-from megatron_mtp_models import (assert_megatron_logits, assert_mtp_dropped, load, load_beside_mtp, logits_of,
-                                 merged_once, mtp_logits, oracle, write_cases)
+from tests.helpers.in_process import merge_here, single_error_line
+from tests.helpers.in_process import merge_in_process as merge
+from tests.helpers.megatron_mtp_models import (assert_megatron_logits, assert_mtp_dropped, load, load_beside_mtp,
+                                               logits_of, merged_once, mtp_logits, oracle, write_cases)
+from tests.helpers.processes import run_merger
+from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
 CASES = {
     "dsv3_tp2": "tp=2",  # q-LoRA, layers [dense, MoE], one MTP layer

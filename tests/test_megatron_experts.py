@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_same_weights, merge_here, run_merger, run_writer
-from conftest import merge_in_process as merge
-from test_megatron import hf_logits
+from tests.helpers.in_process import merge_here
+from tests.helpers.in_process import merge_in_process as merge
+from tests.helpers.logits import hf_logits
+from tests.helpers.processes import run_merger, run_writer
+from tests.helpers.weights import assert_same_weights
 
 CASES = {
     # GroupedMLP, TP2 EP2 ETP1: legacy files mp_rank_00_000 and mp_rank_01_001 only, experts whole in each

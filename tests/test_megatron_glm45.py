@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_same_weights, load_safetensors_folder
-from megatron_mtp_models import (assert_megatron_logits, assert_mtp_dropped, load, load_beside_mtp, logits_of,
-                                 merged_once, mtp_logits, oracle, write_cases)
+from tests.helpers.megatron_mtp_models import (assert_megatron_logits, assert_mtp_dropped, load, load_beside_mtp,
+                                               logits_of, merged_once, mtp_logits, oracle, write_cases)
+from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
 CASES = {
     "glm45_tp2": "arch=glm4_moe,tp=2,qk_norm=1",  # GLM-4.5's q/k norms; one MTP layer

@@ -18,10 +18,11 @@ import pytest
 import torch
 import transformers
 
-from conftest import (assert_same_weights, load_safetensors_folder, merge_here, run_merger, run_writer,
-                      single_error_line)
-from conftest import merge_in_process as merge
-from verl_megatron_lora import DIST, HF, LORA_DIST, TOKENS, write_actor, write_manifest, write_run
+from tests.helpers.in_process import merge_here, single_error_line
+from tests.helpers.in_process import merge_in_process as merge
+from tests.helpers.processes import run_merger, run_writer
+from tests.helpers.weights import assert_same_weights, load_safetensors_folder
+from tests.writers.verl_megatron_lora import DIST, HF, LORA_DIST, TOKENS, write_actor, write_manifest, write_run
 
 
 @pytest.fixture(scope="module")

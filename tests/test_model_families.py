@@ -14,9 +14,9 @@ import numpy as np
 import torch
 import transformers
 
-from conftest import assert_same_weights
 from merger import cli
-from tiny_models import VISION_TOKENS, build_model
+from tests.helpers.weights import assert_same_weights
+from tests.writers.tiny_models import VISION_TOKENS, build_model
 
 
 def merge(capsys, actor, target, *flags) -> tuple[int, str]:

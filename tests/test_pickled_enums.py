@@ -2,7 +2,7 @@
 other getattr does.
 
 Checkpoints come from the libraries themselves (torch.distributed.checkpoint, torch.save) and are given the
-by-name form with tests/enums_by_name.py; on an interpreter that writes that form itself, dcp.save's own file
+by-name form with tests/helpers/enums_by_name.py; on an interpreter that writes that form itself, dcp.save's own file
 is checked to hold it. Oracles: torch's own readers of the original files. The hostile pickles are chains of
 getattr calls through allowlisted classes that plain pickle.loads does run (checked with a marker folder);
 ours must refuse them with the marker never made.
@@ -22,12 +22,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from dcp_fields import plain
-from enums_by_name import PICKLE_MODULE, repickle
 from merger.errors import MergerError
-from merger.sources.safe_load import torch_load
 from merger.sources.dcp_metadata import load_metadata
 from merger.sources.megatron_legacy import load_file
+from merger.sources.safe_load import torch_load
+from tests.helpers.dcp_fields import plain
+from tests.helpers.enums_by_name import PICKLE_MODULE, repickle
 
 METADATA = "torch.distributed.checkpoint.metadata"
 ENUM = (METADATA, "_MEM_FORMAT_ENCODING")  # an enum DCP pickles in every tensor's properties

@@ -3,7 +3,8 @@
 the other the same model saved by 4."""
 from __future__ import annotations
 
-from conftest import single_error_line, start_ranks
+from tests.helpers.in_process import single_error_line
+from tests.helpers.processes import start_ranks
 
 
 def test_ranks_shown_different_checkpoints_stop_before_writing(fsdp_checkpoint, tmp_path):

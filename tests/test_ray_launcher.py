@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, _env, _free_port, assert_same_weights, single_error_line
-from test_reliability import SMALL, WORLD, _lost_line
+from tests.helpers.in_process import single_error_line
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import free_port, subprocess_env
+from tests.helpers.reliability import SMALL, WORLD, lost_line
+from tests.helpers.weights import assert_same_weights
 
 pytest.importorskip("ray", reason="the ray launcher's tests need Ray: pip install 'merger[ray]'")
 
@@ -24,7 +27,7 @@ RAY_ENV_OFF = ["RAY_ADDRESS"]  # a cluster the caller points at is not this test
 
 
 def _ray_env() -> dict:
-    env = _env(RAY_ENV)
+    env = subprocess_env(RAY_ENV)
     for key in RAY_ENV_OFF:
         env.pop(key, None)
     return env
@@ -70,7 +73,7 @@ def _rank_pid(rank: int, target: Path) -> int | None:
 
 
 def test_launcher_ray_ends_the_job_when_a_rank_is_killed(checkpoint, tmp_path):
-    # As test_reliability's test_rank_killed_during_an_exchange: once the staging folder exists, rank 1 is
+    # As test_lost_ranks.py's test_rank_killed_during_an_exchange: once the staging folder exists, rank 1 is
     # stopped (its peer goes on into the next collective and waits there), then killed.
     actor = checkpoint[0]
     out, stage = tmp_path / "out", tmp_path / ".out.merger-partial"
@@ -86,14 +89,14 @@ def test_launcher_ray_ends_the_job_when_a_rank_is_killed(checkpoint, tmp_path):
     killed = time.monotonic()
     _, err = launcher.communicate(timeout=60)
     assert time.monotonic() - killed < 15 and launcher.returncode != 0, err
-    assert [line for line in err.splitlines() if line.startswith("merger: error:")] == [_lost_line(1, victim)], err
+    assert [line for line in err.splitlines() if line.startswith("merger: error:")] == [lost_line(1, victim)], err
     assert not out.exists() and not stage.exists()
 
 
 def test_launcher_ray_refuses_an_address_where_nothing_answers(capsys):
     from launcher.cli import main
 
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     assert main(["ray", "--address", address, "--", "merge", "--local_dir", "ckpt", "--target_dir", "out"]) == 1
     assert capsys.readouterr().err == f"launcher: error: could not reach the Ray cluster at {address}: " \
                                       f"Connection refused\n"

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, assert_same_weights, run
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import run
+from tests.helpers.weights import assert_same_weights
 
 SLURM_BINARIES = ("sbatch", "slurmctld", "slurmd", "munged")
 NODES = 2

@@ -22,10 +22,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import merger.api.pipeline
-from conftest import assert_same_weights, load_safetensors_folder, merge_here, run_merger, snapshot
-from hub_cache import cache_model
 from merger.engine.process_id import ProcessId
 from merger.output.target_lock import STALE_AFTER_S
+from tests.helpers.files import snapshot
+from tests.helpers.hub_cache import cache_model
+from tests.helpers.in_process import merge_here
+from tests.helpers.processes import run_merger
+from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
 WORLD = 2
 RANK1 = f"model_world_size_{WORLD}_rank_1.pt"

@@ -16,7 +16,9 @@ import pytest
 import torch
 import transformers
 
-from conftest import assert_same_weights, load_safetensors_folder, run_merger, single_error_line
+from tests.helpers.in_process import single_error_line
+from tests.helpers.processes import run_merger
+from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
 UNTIES = "both are written, and the output's config.json says tie_word_embeddings: false"
 

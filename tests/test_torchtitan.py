@@ -13,15 +13,17 @@ import pytest
 import torch
 import transformers
 
-from conftest import load_safetensors_folder, run_merger, run_writer, single_error_line
-from test_dcp import _need_torchtitan
+from tests.helpers.in_process import single_error_line
+from tests.helpers.processes import run_merger, run_writer
+from tests.helpers.skips import need_torchtitan
+from tests.helpers.weights import load_safetensors_folder
 
 TOKENS = [[1, 5, 7, 9, 11, 3, 42, 100]]  # the writer's TOKENS
 
 
 def _written_by_torchtitan(tmp_path_factory, family: str, *extra: str) -> Path:
     """ROOT/checkpoint/step-1 (the DCP folder torchtitan saved on 2 gloo ranks), ROOT/hf, ROOT/logits.pt."""
-    _need_torchtitan()
+    need_torchtitan()
     root = tmp_path_factory.mktemp(f"torchtitan_{family}")
     run_writer("torchtitan_checkpoint.py", "--family", family, *extra, "--out", root / "checkpoint" / "step-1",
                "--hf", root / "hf", "--logits", root / "logits.pt", nproc=2)

@@ -16,15 +16,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import _free_port, assert_same_weights, load_safetensors_folder, run, run_merger, torchrun_cmd
-from hub_recorder import RecordingHfApi, calls
 from merger import cli
-from merger.output import publish
+from merger.api.pipeline import prepare, verify_staged
 from merger.engine.compare import _differences
 from merger.engine.dist import Group
 from merger.errors import MergerError
-from merger.api.pipeline import prepare, verify_staged
 from merger.options import MergeOptions
+from merger.output import publish
+from tests.helpers.hub_recorder import RecordingHfApi, calls
+from tests.helpers.paths import HELPERS
+from tests.helpers.processes import free_port, run, run_merger, torchrun_cmd
+from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +197,7 @@ def test_tolerances_pass_the_right_reference_and_fail_a_wrong_one(checkpoint, tm
     assert len(rows) == 2 and all("q_proj.weight" in r for r in rows)
 
 
-HUB_RECORDER = Path(__file__).parent / "hub_recorder.py"  # as a script: merger's main() with the recorder
+HUB_RECORDER = HELPERS / "hub_recorder.py"  # as a script: merger's main() with the recorder
 
 
 @pytest.fixture
@@ -264,7 +266,7 @@ def test_a_failed_upload_is_retried_with_merger_upload(checkpoint, tmp_path, hub
     target = tmp_path / "out"
     proc = run_merger("merge", "--local_dir", actor, "--target_dir", target, "--hf_upload_path", "someone/m",
                       "--private", check=False,
-                      env={"HF_ENDPOINT": f"http://127.0.0.1:{_free_port()}", "HF_TOKEN": "hf_secret_sentinel_token"})
+                      env={"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_TOKEN": "hf_secret_sentinel_token"})
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -17,8 +17,10 @@ import pytest
 import torch
 import transformers
 
-from conftest import load_safetensors_folder, run_merger, run_writer, single_error_line
-from test_dcp import _need_torchtitan
+from tests.helpers.in_process import single_error_line
+from tests.helpers.processes import run_merger, run_writer
+from tests.helpers.skips import need_torchtitan
+from tests.helpers.weights import load_safetensors_folder
 
 TOKENS = [[1, 5, 7, 9, 11, 3, 42, 100]]  # both writers' TOKENS
 STEP = 3
@@ -35,7 +37,7 @@ def _logits(folder: Path) -> torch.Tensor:
 @pytest.fixture(scope="session")
 def torchtitan_ppo(tmp_path_factory) -> Path:
     """ROOT/ckpt/global_step_3/step-3 as verl's PPO trainer leaves it (no actor/), ROOT/hf, ROOT/logits.pt."""
-    _need_torchtitan()
+    need_torchtitan()
     root = tmp_path_factory.mktemp("verl_torchtitan")
     run_writer("verl_torchtitan_checkpoint.py", "--local_path", root / "ckpt" / f"global_step_{STEP}" / "actor",
                "--step", STEP, "--hf", root / "hf", "--logits", root / "logits.pt", nproc=2)

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, _env, assert_same_weights, run_merger, start_merger
 from merger.watch import finished_steps
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import run_merger, start_merger, subprocess_env
+from tests.helpers.weights import assert_same_weights
 
 SMALL = ["--max_shard_size", "20KB", "--max_inflight", "1"]
 
@@ -50,7 +52,8 @@ def test_watch_converts_each_finished_step_once(fsdp_checkpoint, tmp_path):
     _track(run, 1)
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "merger", "watch", "--local_dir", run, "--target_dir", out,
-                                 "--interval", "0.2"], cwd=ROOT, env=_env(), stderr=err, stdout=subprocess.DEVNULL)
+                                 "--interval", "0.2"], cwd=ROOT, env=subprocess_env(), stderr=err,
+                                stdout=subprocess.DEVNULL)
     try:
         _wait_for(lambda: (out / "global_step_1" / "merge_manifest.json").exists(), proc, log)
         time.sleep(1)  # several more passes

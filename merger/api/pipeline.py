@@ -28,7 +28,8 @@ from ..errors import AgreedError, Interrupted, MergerError
 from ..mapping.hub_folders import with_hub_folders
 from ..mapping.registry import build_mapping
 from ..options import MergeOptions
-from ..output.files import FileSink, finish, prepare_files, write_manifest
+from ..output.files import FileSink, finish, prepare_files
+from ..output.manifest import write_manifest
 from ..output.resume import (FileTracker, intact_files, resume_candidates, skip_finished, start_manifest,
                             verify_share, why_not_done)
 from ..output.source_identity import check_unchanged, source_identity
@@ -213,7 +214,7 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
 
         def create_files():
             for name, blocks in reused.items():
-                manifest["output_files"][name]["sha256_blocks"] = blocks
+                manifest.output_files[name].sha256_blocks = blocks
             if options.resume:
                 log.info("merger: --resume: reusing %d of %d output files (checksums verified) from %s",
                          len(reused), len(plan.files), stage)

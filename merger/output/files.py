@@ -5,6 +5,7 @@ folder `.<target>.merger-partial` next to it, so the rename is atomic on the sam
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -21,9 +22,8 @@ from ..hf_folder import INDEX, files_to_copy
 from ..mapping.steps import OutputSpec
 from ..sources.file_reads import Placed, source_shrank
 from ..units import format_size
+from .manifest import MANIFEST, Manifest, write_manifest
 from .write_turns import copy_at, write_at
-
-MANIFEST = "merge_manifest.json"
 
 
 def check_free_space(folder: Path, needed: int) -> None:
@@ -224,7 +224,7 @@ def _write_config(stage: Path, dtype_name: str | None, config_updates: dict,
     _write_into(stage, "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
-def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype | None, manifest: dict,
+def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype | None, manifest: Manifest,
            config_updates: dict | None = None, extra_files: dict[str, str] | None = None,
            list_added: bool = False, config_removals: tuple[str, ...] = ()) -> None:
     """Rank 0, after every rank wrote its bytes: index, config (`config_updates` set, `config_removals`
@@ -249,18 +249,5 @@ def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype 
     for name, text in (extra_files or {}).items():
         (stage / name).parent.mkdir(parents=True, exist_ok=True)
         _write_into(stage, name, text.encode())
-    manifest = dict(manifest, copied_files=copied, complete=True)
-    if list_added:
-        manifest["added_files"] = sorted(p.name for p in stage.iterdir() if not p.name.startswith(MANIFEST))
-    manifest.setdefault("output_files", {f.name: {"size": f.size} for f in plan.files})
-    write_manifest(stage, manifest)
-
-
-def write_manifest(stage: Path, manifest: dict) -> None:
-    """Replace the manifest atomically: a crash leaves the old one or the new one, never half of one."""
-    tmp = stage / (MANIFEST + ".tmp")
-    try:
-        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-        os.replace(tmp, stage / MANIFEST)
-    except OSError as e:
-        raise MergerError(f"cannot write the merge manifest ({e.strerror}), {tmp}") from e
+    added = sorted(p.name for p in stage.iterdir() if not p.name.startswith(MANIFEST)) if list_added else None
+    write_manifest(stage, dataclasses.replace(manifest, copied_files=copied, complete=True, added_files=added))

@@ -8,7 +8,6 @@ resumable and uploads in parallel; smaller ones are one commit with `upload_fold
 """
 from __future__ import annotations
 
-import json
 import logging
 import shlex
 from pathlib import Path
@@ -17,7 +16,7 @@ from huggingface_hub import HfApi
 
 from ..errors import MergerError
 from ..units import format_size
-from .files import MANIFEST
+from .manifest import MANIFEST, read_manifest
 from .target import is_staging
 
 log = logging.getLogger("merger")
@@ -75,19 +74,19 @@ def _check_finished(folder: Path) -> None:
         raise MergerError(f"this is the staging folder of a merge that did not finish, not a merged model, {folder}")
     path = folder / MANIFEST
     try:
-        manifest = json.loads(path.read_text())
+        manifest = read_manifest(folder)
     except FileNotFoundError:
         raise MergerError(f"not a folder merger wrote: it has no {MANIFEST}, {folder}") from None
     except (OSError, ValueError) as e:
         raise MergerError(f"cannot read the merge manifest ({e}), {path}") from e
-    if not isinstance(manifest, dict) or manifest.get("complete") is not True:
+    if manifest.complete is not True:
         raise MergerError(f'the merge that wrote this folder did not finish ({MANIFEST} lacks "complete": true), '
                           f"{path}")
-    for name, entry in (manifest.get("output_files") or {}).items():
+    for name, entry in (manifest.output_files or {}).items():
         file = folder / name
         size = file.stat().st_size if file.is_file() else None
-        if size is None or size != entry.get("size", size):
-            what = "is missing" if size is None else f"has {size} bytes where the manifest says {entry['size']}"
+        if size is None or entry.size is not None and size != entry.size:
+            what = "is missing" if size is None else f"has {size} bytes where the manifest says {entry.size}"
             raise MergerError(f"the merged model is damaged: {name} {what}, {file}")
 
 

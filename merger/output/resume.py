@@ -32,7 +32,8 @@ from ..engine.dist import Group
 from ..engine.plan import Batch, OutputFile, Plan
 from ..errors import MergerError
 from ..options import MergeOptions
-from .files import MANIFEST, FileSink, write_manifest
+from .files import FileSink
+from .manifest import Manifest, OutputEntry, read_manifest, write_manifest
 from .source_identity import source_folder
 
 log = logging.getLogger("merger")
@@ -105,34 +106,31 @@ def _blocks_match(path: Path, size: int, block: int, want: list[str], buf: memor
 
 
 def start_manifest(catalog: Catalog, sources: dict[str, dict[str, int]], options: MergeOptions, plan: Plan,
-                   world: int) -> dict:
+                   world: int) -> Manifest:
     """What a staging folder is the start of; everything but the block checksums is known before streaming.
     `sources` is the source files' identity, taken when the checkpoint was opened (source_identity.py)."""
-    return {
-        "merger_version": __version__, "source_format": catalog.format,
-        "source_dir": source_folder(catalog), "source_files": sources,
-        "options": json.loads(json.dumps(options.output_shaping(), default=str)), "dtype": options.dtype,
-        "merge_ranks": world, "checksum_block_bytes": CHECKSUM_BLOCK,
-        "output_files": {f.name: {"size": f.size, "header_sha256": hashlib.sha256(f.prefix).hexdigest(),
-                                  "sha256_blocks": [None] * len(block_spans(f.size, CHECKSUM_BLOCK))}
-                         for f in plan.files},
-        "complete": False,
-    }
+    return Manifest(
+        merger_version=__version__, source_format=catalog.format,
+        source_dir=source_folder(catalog), source_files=sources,
+        options=json.loads(json.dumps(options.output_shaping(), default=str)), dtype=options.dtype,
+        merge_ranks=world, checksum_block_bytes=CHECKSUM_BLOCK,
+        output_files={f.name: OutputEntry(size=f.size, header_sha256=hashlib.sha256(f.prefix).hexdigest(),
+                                          sha256_blocks=[None] * len(block_spans(f.size, CHECKSUM_BLOCK)))
+                      for f in plan.files},
+        complete=False,
+    )
 
 
-def _mismatch(old: dict, new: dict) -> str | None:
+def _mismatch(old: Manifest, new: Manifest) -> str | None:
     for key, what in (("merger_version", "merger version"), ("source_dir", "source folder"),
                       ("source_format", "source format"), ("source_files", "source files"),
                       ("options", "options that shape the output")):
-        if old.get(key) != new[key]:
+        if getattr(old, key) != getattr(new, key):
             return f"the {what} changed"
     # Blocks of another size make every recorded checksum incomparable: as good as another layout.
-    layout = {n: (f["size"], f["header_sha256"]) for n, f in new["output_files"].items()}
-    try:
-        before = {n: (f["size"], f["header_sha256"]) for n, f in old["output_files"].items()}
-    except (KeyError, TypeError, AttributeError):
-        before = None
-    same = before == layout and old.get("checksum_block_bytes") == new["checksum_block_bytes"]
+    layout = {n: (f.size, f.header_sha256) for n, f in new.output_files.items()}
+    before = None if old.output_files is None else {n: (f.size, f.header_sha256) for n, f in old.output_files.items()}
+    same = before == layout and old.checksum_block_bytes == new.checksum_block_bytes
     return None if same else "the output layout changed"
 
 
@@ -141,67 +139,67 @@ def _finished(blocks: object) -> bool:
     return isinstance(blocks, list) and all(isinstance(digest, str) for digest in blocks)
 
 
-def why_not_done(folder: Path, manifest: dict) -> str | None:
+def why_not_done(folder: Path, manifest: Manifest) -> str | None:
     """Rank 0, `--resume` on a target holding a finished merge: None when it is this very merge (same source,
     options, version and layout) with every file's bytes intact, else the reason it is not."""
     try:
-        old = json.loads((folder / MANIFEST).read_text())
+        old = read_manifest(folder)
     except (OSError, ValueError) as e:
         return f"its manifest cannot be read ({e})"
-    if not isinstance(old, dict) or old.get("complete") is not True:
+    if old.complete is not True:
         return "it is not a complete merge"
     reason = _mismatch(old, manifest)
     if reason:
         return reason
     buf = memoryview(bytearray(_CHUNK))
-    for name, info in manifest["output_files"].items():
-        want = old["output_files"][name].get("sha256_blocks")
+    for name, info in manifest.output_files.items():
+        want = old.output_files[name].sha256_blocks
         try:
             if not (_finished(want)
-                    and _blocks_match(folder / name, info["size"], manifest["checksum_block_bytes"], want, buf)):
+                    and _blocks_match(folder / name, info.size, manifest.checksum_block_bytes, want, buf)):
                 return f"{name} no longer matches its checksums"
         except OSError:
             return f"{name} cannot be read"
     return None
 
 
-def resume_candidates(stage: Path, manifest: dict) -> dict[str, list[str]]:
+def resume_candidates(stage: Path, manifest: Manifest) -> dict[str, list[str]]:
     """Rank 0: files of `stage` that a resumed merge may keep if their bytes still hash right: name -> the
     sha256 of each block.
 
     Empty when the old manifest is missing or describes another merge (logged with the reason).
     """
-    path = stage / MANIFEST
-    if not path.is_file():
+    try:
+        old = read_manifest(stage)
+    except FileNotFoundError:
         log.info("merger: --resume: no partial merge at %s, starting from scratch", stage)
         return {}
-    try:
-        old = json.loads(path.read_text())
-        reason = _mismatch(old, manifest) if isinstance(old, dict) else "it is not a JSON object"
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # ValueError: no JSON, or no JSON object
         reason = f"it cannot be read ({e})"
+    else:
+        reason = _mismatch(old, manifest)
     if reason:
         log.info("merger: --resume: not reusing %s: %s", stage, reason)
         return {}
     candidates = {}
-    for name, info in manifest["output_files"].items():
-        want, file = old["output_files"][name].get("sha256_blocks"), stage / name
-        if (_finished(want) and len(want) == len(info["sha256_blocks"]) and file.is_file()
-                and file.stat().st_size == info["size"]):
+    for name, info in manifest.output_files.items():
+        want, file = old.output_files[name].sha256_blocks, stage / name
+        if (_finished(want) and len(want) == len(info.sha256_blocks) and file.is_file()
+                and file.stat().st_size == info.size):
             candidates[name] = want
     return candidates
 
 
-def verify_share(stage: Path, manifest: dict, candidates: dict[str, list[str]], rank: int,
+def verify_share(stage: Path, manifest: Manifest, candidates: dict[str, list[str]], rank: int,
                  world: int) -> list[tuple[str, int]]:
     """This rank's share of the candidates' blocks (dealt as the checksums were), hashed: the (file, block)
     pairs whose bytes match."""
-    block, files = manifest["checksum_block_bytes"], manifest["output_files"]
+    block, files = manifest.checksum_block_bytes, manifest.output_files
     buf = memoryview(bytearray(_CHUNK))
     good = []
-    for name, k in deal_blocks([(name, files[name]["size"]) for name in sorted(candidates)], block, world)[rank]:
+    for name, k in deal_blocks([(name, files[name].size) for name in sorted(candidates)], block, world)[rank]:
         try:
-            if sha256_range(stage / name, *block_span(files[name]["size"], block, k), buf) == candidates[name][k]:
+            if sha256_range(stage / name, *block_span(files[name].size, block, k), buf) == candidates[name][k]:
                 good.append((name, k))
         except OSError:
             pass  # vanished or unreadable: written again
@@ -246,9 +244,9 @@ class FileTracker:
     manifest, at the next sync point.
     """
 
-    def __init__(self, plan: Plan, sink: FileSink, group: Group, stage: Path, manifest: dict, one_host: bool):
+    def __init__(self, plan: Plan, sink: FileSink, group: Group, stage: Path, manifest: Manifest, one_host: bool):
         self.plan, self.sink, self.group, self.stage, self.manifest = plan, sink, group, stage, manifest
-        self.block = manifest["checksum_block_bytes"]
+        self.block = manifest.checksum_block_bytes
         written_in: dict[str, int] = {}
         for bi, batch in enumerate(plan.batches):
             for si in batch.steps:
@@ -329,10 +327,10 @@ class FileTracker:
     def _record(self, checksums: dict[tuple[str, int], str]) -> None:
         """Rank 0 (`lock` held): the block checksums into the manifest, and the manifest to disk for --resume
         when a file got its last one (a file with blocks missing is not reused: no need to write sooner)."""
-        files = self.manifest["output_files"]
+        files = self.manifest.output_files
         for (name, k), digest in checksums.items():
-            files[name]["sha256_blocks"][k] = digest
-        if any(_finished(files[name]["sha256_blocks"]) for name in {name for name, _ in checksums}):
+            files[name].sha256_blocks[k] = digest
+        if any(_finished(files[name].sha256_blocks) for name in {name for name, _ in checksums}):
             write_manifest(self.stage, self.manifest)
 
     def _send_checksums(self) -> None:
@@ -354,7 +352,7 @@ class FileTracker:
             except OSError as e:  # reading back a file this rank did not create: vanished or unreadable
                 raise MergerError(f"cannot read back the merged model ({e.strerror}), {e.filename}") from e
 
-    def final_manifest(self) -> dict:
+    def final_manifest(self) -> Manifest:
         """Every rank, once `wait` has returned everywhere: the last checksums reach rank 0, whose manifest
         then has every block's."""
         if self.group.distributed:

@@ -11,7 +11,6 @@ the config and tokenizer already there, each moved in by one rename, and nothing
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from pathlib import Path
 
 from ..errors import MergerError
 from ..hf_folder import is_inside, is_weight_file
-from .files import MANIFEST
+from .manifest import MANIFEST, Manifest, read_manifest
 
 STAGE_SUFFIX = ".merger-partial"
 STAGE_IN_CONFIG_DIR = STAGE_SUFFIX
@@ -47,19 +46,18 @@ def is_staging(folder: Path) -> bool:
     return folder.name == STAGE_IN_CONFIG_DIR or (folder.name.startswith(".") and folder.name.endswith(STAGE_SUFFIX))
 
 
-def earlier_merge(folder: Path) -> dict | None:
-    """The manifest of an earlier merger output in `folder`, None when there is none."""
+def earlier_merge(folder: Path) -> Manifest | None:
+    """The manifest of an earlier merger output in `folder`, None when there is none (or none readable)."""
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
+        return read_manifest(folder)
     except (OSError, ValueError):
         return None
-    return manifest if isinstance(manifest, dict) else None
 
 
-def _added_by(earlier: dict | None) -> set[str]:
+def _added_by(earlier: Manifest | None) -> set[str]:
     """The top-level names an earlier merge added to a config folder (plain names only: the manifest is a file
     anyone could have edited, and it must never point a removal outside the folder)."""
-    names = earlier.get("added_files") if earlier else None
+    names = earlier.added_files if earlier else None
     return {n for n in names if isinstance(n, str) and n not in ("", ".", "..") and "/" not in n
             and os.sep not in n} if isinstance(names, list) else set()
 

@@ -129,11 +129,8 @@ def test_fused_experts_are_written_in_to_out_and_stacked_experts_one_at_a_time()
 def _megatron_cases() -> set[str]:
     """The model types the Megatron logits tests write (test_megatron.py, test_megatron_deepseek.py,
     test_megatron_glm45.py)."""
-    import megatron_checkpoint
-    import megatron_deepseek
-    import test_megatron
-    import test_megatron_deepseek
-    import test_megatron_glm45
+    from tests import test_megatron, test_megatron_deepseek, test_megatron_glm45
+    from tests.writers import megatron_checkpoint, megatron_deepseek
 
     found = set()
     for cases, names, defaults in ((test_megatron.CASES, test_megatron.MODELS, megatron_checkpoint.DEFAULTS),

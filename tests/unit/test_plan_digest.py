@@ -2,11 +2,11 @@
 any rank whose files or plan differ stops every rank with the same line, naming the ranks and the first
 difference."""
 import pytest
-from synthetic import run_in_threads, single_tensor_steps
 
 from merger.engine.plan import plan_layout
 from merger.engine.plan_agreement import agree_on_plan
 from merger.errors import AgreedError
+from tests.helpers.synthetic import run_in_threads, single_tensor_steps
 
 pytestmark = pytest.mark.unit
 FILES = [("rank_0.pt", 100), ("rank_1.pt", 100)]

@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from synthetic import plan_args, single_tensor_steps, synthetics
 
 from merger.engine.plan import MIN_RUN_BYTES, Plan, Route, plan_layout, rerouted, traffic
+from tests.helpers.synthetic import plan_args, single_tensor_steps, synthetics
 
 pytestmark = pytest.mark.unit
 SETTINGS = settings(max_examples=80, deadline=None)

@@ -13,14 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load as load_safetensors
-from synthetic import (MemoryReader, MemorySink, Synthetic, plan_args, run_in_threads, single_tensor_steps,
-                       synthetics)
 
 from merger.catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from merger.engine.dist import Group
 from merger.engine.plan import plan_layout, traffic
-from merger.mapping.steps import OutputSpec, Step
 from merger.engine.stream import run_plan
+from merger.mapping.steps import OutputSpec, Step
+from tests.helpers.synthetic import (MemoryReader, MemorySink, Synthetic, plan_args, run_in_threads,
+                                     single_tensor_steps, synthetics)
 
 pytestmark = pytest.mark.unit
 

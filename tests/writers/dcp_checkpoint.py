@@ -1,6 +1,6 @@
 """Write a real torch.distributed.checkpoint (DCP) checkpoint of a tiny transformers model. Run under torchrun.
 
-    torchrun --nproc_per_node 4 tests/writers/dcp_checkpoint.py --out DIR [--hsdp 2,2]
+    torchrun --nproc_per_node 4 -m tests.writers.dcp_checkpoint --out DIR [--hsdp 2,2]
 
 Every rank builds the same seeded model, shards it with torch's `fully_shard` (FSDP2) and `dcp.save`s it
 under gloo, twice:
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from leave_group import leave_group
-from tiny_models import build_model, save_hf_folder
+from tests.writers.leave_group import leave_group
+from tests.writers.tiny_models import build_model, save_hf_folder
 
 
 def shard(model, mesh):

@@ -1,6 +1,6 @@
 """Write an accelerate adapter-only DCP checkpoint of a PEFT LoRA model. Run under torchrun (gloo, CPU).
 
-    torchrun --nproc_per_node 2 tests/writers/dcp_peft_checkpoint.py --out DIR
+    torchrun --nproc_per_node 2 -m tests.writers.dcp_peft_checkpoint --out DIR
 
 What HF Trainer does at a checkpoint for a PEFT model trained with FSDP2 and SHARDED_STATE_DICT: accelerate's own
 `save_fsdp_model(fsdp_plugin, accelerator, model, "DIR/output/checkpoint-1", adapter_only=True)`, which calls
@@ -25,9 +25,9 @@ from pathlib import Path
 import peft
 import torch
 
-from leave_group import leave_group
-from peft_adapters import TOKENS
-from tiny_models import build_model, save_hf_folder
+from tests.writers.leave_group import leave_group
+from tests.writers.peft_adapters import TOKENS
+from tests.writers.tiny_models import build_model, save_hf_folder
 
 R, ALPHA = 4, 16
 TARGETS = ["q_proj", "v_proj", "down_proj", "embed_tokens"]

@@ -1,6 +1,6 @@
 """Write DCP checkpoints in torch's safetensors serialization format. Run under torchrun (gloo, CPU).
 
-    torchrun --nproc_per_node 2 tests/writers/dcp_safetensors_checkpoint.py --out DIR
+    torchrun --nproc_per_node 2 -m tests.writers.dcp_safetensors_checkpoint --out DIR
 
 Every rank builds the same seeded model, shards it with `fully_shard` (FSDP2) and `dcp.save`s it with
 `FileSystemWriter(..., serialization_format=SerializationFormat.SAFETENSORS)`, twice:
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dcp_checkpoint import optimizer_state, shard
-from leave_group import leave_group
-from tiny_models import build_model, save_hf_folder
+from tests.writers.dcp_checkpoint import optimizer_state, shard
+from tests.writers.leave_group import leave_group
+from tests.writers.tiny_models import build_model, save_hf_folder
 
 
 def main() -> None:

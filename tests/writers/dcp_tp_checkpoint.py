@@ -1,6 +1,6 @@
 """Write a tensor-parallel torch.distributed.checkpoint of a tiny transformers Llama. Run under torchrun.
 
-    torchrun --nproc_per_node 2 tests/writers/dcp_tp_checkpoint.py --out DIR --hidden 512
+    torchrun --nproc_per_node 2 -m tests.writers.dcp_tp_checkpoint --out DIR --hidden 512
 
 Every rank builds the same seeded model and applies torch's own tensor parallelism to each decoder layer as
 torchtitan's Llama plan does: q/k/v and gate/up column-wise (DTensor Shard(0)), o and down row-wise (Shard(1):
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from leave_group import leave_group
-from tiny_models import build_model, save_hf_folder
+from tests.writers.leave_group import leave_group
+from tests.writers.tiny_models import build_model, save_hf_folder
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Write real DeepSpeed ZeRO checkpoints of tiny Llama models with DeepSpeed itself, on CPU under gloo (torchrun).
 
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node 3 tests/writers/deepspeed_checkpoint.py --out ROOT
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 3 -m tests.writers.deepspeed_checkpoint --out ROOT
 
 Each case trains one step and saves into ROOT/NAME/ what its layout holds:
 - `engine` cases: `engine.save_checkpoint(ROOT/NAME/out, tag="global_step1")` (the output dir: `latest`,
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from leave_group import leave_group
-from tiny_models import build_tokenizer, save_hf_folder, tiny_config
+from tests.writers.leave_group import leave_group
+from tests.writers.tiny_models import build_tokenizer, save_hf_folder, tiny_config
 
 # name: (zero stage, bf16, tied embeddings, frozen module, written by HF Trainer)
 CASES = {

@@ -1,7 +1,7 @@
 """Write the four rank files of a verl FSDP checkpoint whose DTensor layouts fully_shard does not make, with torch's
 own DTensor classes. One process (gloo, world 1) builds the DeviceMesh of the 4 ranks without creating their groups.
 
-    python tests/writers/dtensor_rank_files.py --out DIR --case reversed-order|older-torch
+    python -m tests.writers.dtensor_rank_files --out DIR --case reversed-order|older-torch
 
 The tensor `w` (8 x 4) is split along dim 0 over both dims of a 2 x 2 mesh (Shard(0), Shard(0)). Every rank's
 local block is the one torch's own `_compute_local_shape_and_global_offset` gives its coordinate.

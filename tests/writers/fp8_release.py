@@ -1,6 +1,6 @@
 """Write a tiny FP8 block-scaled HF release, as DeepSeek-V3/R1 and Qwen3-FP8 are published.
 
-    python tests/writers/fp8_release.py --out DIR [--block 16 16] [--quant_method fp8]
+    python -m tests.writers.fp8_release --out DIR [--block 16 16] [--quant_method fp8]
 
 A seeded tiny transformers Llama whose linear weights are quantized to float8_e4m3fn with one float32
 `<name>_scale_inv` per block of `--block` elements (dims chosen to leave partial edge blocks), config.json

@@ -1,6 +1,6 @@
 """Write a real verl-layout FSDP2 checkpoint of a tiny transformers model. Run under torchrun (gloo, CPU).
 
-    torchrun --nproc_per_node 4 tests/writers/fsdp_checkpoint.py --out DIR --arch llama [--mesh 2,2]
+    torchrun --nproc_per_node 4 -m tests.writers.fsdp_checkpoint --out DIR --arch llama [--mesh 2,2]
 
 Every rank builds the same seeded model, shards it with torch's `fully_shard` and saves
 `model_world_size_{W}_rank_{r}.pt` from `model.state_dict()` (DTensors), as verl's checkpoint manager
@@ -19,8 +19,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from leave_group import leave_group
-from tiny_models import HEADS, build_model, save_hf_folder
+from tests.writers.leave_group import leave_group
+from tests.writers.tiny_models import HEADS, build_model, save_hf_folder
 
 REMOTE_CODE = Path(__file__).parent / "remote_code"
 

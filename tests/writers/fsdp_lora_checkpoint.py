@@ -1,6 +1,6 @@
 """Write a verl-layout FSDP2 checkpoint of a PEFT-wrapped tiny model. Run under torchrun (gloo, CPU).
 
-    torchrun --nproc_per_node 2 tests/writers/fsdp_lora_checkpoint.py --out DIR/global_step_1/actor
+    torchrun --nproc_per_node 2 -m tests.writers.fsdp_lora_checkpoint --out DIR/global_step_1/actor
 
 Every rank builds the same seeded model, wraps it with PEFT (init_lora_weights=False, so B is not zero),
 shards it with `fully_shard` and saves `model_world_size_{W}_rank_{r}.pt` from `model.state_dict()`, as verl
@@ -27,10 +27,10 @@ import peft
 import torch
 import torch.distributed as dist
 
-from fsdp_checkpoint import shard_and_save
-from leave_group import leave_group
-from peft_adapters import TOKENS
-from tiny_models import build_model, save_hf_folder
+from tests.writers.fsdp_checkpoint import shard_and_save
+from tests.writers.leave_group import leave_group
+from tests.writers.peft_adapters import TOKENS
+from tests.writers.tiny_models import build_model, save_hf_folder
 
 R, ALPHA = 4, 16
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"]

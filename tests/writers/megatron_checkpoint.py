@@ -1,6 +1,6 @@
 """Write real Megatron checkpoints of a tiny GPT model with megatron-core, on CPU under gloo (torchrun).
 
-    torchrun --nproc_per_node 4 tests/writers/megatron_checkpoint.py --out ROOT \
+    torchrun --nproc_per_node 4 -m tests.writers.megatron_checkpoint --out ROOT \
         --case tp2:arch=qwen2,tp=2 --case pp2:arch=llama,tp=2,pp=2,layers=4,tied=1
 
 Every rank builds its slice of one seeded megatron-core GPTModel (local spec, `use_cpu_initialization`,
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import megatron_lora_adapters
-from leave_group import leave_group
-from tiny_models import build_tokenizer
+from tests.writers import megatron_lora_adapters
+from tests.writers.leave_group import leave_group
+from tests.writers.tiny_models import build_tokenizer
 
 SEQ = 7
 

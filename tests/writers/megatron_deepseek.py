@@ -1,6 +1,6 @@
 """Write DeepSeek-V3-style Megatron checkpoints with megatron-core, on CPU under gloo (torchrun).
 
-    torchrun --nproc_per_node 2 tests/writers/megatron_deepseek.py --out ROOT --case dsv3:tp=2,mtp=1
+    torchrun --nproc_per_node 2 -m tests.writers.megatron_deepseek --out ROOT --case dsv3:tp=2,mtp=1
 
 A tiny model as DeepSeek-V3 is built: multi-latent attention (with q-LoRA, or `q_lora=0` without), dense first
 layers then MoE layers (`moe_layer_freq` as a list), a sigmoid router with expert bias and group-limited
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from leave_group import leave_group
-from megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, parse, randomise_vectors, save_dist,
+from tests.writers.leave_group import leave_group
+from tests.writers.megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, parse, randomise_vectors, save_dist,
                                  save_legacy, write_save_dirs)
 
 DEFAULTS = dict(arch="deepseek_v3", tp=1, ep=1, layers=2, dense=1, q_lora=1, qk_norm=0, mtp=1, vocab=101)

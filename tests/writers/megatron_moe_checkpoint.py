@@ -1,6 +1,6 @@
 """Write megatron-core MoE checkpoints in each expert layout, on CPU under gloo (torchrun).
 
-    torchrun --nproc_per_node 4 tests/writers/megatron_moe_checkpoint.py --out ROOT \
+    torchrun --nproc_per_node 4 -m tests.writers.megatron_moe_checkpoint --out ROOT \
         --case grouped:arch=qwen3_moe,tp=2,ep=2,etp=1,grouped=1,cross=1
 
 The cases, the model and ROOT/NAME/{legacy,dist,hf,logits.pt} are megatron_checkpoint.py's (pp=1, no virtual
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import megatron_checkpoint as mc
-from leave_group import leave_group
+from tests.writers import megatron_checkpoint as mc
+from tests.writers.leave_group import leave_group
 
 EXTRA = dict(grouped=0, etp=None, te=0, dense_first=0, cross=0)
 

@@ -1,6 +1,6 @@
 """Tiny HF base models and PEFT adapter folders written by PEFT itself, plus what PEFT makes of them (the oracle).
 
-    python tests/writers/peft_adapters.py --out DIR
+    python -m tests.writers.peft_adapters --out DIR
 
 Writes under DIR, for each case: `base/` (save_pretrained, sharded), the adapter folders, and `oracle.pt`
 holding PEFT's merge_and_unload state dict, applied adapter by adapter in order, and the logits of the
@@ -16,7 +16,7 @@ import peft
 import torch
 import transformers
 
-from tiny_models import build_model, save_hf_folder
+from tests.writers.tiny_models import build_model, save_hf_folder
 
 TOKENS = torch.tensor([[1, 5, 9, 2, 7, 3], [4, 4, 8, 0, 6, 1]])
 

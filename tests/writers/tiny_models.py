@@ -53,7 +53,7 @@ def build_model(arch: str, tied: bool = False, vocab: int | None = None, hidden:
     """A seeded tiny model; `head` picks the transformers class (a critic is token-cls with one label)."""
     torch.manual_seed(seed)
     if arch == "remote":
-        from remote_code.modeling_tiny_remote import TinyRemoteConfig, TinyRemoteForCausalLM
+        from tests.writers.remote_code.modeling_tiny_remote import TinyRemoteConfig, TinyRemoteForCausalLM
 
         config = TinyRemoteConfig(**tiny_config("llama", tied, vocab, hidden, layers).to_diff_dict())
         model = TinyRemoteForCausalLM(config).to(dtype)

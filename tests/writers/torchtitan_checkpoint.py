@@ -1,7 +1,7 @@
 """Write a real torchtitan DCP checkpoint and its oracles. Run under torchrun (gloo, CPU).
 
-    torchrun --nproc_per_node 2 tests/writers/torchtitan_checkpoint.py --out DIR --hf HF --reference REF
-    torchrun --nproc_per_node 2 tests/writers/torchtitan_checkpoint.py --family qwen3_moe --out DIR --hf HF \
+    torchrun --nproc_per_node 2 -m tests.writers.torchtitan_checkpoint --out DIR --hf HF --reference REF
+    torchrun --nproc_per_node 2 -m tests.writers.torchtitan_checkpoint --family qwen3_moe --out DIR --hf HF \
         --logits LOGITS
 
 Every rank builds the same seeded tiny torchtitan model, shards it with `fully_shard` and `dcp.save`s
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from leave_group import leave_group
+from tests.writers.leave_group import leave_group
 
 DIM, HEADS, KV_HEADS, LAYERS, VOCAB, FFN, THETA = 32, 4, 2, 2, 101, 72, 10000.0
 HEAD_DIM, EXPERTS, TOP_K, MOE_FFN = 8, 4, 2, 24

@@ -1,6 +1,6 @@
 """Save a transformers model where and as verl's automodel engine saves it. Run under torchrun (gloo, CPU).
 
-    torchrun --nproc_per_node 2 tests/writers/verl_automodel_checkpoint.py --actor DIR/global_step_N/actor \
+    torchrun --nproc_per_node 2 -m tests.writers.verl_automodel_checkpoint --actor DIR/global_step_N/actor \
         --logits LOGITS
 
 verl's engine (verl/workers/engine/automodel/transformer_impl.py) saves through NeMo Automodel's Checkpointer,
@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dcp_checkpoint import shard
-from leave_group import leave_group
-from tiny_models import build_model
+from tests.writers.dcp_checkpoint import shard
+from tests.writers.leave_group import leave_group
+from tests.writers.tiny_models import build_model
 
 TOKENS = [[1, 5, 7, 9, 11, 3, 42, 100]]
 

@@ -1,6 +1,6 @@
 """verl actor folders of a Megatron LoRA run with Megatron-Bridge (layout schema v2), and PEFT's oracle.
 
-    python tests/writers/verl_megatron_lora.py --out DIR
+    python -m tests.writers.verl_megatron_lora --out DIR
 
 Writes under DIR: `base/` (the model the run started from), `adapter/` (the adapter, by PEFT's save_pretrained),
 `reference/` (PEFT's merge_and_unload), `logits.pt` (the unmerged PeftModel's logits on TOKENS), and two actor
@@ -21,7 +21,7 @@ from pathlib import Path
 import peft
 import torch
 
-from tiny_models import build_model, build_tokenizer
+from tests.writers.tiny_models import build_model, build_tokenizer
 
 TOKENS = torch.tensor([[1, 5, 9, 2, 7, 3], [4, 4, 8, 0, 6, 1]])
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -1,6 +1,6 @@
 """Save a torchtitan model where verl's torchtitan engine saves it. Run under torchrun (gloo, CPU).
 
-    torchrun --nproc_per_node 2 tests/writers/verl_torchtitan_checkpoint.py --local_path DIR/global_step_N/actor \
+    torchrun --nproc_per_node 2 -m tests.writers.verl_torchtitan_checkpoint --local_path DIR/global_step_N/actor \
         --step N --hf HF --logits LOGITS
 
 verl's engine (verl/workers/engine/torchtitan/transformer_impl.py) owns a torchtitan Trainer, whose
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from leave_group import leave_group
-from torchtitan_checkpoint import TOKENS, qwen3_hf_config, qwen3_titan_config, seeded_model
+from tests.writers.leave_group import leave_group
+from tests.writers.torchtitan_checkpoint import TOKENS, qwen3_hf_config, qwen3_titan_config, seeded_model
 
 
 class NoDataLoader:

@@ -2,7 +2,7 @@
 
 `RecordingHfApi` has the HfApi methods merger calls, checks each call's arguments against the real method's
 signature, and appends each call, with the calling process's RANK, as one JSON line to a log file.
-In-process tests patch it in directly. Run as a script (`torchrun tests/hub_recorder.py merge ...`, with
+In-process tests patch it in directly. Run as a script (`torchrun tests/helpers/hub_recorder.py merge ...`, with
 MERGER_TEST_HUB_LOG set), it puts the recorder in place of huggingface_hub.HfApi and then runs merger's own
 main(), so every rank uploads through it. No interpreter start-up hook is used (a `sitecustomize` on
 PYTHONPATH loses to the one some interpreters ship, e.g. Debian's).

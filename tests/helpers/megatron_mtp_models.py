@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 
-from conftest import load_safetensors_folder, merge_in_process, run_writer
+from tests.helpers.in_process import merge_in_process
+from tests.helpers.processes import run_writer
+from tests.helpers.weights import load_safetensors_folder
 
 
 def write_cases(tmp_path_factory, name: str, cases: dict[str, str]) -> Path:

@@ -1,7 +1,7 @@
 """A training script's save hook, as the API docs show it: the script started its own gloo process group, then
 converts the checkpoint it just saved with merger.merge over that group, and goes on using the group.
 
-Run under torchrun: python -m torch.distributed.run --nproc_per_node N tests/api_in_trainer.py ACTOR TARGET.
+Run under torchrun: python -m torch.distributed.run --nproc_per_node N tests/helpers/api_in_trainer.py ACTOR TARGET.
 Each rank prints one JSON line: the merge's summary, what a bad call raised, and whether the group, the logging
 handlers, the signal handlers and torch's thread count are still as the script left them.
 """

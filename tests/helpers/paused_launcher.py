@@ -1,4 +1,4 @@
-"""`python -m launcher`, its ranks started as tests/paused_merger.py instead of `python -m merger`.
+"""`python -m launcher`, its ranks started as tests/helpers/paused_merger.py instead of `python -m merger`.
 
 With the environment paused_merger.py reads (MERGER_TEST_PAUSE_AFTER_BATCH, MERGER_TEST_PAUSE_FILE), a test stops
 a real `launcher local` merge at a known batch and then signals the launcher. Only the command each rank runs

@@ -1,0 +1,50 @@
+"""Files on disk: a snapshot to prove nothing was written, and damage done the way a test needs it (found by
+content or rewritten with torch's own classes, never by merger's idea of the file)."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+
+def snapshot(folder: Path) -> dict[str, tuple]:
+    """Every file under `folder` with its content hash, size and mtime: to prove nothing was written there."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            st = p.stat()
+            out[str(p.relative_to(folder))] = (hashlib.sha256(p.read_bytes()).hexdigest(), st.st_size, st.st_mtime_ns)
+    return out
+
+
+def flip_bit_in_tensor(file: Path, tensor: torch.Tensor) -> None:
+    """Flip one bit in the middle of `tensor`'s bytes where they lie in `file` (found by content: the oracle is the
+    tensor torch.load returned, not merger's idea of the file's layout)."""
+    data = bytearray(file.read_bytes())
+    needle = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    at = data.find(needle)
+    assert at >= 0 and data.find(needle, at + 1) < 0, "the tensor's bytes must occur once in the file"
+    data[at + len(needle) // 2] ^= 0x04
+    file.write_bytes(data)
+
+
+def metadata_naming(folder: Path, old: str, new: str) -> None:
+    """Rewrite a DCP folder's `.metadata` as torch pickles it (torch's reader and classes, not merger's), with the
+    storage entries of file `old` naming `new` instead."""
+    import dataclasses
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    metadata.storage_data = {index: dataclasses.replace(info, relative_path=new) if info.relative_path == old
+                             else info for index, info in metadata.storage_data.items()}
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def block_sha256(path: Path, block: int) -> list[str]:
+    """hashlib's sha256 of each `block` bytes of the file, the last piece shorter: the manifest's oracle."""
+    data = path.read_bytes()
+    return [hashlib.sha256(data[start:start + block]).hexdigest() for start in range(0, len(data), block)]

@@ -1,0 +1,109 @@
+"""merger and the test writers as real processes: one, a torchrun gloo group, or the plain env:// ranks that
+Slurm tasks and `launcher local` start. Every process runs from the repository's root with it on PYTHONPATH,
+so `tests.helpers` and `tests.writers` import there as they do in the tests."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers.paths import HELPERS, ROOT
+
+PAUSED_MERGER = HELPERS / "paused_merger.py"
+THREADS_AFTER_MERGE = HELPERS / "threads_after_merge.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(extra: dict | None = None) -> dict:
+    """The test environment plus `extra`; a PYTHONPATH given there goes in front of the test one."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONWARNINGS"] = "ignore"
+    for key, value in (extra or {}).items():
+        env[key] = value + os.pathsep + env[key] if key == "PYTHONPATH" else value
+    return env
+
+
+def merger_entry(env: dict | None) -> list[str]:
+    """How to start merger: `-m merger`, or the paused_merger.py script when the environment asks for a pause."""
+    return [str(PAUSED_MERGER)] if env and "MERGER_TEST_PAUSE_AFTER_BATCH" in env else ["-m", "merger"]
+
+
+def torchrun_cmd(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+
+
+def run(cmd: list[str], timeout: float = 300, check: bool = True, env: dict | None = None,
+        preexec_fn=None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=subprocess_env(env), capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=preexec_fn)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n--- stdout\n{proc.stdout}"
+                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_merger(*args, nproc: int = 1, check: bool = True, timeout: float = 300,
+               env: dict | None = None, preexec_fn=None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """`python -m merger ARGS` as one process, or under torchrun with `nproc` gloo ranks, in folder `cwd`."""
+    prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
+    return run(prefix + [*merger_entry(env), *map(str, args)], timeout=timeout, check=check, env=env,
+               preexec_fn=preexec_fn, cwd=cwd)
+
+
+def run_merger_leaving_no_thread(*args, nproc: int) -> subprocess.CompletedProcess:
+    """Like run_merger under torchrun; then every rank must have returned from merger's main with only its main
+    thread left, as the kernel lists the process's threads (tests/helpers/threads_after_merge.py)."""
+    proc = run(torchrun_cmd(nproc) + [str(THREADS_AFTER_MERGE), *map(str, args)])
+    reports = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+                     key=lambda report: report["rank"])
+    assert [report["rank"] for report in reports] == list(range(nproc)), proc.stdout
+    for report in reports:
+        assert report["after"] == report["before"] == ["python"], report
+    return proc
+
+
+def start_merger(*args, nproc: int = 1, env: dict | None = None) -> subprocess.Popen:
+    """Like run_merger, but returns the running process (for tests that interrupt a merge)."""
+    prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
+    return subprocess.Popen(prefix + [*merger_entry(env), *map(str, args)], cwd=ROOT, env=subprocess_env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def start_ranks(*args, nproc: int, env: dict | None = None, wrap: dict | None = None,
+                args_of_rank: dict | None = None) -> list[subprocess.Popen]:
+    """`python -m merger ARGS` as the `nproc` ranks of a plain env:// gloo group, as Slurm tasks or
+    `launcher local` start them: no torchrun agent, rank 0 hosts the store. `wrap` maps a rank to a command
+    prefix (e.g. `unshare ...`), `args_of_rank` a rank to arguments of its own in place of ARGS."""
+    port = free_port()
+    procs = []
+    for rank in range(nproc):
+        ranked = {**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                  "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        own = (args_of_rank or {}).get(rank, args)
+        cmd = [*(wrap or {}).get(rank, []), sys.executable, *merger_entry(env), *map(str, own)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(ranked), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def writer_module(script: str) -> list[str]:
+    """`-m tests.writers.NAME` for the writer `NAME.py`: the writers import one another as modules of
+    tests.writers, so they run as modules, not as scripts."""
+    return ["-m", f"tests.writers.{Path(script).stem}"]
+
+
+def run_writer(script: str, *args, nproc: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The test writer tests/writers/SCRIPT as one process, or under torchrun with `nproc` gloo ranks."""
+    prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
+    return run(prefix + [*writer_module(script), *map(str, args)], env=env)
