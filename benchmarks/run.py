@@ -20,9 +20,9 @@ by `launcher local`, and those of --torchrun also by torchrun), and with --cuda 
 - megatron_moe (a Qwen3-MoE model with GroupedMLP experts, TP2 EP2, Megatron-LM's legacy format, written by
   megatron-core on 2 ranks: benchmarks/build_megatron_moe_checkpoint.py): baseline the naive merge in fp32
   (benchmarks/naive_megatron_merge.py); merger runs with `--dtype keep`.
-Wall times are medians; peak RSS is the largest resident set of any single process of the run (i.e. per
-rank); ratios are against the cp floor, cp + sync, dd, merger on 1 rank (`x 1 rank`: the scaling) and the format's
-first baseline; the same figures are drawn into
+Wall and CPU times (user + system, every process of the run) are medians; peak RSS is the largest resident set of
+any single process of the run (i.e. per rank); ratios are against the cp floor, cp + sync, dd, merger on 1 rank
+(`x 1 rank`: the scaling) and the format's first baseline; the same figures are drawn into
 docs/benchmark.png (benchmarks/chart.py). With --cap, each merge also runs
 under a hard cgroup-v1 memory limit to show which ones fit, merger on 1 rank with --verify too. The checkpoints this run builds (GBs) are removed at
 the end unless --keep; kept ones are reused by the next run.
@@ -60,10 +60,13 @@ DONE = {"fsdp": "fsdp_config.json", "dcp": "huggingface/config.json", "deepspeed
 BUILDERS = {"fsdp": "build_checkpoint.py", "dcp": "build_checkpoint.py", "deepspeed": "build_deepspeed_checkpoint.py",
             "megatron_moe": "build_megatron_moe_checkpoint.py"}
 
-# Runs `cmd`, then prints wall seconds, the max RSS (KiB) over every descendant process, and the exit code.
+# Runs `cmd`, then prints wall seconds, the max RSS (KiB) over every descendant process, the exit code, and the
+# CPU seconds (user + system) of every descendant: the work done, which other load on the machine moves less than
+# the wall time.
 _MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
             "rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode; "
-            "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, rc)")
+            "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
+            "print(time.perf_counter() - t, u.ru_maxrss, rc, u.ru_utime + u.ru_stime)")
 
 
 def warm(files: list[Path]) -> None:
@@ -80,7 +83,7 @@ def warm(files: list[Path]) -> None:
 
 
 def measure(cmd: list[str], cap: int | None = None, settle: float = 0.0,
-            sources: list[Path] = ()) -> tuple[float, int, int]:
+            sources: list[Path] = ()) -> tuple[float, int, int, float]:
     os.sync()  # no run starts while the previous one's output is still being written back to disk
     # A VM that hands freed memory back to its host (virtio-balloon free page reporting, about 2 s after it is
     # freed; this machine's does) backs the next pages written for free only until then, and several times
@@ -98,8 +101,8 @@ def measure(cmd: list[str], cap: int | None = None, settle: float = 0.0,
         def preexec():  # join the capped cgroup before exec, so every descendant is held by it
             (CGROUP / "cgroup.procs").write_text(str(os.getpid()))
     out = subprocess.run(prefix + cmd, env=env, capture_output=True, text=True, preexec_fn=preexec, cwd=ROOT)
-    wall, rss_kib, rc = out.stdout.split()
-    return float(wall), int(rss_kib) * 1024, int(rc)
+    wall, rss_kib, rc, cpu = out.stdout.split()
+    return float(wall), int(rss_kib) * 1024, int(rc), float(cpu)
 
 
 def build(fmt: str, layers: int, hidden: int, built: list[Path], ranks: int = 2) -> Path:
@@ -190,8 +193,8 @@ def commands(fmt: str, ckpt: Path, dst: Path, ranks: list[int] = (1, 2), torchru
 
 
 def time_all(cmds: dict[str, list[str]], dst: Path, repeats: int, label: str, settle: float,
-             sources: list[Path]) -> dict[str, list[tuple[float, int, int]]]:
-    results: dict[str, list[tuple[float, int, int]]] = {k: [] for k in cmds}
+             sources: list[Path]) -> dict[str, list[tuple[float, int, int, float]]]:
+    results: dict[str, list[tuple[float, int, int, float]]] = {k: [] for k in cmds}
     for rep in range(repeats + 1):  # the first round is dropped
         for name, cmd in cmds.items():
             shutil.rmtree(dst, ignore_errors=True)
@@ -227,8 +230,8 @@ RATIOS = {"x cp": FLOOR, "x cp+sync": SYNCED_FLOOR, "x dd": USER_FLOOR, "x 1 ran
 
 
 def rows_for(fmt: str, size: int, results: dict, capped: dict[str, str], skipped: dict[str, str]) -> list[tuple]:
-    """One table row per run: (format, size, run, wall median, {ratio column: value}, peak RSS, RSS x baseline,
-    note); a run in `skipped` (name -> why) has no figures, its reason as the note."""
+    """One table row per run: (format, size, run, wall median, CPU median, {ratio column: value}, peak RSS,
+    RSS x baseline, note); a run in `skipped` (name -> why) has no figures, its reason as the note."""
     def median(name: str) -> float | None:
         return statistics.median(r[0] for r in results[name]) if results.get(name) else None
 
@@ -239,8 +242,9 @@ def rows_for(fmt: str, size: int, results: dict, capped: dict[str, str], skipped
     for name, rs in results.items():
         wall, rss = median(name), max(r[1] for r in rs)
         ratios = {col: wall / ref for col, ref in refs.items() if ref and (col != "x 1 rank" or name.startswith("merger"))}
-        rows.append((fmt, size, name, wall, ratios, rss, rss / base_rss if base_rss else None, capped.get(name, "")))
-    return rows + [(fmt, size, name, None, {}, None, None, f"skipped: {why}") for name, why in skipped.items()]
+        rows.append((fmt, size, name, wall, statistics.median(r[3] for r in rs), ratios, rss,
+                     rss / base_rss if base_rss else None, capped.get(name, "")))
+    return rows + [(fmt, size, name, None, None, {}, None, None, f"skipped: {why}") for name, why in skipped.items()]
 
 
 def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
@@ -250,15 +254,16 @@ def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
     def cell(value: float | None, width: int, fmt: str = "6.2f") -> str:
         return f"{value:{fmt}}".rjust(width) if value is not None else " " * width
 
-    header = (f"{'format':<12} | {'checkpoint':>10} | {'run':<20} | {'wall s':>6} | "
+    header = (f"{'format':<12} | {'checkpoint':>10} | {'run':<20} | {'wall s':>6} | {'CPU s':>6} | "
               + " | ".join(f"{c:>9}" for c in cols) + f" | {'peak RSS/rank':>13} | {'x base RSS':>10} | {cap_col}")
     print("\n" + header)
     print("-" * len(header))
-    for fmt, size, name, wall, ratios, rss, vs_rss, note in rows:
-        print(f"{fmt:<12} | {format_size(size):>10} | {name:<20} | {cell(wall, 6)} | "
+    for fmt, size, name, wall, cpu, ratios, rss, vs_rss, note in rows:
+        print(f"{fmt:<12} | {format_size(size):>10} | {name:<20} | {cell(wall, 6)} | {cell(cpu, 6)} | "
               + " | ".join(cell(ratios.get(c), 9) for c in cols)
               + f" | {format_size(rss) if rss is not None else '':>13} | {cell(vs_rss, 10)} | {note}")
-    print(f"\nmedians of {repeats} warm runs; {os.cpu_count()} cores; peak RSS = largest process of the run; "
+    print(f"\nmedians of {repeats} warm runs; {os.cpu_count()} cores; CPU s = user + system CPU of every process of "
+          "the run; peak RSS = largest process of the run; "
           "x cp+sync = against cp and a sync of the copies (the copy made durable); x dd = against dd with "
           "conv=fsync (the bytes through memory, durably); x 1 rank = against merger on 1 rank (the scaling); "
           "x base = against the naive merge (fsdp), dcp_to_torch_save + save_file (dcp), DeepSpeed's zero_to_fp32.py "
@@ -322,7 +327,7 @@ def main() -> None:
         if OUT.is_dir() and not any(OUT.iterdir()):
             OUT.rmdir()
     print_table(rows, args.cap, args.repeats)
-    draw_chart([(fmt, size, name, wall, rss) for fmt, size, name, wall, _, rss, _, _ in rows if wall is not None],
+    draw_chart([(fmt, size, name, wall, rss) for fmt, size, name, wall, _, _, rss, _, _ in rows if wall is not None],
                args.chart, FLOOR)
     print(f"chart: {args.chart}")
 
