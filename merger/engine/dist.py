@@ -142,12 +142,12 @@ def await_store(addr: str, port: int, timeout_s: float) -> None:
 
     The ranks of `launcher local` and of srun start together, and rank 0 starts the store only once torch is
     imported. torch's client, finding no listener, backs off before it tries again: on this project's 2-core
-    machine a rank that got there first waited 0.3-0.45 s after rank 0's store was up, in about half the 2-rank
+    machine a rank that got there first joined 0.3-0.7 s after rank 0's store was up, in about half the 2-rank
     merges. A connection opened and closed is nothing to the store."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            socket.create_connection((addr, port), timeout=max(0.1, deadline - time.monotonic())).close()
+            socket.create_connection((addr, port), timeout=1.0).close()  # a host that drops it: torch's to wait on
             return
         except ConnectionRefusedError:
             if time.monotonic() + STORE_POLL_S > deadline:
