@@ -5,7 +5,8 @@
 # 4.13 GiB at 19 layers) is written by 8 ranks, so 8 merge ranks each have a rank file of their own to read.
 # Needs no network: a Python with torch and transformers (PYTHON, else this repo's .venv, else python3); merger
 # runs from this checkout. Without a CUDA device the cuda row is skipped, its reason in the table.
-# About 5 minutes on 16 cores at the defaults; a quick check of the harness:
+# Estimated at 4-6 minutes on 16 cores at the defaults (a build, then 36 runs of 5-10 s each with their settle and
+# warm-up reads; more where the disk writes under 1 GB/s: SIZES=7 halves it); not yet run on one. A quick check:
 #   HIDDEN=256 SIZES=2 REPEATS=1 SETTLE=0 benchmarks/device.sh
 # Settings: SIZES (layers, default 19), HIDDEN (2048), REPEATS (3), SETTLE (seconds, 2), RANKS (1,2,4,8),
 # BUILD_RANKS (8); the table and the log go to $OUT when it is set (the device tool's folder), else /tmp.
