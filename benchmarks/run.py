@@ -2,13 +2,16 @@
 
     python benchmarks/run.py [--formats fsdp,dcp,deepspeed,megatron_moe] [--sizes 7,19] [--repeats 3] [--cap 2GiB]
                              [--hidden 2048] [--settle 5] [--keep] [--chart docs/benchmark.png]
+                             [--ranks 1,2] [--torchrun 2] [--cuda] [--no_baselines] [--build_ranks 2]
 
 For each format and checkpoint size (fp32 FSDP2 on 2 ranks, built once under bench_out/ on the meta device
 by benchmarks/build_checkpoint.py) it times, alternating and repeated, each run right after its data files are
 read into the page cache (`warm`): `cp` of the data files (the floor: bytes read and written once, inside the
-kernel), `dd` of them with `conv=fsync` (the floor for a tool that reads the bytes into memory and writes them
-back durably, as a merge must to cast or checksum them), the baselines, and merger with 1 and 2 ranks (started
-by `launcher local`, and by torchrun).
+kernel), the same `cp` followed by a `sync` of the copies (the copy made durable, as merger's output is), `dd`
+of them with `conv=fsync` (the floor for a tool that reads the bytes into memory and writes them back durably,
+as a merge must to cast or checksum them), the baselines, and merger with each of --ranks ranks (several started
+by `launcher local`, and those of --torchrun also by torchrun), and with --cuda on 1 rank with `--device cuda`
+(skipped, with the reason in the table, where torch sees no CUDA device).
 - fsdp (verl's `model_world_size_W_rank_r.pt`): baseline the naive merge (benchmarks/naive_merge.py).
 - dcp (`dcp.save` folder): baselines torch's `dcp_to_torch_save` + `save_file` and accelerate's
   `merge_fsdp_weights` (benchmarks/dcp_baselines.py); both keep fp32, so merger runs with `--dtype keep`.
@@ -17,8 +20,9 @@ by `launcher local`, and by torchrun).
 - megatron_moe (a Qwen3-MoE model with GroupedMLP experts, TP2 EP2, Megatron-LM's legacy format, written by
   megatron-core on 2 ranks: benchmarks/build_megatron_moe_checkpoint.py): baseline the naive merge in fp32
   (benchmarks/naive_megatron_merge.py); merger runs with `--dtype keep`.
-Wall times are medians; peak RSS is the largest resident set of any single process of the run (i.e. per
-rank); ratios are against the cp floor and the format's first baseline; the same figures are drawn into
+Wall and CPU times (user + system, every process of the run) are medians; peak RSS is the largest resident set of
+any single process of the run (i.e. per rank); ratios are against the cp floor, cp + sync, dd, merger on 1 rank
+(`x 1 rank`: the scaling) and the format's first baseline; the same figures are drawn into
 docs/benchmark.png (benchmarks/chart.py). With --cap, each merge also runs
 under a hard cgroup-v1 memory limit to show which ones fit, merger on 1 rank with --verify too. The checkpoints this run builds (GBs) are removed at
 the end unless --keep; kept ones are reused by the next run.
@@ -44,18 +48,25 @@ PY = sys.executable
 CGROUP = Path("/sys/fs/cgroup/memory/merger_bench")
 FORMATS = ("fsdp", "dcp", "deepspeed", "megatron_moe")
 FLOOR = "cp (floor)"
+SYNCED_FLOOR = "cp + sync"
 USER_FLOOR = "dd + fsync"
-VERIFIED = "merger, 1 rank"  # the run that --cap also tries with --verify
+FLOORS = (FLOOR, SYNCED_FLOOR, USER_FLOOR)
+ONE_RANK = "merger, 1 rank"
+VERIFIED = ONE_RANK  # the run that --cap also tries with --verify
+CUDA_ROW = "merger, 1 rank, cuda"
 # Written last by build_checkpoint.py: its presence means the checkpoint is complete.
 DONE = {"fsdp": "fsdp_config.json", "dcp": "huggingface/config.json", "deepspeed": "config.json",
         "megatron_moe": "huggingface/config.json"}
 BUILDERS = {"fsdp": "build_checkpoint.py", "dcp": "build_checkpoint.py", "deepspeed": "build_deepspeed_checkpoint.py",
             "megatron_moe": "build_megatron_moe_checkpoint.py"}
 
-# Runs `cmd`, then prints wall seconds, the max RSS (KiB) over every descendant process, and the exit code.
+# Runs `cmd`, then prints wall seconds, the max RSS (KiB) over every descendant process, the exit code, and the
+# CPU seconds (user + system) of every descendant: the work done, which other load on the machine moves less than
+# the wall time.
 _MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
             "rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode; "
-            "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, rc)")
+            "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
+            "print(time.perf_counter() - t, u.ru_maxrss, rc, u.ru_utime + u.ru_stime)")
 
 
 def warm(files: list[Path]) -> None:
@@ -72,7 +83,7 @@ def warm(files: list[Path]) -> None:
 
 
 def measure(cmd: list[str], cap: int | None = None, settle: float = 0.0,
-            sources: list[Path] = ()) -> tuple[float, int, int]:
+            sources: list[Path] = ()) -> tuple[float, int, int, float]:
     os.sync()  # no run starts while the previous one's output is still being written back to disk
     # A VM that hands freed memory back to its host (virtio-balloon free page reporting, about 2 s after it is
     # freed; this machine's does) backs the next pages written for free only until then, and several times
@@ -90,18 +101,19 @@ def measure(cmd: list[str], cap: int | None = None, settle: float = 0.0,
         def preexec():  # join the capped cgroup before exec, so every descendant is held by it
             (CGROUP / "cgroup.procs").write_text(str(os.getpid()))
     out = subprocess.run(prefix + cmd, env=env, capture_output=True, text=True, preexec_fn=preexec, cwd=ROOT)
-    wall, rss_kib, rc = out.stdout.split()
-    return float(wall), int(rss_kib) * 1024, int(rc)
+    wall, rss_kib, rc, cpu = out.stdout.split()
+    return float(wall), int(rss_kib) * 1024, int(rc), float(cpu)
 
 
-def build(fmt: str, layers: int, hidden: int, built: list[Path]) -> Path:
-    """The checkpoint, built unless a complete one is there; what is built here is appended to `built`."""
+def build(fmt: str, layers: int, hidden: int, built: list[Path], ranks: int = 2) -> Path:
+    """The checkpoint, written by `ranks` ranks (one rank file each, for fsdp and dcp), built unless a complete one is
+    there; what is built here is appended to `built`."""
     model = "qwen3moe" if fmt == "megatron_moe" else "llama"
-    ckpt = OUT / f"{model}_{hidden}h_{layers}l" / {"fsdp": "actor"}.get(fmt, fmt)
+    ckpt = OUT / f"{model}_{hidden}h_{layers}l{f'_{ranks}r' if ranks != 2 else ''}" / {"fsdp": "actor"}.get(fmt, fmt)
     if not (ckpt / DONE[fmt]).exists():
-        print(f"building the {layers}-layer {fmt} checkpoint in {ckpt} ...", flush=True)
+        print(f"building the {layers}-layer {fmt} checkpoint on {ranks} ranks in {ckpt} ...", flush=True)
         built.append(ckpt)
-        proc = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        proc = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                                str(ROOT / "benchmarks" / BUILDERS[fmt]), "--out", str(ckpt),
                                "--layers", str(layers), "--hidden", str(hidden),
                                *(["--format", fmt] if fmt in ("fsdp", "dcp") else [])],
@@ -117,8 +129,41 @@ def data_files(fmt: str, ckpt: Path) -> list[Path]:
                              "megatron_moe": "iter_*/mp_rank_*/model_optim_rng.pt"}[fmt]))
 
 
-def commands(fmt: str, ckpt: Path, dst: Path) -> dict[str, list[str]]:
-    """Row name -> command line; the floor first, then the baselines (the first is the ratios' reference)."""
+def cuda_missing() -> str | None:
+    """Why `--device cuda` cannot run here (torch's view, in the interpreter the merges run in), or None."""
+    probe = subprocess.run([PY, "-c", "import torch; print(torch.version.cuda, torch.cuda.is_available())"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        return "torch could not be imported"
+    built_with, available = probe.stdout.split()
+    if built_with == "None":
+        return "torch is built without CUDA"
+    return None if available == "True" else "torch sees no CUDA device"
+
+
+def merger_runs(merge: list[str], ranks: list[int], torchrun: list[int], cuda: bool) -> dict[str, list[str]]:
+    """Row name -> command line of each merger run: 1 rank, N ranks started by `launcher local` (a plain Python
+    parent that only starts them), N by torchrun (whose agent imports torch itself before it starts the ranks:
+    1.2-1.4 s of CPU on this project's 2-core machine), all over gloo, and 1 rank with `--device cuda` (one rank
+    sends nothing: what it adds is CUDA's part of the start-up)."""
+    runs = {}
+    cuda_row = [PY, "-m", "merger", *merge, "--device", "cuda"]
+    merge = [*merge, "--device", "cpu"]  # over gloo, also where CUDA is there (auto would pick NCCL)
+    for n in ranks:
+        runs[ONE_RANK if n == 1 else f"merger, {n} ranks"] = (
+            [PY, "-m", "merger", *merge] if n == 1 else [PY, "-m", "launcher", "local", "--nproc", str(n), "--", *merge])
+    for n in torchrun:
+        runs[f"merger, {n}, torchrun"] = [PY, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "-m",
+                                          "merger", *merge]
+    if cuda:
+        runs[CUDA_ROW] = cuda_row
+    return runs
+
+
+def commands(fmt: str, ckpt: Path, dst: Path, ranks: list[int] = (1, 2), torchrun: list[int] = (2,),
+             cuda: bool = False, with_baselines: bool = True) -> dict[str, list[str]]:
+    """Row name -> command line; the floors first, then the baselines (the first is the ratios' reference), then
+    merger's runs (merger_runs)."""
     # relative paths kept under dst (--parents): Megatron's rank files all have the same name
     files = " ".join(str(p.relative_to(ckpt)) for p in data_files(fmt, ckpt))
     merge = ["merge", "--local_dir", str(ckpt), "--target_dir", str(dst), "--overwrite", "--log_level", "WARNING"]
@@ -140,18 +185,16 @@ def commands(fmt: str, ckpt: Path, dst: Path) -> dict[str, list[str]]:
     # in 256 KiB writes like merger's (output/files.py WRITE_CHUNK: with bs=1M it took 2.5-3x as long here).
     dd = " && ".join(f"mkdir -p {dst}/{Path(f).parent} && dd if={f} of={dst}/{f} bs=256K conv=fsync status=none"
                      for f in files.split())
-    return {FLOOR: ["bash", "-c", f"mkdir -p {dst} && cd {ckpt} && cp --parents {files} {dst}/"],
-            USER_FLOOR: ["bash", "-c", f"cd {ckpt} && {dd}"], **baselines,
-            "merger, 1 rank": [PY, "-m", "merger", *merge],
-            # two ways to start 2 ranks: torchrun's agent imports torch itself before it starts the ranks
-            # (2-2.5 s here); `launcher local` is a plain Python parent that only starts them
-            "merger, 2 ranks": [PY, "-m", "launcher", "local", "--nproc", "2", "--", *merge],
-            "merger, 2, torchrun": [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "merger", *merge]}
+    cp = f"mkdir -p {dst} && cd {ckpt} && cp --parents {files} {dst}/"
+    # `sync FILE...` fsyncs those files alone (coreutils), as merger fsyncs its own: not other work's dirty pages
+    synced = f"{cp} && cd {dst} && sync {files}"
+    return {FLOOR: ["bash", "-c", cp], SYNCED_FLOOR: ["bash", "-c", synced], USER_FLOOR: ["bash", "-c", f"cd {ckpt} && {dd}"],
+            **(baselines if with_baselines else {}), **merger_runs(merge, ranks, torchrun, cuda)}
 
 
 def time_all(cmds: dict[str, list[str]], dst: Path, repeats: int, label: str, settle: float,
-             sources: list[Path]) -> dict[str, list[tuple[float, int, int]]]:
-    results: dict[str, list[tuple[float, int, int]]] = {k: [] for k in cmds}
+             sources: list[Path]) -> dict[str, list[tuple[float, int, int, float]]]:
+    results: dict[str, list[tuple[float, int, int, float]]] = {k: [] for k in cmds}
     for rep in range(repeats + 1):  # the first round is dropped
         for name, cmd in cmds.items():
             shutil.rmtree(dst, ignore_errors=True)
@@ -170,7 +213,7 @@ def fits_under(cmds: dict[str, list[str]], dst: Path, cap: int) -> dict[str, str
     --verify, which streams under the same budget, so it must fit where the plain merge fits."""
     verdicts = {}
     for name, cmd in cmds.items():
-        if name in (FLOOR, USER_FLOOR):
+        if name in FLOORS:
             continue
         runs = {name: cmd, f"{name} --verify": cmd + ["--verify"]} if name == VERIFIED else {name: cmd}
         found = []
@@ -182,35 +225,50 @@ def fits_under(cmds: dict[str, list[str]], dst: Path, cap: int) -> dict[str, str
     return verdicts
 
 
-def rows_for(fmt: str, size: int, results: dict, capped: dict[str, str]) -> list[tuple]:
-    """One table row per run: wall median and peak RSS with their ratios to the floor and the baseline."""
-    baseline = next(name for name in results if name not in (FLOOR, USER_FLOOR))
-    floor = statistics.median(r[0] for r in results[FLOOR])
-    user_floor = statistics.median(r[0] for r in results[USER_FLOOR])
-    base = statistics.median(r[0] for r in results[baseline])
-    base_rss = max(r[1] for r in results[baseline])
+# Ratio columns: header -> the row whose median wall time divides each run's (merger's ratios: the issue's targets)
+RATIOS = {"x cp": FLOOR, "x cp+sync": SYNCED_FLOOR, "x dd": USER_FLOOR, "x 1 rank": ONE_RANK}
+
+
+def rows_for(fmt: str, size: int, results: dict, capped: dict[str, str], skipped: dict[str, str]) -> list[tuple]:
+    """One table row per run: (format, size, run, wall median, CPU median, {ratio column: value}, peak RSS,
+    RSS x baseline, note); a run in `skipped` (name -> why) has no figures, its reason as the note."""
+    def median(name: str) -> float | None:
+        return statistics.median(r[0] for r in results[name]) if results.get(name) else None
+
+    baseline = next((name for name in results if name not in FLOORS and not name.startswith("merger")), None)
+    refs = {col: median(name) for col, name in {**RATIOS, "x base": baseline}.items() if name}
+    base_rss = max(r[1] for r in results[baseline]) if baseline else None
     rows = []
     for name, rs in results.items():
-        wall = statistics.median(r[0] for r in rs)
-        rss = max(r[1] for r in rs)
-        rows.append((fmt, size, name, wall, wall / floor, wall / user_floor, wall / base, rss, rss / base_rss,
-                     capped.get(name, "")))
-    return rows
+        wall, rss = median(name), max(r[1] for r in rs)
+        ratios = {col: wall / ref for col, ref in refs.items() if ref and (col != "x 1 rank" or name.startswith("merger"))}
+        rows.append((fmt, size, name, wall, statistics.median(r[3] for r in rs), ratios, rss,
+                     rss / base_rss if base_rss else None, capped.get(name, "")))
+    return rows + [(fmt, size, name, None, None, {}, None, None, f"skipped: {why}") for name, why in skipped.items()]
 
 
 def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
     cap_col = f"under {format_size(cap)}" if cap else ""
-    header = (f"{'format':<12} | {'checkpoint':>10} | {'run':<19} | {'wall s':>6} | {'x cp':>6} | {'x dd':>6} | "
-              f"{'x base':>6} | {'peak RSS/rank':>13} | {'x base RSS':>10} | {cap_col}")
+    cols = [*RATIOS, "x base"]
+
+    def cell(value: float | None, width: int, fmt: str = "6.2f") -> str:
+        return f"{value:{fmt}}".rjust(width) if value is not None else " " * width
+
+    header = (f"{'format':<12} | {'checkpoint':>10} | {'run':<20} | {'wall s':>6} | {'CPU s':>6} | "
+              + " | ".join(f"{c:>9}" for c in cols) + f" | {'peak RSS/rank':>13} | {'x base RSS':>10} | {cap_col}")
     print("\n" + header)
     print("-" * len(header))
-    for fmt, size, name, wall, vs_cp, vs_dd, vs_base, rss, vs_rss, capped in rows:
-        print(f"{fmt:<12} | {format_size(size):>10} | {name:<19} | {wall:6.2f} | {vs_cp:6.2f} | {vs_dd:6.2f} | "
-              f"{vs_base:6.2f} | {format_size(rss):>13} | {vs_rss:10.2f} | {capped}")
-    print(f"\nmedians of {repeats} warm runs; {os.cpu_count()} cores; peak RSS = largest process of the run; "
-          "x dd = against dd with conv=fsync (the bytes through memory, durably); x base = against the naive merge "
-          "(fsdp), dcp_to_torch_save + save_file (dcp), DeepSpeed's zero_to_fp32.py --safe_serialization "
-          "(deepspeed), the naive fp32 merge (megatron_moe)")
+    for fmt, size, name, wall, cpu, ratios, rss, vs_rss, note in rows:
+        print(f"{fmt:<12} | {format_size(size):>10} | {name:<20} | {cell(wall, 6)} | {cell(cpu, 6)} | "
+              + " | ".join(cell(ratios.get(c), 9) for c in cols)
+              + f" | {format_size(rss) if rss is not None else '':>13} | {cell(vs_rss, 10)} | {note}")
+    print(f"\nmedians of {repeats} warm runs; {os.cpu_count()} cores; CPU s = user + system CPU of every process of "
+          "the run; peak RSS = largest process of the run; "
+          "x cp+sync = against cp and a sync of the copies (the copy made durable); x dd = against dd with "
+          "conv=fsync (the bytes through memory, durably); x 1 rank = against merger on 1 rank (the scaling); "
+          "x base = against the naive merge (fsdp), dcp_to_torch_save + save_file (dcp), DeepSpeed's zero_to_fp32.py "
+          "--safe_serialization (deepspeed), the naive fp32 merge (megatron_moe). Targets (issue 34): merger on 2 "
+          "ranks <= 1.00 x 1 rank; merger on 1 rank <= 0.75 x cp+sync")
 
 
 def main() -> None:
@@ -227,25 +285,38 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the checkpoints built under bench_out/ for the next run")
     p.add_argument("--chart", type=Path, default=ROOT / "docs" / "benchmark.png",
                    help="where to draw wall time and peak RSS against checkpoint size (PNG)")
+    p.add_argument("--ranks", default="1,2", help="merger's rank counts, started by `launcher local` (1: plain)")
+    p.add_argument("--torchrun", default="2", help="rank counts also started by torchrun ('' for none)")
+    p.add_argument("--cuda", action="store_true", help="also merger on 1 rank with --device cuda (skipped, with the "
+                   "reason in the table, where torch sees no CUDA device)")
+    p.add_argument("--no_baselines", action="store_true", help="leave out the baselines (floors and merger only)")
+    p.add_argument("--build_ranks", type=int, default=2,
+                   help="ranks that write the fsdp and dcp checkpoints, one rank file each (default 2)")
     args = p.parse_args()
+    ranks = [int(n) for n in args.ranks.split(",")]
+    torchrun = [int(n) for n in args.torchrun.split(",") if n]
     formats = args.formats.split(",")
     if not set(formats) <= set(FORMATS):
         p.error(f"--formats: choose from {', '.join(FORMATS)}")
 
+    no_cuda = cuda_missing() if args.cuda else None
+    if no_cuda:
+        print(f"{CUDA_ROW}: skipped ({no_cuda})", flush=True)
     rows, built = [], []
     dst = OUT / "target"
     try:
         for fmt in formats:
             for layers in (int(x) for x in args.sizes.split(",")):
-                ckpt = build(fmt, layers, args.hidden, built)
+                ckpt = build(fmt, layers, args.hidden, built, args.build_ranks if fmt in ("fsdp", "dcp") else 2)
                 files = data_files(fmt, ckpt)
                 size = sum(f.stat().st_size for f in files)
-                cmds = commands(fmt, ckpt, dst)
+                cmds = commands(fmt, ckpt, dst, ranks, torchrun, args.cuda and no_cuda is None,
+                                not args.no_baselines)
                 results = time_all(cmds, dst, args.repeats, f"{fmt} {format_size(size)}", args.settle,
                                    files)
                 capped = fits_under(cmds, dst, args.cap) if args.cap else {}
                 shutil.rmtree(dst, ignore_errors=True)
-                rows += rows_for(fmt, size, results, capped)
+                rows += rows_for(fmt, size, results, capped, {CUDA_ROW: no_cuda} if args.cuda and no_cuda else {})
     finally:
         shutil.rmtree(dst, ignore_errors=True)
         for ckpt in [] if args.keep else built:
@@ -256,7 +327,8 @@ def main() -> None:
         if OUT.is_dir() and not any(OUT.iterdir()):
             OUT.rmdir()
     print_table(rows, args.cap, args.repeats)
-    draw_chart([(fmt, size, name, wall, rss) for fmt, size, name, wall, _, _, _, rss, _, _ in rows], args.chart, FLOOR)
+    draw_chart([(fmt, size, name, wall, rss) for fmt, size, name, wall, _, _, rss, _, _ in rows if wall is not None],
+               args.chart, FLOOR)
     print(f"chart: {args.chart}")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -131,6 +132,31 @@ class Group:
             self.control = None
 
 
+# Between tries to reach rank 0's store while it is not listening yet (await_store).
+STORE_POLL_S = 0.01
+
+
+def await_store(addr: str, port: int, timeout_s: float) -> None:
+    """Return once something listens at `addr`:`port` (rank 0's TCPStore), trying every STORE_POLL_S, or after
+    `timeout_s` or an error other than a refused connection: torch's own client then says what is wrong.
+
+    The ranks of `launcher local` and of srun start together, and rank 0 starts the store only once torch is
+    imported. torch's client, finding no listener, backs off before it tries again: on this project's 2-core
+    machine a rank that got there first joined 0.3-0.7 s after rank 0's store was up, in about half the 2-rank
+    merges. A connection opened and closed is nothing to the store."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=1.0).close()  # a host that drops it: torch's to wait on
+            return
+        except ConnectionRefusedError:
+            if time.monotonic() + STORE_POLL_S > deadline:
+                return
+            time.sleep(STORE_POLL_S)
+        except OSError:  # an unknown host, an unreachable network, a timeout: torch's error names it
+            return
+
+
 def init_group(device: str = "auto", timeout_s: float = 600) -> Group:
     """Join the group torchrun/Slurm described in the environment, or run alone when there is none."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -145,6 +171,9 @@ def init_group(device: str = "auto", timeout_s: float = 600) -> Group:
     import torch.distributed.nn.functional  # noqa: F401
 
     rank = int(os.environ.get("RANK", "0"))
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if rank != 0 and addr and port and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # else torchrun's
+        await_store(addr, int(port), timeout_s)  # agent hosts the store, up before any rank starts
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if device == "cuda" and not torch.cuda.is_available():
         raise MergerError("--device cuda asked for, but CUDA is not available on this machine")

@@ -1,0 +1,50 @@
+"""A rank other than 0 waits for rank 0's store before it joins the group (engine/dist.py await_store).
+
+The oracle is torch's own TCPStore, the server rank 0 starts: await_store must return only once it listens, and
+soon after; a store it has touched must still serve torch's clients; with no store it gives up at its timeout.
+"""
+import datetime
+import socket
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from merger.engine.dist import await_store
+
+pytestmark = pytest.mark.unit
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_returns_once_the_store_listens_and_the_store_still_serves():
+    port, started, stores = _free_port(), [], []
+
+    def start_store():
+        time.sleep(0.5)
+        stores.append(dist.TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=10), wait_for_workers=False))
+        started.append(time.monotonic())
+
+    rank0 = threading.Thread(target=start_store)
+    rank0.start()
+    await_store("127.0.0.1", port, timeout_s=20)
+    returned = time.monotonic()
+    rank0.join()
+    # The server listens inside the TCPStore constructor, just before `started` is taken.
+    assert returned >= started[0] - 0.25
+    assert returned - started[0] < 2.0
+    client = dist.TCPStore("127.0.0.1", port, 2, False, datetime.timedelta(seconds=10))
+    stores[0].set("from rank 0", "up")
+    assert client.get("from rank 0") == b"up"
+
+
+def test_gives_up_at_its_timeout_when_nothing_listens():
+    port = _free_port()
+    t = time.monotonic()
+    await_store("127.0.0.1", port, timeout_s=0.3)
+    assert 0.25 <= time.monotonic() - t < 2.0
