@@ -6,16 +6,21 @@ unties them (a LoRA adapter that changed one side) says so with `tie_word_embedd
 updates, and then both are written. When the source holds both tensors, the config alone does not decide: the
 left-out step is kept in `Mapping.tie`, and the merge compares the two tensors' values before the plan is fixed
 (engine/tie_check.py), writing both when they differ. Dtype: every model tensor that is floating point takes
---dtype (`keep`: its own); side files (an adapter folder's weights) keep the dtype their mapper declared.
+--dtype (`keep`: its own), as save_pretrained writes a model loaded at that dtype: the modules the model's class
+keeps in float32 at that dtype (DeepSeek-V3's router `gate.weight` and `e_score_correction_bias` at bfloat16)
+are written in float32, holding the source's values exactly where it stores them in float32. Side files (an
+adapter folder's weights) keep the dtype their mapper declared.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
 from ..errors import MergerError
 from ..options import MergeOptions
+from .model_class import keep_in_fp32
 from .steps import FLOAT8, Mapping, OutputSpec, Step, Tie, output_dtype
 
 TIED_OUTPUT = "lm_head.weight"
@@ -44,8 +49,24 @@ def input_embedding(names) -> str | None:
     return None
 
 
-def _cast(spec: OutputSpec, wanted: torch.dtype | None) -> OutputSpec:
-    return spec if spec.file is not None else dataclasses.replace(spec, dtype=output_dtype(spec.dtype, wanted))
+def _keeps_fp32(spec: OutputSpec, fp32: re.Pattern | None) -> bool:
+    return (fp32 is not None and spec.file is None and spec.dtype.is_floating_point and spec.dtype not in FLOAT8
+            and fp32.search(spec.name) is not None)
+
+
+def _cast(spec: OutputSpec, wanted: torch.dtype | None, fp32: re.Pattern | None) -> OutputSpec:
+    if spec.file is not None:
+        return spec
+    if _keeps_fp32(spec, fp32):
+        return dataclasses.replace(spec, dtype=torch.float32)
+    return dataclasses.replace(spec, dtype=output_dtype(spec.dtype, wanted))
+
+
+def _fp32_pattern(config: dict, wanted: torch.dtype | None) -> re.Pattern | None:
+    """transformers' matching of its keep-in-fp32 list: each entry a regular expression (`*` for any run of
+    characters) searched in the tensor's name (core_model_loading's build_glob_alternation)."""
+    patterns = keep_in_fp32(config, wanted)
+    return re.compile("|".join(p.replace("*", ".*") for p in patterns)) if patterns else None
 
 
 def _refuse_scaleless_float8(steps: list[Step], wanted: torch.dtype | None, config_dir) -> None:
@@ -74,8 +95,15 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
     tied = ties(mapping.config, options) and mapping.config_updates.get("tie_word_embeddings") is not False
     wanted = options.torch_dtype
     _refuse_scaleless_float8(mapping.steps, wanted, mapping.hf_dir)
-    steps = [Step(s.inputs, tuple(_cast(o, wanted) for o in s.outputs), s.transform) for s in mapping.steps]
+    fp32 = _fp32_pattern(mapping.config, wanted) if mapping.hf_dir is not None else None
+    steps = [Step(s.inputs, tuple(_cast(o, wanted, fp32) for o in s.outputs), s.transform) for s in mapping.steps]
+    kept = sorted(o.name for s in mapping.steps for o in s.outputs if _keeps_fp32(o, fp32))
+    notes = mapping.notes
+    if kept:
+        notes += (f"merger: {len(kept)} tensors written in float32, as transformers keeps "
+                  f"{fp32.pattern.replace('|', ', ')} in float32 at {str(wanted).removeprefix('torch.')} "
+                  f"(e.g. {kept[0]})",)
     tie = _tie(steps) if tied else None
     if tie is not None:
         steps = [s for s in steps if s is not tie.step]
-    return dataclasses.replace(mapping, steps=steps, tie=tie)
+    return dataclasses.replace(mapping, steps=steps, tie=tie, notes=notes)

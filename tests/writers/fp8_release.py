@@ -1,12 +1,16 @@
 """Write a tiny FP8 block-scaled HF release, as DeepSeek-V3/R1 and Qwen3-FP8 are published.
 
-    python tests/writers/fp8_release.py --out DIR [--block 16 16] [--quant_method fp8]
+    python tests/writers/fp8_release.py --out DIR [--block 16 16] [--quant_method fp8] [--family deepseek_v3]
+                                        [--reference DIR]
 
-A seeded tiny transformers Llama whose linear weights are quantized to float8_e4m3fn with one float32
+A seeded tiny transformers Llama (or DeepSeek-V3: MLA with q-LoRA, a dense first layer, a MoE layer of 4
+experts and a shared one) whose linear weights are quantized to float8_e4m3fn with one float32
 `<name>_scale_inv` per block of `--block` elements (dims chosen to leave partial edge blocks), config.json
 naming the scheme in `quantization_config` as transformers' FineGrainedFP8Config does. Two safetensors shards
 with an index, one weight's scale in the other shard than its weight; embeddings, norms and lm_head stay
-bfloat16 (lm_head in modules_to_not_convert).
+bfloat16 (lm_head in modules_to_not_convert), DeepSeek's router `mlp.gate.weight` too, and its
+`e_score_correction_bias` float32, as DeepSeek-V3's release stores them. `--reference DIR`: the same model
+unquantized, saved by save_pretrained in float32.
 """
 from __future__ import annotations
 
@@ -14,15 +18,25 @@ import argparse
 import json
 from pathlib import Path
 
+import shutil
+
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 # Dims that leave partial edge blocks in [16, 16]: 40 = 2*16 + 8, 56 = 3*16 + 8, 20 = 16 + 4.
 TINY = dict(vocab_size=96, hidden_size=40, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=False)
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Dims that leave partial edge blocks too; the MoE layer's router and shared expert beside 4 routed experts.
+DEEPSEEK = dict(vocab_size=96, hidden_size=40, intermediate_size=56, moe_intermediate_size=24, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+                num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+                first_k_dense_replace=1, q_lora_rank=20, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                v_head_dim=8, max_position_embeddings=64, tie_word_embeddings=False)
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+             "kv_a_proj_with_mqa", "kv_b_proj")
+KEPT_FP32 = ("e_score_correction_bias",)  # DeepSeek-V3's release stores it in float32
 FIRST_SCALE = "model.layers.0.self_attn.q_proj.weight_scale_inv"  # stored in SHARD2, its weight in SHARD1
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 
@@ -39,17 +53,34 @@ def quantize(weight: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scale
 
 
-def write_release(folder: Path, block, quant_method: str = "fp8") -> Path:
-    """The release in `folder` (created), its blocks `block` [rows, cols]."""
+def _model(family: str) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**TINY)
-    model = transformers.LlamaForCausalLM(config)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DEEPSEEK))
+    with torch.no_grad():  # a routing bias whose float32 values bfloat16 cannot hold
+        for layer in model.model.layers[DEEPSEEK["first_k_dense_replace"]:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(DEEPSEEK["n_routed_experts"]) / 3)
+    return model
+
+
+def write_release(folder: Path, block, quant_method: str = "fp8", family: str = "llama",
+                  reference: Path | None = None) -> Path:
+    """The release in `folder` (created), its blocks `block` [rows, cols]; the model unquantized, in float32, in
+    `reference` when given."""
+    model = _model(family)
+    saved = Path(reference or folder.with_name(folder.name + "-float32"))
+    model.save_pretrained(saved)  # the names save_pretrained writes (DeepSeek's experts one by one)
+    config = model.config
     state = {}
-    for name, t in model.state_dict().items():
-        if name.split(".")[-2] in QUANTIZED:
-            state[name], state[name + "_scale_inv"] = quantize(t.float(), block)
-        else:
-            state[name] = t.to(torch.bfloat16)
+    for file in sorted(saved.glob("*.safetensors")):
+        for name, t in load_file(str(file)).items():
+            if name.split(".")[-2] in QUANTIZED:
+                state[name], state[name + "_scale_inv"] = quantize(t.float(), block)
+            else:
+                state[name] = t if name.split(".")[-1] in KEPT_FP32 else t.to(torch.bfloat16)
+    if reference is None:
+        shutil.rmtree(saved)
     folder.mkdir(parents=True)
     config.dtype = torch.bfloat16
     config.save_pretrained(folder)
@@ -74,8 +105,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--block", type=int, nargs=2, default=[16, 16], metavar=("ROWS", "COLS"))
     p.add_argument("--quant_method", default="fp8")
+    p.add_argument("--family", choices=["llama", "deepseek_v3"], default="llama")
+    p.add_argument("--reference", type=Path, help="also save the unquantized model here, in float32")
     args = p.parse_args()
-    print(write_release(args.out, args.block, args.quant_method))
+    print(write_release(args.out, args.block, args.quant_method, args.family, args.reference))
 
 
 if __name__ == "__main__":
