@@ -67,7 +67,7 @@ def _file(t: SourceTensor) -> str:
     return t.pieces[0].copies[0].file
 
 
-def _block_size(qc: dict, where) -> tuple[int, int]:
+def block_size(qc: dict, where) -> tuple[int, int]:
     block = qc["weight_block_size"]
     if (not isinstance(block, (list, tuple)) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
@@ -75,7 +75,7 @@ def _block_size(qc: dict, where) -> tuple[int, int]:
     return block[0], block[1]
 
 
-def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     return (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
 
 
@@ -84,8 +84,8 @@ def _dequantize_step(name: str, catalog: Catalog, block: tuple[int, int]) -> Ste
     if weight.dtype not in FLOAT8:
         raise MergerError(f"tensor {name} has a block scale but is stored as {str(weight.dtype).removeprefix('torch.')}"
                           f", not float8, {_file(weight)}")
-    if len(weight.shape) < 2 or scale.shape != _scale_shape(weight.shape, block):
-        want = list(_scale_shape(weight.shape, block)) if len(weight.shape) >= 2 else "a weight of 2 dims or more"
+    if len(weight.shape) < 2 or scale.shape != scale_shape(weight.shape, block):
+        want = list(scale_shape(weight.shape, block)) if len(weight.shape) >= 2 else "a weight of 2 dims or more"
         raise MergerError(f"scale {scale.name} is {list(scale.shape)}, but weight {name} {list(weight.shape)} in "
                           f"blocks of {block[0]}x{block[1]} needs {want}, {_file(scale)}")
     if not scale.dtype.is_floating_point:
@@ -96,7 +96,7 @@ def _dequantize_step(name: str, catalog: Catalog, block: tuple[int, int]) -> Ste
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
-    block = _block_size(quantization(config), hf_dir / "config.json")
+    block = block_size(quantization(config), hf_dir / "config.json")
     names = catalog.tensors
     steps = []
     for name, t in names.items():

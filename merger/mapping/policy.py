@@ -9,17 +9,22 @@ left-out step is kept in `Mapping.tie`, and the merge compares the two tensors' 
 --dtype (`keep`: its own), as save_pretrained writes a model loaded at that dtype: the modules the model's class
 keeps in float32 at that dtype (DeepSeek-V3's router `gate.weight` and `e_score_correction_bias` at bfloat16)
 are written in float32, holding the source's values exactly where it stores them in float32. Side files (an
-adapter folder's weights) keep the dtype their mapper declared.
+adapter folder's weights) keep the dtype their mapper declared. FP8 output (`--quantize_like`): the tensors the
+release quantizes are then quantized from that dtype (fp8_quantize.py), the others take the release's dtypes.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import torch
 
 from ..errors import MergerError
 from ..options import MergeOptions
+from .fp8 import QUANTIZATION_CONFIG
+from .fp8_quantize import quantize_steps, quantized_count
+from .fp8_release_layout import release_layout
 from .model_class import keep_in_fp32
 from .steps import FLOAT8, Mapping, OutputSpec, Step, Tie, output_dtype
 
@@ -97,13 +102,29 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
     _refuse_scaleless_float8(mapping.steps, wanted, mapping.hf_dir)
     fp32 = _fp32_pattern(mapping.config, wanted) if mapping.hf_dir is not None else None
     steps = [Step(s.inputs, tuple(_cast(o, wanted, fp32) for o in s.outputs), s.transform) for s in mapping.steps]
-    kept = sorted(o.name for s in mapping.steps for o in s.outputs if _keeps_fp32(o, fp32))
-    notes = mapping.notes
+    mapping = dataclasses.replace(mapping, steps=steps)
+    if options.quantize_like is not None and mapping.hf_dir is not None:
+        mapping = _quantized(mapping, Path(options.quantize_like))
+    kept = sorted(o.name for s in mapping.steps for o in s.outputs
+                  if _keeps_fp32(o, fp32) and o.dtype == torch.float32)  # a release may store them otherwise
     if kept:
-        notes += (f"merger: {len(kept)} tensors written in float32, as transformers keeps "
-                  f"{fp32.pattern.replace('|', ', ')} in float32 at {str(wanted).removeprefix('torch.')} "
-                  f"(e.g. {kept[0]})",)
-    tie = _tie(steps) if tied else None
+        note = (f"merger: {len(kept)} tensors written in float32, as transformers keeps "
+                f"{fp32.pattern.replace('|', ', ')} in float32 at {str(wanted).removeprefix('torch.')} (e.g. {kept[0]})")
+        mapping = dataclasses.replace(mapping, notes=(*mapping.notes, note))
+    tie = _tie(mapping.steps) if tied else None
     if tie is not None:
-        steps = [s for s in steps if s is not tie.step]
-    return dataclasses.replace(mapping, steps=steps, tie=tie, notes=notes)
+        mapping = dataclasses.replace(mapping, steps=[s for s in mapping.steps if s is not tie.step])
+    return dataclasses.replace(mapping, tie=tie)
+
+
+def _quantized(mapping: Mapping, release: Path) -> Mapping:
+    """`mapping` written as FP8 in the layout of `release`, with its quantization_config."""
+    fp8 = release_layout(release, {o.name: o.shape for s in mapping.steps for o in s.outputs if o.file is None})
+    count = quantized_count(mapping.steps, fp8)
+    qc = fp8.quantization_config
+    note = (f"merger: {count} tensors written as FP8 like {release} (float8_e4m3fn, block {fp8.block[0]}x"
+            f"{fp8.block[1]}, weight_scale_inv float32{', scale_fmt ue8m0' if fp8.ue8m0 else ''}); "
+            f"{QUANTIZATION_CONFIG} copied into config.json")
+    return dataclasses.replace(mapping, steps=quantize_steps(mapping.steps, fp8), notes=(*mapping.notes, note),
+                               config_updates={**mapping.config_updates, QUANTIZATION_CONFIG: qc},
+                               config_removals=tuple(k for k in mapping.config_removals if k != QUANTIZATION_CONFIG))

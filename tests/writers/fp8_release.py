@@ -1,6 +1,6 @@
 """Write a tiny FP8 block-scaled HF release, as DeepSeek-V3/R1 and Qwen3-FP8 are published.
 
-    python tests/writers/fp8_release.py --out DIR [--block 16 16] [--quant_method fp8] [--family deepseek_v3]
+    python tests/writers/fp8_release.py --out DIR [--block 16 16] [--quant_method fp8] [--family deepseek_v3] [--scale_fmt ue8m0]
                                         [--reference DIR]
 
 A seeded tiny transformers Llama (or DeepSeek-V3: MLA with q-LoRA, a dense first layer, a MoE layer of 4
@@ -41,14 +41,17 @@ FIRST_SCALE = "model.layers.0.self_attn.q_proj.weight_scale_inv"  # stored in SH
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 
 
-def quantize(weight: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8 weight, float32 scale_inv per block): each block's largest magnitude maps to float8's largest."""
+def quantize(weight: torch.Tensor, block, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, float32 scale_inv per block): each block's largest magnitude maps to float8's largest
+    (`ue8m0`: the scale rounded up to a power of two, as DeepSeek-V3.1's release stores them)."""
     grid = (-(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1]))
     scale, quantized = torch.zeros(grid), torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
     for i in range(grid[0]):
         for j in range(grid[1]):
             rows, cols = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
             scale[i, j] = weight[rows, cols].abs().max().clamp(min=1e-12) / FP8_MAX
+            if ue8m0:
+                scale[i, j] = 2.0 ** torch.ceil(torch.log2(scale[i, j]))
             quantized[rows, cols] = (weight[rows, cols] / scale[i, j]).to(torch.float8_e4m3fn)
     return quantized, scale
 
@@ -65,10 +68,11 @@ def _model(family: str) -> transformers.PreTrainedModel:
 
 
 def write_release(folder: Path, block, quant_method: str = "fp8", family: str = "llama",
-                  reference: Path | None = None) -> Path:
+                  reference: Path | None = None, scale_fmt: str | None = None, model_dir: Path | None = None) -> Path:
     """The release in `folder` (created), its blocks `block` [rows, cols]; the model unquantized, in float32, in
-    `reference` when given."""
-    model = _model(family)
+    `reference` when given. `model_dir`: the model to release, a HF folder, instead of the seeded tiny one."""
+    model = (transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) if model_dir
+             else _model(family))
     saved = Path(reference or folder.with_name(folder.name + "-float32"))
     model.save_pretrained(saved)  # the names save_pretrained writes (DeepSeek's experts one by one)
     config = model.config
@@ -76,9 +80,9 @@ def write_release(folder: Path, block, quant_method: str = "fp8", family: str = 
     for file in sorted(saved.glob("*.safetensors")):
         for name, t in load_file(str(file)).items():
             if name.split(".")[-2] in QUANTIZED:
-                state[name], state[name + "_scale_inv"] = quantize(t.float(), block)
+                state[name], state[name + "_scale_inv"] = quantize(t.float(), block, scale_fmt == "ue8m0")
             else:
-                state[name] = t if name.split(".")[-1] in KEPT_FP32 else t.to(torch.bfloat16)
+                state[name] = t.float() if name.split(".")[-1] in KEPT_FP32 else t.to(torch.bfloat16)
     if reference is None:
         shutil.rmtree(saved)
     folder.mkdir(parents=True)
@@ -87,6 +91,8 @@ def write_release(folder: Path, block, quant_method: str = "fp8", family: str = 
     cfg = json.loads((folder / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": quant_method, "fmt": "e4m3", "activation_scheme": "dynamic",
                                   "weight_block_size": list(block), "modules_to_not_convert": ["lm_head"]}
+    if scale_fmt:
+        cfg["quantization_config"]["scale_fmt"] = scale_fmt
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     shards: dict[str, dict] = {SHARD1: {}, SHARD2: {}}
     for name, t in state.items():
@@ -107,8 +113,9 @@ def main() -> None:
     p.add_argument("--quant_method", default="fp8")
     p.add_argument("--family", choices=["llama", "deepseek_v3"], default="llama")
     p.add_argument("--reference", type=Path, help="also save the unquantized model here, in float32")
+    p.add_argument("--scale_fmt", choices=["ue8m0"], default=None, help="power-of-two scales, said in the config")
     args = p.parse_args()
-    print(write_release(args.out, args.block, args.quant_method, args.family, args.reference))
+    print(write_release(args.out, args.block, args.quant_method, args.family, args.reference, args.scale_fmt))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,159 @@
+"""`--quantize_like RELEASE`: a model written back in its release's FP8 block-scaled layout.
+
+The releases are made by tests/writers/fp8_release.py (a tiny DeepSeek-V3: MLA, a dense and a MoE layer; blocks
+of 16x16 leave partial edge blocks, 4x4 divide every weight; `scale_fmt: "ue8m0"` or not), the model merged is
+the same model unquantized. Oracles: transformers' own quantizer (`Fp8Quantize._quantize_one`) on the same
+bfloat16 weights, byte for byte, weights and scales (transformers quantizes only whole blocks: a weight with
+partial edge blocks is handed to it padded with zeros, which changes no amax, and its result cut back); the
+release itself for every other tensor's dtype and for quantization_config; transformers loading the output, whose
+logits stay within FP8's error of the bfloat16 model's; the one-process merge for torchrun's.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+from conftest import load_safetensors_folder, merge_here, run_merger, snapshot
+from fp8_release import write_release
+from test_torchtitan import deepseek_v3_root  # noqa: F401 - a torchtitan DeepSeek-V3 checkpoint, a fixture
+
+CASES = [((16, 16), None), ((16, 16), "ue8m0"), ((4, 4), None), ((4, 4), "ue8m0")]
+IDS = ["16x16", "16x16-ue8m0", "4x4", "4x4-ue8m0"]
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """make(block, scale_fmt) -> (release, the model unquantized in float32): one seeded model for all."""
+    root = tmp_path_factory.mktemp("fp8_write")
+    cache = {}
+
+    def make(block, scale_fmt):
+        key = (block, scale_fmt)
+        if key not in cache:
+            name = f"release-{block[0]}x{block[1]}-{scale_fmt}"
+            cache[key] = write_release(root / name, block, family="deepseek_v3", reference=root / f"{name}-ref",
+                                       scale_fmt=scale_fmt), root / f"{name}-ref"
+        return cache[key]
+
+    return make
+
+
+def transformers_quantized(weight: torch.Tensor, block, scale_fmt) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' quantizer on `weight`, zero-padded to whole blocks and cut back; its scales as float32."""
+    config = transformers.FineGrainedFP8Config(weight_block_size=block, scale_fmt=scale_fmt or "float")
+    rows, cols = weight.shape
+    padded = F.pad(weight, (0, -cols % block[1], 0, -rows % block[0]))
+    out = Fp8Quantize(SimpleNamespace(quantization_config=config))._quantize_one("w.weight", padded)
+    return out["w.weight"][:rows, :cols], out["w.weight_scale_inv"].float()
+
+
+def quantized_like(capsys, tmp_path, source, release, *extra):
+    out = tmp_path / "out"
+    assert merge_here(capsys, "--local_dir", source, "--target_dir", out, "--quantize_like", release, *extra) == (0, [])
+    return out
+
+
+@pytest.mark.parametrize("block, scale_fmt", CASES, ids=IDS)
+def test_weights_and_scales_are_transformers_quantizer_s(deepseek, tmp_path, capsys, block, scale_fmt):
+    release, reference = deepseek(block, scale_fmt)
+    out = quantized_like(capsys, tmp_path, reference, release)
+    got, stored, model = (load_safetensors_folder(f) for f in (out, release, reference))
+    assert sorted(got) == sorted(stored)
+    quantized = [n for n in stored if n + "_scale_inv" in stored]
+    assert len(quantized) == 28
+    for name, t in got.items():
+        assert t.dtype == stored[name].dtype, name  # the release's dtypes, scales float32
+    for name in quantized:
+        weight, scale = transformers_quantized(model[name].bfloat16(), block, scale_fmt)
+        assert torch.equal(got[name].view(torch.uint8), weight.view(torch.uint8)), name
+        assert torch.equal(got[name + "_scale_inv"], scale), name
+    for name in set(stored) - set(quantized) - {n + "_scale_inv" for n in quantized}:
+        assert torch.equal(got[name], model[name].to(stored[name].dtype)), name
+    config, release_config = (json.loads((f / "config.json").read_text()) for f in (out, release))
+    assert config["quantization_config"] == release_config["quantization_config"]
+
+
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_transformers_loads_the_output_within_fp8_error(deepseek, tmp_path, capsys, scale_fmt):
+    """transformers (on CPU: dequantizing as it loads, which takes blocks that divide every weight) loads every
+    tensor; float8_e4m3fn holds 3 mantissa bits, so each weight is within 2^-4 of itself relative to its block's
+    largest, and the logits stay within that fraction of the bfloat16 model's largest."""
+    release, reference = deepseek((4, 4), scale_fmt)
+    out = quantized_like(capsys, tmp_path, reference, release)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    assert transformers.AutoConfig.from_pretrained(out).quantization_config["weight_block_size"] == [4, 4]
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.bfloat16)
+    tokens = torch.tensor([[1, 5, 7, 9, 11, 3, 42, 60]])
+    with torch.no_grad():
+        want, got = bf16.eval()(tokens).logits.float(), model.eval()(tokens).logits.float()
+    assert 0 < (got - want).abs().max() < 2 ** -4 * want.abs().max()
+
+
+def test_the_log_and_inspect_say_what_is_quantized(deepseek, tmp_path):
+    release, reference = deepseek((16, 16), "ue8m0")
+    proc = run_merger("inspect", "--local_dir", reference, "--quantize_like", release, "--json")
+    assert (f"28 tensors written as FP8 like {release} (float8_e4m3fn, block 16x16, weight_scale_inv float32, "
+            f"scale_fmt ue8m0); quantization_config copied into config.json") in json.loads(proc.stdout)["notes"]
+
+
+def test_an_fp8_release_requantized_like_itself_keeps_its_config(deepseek, tmp_path, capsys):
+    """Reading an FP8 release drops quantization_config; writing one like it puts it back."""
+    release, _ = deepseek((16, 16), None)
+    out = quantized_like(capsys, tmp_path, release, release)
+    got, stored = load_safetensors_folder(out), load_safetensors_folder(release)
+    assert {n: t.dtype for n, t in got.items()} == {n: t.dtype for n, t in stored.items()}
+    assert "quantization_config" in json.loads((out / "config.json").read_text())
+
+
+def test_a_release_of_another_model_is_refused(deepseek, tmp_path, capsys):
+    release, reference = deepseek((16, 16), None)
+    other = shutil.copytree(reference, tmp_path / "other")
+    state = load_safetensors_folder(other)
+    name = "model.layers.0.self_attn.q_a_proj.weight"
+    state[name] = state[name][:-1]
+    for file in other.glob("*.safetensors"):
+        file.unlink()
+    from safetensors.torch import save_file
+    save_file(state, str(other / "model.safetensors"))
+    before = snapshot(other)
+    code, errors = merge_here(capsys, "--local_dir", other, "--target_dir", tmp_path / "out", "--quantize_like", release)
+    assert code == 1 and errors == [f"merger: error: tensor {name} is [19, 40] here but [20, 40] in the release: "
+                                    f"--quantize_like needs the release of this model, {release}"]
+    assert not (tmp_path / "out").exists() and snapshot(other) == before
+
+
+def test_a_release_that_is_not_fp8_is_refused(deepseek, tmp_path, capsys):
+    _, reference = deepseek((16, 16), None)
+    code, errors = merge_here(capsys, "--local_dir", reference, "--target_dir", tmp_path / "out", "--quantize_like",
+                              reference)
+    assert code == 1 and errors == [f"merger: error: --quantize_like needs an FP8 block-scaled release: its "
+                                    f"config.json's quantization_config must say quant_method fp8 with a "
+                                    f"weight_block_size, {reference / 'config.json'}"]
+
+
+def test_torchrun_equals_one_process_over_fsdp_shards(deepseek_v3_root, tmp_path):  # noqa: F811
+    """torchtitan's DeepSeek-V3 saved on 2 FSDP ranks: its weights' row shards end inside 16-row blocks, so a
+    block's amax spans the two files. 2 merge ranks write the bytes 1 does."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(deepseek_v3_root / "checkpoint" / "step-1").read_metadata().state_dict_metadata
+    assert any(chunk.offsets[0] % 16 for m in metadata.values() if len(getattr(m, "size", ())) == 2
+               for chunk in m.chunks)  # a row shard that starts inside a block
+    args = ["--local_dir", deepseek_v3_root / "checkpoint" / "step-1", "--hf_model_config_path",
+            deepseek_v3_root / "hf"]
+    run_merger("merge", *args, "--target_dir", tmp_path / "fp32", "--dtype", "float32")
+    release = write_release(tmp_path / "release", (16, 16), model_dir=tmp_path / "fp32", scale_fmt="ue8m0")
+    for nproc in (1, 2):
+        run_merger("merge", *args, "--target_dir", tmp_path / f"fp8-{nproc}", "--quantize_like", release,
+                   "--max_inflight", "64KiB", nproc=nproc)
+    one, two = load_safetensors_folder(tmp_path / "fp8-1"), load_safetensors_folder(tmp_path / "fp8-2")
+    assert sorted(one) == sorted(two) and sum(t.dtype == torch.float8_e4m3fn for t in one.values()) > 10
+    assert all(torch.equal(one[n].view(torch.uint8), two[n].view(torch.uint8)) for n in one)
