@@ -157,3 +157,86 @@ def test_torchrun_equals_one_process_over_fsdp_shards(deepseek_v3_root, tmp_path
     one, two = load_safetensors_folder(tmp_path / "fp8-1"), load_safetensors_folder(tmp_path / "fp8-2")
     assert sorted(one) == sorted(two) and sum(t.dtype == torch.float8_e4m3fn for t in one.values()) > 10
     assert all(torch.equal(one[n].view(torch.uint8), two[n].view(torch.uint8)) for n in one)
+
+
+# --quantize fp8-block: a base with no FP8 release, in transformers' default choice of modules.
+WHOLE_BLOCKS = dict(vocab_size=128, hidden_size=256, intermediate_size=384, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)  # dims of 128s
+
+
+def transformers_converts(folder) -> set[str]:
+    """The oracle's choice: the modules transformers' FP8 quantizer, quantizing on load (not pre-quantized) with
+    its default config, turns into FP8 modules, as from_pretrained prepares the model before loading weights."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    quantizer = FineGrainedFP8HfQuantizer(transformers.FineGrainedFP8Config())
+    quantizer.pre_quantized = False
+    quantizer._process_model_before_weight_loading(model)
+    return {name for name, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Experts))}
+
+
+@pytest.fixture(scope="module")
+def llama_128(tmp_path_factory):
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("llama_128") / "model"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**WHOLE_BLOCKS)).save_pretrained(folder)
+    return folder
+
+
+def test_quantize_fp8_block_is_transformers_quantizer_on_its_default_modules(llama_128, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert merge_here(capsys, "--local_dir", llama_128, "--target_dir", out, "--quantize", "fp8-block") == (0, [])
+    got, model = load_safetensors_folder(out), load_safetensors_folder(llama_128)
+    quantized = {n for n, t in got.items() if t.dtype == torch.float8_e4m3fn}
+    assert quantized == {m + ".weight" for m in transformers_converts(llama_128)} and len(quantized) == 7
+    assert set(got) == set(model) | {n + "_scale_inv" for n in quantized}
+    for name in quantized:
+        weight, scale = transformers_quantized(model[name].bfloat16(), (128, 128), None)
+        assert torch.equal(got[name].view(torch.uint8), weight.view(torch.uint8)), name
+        assert torch.equal(got[name + "_scale_inv"], scale), name
+    for name in set(model) - quantized:  # lm_head, embeddings, norms
+        assert torch.equal(got[name], model[name].bfloat16()), name
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(llama_128, dtype=torch.bfloat16)
+    tokens = torch.tensor([[1, 5, 7, 9, 11, 3, 42, 60]])
+    with torch.no_grad():
+        want, have = bf16.eval()(tokens).logits.float(), loaded.eval()(tokens).logits.float()
+    assert 0 < (have - want).abs().max() < 2 ** -4 * want.abs().max()
+
+
+def test_quantize_fp8_block_on_moe_experts_and_partial_blocks(deepseek, tmp_path, capsys):
+    """DeepSeek-V3: attention, dense MLP, shared and routed experts (saved one by one) are quantized, with
+    partial edge blocks (dims under 128); lm_head and the router are not; the log and inspect say which."""
+    _, reference = deepseek((16, 16), None)
+    out = tmp_path / "out"
+    assert merge_here(capsys, "--local_dir", reference, "--target_dir", out, "--quantize", "fp8-block") == (0, [])
+    got, model = load_safetensors_folder(out), load_safetensors_folder(reference)
+    converted = transformers_converts(reference)
+    want = {n for n in model if n.removesuffix(".weight") in converted
+            or any(n.startswith(m + ".") for m in converted if m.endswith(".experts"))}
+    quantized = {n for n, t in got.items() if t.dtype == torch.float8_e4m3fn}
+    assert quantized == want and len(quantized) == 28
+    for name in quantized:
+        weight, scale = transformers_quantized(model[name].bfloat16(), (128, 128), None)
+        assert torch.equal(got[name].view(torch.uint8), weight.view(torch.uint8)), name
+        assert torch.equal(got[name + "_scale_inv"], scale), name
+    proc = run_merger("inspect", "--local_dir", reference, "--quantize", "fp8-block", "--json")
+    assert ("28 tensors written as FP8 (fp8-block, transformers' default choice of modules) (float8_e4m3fn, block "
+            "128x128, weight_scale_inv float32); left unquantized: lm_head (transformers' default skips) and every "
+            "module that is not a Linear layer or experts (embeddings, norms, routers); quantization_config written "
+            "into config.json") in json.loads(proc.stdout)["notes"]
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+
+
+def test_quantize_and_quantize_like_together_are_refused(deepseek, tmp_path, capsys):
+    release, reference = deepseek((16, 16), None)
+    code, errors = merge_here(capsys, "--local_dir", reference, "--target_dir", tmp_path / "out", "--quantize",
+                              "fp8-block", "--quantize_like", release)
+    assert code == 1 and errors == [f"merger: error: --quantize_like and --quantize both say how to quantize: pass "
+                                    f"one, {release}"]

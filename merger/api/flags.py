@@ -143,6 +143,9 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
                    metavar="RELEASE", help="write the output in the layout of this FP8 block-scaled release (folder "
                                            "or Hub model id): the tensors it quantizes as float8 with per-block "
                                            "weight_scale_inv, the rest in its dtypes, its quantization_config")
+    p.add_argument("--quantize", choices=["fp8-block"], default=None,
+                   help="write FP8 block-scaled weights (128x128 blocks, float32 weight_scale_inv) for the modules "
+                        "transformers' FP8 quantizer converts by default (Linear layers and experts; not lm_head)")
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:

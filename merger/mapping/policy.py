@@ -9,8 +9,9 @@ left-out step is kept in `Mapping.tie`, and the merge compares the two tensors' 
 --dtype (`keep`: its own), as save_pretrained writes a model loaded at that dtype: the modules the model's class
 keeps in float32 at that dtype (DeepSeek-V3's router `gate.weight` and `e_score_correction_bias` at bfloat16)
 are written in float32, holding the source's values exactly where it stores them in float32. Side files (an
-adapter folder's weights) keep the dtype their mapper declared. FP8 output (`--quantize_like`): the tensors the
-release quantizes are then quantized from that dtype (fp8_quantize.py), the others take the release's dtypes.
+adapter folder's weights) keep the dtype their mapper declared. FP8 output (`--quantize_like`, `--quantize`): the
+tensors the release (or transformers' default choice) quantizes are then quantized from that dtype
+(fp8_quantize.py); with a release, the others take its dtypes.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 from ..errors import MergerError
 from ..options import MergeOptions
 from .fp8 import QUANTIZATION_CONFIG
+from .fp8_default_modules import default_layout
 from .fp8_quantize import quantize_steps, quantized_count
 from .fp8_release_layout import release_layout
 from .model_class import keep_in_fp32
@@ -103,8 +105,8 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
     fp32 = _fp32_pattern(mapping.config, wanted) if mapping.hf_dir is not None else None
     steps = [Step(s.inputs, tuple(_cast(o, wanted, fp32) for o in s.outputs), s.transform) for s in mapping.steps]
     mapping = dataclasses.replace(mapping, steps=steps)
-    if options.quantize_like is not None and mapping.hf_dir is not None:
-        mapping = _quantized(mapping, Path(options.quantize_like))
+    if mapping.hf_dir is not None and (options.quantize_like is not None or options.quantize is not None):
+        mapping = _quantized(mapping, options)
     kept = sorted(o.name for s in mapping.steps for o in s.outputs
                   if _keeps_fp32(o, fp32) and o.dtype == torch.float32)  # a release may store them otherwise
     if kept:
@@ -117,14 +119,25 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
     return dataclasses.replace(mapping, tie=tie)
 
 
-def _quantized(mapping: Mapping, release: Path) -> Mapping:
-    """`mapping` written as FP8 in the layout of `release`, with its quantization_config."""
-    fp8 = release_layout(release, {o.name: o.shape for s in mapping.steps for o in s.outputs if o.file is None})
+def _quantized(mapping: Mapping, options: MergeOptions) -> Mapping:
+    """`mapping` written as FP8: in the layout of --quantize_like's release, or --quantize's scheme in
+    transformers' default choice of modules; config.json gets the quantization_config."""
+    outputs = {o.name: o.shape for s in mapping.steps for o in s.outputs if o.file is None}
+    if options.quantize_like is not None and options.quantize is not None:
+        raise MergerError(f"--quantize_like and --quantize both say how to quantize: pass one, "
+                          f"{options.quantize_like}")
+    if options.quantize_like is not None:
+        fp8 = release_layout(Path(options.quantize_like), outputs)
+        how, left, config = f"like {options.quantize_like}", "", "copied into"
+    else:
+        fp8, skip = default_layout(mapping.hf_dir, mapping.config, outputs, options.trust_remote_code)
+        how, config = f"({options.quantize}, transformers' default choice of modules)", "written into"
+        left = (f"; left unquantized: {', '.join(skip)} (transformers' default skips) and every module that is not "
+                f"a Linear layer or experts (embeddings, norms, routers)")
     count = quantized_count(mapping.steps, fp8)
-    qc = fp8.quantization_config
-    note = (f"merger: {count} tensors written as FP8 like {release} (float8_e4m3fn, block {fp8.block[0]}x"
-            f"{fp8.block[1]}, weight_scale_inv float32{', scale_fmt ue8m0' if fp8.ue8m0 else ''}); "
-            f"{QUANTIZATION_CONFIG} copied into config.json")
+    note = (f"merger: {count} tensors written as FP8 {how} (float8_e4m3fn, block {fp8.block[0]}x{fp8.block[1]}, "
+            f"weight_scale_inv float32{', scale_fmt ue8m0' if fp8.ue8m0 else ''}){left}; {QUANTIZATION_CONFIG} "
+            f"{config} config.json")
     return dataclasses.replace(mapping, steps=quantize_steps(mapping.steps, fp8), notes=(*mapping.notes, note),
-                               config_updates={**mapping.config_updates, QUANTIZATION_CONFIG: qc},
+                               config_updates={**mapping.config_updates, QUANTIZATION_CONFIG: fp8.quantization_config},
                                config_removals=tuple(k for k in mapping.config_removals if k != QUANTIZATION_CONFIG))

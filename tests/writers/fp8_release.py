@@ -1,7 +1,7 @@
 """Write a tiny FP8 block-scaled HF release, as DeepSeek-V3/R1 and Qwen3-FP8 are published.
 
-    python tests/writers/fp8_release.py --out DIR [--block 16 16] [--quant_method fp8] [--family deepseek_v3] [--scale_fmt ue8m0]
-                                        [--reference DIR]
+    python tests/writers/fp8_release.py --out DIR [--block 16 16] [--quant_method fp8] [--family deepseek_v3]
+                                        [--scale_fmt ue8m0] [--reference DIR]
 
 A seeded tiny transformers Llama (or DeepSeek-V3: MLA with q-LoRA, a dense first layer, a MoE layer of 4
 experts and a shared one) whose linear weights are quantized to float8_e4m3fn with one float32
