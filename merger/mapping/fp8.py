@@ -15,6 +15,7 @@ float8 output is what the source already is.
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import torch
@@ -79,8 +80,9 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ..
     return (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
 
 
-def _dequantize_step(name: str, catalog: Catalog, block: tuple[int, int]) -> Step:
-    weight, scale = catalog.tensors[name], catalog.tensors[name + SCALE_SUFFIX]
+def _check_scale(name: str, tensors: dict[str, SourceTensor], block: tuple[int, int]) -> SourceTensor:
+    """The scale of quantized weight `name`, checked against it."""
+    weight, scale = tensors[name], tensors[name + SCALE_SUFFIX]
     if weight.dtype not in FLOAT8:
         raise MergerError(f"tensor {name} has a block scale but is stored as {str(weight.dtype).removeprefix('torch.')}"
                           f", not float8, {_file(weight)}")
@@ -91,7 +93,40 @@ def _dequantize_step(name: str, catalog: Catalog, block: tuple[int, int]) -> Ste
     if not scale.dtype.is_floating_point:
         raise MergerError(f"scale {scale.name} is stored as {str(scale.dtype).removeprefix('torch.')}, not as "
                           f"floats, {_file(scale)}")
-    return Step((name, scale.name), (OutputSpec(name, weight.shape, DEQUANTIZED),), partial(dequantize, block))
+    return scale
+
+
+def _dequantize_step(name: str, catalog: Catalog, block: tuple[int, int]) -> Step:
+    scale = _check_scale(name, catalog.tensors, block)
+    return Step((name, scale.name), (OutputSpec(name, catalog.tensors[name].shape, DEQUANTIZED),),
+                partial(dequantize, block))
+
+
+def _dequantized_first(block: tuple[int, int], quantized: tuple[bool, ...], transform, tensors: list[torch.Tensor]
+                       ) -> list[torch.Tensor]:
+    """`transform` of the step's inputs, each quantized one (followed by its scale in `tensors`) dequantized."""
+    inputs, i = [], 0
+    for q in quantized:
+        inputs.append(dequantize(block, tensors[i:i + 2])[0] if q else tensors[i])
+        i += 1 + q
+    return inputs if transform is None else transform(inputs)
+
+
+def dequantizing_inputs(steps: list[Step], tensors: dict[str, SourceTensor], block: tuple[int, int]) -> list[Step]:
+    """`steps` over an FP8 release's weights (a LoRA folded into its base) reading each quantized weight with its
+    scale, dequantized before the step's own transform; what would have been written as float8 is then the
+    dequantized float32."""
+    out = []
+    for step in steps:
+        quantized = tuple(name + SCALE_SUFFIX in tensors for name in step.inputs)
+        if not any(quantized):
+            out.append(step)
+            continue
+        inputs = tuple(n for name, q in zip(step.inputs, quantized)
+                       for n in ((name, _check_scale(name, tensors, block).name) if q else (name,)))
+        outputs = tuple(dataclasses.replace(o, dtype=DEQUANTIZED) if o.dtype in FLOAT8 else o for o in step.outputs)
+        out.append(Step(inputs, outputs, partial(_dequantized_first, block, quantized, step.transform)))
+    return out
 
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:

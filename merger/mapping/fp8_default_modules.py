@@ -30,14 +30,17 @@ def _transformers_choice(hf_dir: Path, config: dict, trust_remote_code: bool) ->
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
     archs = config.get("architectures") or []
-    model_class = getattr(transformers, archs[0], None) if archs and "auto_map" not in config else None
-    if model_class is None:
-        raise MergerError(f"--quantize {SCHEME} asks transformers which modules to quantize, and config.json names "
-                          f"no transformers class it knows (architectures {archs}; remote code is not built), "
-                          f"{hf_dir / 'config.json'}")
-    hf_config = transformers.AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        model = model_class(hf_config)
+    model_class = getattr(transformers, archs[0], None) if archs else None
+    try:
+        if "auto_map" in config or (archs and model_class is None):
+            raise ValueError("remote code, or no class of that name in the installed transformers")
+        hf_config = transformers.AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):  # no architectures: the causal LM of its model_type, as AutoModel picks it
+            model = model_class(hf_config) if model_class else transformers.AutoModelForCausalLM.from_config(hf_config)
+    except ValueError as e:
+        raise MergerError(f"--quantize {SCHEME} asks transformers which modules to quantize, and it knows no class "
+                          f"for this config.json (architectures {archs}, model_type {config.get('model_type')!r}: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}), {hf_dir / 'config.json'}") from e
     qc = transformers.FineGrainedFP8Config(weight_block_size=BLOCK)
     skip = FineGrainedFP8HfQuantizer.get_modules_to_not_convert(model, qc.modules_to_not_convert,
                                                                model._keep_in_fp32_modules)

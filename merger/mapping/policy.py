@@ -105,6 +105,8 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
     fp32 = _fp32_pattern(mapping.config, wanted) if mapping.hf_dir is not None else None
     steps = [Step(s.inputs, tuple(_cast(o, wanted, fp32) for o in s.outputs), s.transform) for s in mapping.steps]
     mapping = dataclasses.replace(mapping, steps=steps)
+    if mapping.quantize_like is not None and options.dtype == "keep" and options.quantize is None:
+        options = dataclasses.replace(options, quantize_like=options.quantize_like or mapping.quantize_like)
     if mapping.hf_dir is not None and (options.quantize_like is not None or options.quantize is not None):
         mapping = _quantized(mapping, options)
     kept = sorted(o.name for s in mapping.steps for o in s.outputs
