@@ -10,8 +10,9 @@ Each quantized weight is one step reading the weight and its scale (both small: 
 dequantized in float32 where it is written; the policy then casts it to --dtype. Tensors without a scale
 (norms, embeddings, modules_to_not_convert) are cast as usual. `quantization_config` leaves config.json: the
 output holds no quantized weight. Under `--dtype keep` the dequantized weights are written in float32, the
-dtype the dequantization computes in (so `merger test` compares them with a reference in its own dtype); a
-float8 output is what the source already is.
+dtype the dequantization computes in (so `merger test` compares them with a reference in its own dtype);
+float8 is written again only by --quantize_like (fp8_quantize.py). A LoRA folded into such a release reads its
+weights through `dequantizing_inputs`, the same dequantization before the fold.
 """
 from __future__ import annotations
 
