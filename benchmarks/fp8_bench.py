@@ -1,9 +1,9 @@
 """bf16 -> FP8 (`--quantize fp8-block`) against a plain bf16 merge of the same checkpoint: wall time, peak RSS.
 
-    python benchmarks/fp8_bench.py --work /tmp/fp8_bench [--layers 14] [--hidden 2048] [--nproc 1 2] [--keep]
+    python benchmarks/fp8_bench.py --work /tmp/fp8_bench [--layers 20] [--hidden 2048] [--nproc 1 2] [--keep]
 
-The source is a bfloat16 HF safetensors folder of a Llama-shaped model (hidden 2048: ~75M parameters a layer
-plus 131M of embeddings, so 14 layers ~ 2.4 GB), random values written tensor by tensor, never the whole model.
+The source is a bfloat16 HF safetensors folder of a Llama-shaped model (hidden 2048: ~51M parameters a layer
+plus 131M of embeddings, so 20 layers ~ 2.3 GB), random values written tensor by tensor, never the whole model.
 Each merge runs once per rank count (`python -m merger` or torchrun), with `--summary_json`: its wall time and
 the largest resident set of any rank. The folders (GBs) are removed after unless --keep.
 """
@@ -73,7 +73,7 @@ def merge(source: Path, target: Path, nproc: int, *extra: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--work", type=Path, required=True)
-    p.add_argument("--layers", type=int, default=14)
+    p.add_argument("--layers", type=int, default=20)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     p.add_argument("--keep", action="store_true")

@@ -124,7 +124,8 @@ def test_a_release_of_another_model_is_refused(deepseek, tmp_path, capsys):
     from safetensors.torch import save_file
     save_file(state, str(other / "model.safetensors"))
     before = snapshot(other)
-    code, errors = merge_here(capsys, "--local_dir", other, "--target_dir", tmp_path / "out", "--quantize_like", release)
+    code, errors = merge_here(capsys, "--local_dir", other, "--target_dir", tmp_path / "out", "--quantize_like",
+                              release)
     assert code == 1 and errors == [f"merger: error: tensor {name} is [19, 40] here but [20, 40] in the release: "
                                     f"--quantize_like needs the release of this model, {release}"]
     assert not (tmp_path / "out").exists() and snapshot(other) == before
@@ -305,3 +306,28 @@ def test_an_adapter_on_fused_moe_experts_is_refused_with_one_line(deepseek, tmp_
     assert errors == [f"merger: error: adapter uses target_parameters, a LoRA variant merger does not fold, "
                       f"{tmp_path / 'adapter' / 'adapter_config.json'}"]
     assert not (tmp_path / "out").exists()
+
+
+def test_quantize_like_a_hub_id_reads_the_cached_snapshot(deepseek, tmp_path):
+    """A release named by its Hub id (HF_HUB_OFFLINE, read from huggingface_hub's cache): the same bytes as the
+    folder; with only its config cached, its headers would come from the Hub: offline, one line naming it."""
+    from hub_cache import cache_model, offline_env
+
+    release, reference = deepseek((16, 16), "ue8m0")
+    cache_model(tmp_path / "hub", "merger-test/tiny-deepseek-fp8", release)
+    run_merger("merge", "--local_dir", reference, "--target_dir", tmp_path / "hub-out", "--quantize_like",
+               "merger-test/tiny-deepseek-fp8", env=offline_env(tmp_path / "hub"))
+    run_merger("merge", "--local_dir", reference, "--target_dir", tmp_path / "out", "--quantize_like", release)
+    assert snapshot(tmp_path / "hub-out")["model.safetensors"][0] == snapshot(tmp_path / "out")["model.safetensors"][0]
+
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(release / "config.json", config_only)
+    cache_model(tmp_path / "hub2", "merger-test/config-only", config_only)
+    proc = run_merger("merge", "--local_dir", reference, "--target_dir", tmp_path / "out2", "--quantize_like",
+                      "merger-test/config-only", env=offline_env(tmp_path / "hub2"), check=False)
+    error = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
+    assert proc.returncode == 1 and len(error) == 1 and "Traceback" not in proc.stderr
+    assert error[0].startswith("merger: error: --quantize_like: cannot read the safetensors headers of Hub model "
+                               "merger-test/config-only ("), error
+    assert not (tmp_path / "out2").exists()

@@ -113,7 +113,8 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
                   if _keeps_fp32(o, fp32) and o.dtype == torch.float32)  # a release may store them otherwise
     if kept:
         note = (f"merger: {len(kept)} tensors written in float32, as transformers keeps "
-                f"{fp32.pattern.replace('|', ', ')} in float32 at {str(wanted).removeprefix('torch.')} (e.g. {kept[0]})")
+                f"{fp32.pattern.replace('|', ', ')} in float32 at {str(wanted).removeprefix('torch.')} "
+                f"(e.g. {kept[0]})")
         mapping = dataclasses.replace(mapping, notes=(*mapping.notes, note))
     tie = _tie(mapping.steps) if tied else None
     if tie is not None:
