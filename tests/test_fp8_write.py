@@ -331,3 +331,14 @@ def test_quantize_like_a_hub_id_reads_the_cached_snapshot(deepseek, tmp_path):
     assert error[0].startswith("merger: error: --quantize_like: cannot read the safetensors headers of Hub model "
                                "merger-test/config-only ("), error
     assert not (tmp_path / "out2").exists()
+
+
+def test_quantizing_from_float16_is_refused(deepseek, tmp_path, capsys):
+    """float16 would turn weights beyond its range into inf before their block scale is taken: one line."""
+    release, reference = deepseek((16, 16), None)
+    code, errors = merge_here(capsys, "--local_dir", reference, "--target_dir", tmp_path / "out", "--quantize_like",
+                              release, "--dtype", "float16")
+    assert code == 1 and errors == [f"merger: error: FP8 output is quantized from the weights at --dtype, and "
+                                    f"float16 cannot hold every weight: use --dtype bfloat16 (the default) or "
+                                    f"float32, {release}"]
+    assert not (tmp_path / "out").exists()

@@ -129,6 +129,10 @@ def _quantized(mapping: Mapping, options: MergeOptions) -> Mapping:
     if options.quantize_like is not None and options.quantize is not None:
         raise MergerError(f"--quantize_like and --quantize both say how to quantize: pass one, "
                           f"{options.quantize_like}")
+    if options.torch_dtype == torch.float16:  # float16 would turn weights beyond ±65504 into inf before the scale
+        raise MergerError(f"FP8 output is quantized from the weights at --dtype, and float16 cannot hold every "
+                          f"weight: use --dtype bfloat16 (the default) or float32, "
+                          f"{options.quantize_like or mapping.hf_dir}")
     if options.quantize_like is not None:
         fp8 = release_layout(Path(options.quantize_like), outputs)
         how, left, config = f"like {options.quantize_like}", "", "copied into"
