@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.processes import run_writer
+from tests.helpers.torchtitan_writes import written_by_torchtitan
 
 
 @pytest.fixture
@@ -41,3 +42,9 @@ def fsdp_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def deepseek_v3_root(tmp_path_factory) -> Path:
+    """A torchtitan DeepSeek-V3 checkpoint (MLA, MoE, a float32 expert bias), shared by the tests of several files."""
+    return written_by_torchtitan(tmp_path_factory, "deepseek_v3")

@@ -184,3 +184,21 @@ def test_mtp_layers_after_a_different_layer_count_are_an_error(deepseek_root, tm
     assert code == 1 and len(errors) == 1, errors
     assert "the checkpoint has 2 decoder layers but config.json's num_hidden_layers is 3" in errors[0], errors[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_bfloat16_dtypes_are_those_save_pretrained_writes(deepseek_root, merged, tmp_path):
+    """--dtype bfloat16 gives each tensor the dtype save_pretrained writes for DeepseekV3ForCausalLM loaded at
+    bfloat16 (the oracle loads the float32 merge: transformers alone decides the dtypes): the router's weight and
+    expert bias stay float32, with the values Megatron stored."""
+    import transformers
+
+    case = "dsv3_tp2"
+    bf16 = merge(deepseek_root / case / "legacy", tmp_path / "bf16", "--hf_model_config_path",
+                 deepseek_root / case / "hf")
+    transformers.AutoModelForCausalLM.from_pretrained(merged(case, "legacy"), dtype=torch.bfloat16).save_pretrained(
+        tmp_path / "saved")
+    want = {n: t.dtype for n, t in load_safetensors_folder(tmp_path / "saved").items()}
+    got, fp32 = load_safetensors_folder(bf16), load_safetensors_folder(merged(case, "legacy"))
+    assert {n: got[n].dtype for n in want} == want  # beside them only the MTP layer, which transformers builds not
+    kept = [n for n, d in want.items() if d == torch.float32]
+    assert kept and all(torch.equal(got[n], fp32[n]) for n in kept)

@@ -15,24 +15,15 @@ import transformers
 
 from tests.helpers.in_process import single_error_line
 from tests.helpers.processes import run_merger, run_writer
-from tests.helpers.skips import need_torchtitan
+from tests.helpers.torchtitan_writes import written_by_torchtitan
 from tests.helpers.weights import load_safetensors_folder
 
 TOKENS = [[1, 5, 7, 9, 11, 3, 42, 100]]  # the writer's TOKENS
 
 
-def _written_by_torchtitan(tmp_path_factory, family: str, *extra: str) -> Path:
-    """ROOT/checkpoint/step-1 (the DCP folder torchtitan saved on 2 gloo ranks), ROOT/hf, ROOT/logits.pt."""
-    need_torchtitan()
-    root = tmp_path_factory.mktemp(f"torchtitan_{family}")
-    run_writer("torchtitan_checkpoint.py", "--family", family, *extra, "--out", root / "checkpoint" / "step-1",
-               "--hf", root / "hf", "--logits", root / "logits.pt", nproc=2)
-    return root
-
-
 @pytest.fixture(scope="session")
 def qwen3_moe_root(tmp_path_factory) -> Path:
-    return _written_by_torchtitan(tmp_path_factory, "qwen3_moe")
+    return written_by_torchtitan(tmp_path_factory, "qwen3_moe")
 
 
 @pytest.fixture(scope="session")
@@ -112,11 +103,6 @@ def test_model_flag_forces_a_family_and_names_a_stray_tensor(qwen3_moe_root, tmp
     assert proc.returncode == 1 and "has no HF name in torchtitan's llama table" in error, error
 
 
-@pytest.fixture(scope="session")
-def deepseek_v3_root(tmp_path_factory) -> Path:
-    return _written_by_torchtitan(tmp_path_factory, "deepseek_v3")
-
-
 def test_deepseek_v3_logits_match_torchtitan(deepseek_v3_root, tmp_path):
     """MLA with q-LoRA, a dense first layer, a sigmoid router whose routing bias changes the choice
     (e_score_correction_bias), a shared expert; merged on 3 ranks. transformers' DeepseekV3 gives torchtitan's
@@ -135,7 +121,7 @@ def test_deepseek_v3_logits_match_torchtitan(deepseek_v3_root, tmp_path):
 
 @pytest.fixture(scope="session")
 def deepseek_v3_mtp_root(tmp_path_factory) -> Path:
-    return _written_by_torchtitan(tmp_path_factory, "deepseek_v3", "--mtp", "1")
+    return written_by_torchtitan(tmp_path_factory, "deepseek_v3", "--mtp", "1")
 
 
 def test_deepseek_v3_mtp_layer_reproduces_torchtitan_mtp_logits(deepseek_v3_mtp_root, tmp_path):
@@ -174,7 +160,7 @@ def test_deepseek_v3_drop_mtp_loads_with_no_stray_key(deepseek_v3_mtp_root, tmp_
 
 
 def test_qwen3_dense_logits_match_torchtitan(tmp_path_factory, tmp_path):
-    root = _written_by_torchtitan(tmp_path_factory, "qwen3")
+    root = written_by_torchtitan(tmp_path_factory, "qwen3")
     run_merger("merge", "--local_dir", root / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",
                "--hf_model_config_path", root / "hf", "--dtype", "float32")
     model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32,
@@ -190,7 +176,7 @@ def test_gpt_oss_fused_experts_give_torchtitan_logits(tmp_path_factory, tmp_path
     disk (gate_up_proj [E, D, 2F], interleaved). torchtitan's model runs in bf16 here (its experts multiply in
     bf16), so the bound is bf16's: within 2% of the largest logit (0.75% on this seed, deterministic on CPU);
     gate and up de-interleaved is 3.5% off, a wrong transpose does not load."""
-    root = _written_by_torchtitan(tmp_path_factory, "gpt_oss")
+    root = written_by_torchtitan(tmp_path_factory, "gpt_oss")
     run_merger("merge", "--local_dir", root / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",
                "--hf_model_config_path", root / "hf", "--dtype", "bfloat16", nproc=2)
     model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16,

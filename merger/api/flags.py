@@ -138,6 +138,16 @@ def _add_dtype_args(p: argparse.ArgumentParser, default: str, why: str) -> None:
                         "naming the tensors)")
 
 
+def _add_quantize_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(*_flag("--quantize_like"), dest="quantize_like", type=folder_or_hub_id, default=None,
+                   metavar="RELEASE", help="write the output in the layout of this FP8 block-scaled release (folder "
+                                           "or Hub model id): the tensors it quantizes as float8 with per-block "
+                                           "weight_scale_inv, the rest in its dtypes, its quantization_config")
+    p.add_argument("--quantize", choices=["fp8-block"], default=None,
+                   help="write FP8 block-scaled weights (128x128 blocks, float32 weight_scale_inv) for the modules "
+                        "transformers' FP8 quantizer converts by default (Linear layers and experts; not lm_head)")
+
+
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(*_flag("--max_inflight"), dest="max_inflight", type=parse_size, default="512MiB",
                    help="memory budget per rank for pieces in flight (default 512MiB; a larger tensor goes alone)")
@@ -166,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge = sub.add_parser("merge", help="merge a checkpoint into a HF model folder")
     _add_source_args(merge)
     _add_dtype_args(merge, "bfloat16", "as verl writes it")
+    _add_quantize_args(merge)
     merge.add_argument(*_flag("--target_dir"), dest="target_dir", type=local_path, required=True, help=TARGET_HELP)
     merge.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
                        help=SHARD_HELP)
@@ -234,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="describe a checkpoint and the planned output, reading no tensor data")
     _add_source_args(inspect)
     _add_dtype_args(inspect, "bfloat16", "as verl writes it")
+    _add_quantize_args(inspect)
     inspect.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
                          help=SHARD_HELP)
     inspect.add_argument(*_flag("--merge_ranks"), dest="merge_ranks", type=positive_int, default=1, metavar="N",

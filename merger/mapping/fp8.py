@@ -10,11 +10,13 @@ Each quantized weight is one step reading the weight and its scale (both small: 
 dequantized in float32 where it is written; the policy then casts it to --dtype. Tensors without a scale
 (norms, embeddings, modules_to_not_convert) are cast as usual. `quantization_config` leaves config.json: the
 output holds no quantized weight. Under `--dtype keep` the dequantized weights are written in float32, the
-dtype the dequantization computes in (so `merger test` compares them with a reference in its own dtype); a
-float8 output is what the source already is.
+dtype the dequantization computes in (so `merger test` compares them with a reference in its own dtype);
+float8 is written again only by --quantize_like (fp8_quantize.py). A LoRA folded into such a release reads its
+weights through `dequantizing_inputs`, the same dequantization before the fold.
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import torch
@@ -67,7 +69,7 @@ def _file(t: SourceTensor) -> str:
     return t.pieces[0].copies[0].file
 
 
-def _block_size(qc: dict, where) -> tuple[int, int]:
+def block_size(qc: dict, where) -> tuple[int, int]:
     block = qc["weight_block_size"]
     if (not isinstance(block, (list, tuple)) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
@@ -75,28 +77,62 @@ def _block_size(qc: dict, where) -> tuple[int, int]:
     return block[0], block[1]
 
 
-def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     return (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
 
 
-def _dequantize_step(name: str, catalog: Catalog, block: tuple[int, int]) -> Step:
-    weight, scale = catalog.tensors[name], catalog.tensors[name + SCALE_SUFFIX]
+def _check_scale(name: str, tensors: dict[str, SourceTensor], block: tuple[int, int]) -> SourceTensor:
+    """The scale of quantized weight `name`, checked against it."""
+    weight, scale = tensors[name], tensors[name + SCALE_SUFFIX]
     if weight.dtype not in FLOAT8:
         raise MergerError(f"tensor {name} has a block scale but is stored as {str(weight.dtype).removeprefix('torch.')}"
                           f", not float8, {_file(weight)}")
-    if len(weight.shape) < 2 or scale.shape != _scale_shape(weight.shape, block):
-        want = list(_scale_shape(weight.shape, block)) if len(weight.shape) >= 2 else "a weight of 2 dims or more"
+    if len(weight.shape) < 2 or scale.shape != scale_shape(weight.shape, block):
+        want = list(scale_shape(weight.shape, block)) if len(weight.shape) >= 2 else "a weight of 2 dims or more"
         raise MergerError(f"scale {scale.name} is {list(scale.shape)}, but weight {name} {list(weight.shape)} in "
                           f"blocks of {block[0]}x{block[1]} needs {want}, {_file(scale)}")
     if not scale.dtype.is_floating_point:
         raise MergerError(f"scale {scale.name} is stored as {str(scale.dtype).removeprefix('torch.')}, not as "
                           f"floats, {_file(scale)}")
-    return Step((name, scale.name), (OutputSpec(name, weight.shape, DEQUANTIZED),), partial(dequantize, block))
+    return scale
+
+
+def _dequantize_step(name: str, catalog: Catalog, block: tuple[int, int]) -> Step:
+    scale = _check_scale(name, catalog.tensors, block)
+    return Step((name, scale.name), (OutputSpec(name, catalog.tensors[name].shape, DEQUANTIZED),),
+                partial(dequantize, block))
+
+
+def _dequantized_first(block: tuple[int, int], quantized: tuple[bool, ...], transform, tensors: list[torch.Tensor]
+                       ) -> list[torch.Tensor]:
+    """`transform` of the step's inputs, each quantized one (followed by its scale in `tensors`) dequantized."""
+    inputs, i = [], 0
+    for q in quantized:
+        inputs.append(dequantize(block, tensors[i:i + 2])[0] if q else tensors[i])
+        i += 1 + q
+    return inputs if transform is None else transform(inputs)
+
+
+def dequantizing_inputs(steps: list[Step], tensors: dict[str, SourceTensor], block: tuple[int, int]) -> list[Step]:
+    """`steps` over an FP8 release's weights (a LoRA folded into its base) reading each quantized weight with its
+    scale, dequantized before the step's own transform; what would have been written as float8 is then the
+    dequantized float32."""
+    out = []
+    for step in steps:
+        quantized = tuple(name + SCALE_SUFFIX in tensors for name in step.inputs)
+        if not any(quantized):
+            out.append(step)
+            continue
+        inputs = tuple(n for name, q in zip(step.inputs, quantized)
+                       for n in ((name, _check_scale(name, tensors, block).name) if q else (name,)))
+        outputs = tuple(dataclasses.replace(o, dtype=DEQUANTIZED) if o.dtype in FLOAT8 else o for o in step.outputs)
+        out.append(Step(inputs, outputs, partial(_dequantized_first, block, quantized, step.transform)))
+    return out
 
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
-    block = _block_size(quantization(config), hf_dir / "config.json")
+    block = block_size(quantization(config), hf_dir / "config.json")
     names = catalog.tensors
     steps = []
     for name, t in names.items():

@@ -1,10 +1,12 @@
-"""`--hf_model_config_path` and `--base_model` given as Hugging Face Hub model ids (`Qwen/Qwen2.5-7B`).
+"""`--hf_model_config_path`, `--base_model` and `--quantize_like` given as Hugging Face Hub model ids
+(`Qwen/Qwen2.5-7B`).
 
 A value is a Hub id only when no local path of that name exists and it looks like one: `name` or `owner/name`
 (no leading `/` or `./`, at most one slash), so a mistyped local folder is not sent to the Hub under another
 shape. Its snapshot folder comes from huggingface_hub's `snapshot_download`, which honours its cache (HF_HOME,
 HF_HUB_CACHE) and HF_HUB_OFFLINE, fetching only what the flag needs: config, tokenizer, processor, chat template
-and remote-code files for a config folder, the safetensors weights too for a base model. The folder is then
+and remote-code files for a config folder and a release to quantize like (whose safetensors headers are read
+from the Hub, fp8_release_layout.py), the safetensors weights too for a base model. The folder is then
 read like any local one (a snapshot's files are links into its repo's blobs/, which hf_folder allows).
 """
 from __future__ import annotations
@@ -61,8 +63,9 @@ def _folder(value: str | Path | None, flag: str, patterns: list[str]) -> Path | 
 
 
 def with_hub_folders(options: MergeOptions) -> MergeOptions:
-    """`options` with each of the two flags a local folder: as given, or the Hub model's snapshot folder."""
+    """`options` with each of the three flags a local folder: as given, or the Hub model's snapshot folder."""
     return dataclasses.replace(
         options,
         hf_model_config_path=_folder(options.hf_model_config_path, "--hf_model_config_path", CONFIG_FILES),
-        base_model=_folder(options.base_model, "--base_model", CONFIG_FILES + WEIGHT_FILES))
+        base_model=_folder(options.base_model, "--base_model", CONFIG_FILES + WEIGHT_FILES),
+        quantize_like=_folder(options.quantize_like, "--quantize_like", CONFIG_FILES))

@@ -6,12 +6,20 @@ one label) instead of `lm_head`. `--is-value-model` rewrites the config to `XFor
 without it such a checkpoint is refused rather than written as a model that would load with a random head.
 Models whose config already names their class (reward models as `XForSequenceClassification`, VLMs as
 `XForConditionalGeneration`, remote code through `auto_map`) keep it.
+
+The class also says which modules transformers keeps in float32 at a lower dtype (`keep_in_fp32`): read off the
+class attributes, without building the model.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import torch
+
 from ..errors import MergerError
+
+log = logging.getLogger("merger")
 
 HEAD = "score.weight"
 SUFFIXES = ("ForCausalLM", "ForTokenClassification", "ForSequenceClassification", "Model")
@@ -23,6 +31,38 @@ def _base_name(config: dict) -> str | None:
             if arch.endswith(suffix):
                 return arch[: -len(suffix)]
     return None
+
+
+def _classes(config: dict) -> list[type]:
+    """The transformers classes of the model and of its sub-models (a VLM's text and vision models, whose keep-in-fp32
+    lists transformers' post_init adds to the top model's), by the names config.json gives; remote code has none."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    names = list(config.get("architectures") or [])
+    names += [MODEL_MAPPING_NAMES.get(sub.get("model_type")) for sub in config.values()
+              if isinstance(sub, dict) and isinstance(sub.get("model_type"), str)]
+    return [cls for cls in (getattr(transformers, n, None) for n in names if n) if isinstance(cls, type)]
+
+
+def keep_in_fp32(config: dict, dtype: torch.dtype | None) -> tuple[str, ...]:
+    """The module patterns transformers keeps in float32 when the model is loaded, and so saved, at `dtype`
+    (modeling_utils' _get_dtype_plan): `_keep_in_fp32_modules_strict` at float16 and bfloat16,
+    `_keep_in_fp32_modules` at float16 only. Each pattern is a regular expression searched in a tensor's name.
+    Costs an import of the model's transformers module, so only asked when it can matter."""
+    if dtype not in (torch.float16, torch.bfloat16) or "auto_map" in config:
+        return ()
+    try:
+        classes = _classes(config)
+    except Exception as e:  # noqa: BLE001 - transformers missing or its module failing to import: nothing to keep
+        log.debug("merger: no keep-in-fp32 modules, transformers' model class unavailable (%s)", e)
+        return ()
+    patterns = set()
+    for cls in classes:
+        patterns.update(getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
+        if dtype == torch.float16:
+            patterns.update(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    return tuple(sorted(patterns))
 
 
 def _labels(n: int) -> dict:

@@ -6,16 +6,28 @@ unties them (a LoRA adapter that changed one side) says so with `tie_word_embedd
 updates, and then both are written. When the source holds both tensors, the config alone does not decide: the
 left-out step is kept in `Mapping.tie`, and the merge compares the two tensors' values before the plan is fixed
 (engine/tie_check.py), writing both when they differ. Dtype: every model tensor that is floating point takes
---dtype (`keep`: its own); side files (an adapter folder's weights) keep the dtype their mapper declared.
+--dtype (`keep`: its own), as save_pretrained writes a model loaded at that dtype: the modules the model's class
+keeps in float32 at that dtype (DeepSeek-V3's router `gate.weight` and `e_score_correction_bias` at bfloat16)
+are written in float32, holding the source's values exactly where it stores them in float32. Side files (an
+adapter folder's weights) keep the dtype their mapper declared. FP8 output (`--quantize_like`, `--quantize`): the
+tensors the release (or transformers' default choice) quantizes are then quantized from that dtype
+(fp8_quantize.py); with a release, the others take its dtypes.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import torch
 
 from ..errors import MergerError
 from ..options import MergeOptions
+from .fp8 import QUANTIZATION_CONFIG
+from .fp8_default_modules import default_layout
+from .fp8_quantize import quantize_steps, quantized_count
+from .fp8_release_layout import release_layout
+from .model_class import keep_in_fp32
 from .steps import FLOAT8, Mapping, OutputSpec, Step, Tie, output_dtype
 
 TIED_OUTPUT = "lm_head.weight"
@@ -44,8 +56,24 @@ def input_embedding(names) -> str | None:
     return None
 
 
-def _cast(spec: OutputSpec, wanted: torch.dtype | None) -> OutputSpec:
-    return spec if spec.file is not None else dataclasses.replace(spec, dtype=output_dtype(spec.dtype, wanted))
+def _keeps_fp32(spec: OutputSpec, fp32: re.Pattern | None) -> bool:
+    return (fp32 is not None and spec.file is None and spec.dtype.is_floating_point and spec.dtype not in FLOAT8
+            and fp32.search(spec.name) is not None)
+
+
+def _cast(spec: OutputSpec, wanted: torch.dtype | None, fp32: re.Pattern | None) -> OutputSpec:
+    if spec.file is not None:
+        return spec
+    if _keeps_fp32(spec, fp32):
+        return dataclasses.replace(spec, dtype=torch.float32)
+    return dataclasses.replace(spec, dtype=output_dtype(spec.dtype, wanted))
+
+
+def _fp32_pattern(config: dict, wanted: torch.dtype | None) -> re.Pattern | None:
+    """transformers' matching of its keep-in-fp32 list: each entry a regular expression (`*` for any run of
+    characters) searched in the tensor's name (core_model_loading's build_glob_alternation)."""
+    patterns = keep_in_fp32(config, wanted)
+    return re.compile("|".join(p.replace("*", ".*") for p in patterns)) if patterns else None
 
 
 def _refuse_scaleless_float8(steps: list[Step], wanted: torch.dtype | None, config_dir) -> None:
@@ -74,8 +102,49 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
     tied = ties(mapping.config, options) and mapping.config_updates.get("tie_word_embeddings") is not False
     wanted = options.torch_dtype
     _refuse_scaleless_float8(mapping.steps, wanted, mapping.hf_dir)
-    steps = [Step(s.inputs, tuple(_cast(o, wanted) for o in s.outputs), s.transform) for s in mapping.steps]
-    tie = _tie(steps) if tied else None
+    fp32 = _fp32_pattern(mapping.config, wanted) if mapping.hf_dir is not None else None
+    steps = [Step(s.inputs, tuple(_cast(o, wanted, fp32) for o in s.outputs), s.transform) for s in mapping.steps]
+    mapping = dataclasses.replace(mapping, steps=steps)
+    if mapping.quantize_like is not None and options.dtype == "keep" and options.quantize is None:
+        options = dataclasses.replace(options, quantize_like=options.quantize_like or mapping.quantize_like)
+    if mapping.hf_dir is not None and (options.quantize_like is not None or options.quantize is not None):
+        mapping = _quantized(mapping, options)
+    kept = sorted(o.name for s in mapping.steps for o in s.outputs
+                  if _keeps_fp32(o, fp32) and o.dtype == torch.float32)  # a release may store them otherwise
+    if kept:
+        note = (f"merger: {len(kept)} tensors written in float32, as transformers keeps "
+                f"{fp32.pattern.replace('|', ', ')} in float32 at {str(wanted).removeprefix('torch.')} "
+                f"(e.g. {kept[0]})")
+        mapping = dataclasses.replace(mapping, notes=(*mapping.notes, note))
+    tie = _tie(mapping.steps) if tied else None
     if tie is not None:
-        steps = [s for s in steps if s is not tie.step]
-    return dataclasses.replace(mapping, steps=steps, tie=tie)
+        mapping = dataclasses.replace(mapping, steps=[s for s in mapping.steps if s is not tie.step])
+    return dataclasses.replace(mapping, tie=tie)
+
+
+def _quantized(mapping: Mapping, options: MergeOptions) -> Mapping:
+    """`mapping` written as FP8: in the layout of --quantize_like's release, or --quantize's scheme in
+    transformers' default choice of modules; config.json gets the quantization_config."""
+    outputs = {o.name: o.shape for s in mapping.steps for o in s.outputs if o.file is None}
+    if options.quantize_like is not None and options.quantize is not None:
+        raise MergerError(f"--quantize_like and --quantize both say how to quantize: pass one, "
+                          f"{options.quantize_like}")
+    if options.torch_dtype == torch.float16:  # float16 would turn weights beyond ±65504 into inf before the scale
+        raise MergerError(f"FP8 output is quantized from the weights at --dtype, and float16 cannot hold every "
+                          f"weight: use --dtype bfloat16 (the default) or float32, "
+                          f"{options.quantize_like or mapping.hf_dir}")
+    if options.quantize_like is not None:
+        fp8 = release_layout(Path(options.quantize_like), outputs)
+        how, left, config = f"like {options.quantize_like}", "", "copied into"
+    else:
+        fp8, skip = default_layout(mapping.hf_dir, mapping.config, outputs, options.trust_remote_code)
+        how, config = f"({options.quantize}, transformers' default choice of modules)", "written into"
+        left = (f"; left unquantized: {', '.join(skip)} (transformers' default skips) and every module that is not "
+                f"a Linear layer or experts (embeddings, norms, routers)")
+    count = quantized_count(mapping.steps, fp8)
+    note = (f"merger: {count} tensors written as FP8 {how} (float8_e4m3fn, block {fp8.block[0]}x{fp8.block[1]}, "
+            f"weight_scale_inv float32{', scale_fmt ue8m0' if fp8.ue8m0 else ''}){left}; {QUANTIZATION_CONFIG} "
+            f"{config} config.json")
+    return dataclasses.replace(mapping, steps=quantize_steps(mapping.steps, fp8), notes=(*mapping.notes, note),
+                               config_updates={**mapping.config_updates, QUANTIZATION_CONFIG: fp8.quantization_config},
+                               config_removals=tuple(k for k in mapping.config_removals if k != QUANTIZATION_CONFIG))

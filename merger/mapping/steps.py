@@ -89,3 +89,5 @@ class Mapping:
     notes: tuple[str, ...] = ()  # what the merge found and does, for the log
     catalog: Catalog | None = None  # what the steps read when it is more than the checkpoint (a base model too)
     tie: Tie | None = None  # set by the tie policy (policy.py): lm_head.weight, left out as tied
+    # an FP8 release whose layout the output keeps under --dtype keep (a LoRA folded into an FP8 base)
+    quantize_like: Path | None = None

@@ -15,6 +15,7 @@ from ...hf_folder import read_config, weight_files
 from ...options import MergeOptions
 from ...sources import hf_safetensors
 from ...sources.union import union_catalog
+from .. import fp8
 from ..hub_folders import hub_id_of
 from ..policy import ties
 from ..steps import Mapping, Step
@@ -54,11 +55,19 @@ def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[Lora
     catalog = union_catalog({"": base, **parts}, base_dir, fmt)
     config = read_config(base_dir)
     written = {o.name for s in folds for o in s.outputs}
-    result = fold_steps({n: n for n in base.tensors if n not in written}, adapters, catalog.tensors,
-                        ties(config, options))
-    return Mapping(result.steps + list(folds) + list(side_steps), base_dir, config,
+    qc = fp8.quantization(config)  # an FP8 release: its weights are dequantized, folded, then requantized or cast
+    weights = [n for n in base.tensors if n not in written and not (qc and n.endswith(fp8.SCALE_SUFFIX))]
+    result = fold_steps({n: n for n in weights}, adapters, catalog.tensors, ties(config, options))
+    steps = result.steps + list(folds)
+    if qc is not None:  # folds by other rules (Megatron-Bridge's shards) read the base too
+        steps = fp8.dequantizing_inputs(steps, catalog.tensors, fp8.block_size(qc, base_dir / "config.json"))
+        notes = (*notes, "merger: the base is an FP8 block-scaled release: its weights are dequantized before the "
+                         "fold (--dtype keep writes them back as FP8 in its layout)")
+    return Mapping(steps + list(side_steps), base_dir, config,
                    config_updates={"tie_word_embeddings": False} if result.untied else {},
-                   extra_files=dict(extra_files or {}), notes=notes, catalog=catalog)
+                   config_removals=(fp8.QUANTIZATION_CONFIG,) if qc else (),
+                   extra_files=dict(extra_files or {}), notes=notes, catalog=catalog,
+                   quantize_like=base_dir if qc else None)
 
 
 def claims(catalog: Catalog, options: MergeOptions) -> bool:

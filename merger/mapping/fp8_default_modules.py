@@ -1,0 +1,71 @@
+"""`--quantize fp8-block`: FP8 block-scaled output for a model with no FP8 release, in 128x128 blocks.
+
+Which modules are quantized is transformers' own default choice, asked of transformers itself: the model is built
+on the meta device (no memory), its FP8 quantizer's default skips are taken (`get_modules_to_not_convert`: the
+output embedding and any tied or last module, plus the class's `_keep_in_fp32_modules`), and its
+`replace_with_fp8_linear` converts the rest: every plain `nn.Linear` and every fused `experts` module. Norms,
+embeddings and routers are never Linear layers, so they stay as they are. A converted module's saved weights
+(`<module>.weight`, or an experts module's per-expert weights) are the tensors quantized, with partial edge blocks
+where a dim is not a multiple of 128 (transformers' FP8Linear loads such a scale grid, as DeepSeek's releases
+have it). config.json gets the quantization_config transformers writes, its skips listed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import MergerError
+from .fp8_quantize import Fp8Output
+from .saved_names import saved_names
+
+SCHEME = "fp8-block"
+BLOCK = (128, 128)
+
+
+def _transformers_choice(hf_dir: Path, config: dict, trust_remote_code: bool) -> tuple[list[str], list[str]]:
+    """(the modules transformers' FP8 quantizer converts by default, the module patterns it skips)."""
+    import transformers
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear, replace_with_fp8_linear
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    archs = config.get("architectures") or []
+    model_class = getattr(transformers, archs[0], None) if archs else None
+    try:
+        if "auto_map" in config or (archs and model_class is None):
+            raise ValueError("remote code, or no class of that name in the installed transformers")
+        hf_config = transformers.AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):  # no architectures: the causal LM of its model_type, as AutoModel picks it
+            model = model_class(hf_config) if model_class else transformers.AutoModelForCausalLM.from_config(hf_config)
+    except ValueError as e:
+        raise MergerError(f"--quantize {SCHEME} asks transformers which modules to quantize, and it knows no class "
+                          f"for this config.json (architectures {archs}, model_type {config.get('model_type')!r}: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}), {hf_dir / 'config.json'}") from e
+    qc = transformers.FineGrainedFP8Config(weight_block_size=BLOCK)
+    skip = FineGrainedFP8HfQuantizer.get_modules_to_not_convert(model, qc.modules_to_not_convert,
+                                                               model._keep_in_fp32_modules)
+    replace_with_fp8_linear(model, modules_to_not_convert=skip, quantization_config=qc, pre_quantized=False)
+    return [name for name, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Experts))], sorted(skip)
+
+
+def _weights_of(module: str, outputs: dict[str, tuple[int, ...]]) -> list[str]:
+    """The saved weights of a converted module: its `.weight`, or an experts module's weights of 2 dims or more
+    (one per expert as checkpoints store them, or fused)."""
+    if module.endswith(".experts"):
+        return [n for n, shape in outputs.items() if n.startswith(module + ".") and len(shape) >= 2
+                and not n.endswith("bias")]
+    return [module + ".weight"] if module + ".weight" in outputs else []
+
+
+def default_layout(hf_dir: Path, config: dict, outputs: dict[str, tuple[int, ...]],
+                   trust_remote_code: bool) -> tuple[Fp8Output, list[str]]:
+    """How to write `outputs` as FP8 in transformers' default choice, and the module patterns it leaves out."""
+    import transformers
+
+    modules, skip = _transformers_choice(hf_dir, config, trust_remote_code)
+    # transformers may name a composite model's modules otherwise than it saves them (Qwen2-VL's language_model)
+    probes = [m + ".weight" for m in modules]
+    renamed = saved_names(hf_dir, config, probes, trust_remote_code)
+    quantized = frozenset(w for p in probes for w in _weights_of(renamed.get(p, p).removesuffix(".weight"), outputs))
+    qc = transformers.FineGrainedFP8Config(weight_block_size=BLOCK, modules_to_not_convert=skip).to_dict()
+    return Fp8Output(BLOCK, False, quantized, {}, qc), skip

@@ -1,0 +1,115 @@
+"""Writing FP8 block-scaled weights: the quantization arithmetic, and the steps that apply it to a mapping's outputs.
+
+The arithmetic is transformers' own (`transformers.integrations.finegrained_fp8.Fp8Quantize._quantize_one`), so
+the bytes are those transformers writes: per block of [b0, b1] elements of the last two dims, in float32,
+`scale = 448 / amax` (1 for an all-zero block), `weight_scale_inv = 1 / scale`, and the weight
+`clamp(w * scale, -448, 448)` cast to float8_e4m3fn. With `scale_fmt: "ue8m0"` the inverse scale is first
+rounded up to a power of two (through float8_e8m0fnu, as transformers does) and the weight multiplied by its
+exact reciprocal. transformers skips shapes that are not whole blocks; releases such as DeepSeek-V3's have
+partial edge blocks (a scale grid of ceil(rows / b0) x ceil(cols / b1)), quantized here as if padded with zeros,
+which changes no block's amax. The work goes one band of b0 rows at a time, so beside the tensor only a band's
+float32 copy is held; every operation is per element or per block, so the bytes are those of the whole tensor.
+
+A quantized output is written from the whole tensor at its writer: the step that makes it becomes a transform
+(its pieces are assembled there, within the batch budget like any transform's), and a block's amax never spans
+ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from .fp8 import SCALE_SUFFIX, scale_shape
+from .steps import OutputSpec, Step, Transform
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+SCALE_DTYPE = torch.float32
+
+
+def quantize(block: tuple[int, int], ue8m0: bool, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 weight_scale_inv per block) of `tensor` ([..., rows, cols])."""
+    b0, b1 = block
+    rows, cols = tensor.shape[-2:]
+    lead = tensor.shape[:-2]
+    grid = scale_shape(tuple(tensor.shape), block)
+    quantized = torch.empty(tensor.shape, dtype=FP8)
+    scale_inv = torch.empty(grid, dtype=SCALE_DTYPE)
+    for i in range(grid[-2]):
+        band = tensor[..., i * b0:(i + 1) * b0, :].to(torch.float32)
+        n = band.shape[-2]
+        band = F.pad(band, (0, grid[-1] * b1 - cols, 0, b0 - n))  # zeros: no block's amax changes
+        blocks = band.reshape(*lead, 1, b0, grid[-1], b1)
+        max_abs = blocks.abs().amax(dim=(-3, -1))
+        safe_max_abs = torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
+        scales = FP8_MAX / safe_max_abs
+        scales = torch.where(max_abs > 0, scales, torch.ones_like(scales))
+        inv = (1.0 / scales).to(torch.float32)
+        if ue8m0:
+            inv = torch.pow(2.0, torch.ceil(torch.log2(inv.clamp(min=torch.finfo(torch.float32).tiny))))
+            inv = inv.to(torch.float8_e8m0fnu)
+            scales = 1.0 / inv.to(torch.float32)
+        q = torch.clamp(blocks * scales.unsqueeze(-1).unsqueeze(-3), min=-FP8_MAX, max=FP8_MAX).to(FP8)
+        quantized[..., i * b0:i * b0 + n, :] = q.reshape(band.shape)[..., :n, :cols]
+        scale_inv[..., i:i + 1, :] = inv.to(SCALE_DTYPE)
+    return quantized, scale_inv
+
+
+@dataclass(frozen=True)
+class Fp8Output:
+    """How an FP8 output is written: which outputs are quantized (by name), in which blocks and scale format,
+    the dtypes the other tensors take (a release's own; absent: the policy's), and config.json's
+    quantization_config."""
+
+    block: tuple[int, int]
+    ue8m0: bool
+    quantized: frozenset[str]
+    dtypes: dict[str, torch.dtype]
+    quantization_config: dict
+
+
+def _run(transform: Transform | None, quantize_from: tuple[torch.dtype | None, ...], block: tuple[int, int],
+         ue8m0: bool, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The step's own results, each quantized output quantized from its tensor in `quantize_from` (the dtype the
+    policy gave it: what transformers' quantizer is handed, a model loaded at --dtype)."""
+    results = tensors if transform is None else transform(tensors)
+    out = []
+    for tensor, dtype in zip(results, quantize_from):
+        out.extend([tensor] if dtype is None else quantize(block, ue8m0, tensor.to(dtype)))
+    return out
+
+
+def _quantizes(spec: OutputSpec, fp8: Fp8Output) -> bool:
+    return spec.file is None and spec.name in fp8.quantized and len(spec.shape) >= 2
+
+
+def quantize_steps(steps: list[Step], fp8: Fp8Output) -> list[Step]:
+    """`steps` with each output `fp8` quantizes written as float8 beside its `_scale_inv`, and each other output
+    in the dtype `fp8` gives it, where it gives one."""
+    out = []
+    for step in steps:
+        specs, quantize_from = [], []
+        for spec in step.outputs:
+            if _quantizes(spec, fp8):
+                specs += [dataclasses.replace(spec, dtype=FP8),
+                          OutputSpec(spec.name + SCALE_SUFFIX, scale_shape(spec.shape, fp8.block), SCALE_DTYPE)]
+                quantize_from.append(spec.dtype)
+            else:
+                keep = fp8.dtypes.get(spec.name) if spec.file is None and spec.dtype.is_floating_point else None
+                specs.append(spec if keep is None else dataclasses.replace(spec, dtype=keep))
+                quantize_from.append(None)
+        if any(d is not None for d in quantize_from):
+            step = Step(step.inputs, tuple(specs), partial(_run, step.transform, tuple(quantize_from), fp8.block,
+                                                           fp8.ue8m0))
+        else:
+            step = dataclasses.replace(step, outputs=tuple(specs))
+        out.append(step)
+    return out
+
+
+def quantized_count(steps: list[Step], fp8: Fp8Output) -> int:
+    return sum(_quantizes(spec, fp8) for step in steps for spec in step.outputs)

@@ -1,0 +1,84 @@
+"""`--quantize_like RELEASE`: the output written in the layout of a base model's FP8 block-scaled release.
+
+What is read of the release is its config.json (`quantization_config`: quant_method fp8 with weight_block_size,
+`scale_fmt`) and its safetensors headers, never a weight: the tensors that have a `<name>_scale_inv` are the
+ones quantized, every other tensor takes the dtype the release stores it in. A local folder's headers are read
+from its files; a Hub snapshot (mapping/hub_folders.py fetches only its config files) has its headers read from
+the Hub by huggingface_hub's `get_safetensors_metadata` (ranged reads of each file's first bytes).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import MergerError
+from ..hf_folder import read_config, weight_files
+from ..safetensors_io import DTYPES_BY_NAME, read_header
+from .fp8 import QUANTIZATION_CONFIG, SCALE_SUFFIX, block_size, quantization
+from .fp8_quantize import FP8, Fp8Output
+from .hub_folders import hub_id_of
+
+FLAG = "--quantize_like"
+
+
+def _local_headers(folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    tensors = {}
+    for file in weight_files(folder):
+        if not file.name.endswith(".safetensors"):
+            raise MergerError(f"{FLAG} reads safetensors releases; this one has {file.name}, {folder}")
+        _, entries, _ = read_header(str(file))
+        tensors.update({name: (e.dtype, e.shape) for name, e in entries.items()})
+    return tensors
+
+
+def _hub_headers(repo_id: str, revision: str, folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    from huggingface_hub import get_safetensors_metadata
+
+    try:
+        metadata = get_safetensors_metadata(repo_id, revision=revision)
+    except Exception as e:  # noqa: BLE001 - offline, gated, no safetensors: one line, not a traceback
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise MergerError(f"{FLAG}: cannot read the safetensors headers of Hub model {repo_id} "
+                          f"({type(e).__name__}: {first}), {folder}") from e
+    tensors = {}
+    for file, meta in metadata.files_metadata.items():
+        for name, info in meta.tensors.items():
+            if info.dtype not in DTYPES_BY_NAME:
+                raise MergerError(f"{FLAG}: tensor {name} of Hub model {repo_id} is stored as {info.dtype}, which "
+                                  f"merger does not write, {file}")
+            tensors[name] = (DTYPES_BY_NAME[info.dtype], tuple(info.shape))
+    return tensors
+
+
+def _headers(folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    repo_id = hub_id_of(folder)
+    if repo_id is not None and not any(folder.glob("*.safetensors")):
+        return _hub_headers(repo_id, folder.name, folder)
+    tensors = _local_headers(folder)
+    if not tensors:
+        raise MergerError(f"{FLAG} names a folder with no safetensors weights (their headers say which tensors "
+                          f"are quantized), {folder}")
+    return tensors
+
+
+def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Fp8Output:
+    """How to write `outputs` (name -> shape) as the release in `folder` stores them."""
+    config = read_config(folder)
+    qc = quantization(config)
+    if qc is None:
+        raise MergerError(f"{FLAG} needs an FP8 block-scaled release: its config.json's {QUANTIZATION_CONFIG} must "
+                          f"say quant_method fp8 with a weight_block_size, {folder / 'config.json'}")
+    block = block_size(qc, folder / "config.json")
+    tensors = _headers(folder)
+    quantized = frozenset(name for name in tensors if name + SCALE_SUFFIX in tensors)
+    for name in sorted(quantized & outputs.keys()):
+        if tuple(outputs[name]) != tensors[name][1]:
+            raise MergerError(f"tensor {name} is {list(outputs[name])} here but {list(tensors[name][1])} in the "
+                              f"release: {FLAG} needs the release of this model, {folder}")
+    if not quantized & outputs.keys():
+        raise MergerError(f"no tensor of the output has a scale in the release ({len(quantized)} quantized tensors, "
+                          f"none of them here): {FLAG} needs the release of this model, {folder}")
+    dtypes = {name: dtype for name, (dtype, _) in tensors.items()
+              if name not in quantized and dtype.is_floating_point and dtype != FP8 and not name.endswith(SCALE_SUFFIX)}
+    return Fp8Output(block, qc.get("scale_fmt") == "ue8m0", quantized, dtypes, qc)

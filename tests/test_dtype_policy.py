@@ -1,0 +1,86 @@
+"""`--dtype X` writes every tensor in the dtype transformers' save_pretrained gives it for the model class at X.
+
+transformers keeps some modules in float32 at lower dtypes (`_keep_in_fp32_modules_strict` at bfloat16 and
+float16, `_keep_in_fp32_modules` at float16): DeepSeek-V3's router `mlp.gate.weight` and its
+`e_score_correction_bias`. Oracle: transformers itself, loading the unquantized model at X and saving it with
+save_pretrained; the dtypes of merger's output must be those, tensor for tensor. The sources: a DeepSeek-V3 FP8
+release (tests/writers/fp8_release.py, the bias stored in float32 as DeepSeek's release stores it) and a
+torchtitan DeepSeek-V3 checkpoint (torchtitan keeps its expert bias in float32).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from tests.helpers.in_process import merge_in_process
+from tests.helpers.processes import run_merger
+from tests.helpers.weights import load_safetensors_folder
+from tests.writers.fp8_release import write_release
+
+DTYPES = ["bfloat16", "float16", "float32"]
+
+
+def saved_dtypes(folder) -> dict[str, torch.dtype]:
+    dtypes = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            dtypes.update({name: f.get_tensor(name).dtype for name in f.keys()})
+    return dtypes
+
+
+def save_pretrained_dtypes(model_dir, dtype: str, tmp_path) -> dict[str, torch.dtype]:
+    """The oracle: the dtypes save_pretrained writes for the model transformers loads at `dtype`."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model.save_pretrained(tmp_path / f"saved-{dtype}")
+    return saved_dtypes(tmp_path / f"saved-{dtype}")
+
+
+@pytest.fixture(scope="module")
+def deepseek_release(tmp_path_factory):
+    """(FP8 release, the same model unquantized in float32)."""
+    root = tmp_path_factory.mktemp("deepseek_fp8")
+    return write_release(root / "release", (16, 16), family="deepseek_v3", reference=root / "reference"), \
+        root / "reference"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_release_dtypes_are_save_pretrained_s(deepseek_release, tmp_path, dtype):
+    release, reference = deepseek_release
+    out = merge_in_process(release, tmp_path / "out", "--dtype", dtype)
+    want = save_pretrained_dtypes(reference, dtype, tmp_path)
+    assert saved_dtypes(out) == want
+    assert any(d == torch.float32 for d in want.values())  # the test means something at every dtype
+
+
+def test_keep_in_fp32_tensors_hold_the_release_s_values(deepseek_release, tmp_path):
+    """The float32 bias is written as stored (bfloat16 would round it); the bfloat16 router weight widened."""
+    release, _ = deepseek_release
+    got = load_safetensors_folder(merge_in_process(release, tmp_path / "out", "--dtype", "bfloat16"))
+    stored = load_safetensors_folder(release)
+    bias, gate = "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.gate.weight"
+    assert stored[bias].dtype == torch.float32 and not torch.equal(stored[bias].bfloat16().float(), stored[bias])
+    assert got[bias].dtype == torch.float32 and torch.equal(got[bias], stored[bias])
+    assert got[gate].dtype == torch.float32 and torch.equal(got[gate], stored[gate].float())
+
+
+def test_the_log_names_the_tensors_kept_in_float32(deepseek_release, tmp_path):
+    release, _ = deepseek_release
+    proc = run_merger("merge", "--local_dir", release, "--target_dir", tmp_path / "out")
+    assert ("merger: 2 tensors written in float32, as transformers keeps e_score_correction_bias, gate.weight in "
+            "float32 at bfloat16 (e.g. model.layers.1.mlp.gate.e_score_correction_bias)") in proc.stderr
+
+
+def test_torchtitan_deepseek_v3_dtypes_are_save_pretrained_s(deepseek_v3_root, tmp_path):
+    """From torchtitan's float32 checkpoint at bfloat16 on 2 ranks: the router stays float32, with torchtitan's
+    values; the oracle loads merger's float32 merge (only transformers decides the dtypes)."""
+    args = ["--local_dir", deepseek_v3_root / "checkpoint" / "step-1", "--hf_model_config_path",
+            deepseek_v3_root / "hf"]
+    run_merger("merge", *args, "--target_dir", tmp_path / "fp32", "--dtype", "float32")
+    run_merger("merge", *args, "--target_dir", tmp_path / "bf16", "--dtype", "bfloat16", nproc=2)
+    want = save_pretrained_dtypes(tmp_path / "fp32", "bfloat16", tmp_path)
+    assert saved_dtypes(tmp_path / "bf16") == want
+    fp32, bf16 = load_safetensors_folder(tmp_path / "fp32"), load_safetensors_folder(tmp_path / "bf16")
+    kept = [name for name, d in want.items() if d == torch.float32]
+    assert kept and all(torch.equal(bf16[name], fp32[name]) for name in kept)
