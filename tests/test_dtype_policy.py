@@ -84,3 +84,25 @@ def test_torchtitan_deepseek_v3_dtypes_are_save_pretrained_s(deepseek_v3_root, t
     fp32, bf16 = load_safetensors_folder(tmp_path / "fp32"), load_safetensors_folder(tmp_path / "bf16")
     kept = [name for name, d in want.items() if d == torch.float32]
     assert kept and all(torch.equal(bf16[name], fp32[name]) for name in kept)
+
+
+def test_the_source_text_check_finds_every_class_that_keeps_modules_in_float32():
+    """merger imports a model's transformers class only where its modeling source names the keep-in-fp32 lists
+    (model_class._sources_name_it): for every causal LM transformers has, a class that keeps a module in float32
+    must be one whose sources the check finds, and the check must skip most classes (or it saves nothing)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from merger.mapping.model_class import _sources_name_it
+
+    keeping, skipped = [], 0
+    for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        try:
+            cls = getattr(transformers, name)
+        except Exception:  # noqa: BLE001 - a class whose optional dependency is missing here: nothing to load
+            continue
+        keeps = bool(cls._keep_in_fp32_modules or cls._keep_in_fp32_modules_strict)
+        found = _sources_name_it({"model_type": model_type})
+        assert found or not keeps, f"{model_type}: {name} keeps modules in float32, the source check misses it"
+        keeping += [model_type] if keeps else []
+        skipped += not found
+    assert "deepseek_v3" in keeping and skipped > len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) / 2

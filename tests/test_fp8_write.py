@@ -313,7 +313,7 @@ def test_an_adapter_on_fused_moe_experts_is_refused_with_one_line(deepseek, tmp_
 def test_quantize_like_a_hub_id_reads_the_cached_snapshot(deepseek, tmp_path):
     """A release named by its Hub id (HF_HUB_OFFLINE, read from huggingface_hub's cache): the same bytes as the
     folder; with only its config cached, its headers would come from the Hub: offline, one line naming it."""
-    from hub_cache import cache_model, offline_env
+    from tests.helpers.hub_cache import cache_model, offline_env
 
     release, reference = deepseek((16, 16), "ue8m0")
     cache_model(tmp_path / "hub", "merger-test/tiny-deepseek-fp8", release)

@@ -146,15 +146,16 @@ def _megatron_cases() -> set[str]:
 
 def _torchtitan_cases() -> set[str]:
     """The families the tests have torchtitan write: `--family` of tests/writers/torchtitan_checkpoint.py (a
-    model type), as a literal in a run_writer call or through test_torchtitan's _written_by_torchtitan."""
+    model type), as a literal in a run_writer call or through tests/helpers' written_by_torchtitan, in a test
+    module or a conftest fixture."""
     found = set()
-    for path in TESTS.glob("test_*.py"):
+    for path in [*TESTS.glob("test_*.py"), TESTS / "conftest.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):
                 continue
             args = [a.value if isinstance(a, ast.Constant) else None for a in node.args]
             called = getattr(node.func, "id", None)
-            if called == "_written_by_torchtitan":
+            if called == "written_by_torchtitan":
                 found.add(args[1])
             elif called == "run_writer" and args[:1] == ["torchtitan_checkpoint.py"] and "--family" in args:
                 found.add(args[args.index("--family") + 1])
