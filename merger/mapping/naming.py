@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .family import Row, sources_once
+from .family import Row, joined_part, sources_once
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,15 @@ class Entry:
 
 
 def compile_table(naming: Naming, rows: tuple[Row, ...]) -> list[Entry]:
-    """Global rows, then each layer row for decoder layers and for MTP layers, then the MTP layers' own rows."""
+    """Global rows, then each layer row for decoder layers and for MTP layers (a join's parts as rows of their
+    own, kind joined), then the MTP layers' own rows."""
     def in_layer(row: Row) -> tuple[str, ...]:
         return tuple("model.layers.{i}." + t for t in row.targets)
 
     mtp = re.escape(naming.mtp.prefix) + r"(?P<j>\d+)\."
     inner = "(?:" + "|".join(map(re.escape, naming.mtp.layer)) + ")"
     table = [Entry(row.pattern(""), row, row.targets) for row in naming.globals]
-    for row in rows:
+    for row in [*rows, *(joined_part(row, part) for row in rows for part in row.joined)]:
         table.append(Entry(row.pattern(re.escape(naming.decoder) + r"(?P<i>\d+)\."), row, in_layer(row)))
         table.append(Entry(row.pattern(mtp + inner), row, in_layer(row)))
     table += [Entry(row.pattern(mtp), row, in_layer(row)) for row in naming.mtp.rows]

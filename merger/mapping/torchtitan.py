@@ -11,6 +11,7 @@ to produce.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from functools import partial
 
 from ..catalog import Catalog
@@ -20,7 +21,7 @@ from ..sources.unstacked import unstacked
 from . import kinds, mtp
 from .families import TORCHTITAN_FAMILIES as FAMILIES
 from .families import TORCHTITAN_UNMARKED
-from .family import Family
+from .family import Family, Row
 from .hf import model_config
 from .naming import compile_table, lookup
 from .steps import Mapping, cast
@@ -31,8 +32,8 @@ _LAYER_ROW = re.compile(r"layers\.\d+\.(.*)")
 
 
 def looks_like_torchtitan(names) -> bool:
-    return any(n == "tok_embeddings.weight" or re.fullmatch(r"layers\.\d+\.attention\.(qkv_linear\.)?wq\.weight", n)
-               for n in names)
+    return any(n == "tok_embeddings.weight" or re.fullmatch(
+        r"layers\.\d+\.(attention\.(qkv_linear\.)?wq|attn\.(wq|in_proj_q))\.weight", n) for n in names)
 
 
 def family_of(names, root) -> Family:
@@ -53,10 +54,25 @@ def claims(catalog: Catalog, options: MergeOptions) -> bool:
 
 
 def _checked_config(family: Family, config: dict, hf_dir) -> None:
+    if config.get("model_type") in family.text_model_of:
+        raise MergerError(f"torchtitan {family.name} names are written as the text model of HF "
+                          f"{config['model_type']} (its vision tower is not mapped): pass a folder whose config.json "
+                          f"is this config's text_config (model_type {' or '.join(family.model_types)}) with "
+                          f"--hf_model_config_path, {hf_dir / 'config.json'}")
     if not family.torchtitan_any_config and config.get("model_type") not in family.model_types:
         raise MergerError(f"torchtitan {family.name} names, but config.json has model_type "
                           f"{config.get('model_type')!r} (expected {' or '.join(family.model_types)}): pass the HF "
                           f"config of this model with --hf_model_config_path, {hf_dir / 'config.json'}")
+
+
+def _parts(catalog: Catalog, name: str, row: Row) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The tensors of `name`'s layer that its row joins to it, with their shapes."""
+    parts = []
+    for part in (name.replace(row.source, j) for j in row.joined):
+        if part not in catalog.tensors:
+            raise MergerError(f"tensor {name} is written with {part}, which the checkpoint lacks, {catalog.root}")
+        parts.append((part, catalog.tensors[part].shape))
+    return tuple(parts)
 
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
@@ -65,19 +81,28 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     _checked_config(family, config, hf_dir)
     table = compile_table(TORCHTITAN, family.torchtitan)
     layers = mtp.mtp_layers(catalog, TORCHTITAN, family, config, options)
-    steps, stacks, skipped = [], {}, []
+    steps, stacks, skipped, left_out = [], {}, [], Counter()
     for name, t in catalog.tensors.items():
         if any(name == b or name.endswith("." + b) for b in DROPPED_BUFFERS):
             continue  # recomputed by HF, never a weight
         if name.startswith(TORCHTITAN.mtp.prefix) and not layers:
             continue  # --drop-mtp
+        outside = next((part for part in family.torchtitan_left_out if name.startswith(part[0])), None)
+        if outside:
+            left_out[outside] += 1
+            continue
         found = lookup(table, name, config.get("num_hidden_layers", 0))
         if found is None:
             raise MergerError(f"tensor {name} has no HF name in torchtitan's {family.name} table (is this a "
                               f"torchtitan {family.name} checkpoint? --model names the family), {catalog.root}")
         row, targets = found
+        if row.kind == "joined":
+            continue  # written by the row that joins it
         if row.kind == "skip" or (row.only_with and name.replace(row.source, row.only_with) not in catalog.tensors):
             skipped.append(f"{name} ({row.reason})")
+        elif row.joined:
+            steps.append(kinds.step(name, t.shape, t.dtype, row.kind, targets, config,
+                                    joined=_parts(catalog, name, row)))
         elif kinds.KINDS[row.kind].per_expert:
             stacks[name] = partial("{}.{}".format, name)
             (shape,), _ = kinds.KINDS[row.kind].plan(name, t.shape, config)
@@ -92,6 +117,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
         note += f"; {len(layers)} MTP layers written after the decoder layers"
     elif options.drop_mtp and any(n.startswith(TORCHTITAN.mtp.prefix) for n in catalog.tensors):
         note += "; MTP layers left out (--drop-mtp)"
+    skipped += [f"{prefix}* ({count} tensors: {why})" for (prefix, why), count in left_out.items()]
     if skipped:
         note += f"; left out: {', '.join(skipped)}"
     return Mapping(steps, hf_dir, config, config_updates=mtp.count_update(family, layers), notes=(note,),

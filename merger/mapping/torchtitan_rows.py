@@ -5,8 +5,8 @@ Layer rows follow `layers.{i}.`. Both naming generations of torchtitan are accep
 rotary_kv); Qwen3 (CosSinRoPE) and DeepSeek-V3 (HF's `rope_interleave`) need no permutation. A MoE layer's
 routed experts are stacked [E, ...] tensors (kind experts). MLA's query norm is written only beside q-LoRA's
 `wq_a`: without it torchtitan still builds a 1-element placeholder, which HF has no place for. torchtitan's MTP
-block `mtp_layers.{j}.` holds its own rows beside its transformer layer's. The families that use these rows are
-the records of families.py.
+block `mtp_layers.{j}.` holds its own rows beside its transformer layer's. Qwen3.5's rows are explained beside
+them. The families that use these rows are the records of families.py.
 """
 from __future__ import annotations
 
@@ -79,6 +79,40 @@ GPT_OSS = (  # attention with biases and sinks, a router with a bias, experts fu
     Row("moe.expert_bias_E", "skip", reason="GPT-OSS routes by the router's logits alone: torchtitan's "
                                             "load-balancing bias has no HF equivalent"),
 )
+# Qwen3.5 (torchtitan's qwen3_5): every layer's mixer is `attn.`, either gated full attention (wq holds each
+# head's query then its gate, as HF's q_proj does; q/k norms weigh 1 + w on both sides) or a Gated DeltaNet, whose
+# separate q, k, v projections and conv channels HF fuses (kind cat). The gated norm weighs w on both sides.
+QWEN3_5_ATTENTION = (
+    Row("attn.wq.weight", "rename", ("self_attn.q_proj.weight",)),
+    Row("attn.wk.weight", "rename", ("self_attn.k_proj.weight",)),
+    Row("attn.wv.weight", "rename", ("self_attn.v_proj.weight",)),
+    Row("attn.wo.weight", "rename", ("self_attn.o_proj.weight",)),
+    Row("attn.q_norm.weight", "rename", ("self_attn.q_norm.weight",)),
+    Row("attn.k_norm.weight", "rename", ("self_attn.k_norm.weight",)),
+)
+GATED_DELTANET = (
+    Row("attn.in_proj_q.weight", "cat", ("linear_attn.in_proj_qkv.weight",),
+        joined=("attn.in_proj_k.weight", "attn.in_proj_v.weight")),
+    Row("attn.in_proj_z.weight", "rename", ("linear_attn.in_proj_z.weight",)),
+    Row("attn.in_proj_b.weight", "rename", ("linear_attn.in_proj_b.weight",)),
+    Row("attn.in_proj_a.weight", "rename", ("linear_attn.in_proj_a.weight",)),
+    Row("attn.conv_q.weight", "cat", ("linear_attn.conv1d.weight",), joined=("attn.conv_k.weight", "attn.conv_v.weight")),
+    Row("attn.A_log", "rename", ("linear_attn.A_log",)),
+    Row("attn.dt_bias", "rename", ("linear_attn.dt_bias",)),
+    Row("attn.norm.weight", "rename", ("linear_attn.norm.weight",)),
+    Row("attn.out_proj.weight", "rename", ("linear_attn.out_proj.weight",)),
+)
+QWEN3_5_MOE = ROUTED_EXPERTS + (  # and one shared expert behind a sigmoid gate
+    Row("moe.shared_experts.w1.weight", "rename", ("mlp.shared_expert.gate_proj.weight",)),
+    Row("moe.shared_experts.w2.weight", "rename", ("mlp.shared_expert.down_proj.weight",)),
+    Row("moe.shared_experts.w3.weight", "rename", ("mlp.shared_expert.up_proj.weight",)),
+    Row("moe.shared_experts.gate.weight", "rename", ("mlp.shared_expert_gate.weight",)),
+    Row("moe.expert_bias_E", "skip", reason="Qwen3.5-MoE routes by scores alone: torchtitan's load-balancing bias "
+                                            "has no HF equivalent"),
+)
+# torchtitan's Qwen3.5 always builds its vision tower, and Kimi-K2.5 / K2.7 may hold one: the text model written
+# has no place for it
+VISION_TOWER = (("vision_encoder.", "the vision tower, which the HF text model has no place for"),)
 
 TORCHTITAN = Naming(
     "torchtitan", "layers.",
