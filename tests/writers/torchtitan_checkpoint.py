@@ -11,7 +11,11 @@ config of the same shape to HF (torchtitan checkpoints carry none) and an oracle
   the unsharded state dict;
 - qwen3 (`Qwen3Model`, dense: qk-norm, GQA), qwen3_moe (the same with MoE layers: 4 experts, top 2) and deepseek_v3 (`DeepSeekV3Model`: MLA
   with q-LoRA, a dense first layer, then MoE with a sigmoid router, a routing bias and a shared expert): LOGITS,
-  torchtitan's own forward of the unsharded model on TOKENS (torchtitan's to_hf is not an oracle for every family).
+  torchtitan's own forward of the unsharded model on TOKENS (torchtitan's to_hf is not an oracle for every family);
+- qwen3_5_text / qwen3_5_moe_text (`Qwen35Model`: a Gated DeltaNet layer, then a gated full-attention one; the MoE
+  variant with a gated shared expert; its vision tower) and kimi_k2_7 (`KimiK25Model`: the deepseek_v3 model above
+  with a MoonViT vision tower): LOGITS on text TOKENS, with the HF config of the text model (Qwen3.5's needs FLA
+  importable; see gated_deltanet_on_cpu).
 """
 from __future__ import annotations
 
