@@ -108,20 +108,6 @@ def test_qwen3_5_moe_experts_give_torchtitan_logits(qwen3_5_moe_root, tmp_path):
             "layers.0.moe.expert_bias_E (Qwen3.5-MoE routes") in proc.stderr
 
 
-def test_a_qwen3_5_vlm_config_is_refused_naming_its_text_config(qwen3_5_root, tmp_path):
-    """transformers' qwen3_5 is the VLM: its text model is what is written, from its text_config."""
-    text = json.loads((qwen3_5_root / "hf" / "config.json").read_text())
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
-    proc = run_merger("merge", "--local_dir", qwen3_5_root / "checkpoint" / "step-1", "--target_dir",
-                      tmp_path / "out", "--hf_model_config_path", tmp_path / "hf", check=False)
-    assert proc.returncode == 1 and not (tmp_path / "out").exists()
-    assert single_error_line(proc.stderr) == (
-        f"merger: error: torchtitan qwen3_5 names are written as the text model of HF qwen3_5 (its vision tower is "
-        f"not mapped): pass a folder whose config.json is this config's text_config (model_type qwen3_5_text or "
-        f"qwen3_5_moe_text) with --hf_model_config_path, {tmp_path / 'hf' / 'config.json'}")
-
-
 @pytest.fixture(scope="session")
 def kimi_root(tmp_path_factory) -> Path:
     return _written_by_torchtitan(tmp_path_factory, "kimi_k2_7")
@@ -136,14 +122,20 @@ def test_kimi_k2_7_text_model_gives_torchtitan_logits(kimi_root, tmp_path):
     assert "left out: vision_encoder.* (27 tensors: the vision tower" in proc.stderr
 
 
-def test_a_kimi_k25_config_is_refused_naming_its_text_config(kimi_root, tmp_path):
-    text = json.loads((kimi_root / "hf" / "config.json").read_text())
+@pytest.mark.parametrize("root, vlm, family, text_types", [
+    ("qwen3_5_root", "qwen3_5", "qwen3_5", "qwen3_5_text or qwen3_5_moe_text"),
+    ("kimi_root", "kimi_k25", "deepseek_v3", "deepseek_v3 or kimi_k2")])
+def test_a_vlm_config_is_refused_naming_its_text_config(request, tmp_path, root, vlm, family, text_types):
+    """transformers' qwen3_5 and kimi_k25 are the VLMs: their text model is what is written, from their
+    text_config."""
+    root = request.getfixturevalue(root)
+    text = json.loads((root / "hf" / "config.json").read_text())
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
-    proc = run_merger("merge", "--local_dir", kimi_root / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": vlm, "text_config": text}))
+    proc = run_merger("merge", "--local_dir", root / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",
                       "--hf_model_config_path", tmp_path / "hf", check=False)
     assert proc.returncode == 1 and not (tmp_path / "out").exists()
-    assert single_error_line(proc.stderr).startswith(
-        "merger: error: torchtitan deepseek_v3 names are written as the text model of HF kimi_k25 (its vision tower "
-        "is not mapped): pass a folder whose config.json is this config's text_config (model_type deepseek_v3 or "
-        "kimi_k2)")
+    assert single_error_line(proc.stderr) == (
+        f"merger: error: torchtitan {family} names are written as the text model of HF {vlm} (its vision tower is "
+        f"not mapped): pass a folder whose config.json is this config's text_config (model_type {text_types}) "
+        f"with --hf_model_config_path, {tmp_path / 'hf' / 'config.json'}")
