@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .kinds import KINDS
+
+if TYPE_CHECKING:
+    from .naming import VisionTower
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,9 @@ class Family:
     # HF model types (VLM wrappers) whose text model this family writes: their config.json is refused, naming
     # the text config to pass instead
     text_model_of: tuple[str, ...] = ()
+    # Its torchtitan checkpoints' vision tower, written whole (with the text model under the VLM's names) where
+    # config.json is one of the HF VLMs it names
+    torchtitan_vision: VisionTower | None = None
     mtp_count_key: str | None = None  # config.json's count of MTP layers; None: HF has no MTP layers for it
     # HF layer-row name -> the row count config.json fixes for it, for tensors a TP layout could leave ambiguous
     config_rows: dict[str, Callable[[dict], int]] = field(default_factory=dict)

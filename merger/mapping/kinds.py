@@ -77,6 +77,14 @@ def _swapped(name: str, shape: tuple[int, ...], config: dict):
     return tf.swapped_shapes(shape), tf.swap_last_dims
 
 
+def _patch_conv3d(name: str, shape: tuple[int, ...], config: dict):
+    # transformers' Qwen3.5 vision config defaults, where config.json leaves them out
+    vision = config.get("vision_config") or {}
+    kernel = (vision.get("in_channels", 3), vision.get("temporal_patch_size", 2), vision.get("patch_size", 16))
+    shapes = tf.patch_conv3d_shapes(shape, kernel, name)
+    return shapes, partial(tf.reshape, shape=shapes[0])
+
+
 KINDS: dict[str, Kind] = {}
 
 
@@ -103,6 +111,9 @@ register(
     # (in_proj_qkv, conv1d): rows [q; k; v]
     Kind("cat", 1, None, cat_dim=0),
     Kind("joined", 0, None),  # a tensor a join writes with its row's source: its row is made by the join's
+    # a ViT's patch embedding as a Linear over flattened patches [D, C*T*P*P] (torchtitan's Qwen3.5), as HF's Conv3d
+    # [D, C, T, P, P] (the same numbers: the Conv3d's stride is its kernel)
+    Kind("patch_conv3d", 1, _patch_conv3d),
 )
 
 

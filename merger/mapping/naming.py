@@ -28,11 +28,27 @@ class Naming:
     name: str  # in messages: "Megatron tensor ..."
     decoder: str  # then the decoder layer number i and a dot
     globals: tuple[Row, ...]  # rows of tensors outside the layers, named in full
-    mtp: MtpNaming
+    mtp: MtpNaming | None  # None: it holds no multi-token-prediction layers
+    hf_layer: str = "model.layers.{i}."  # where HF keeps layer i's rows
 
     def __post_init__(self):
         sources_once(self.globals, f"{self.name}'s global rows")
-        sources_once(self.mtp.rows, f"{self.name}'s MTP rows")
+        if self.mtp:
+            sources_once(self.mtp.rows, f"{self.name}'s MTP rows")
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """A torchtitan VLM's vision tower, written whole where config.json is the HF VLM's: its layers under its own
+    naming, and the text model's names moved under the VLM's (`model.` -> `text_prefix`)."""
+    model_types: tuple[str, ...]  # the HF VLMs' config.json model types
+    prefix: str  # the names of the tower's tensors start with it
+    naming: Naming  # its globals and where its blocks are, in the checkpoint and in HF
+    rows: tuple[Row, ...]  # its block rows
+    text_prefix: str  # where the VLM keeps what the text model keeps under `model.`
+
+    def text_name(self, name: str) -> str:
+        return self.text_prefix + name[len("model."):] if name.startswith("model.") else name
 
 
 @dataclass(frozen=True)
@@ -46,15 +62,16 @@ def compile_table(naming: Naming, rows: tuple[Row, ...]) -> list[Entry]:
     """Global rows, then each layer row for decoder layers and for MTP layers (a join's parts as rows of their
     own, kind joined), then the MTP layers' own rows."""
     def in_layer(row: Row) -> tuple[str, ...]:
-        return tuple("model.layers.{i}." + t for t in row.targets)
+        return tuple(naming.hf_layer + t for t in row.targets)
 
-    mtp = re.escape(naming.mtp.prefix) + r"(?P<j>\d+)\."
-    inner = "(?:" + "|".join(map(re.escape, naming.mtp.layer)) + ")"
     table = [Entry(row.pattern(""), row, row.targets) for row in naming.globals]
-    for row in [*rows, *(joined_part(row, part) for row in rows for part in row.joined)]:
-        table.append(Entry(row.pattern(re.escape(naming.decoder) + r"(?P<i>\d+)\."), row, in_layer(row)))
-        table.append(Entry(row.pattern(mtp + inner), row, in_layer(row)))
-    table += [Entry(row.pattern(mtp), row, in_layer(row)) for row in naming.mtp.rows]
+    rows = (*rows, *(joined_part(row, part) for row in rows for part in row.joined))
+    table += [Entry(row.pattern(re.escape(naming.decoder) + r"(?P<i>\d+)\."), row, in_layer(row)) for row in rows]
+    if naming.mtp:
+        mtp = re.escape(naming.mtp.prefix) + r"(?P<j>\d+)\."
+        inner = "(?:" + "|".join(map(re.escape, naming.mtp.layer)) + ")"
+        table += [Entry(row.pattern(mtp + inner), row, in_layer(row)) for row in rows]
+        table += [Entry(row.pattern(mtp), row, in_layer(row)) for row in naming.mtp.rows]
     return table
 
 

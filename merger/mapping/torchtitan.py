@@ -24,7 +24,7 @@ from .families import TORCHTITAN_FAMILIES as FAMILIES
 from .families import TORCHTITAN_UNMARKED
 from .family import Family, Row
 from .hf import model_config
-from .naming import compile_table, lookup
+from .naming import VisionTower, compile_table, lookup
 from .steps import Mapping, cast
 from .torchtitan_rows import DROPPED_BUFFERS, TORCHTITAN
 
@@ -54,7 +54,15 @@ def claims(catalog: Catalog, options: MergeOptions) -> bool:
     return options.model in MODELS
 
 
+def _vision(family: Family, config: dict) -> VisionTower | None:
+    """The family's vision tower where config.json is one of its HF VLMs, else None."""
+    tower = family.torchtitan_vision
+    return tower if tower and config.get("model_type") in tower.model_types else None
+
+
 def _checked_config(family: Family, config: dict, hf_dir) -> None:
+    if _vision(family, config):
+        return
     if config.get("model_type") in family.text_model_of:
         raise MergerError(f"torchtitan {family.name} names are written as the text model of HF "
                           f"{config['model_type']} (its vision tower is not mapped): pass a folder whose config.json "
@@ -81,6 +89,8 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
     _checked_config(family, config, hf_dir)
     table = compile_table(TORCHTITAN, family.torchtitan)
+    vision = _vision(family, config)
+    vision_table = compile_table(vision.naming, vision.rows) if vision else None
     layers = mtp.mtp_layers(catalog, TORCHTITAN, family, config, options)
     steps, stacks, skipped, left_out = [], {}, [], Counter()
     for name, t in catalog.tensors.items():
@@ -88,15 +98,18 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
             continue  # recomputed by HF, never a weight
         if name.startswith(TORCHTITAN.mtp.prefix) and not layers:
             continue  # --drop-mtp
+        in_tower = vision is not None and name.startswith(vision.prefix)
         outside = next((part for part in family.torchtitan_left_out if name.startswith(part[0])), None)
-        if outside:
+        if outside and not in_tower:
             left_out[outside] += 1
             continue
-        found = lookup(table, name, config.get("num_hidden_layers", 0))
+        found = lookup(vision_table if in_tower else table, name, config.get("num_hidden_layers", 0))
         if found is None:
             raise MergerError(f"tensor {name} has no HF name in torchtitan's {family.name} table (is this a "
                               f"torchtitan {family.name} checkpoint? --model names the family), {catalog.root}")
         row, targets = found
+        if vision and not in_tower:
+            targets = tuple(map(vision.text_name, targets))
         if row.kind == "joined":
             continue  # written by the row that joins it
         if row.kind == "skip" or (row.only_with and name.replace(row.source, row.only_with) not in catalog.tensors):
@@ -112,6 +125,8 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
             steps.append(kinds.step(name, t.shape, t.dtype, row.kind, targets, config))
     steps += mtp.shared_steps(catalog, TORCHTITAN, config, layers)
     note = f"merger: torchtitan {family.name} names, written as HF {config.get('model_type')}"
+    if vision:
+        note += " with its vision tower"
     if stacks:
         note += f"; {len(stacks)} stacked expert tensors split per expert"
     if layers:

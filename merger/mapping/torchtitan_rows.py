@@ -11,7 +11,7 @@ them. The families that use these rows are the records of families.py.
 from __future__ import annotations
 
 from .family import Row
-from .naming import MtpNaming, Naming
+from .naming import MtpNaming, Naming, VisionTower
 
 NORMS = (
     Row("attention_norm.weight", "rename", ("input_layernorm.weight",)),
@@ -113,6 +113,24 @@ QWEN3_5_MOE = ROUTED_EXPERTS + (  # and one shared expert behind a sigmoid gate
 # torchtitan's Qwen3.5 always builds its vision tower, and Kimi-K2.5 / K2.7 may hold one: the text model written
 # has no place for it
 VISION_TOWER = (("vision_encoder.", "the vision tower, which the HF text model has no place for"),)
+# Qwen3.5's vision tower, where config.json is the VLM's (qwen3_5, qwen3_5_moe): blocks with separate q, k, v
+# (weights and biases) HF fuses as qkv, the patch embedding a Linear HF keeps as a Conv3d
+QWEN3_5_VISION = VisionTower(
+    ("qwen3_5", "qwen3_5_moe"), "vision_encoder.",
+    Naming("torchtitan vision", "vision_encoder.layers.", hf_layer="model.visual.blocks.{i}.", mtp=None, globals=(
+        Row("vision_encoder.patch_embed.weight", "patch_conv3d", ("model.visual.patch_embed.proj.weight",)),
+        Row("vision_encoder.patch_embed.bias", "rename", ("model.visual.patch_embed.proj.bias",)),
+        Row("vision_encoder.pos_embed", "rename", ("model.visual.pos_embed.weight",)),
+        *(Row(f"vision_encoder.merger.{m}.{p}", "rename", (f"model.visual.merger.{m}.{p}",))
+          for m in ("norm", "linear_fc1", "linear_fc2") for p in ("weight", "bias")),
+    )),
+    rows=(
+        *(Row(f"{m}.{p}", "rename", (f"{m}.{p}",))
+          for m in ("norm1", "norm2", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2") for p in ("weight", "bias")),
+        *(Row(f"attn.wq.{p}", "cat", (f"attn.qkv.{p}",), joined=(f"attn.wk.{p}", f"attn.wv.{p}"))
+          for p in ("weight", "bias")),
+    ),
+    text_prefix="model.language_model.")
 
 TORCHTITAN = Naming(
     "torchtitan", "layers.",

@@ -91,3 +91,16 @@ def cat_shape(shapes: list[tuple[int, ...]], dim: int, names: tuple[str, ...]) -
 def cat(tensors: list[torch.Tensor], dim: int) -> list[torch.Tensor]:
     """Parts a framework keeps apart, as the one tensor HF fuses them into (torchtitan's Gated DeltaNet q, k, v)."""
     return [torch.cat(tensors, dim=dim)]
+
+
+def patch_conv3d_shapes(shape: tuple[int, ...], kernel: tuple[int, int, int], name: str) -> list[tuple[int, ...]]:
+    channels, frames, side = kernel
+    if len(shape) != 2 or shape[1] != channels * frames * side * side:
+        raise MergerError(f"tensor {name} is {shape}, but config.json's vision_config gives patches of {channels} "
+                          f"channels x {frames} frames x {side} x {side} (pass the HF config of this model with "
+                          f"--hf_model_config_path)")
+    return [(shape[0], channels, frames, side, side)]
+
+
+def reshape(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> list[torch.Tensor]:
+    return [tensors[0].reshape(shape)]

@@ -142,6 +142,20 @@ def test_cat_joins_torchtitans_separate_gated_deltanet_parts_as_hf_fuses_them():
         step("q", (4, 6), torch.float32, "cat", ("qkv",), {}, joined=(("k", (4, 5)),))
 
 
+def test_patch_conv3d_is_the_linear_over_flattened_patches():
+    """torch's own Conv3d with stride = kernel, on patches, gives what the Linear gives on them flattened."""
+    dim, channels, frames, side = 5, 3, 2, 2
+    linear = torch.randn(dim, channels * frames * side * side)
+    config = {"vision_config": {"in_channels": channels, "temporal_patch_size": frames, "patch_size": side}}
+    shapes, fn = _plan("patch_conv3d", tuple(linear.shape), config)
+    assert shapes == [(dim, channels, frames, side, side)]
+    patches = torch.randn(7, channels, frames, side, side)
+    conv = torch.nn.functional.conv3d(patches, fn([linear])[0], stride=(frames, side, side))
+    assert torch.allclose(conv.flatten(1), patches.flatten(1) @ linear.T, atol=1e-5)
+    with pytest.raises(MergerError, match="vision_config gives patches of 3 channels x 2 frames x 16 x 16"):
+        _plan("patch_conv3d", (dim, 24), {})  # transformers' defaults where config.json says nothing
+
+
 def test_a_join_names_its_parts_and_they_are_rows_of_no_one_else():
     with pytest.raises(ValueError, match=r"row 'attn.in_proj_q.weight': a cat row joins no tensors"):
         Row("attn.in_proj_q.weight", "cat", ("linear_attn.in_proj_qkv.weight",))

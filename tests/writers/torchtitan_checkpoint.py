@@ -169,6 +169,35 @@ def qwen3_5_hf_config(moe: bool = False):
     return transformers.Qwen3_5TextConfig(intermediate_size=FFN, architectures=["Qwen3_5ForCausalLM"], **shape)
 
 
+QW_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, in_channels=3, patch_size=2,
+                 temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=DIM, num_position_embeddings=16)
+VISION_GRID = [[1, 4, 4]]  # one image of 4 x 4 patches
+
+
+def qwen3_5_vlm_config(moe: bool = False):
+    """The HF VLM (qwen3_5 / qwen3_5_moe) of the same text model, with the vision tower torchtitan builds."""
+    import transformers
+
+    cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    return cls(text_config=qwen3_5_hf_config(moe).to_dict(), vision_config=QW_VISION, tie_word_embeddings=False,
+               architectures=["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"])
+
+
+def qwen3_5_vision_features(model) -> dict:
+    """torchtitan's vision tower on seeded patches of VISION_GRID, its block mask built eagerly (as its flex
+    attention runs, eager_flex_attention)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models.qwen3_5 import vision_encoder
+
+    vision_encoder.compiled_create_block_mask = create_block_mask
+    grid = torch.tensor(VISION_GRID)
+    torch.manual_seed(1)
+    patches = torch.randn(int(grid.prod()), 3 * 2 * 2 * 2)  # C x T x P x P per patch, QW_VISION's
+    with torch.no_grad():
+        features = model.vision_encoder(patches[None], grid_thw=grid)[0]
+    return {"patches": patches, "grid": grid, "features": features}
+
+
 def gated_deltanet_on_cpu() -> None:
     """Run torchtitan's Gated DeltaNet on CPU: its kernel through FLA's own pure-torch reference (FLA's kernels are
     Triton, GPU only; the kernel torchtitan calls normalizes q and k inside, use_qk_l2norm_in_kernel, as here), and
@@ -266,6 +295,8 @@ def main() -> None:
     p.add_argument("--reference", type=Path, help="llama: torchtitan's own to_hf output")
     p.add_argument("--logits", type=Path, help="torchtitan's own logits on TOKENS (with MTP: a list, main first)")
     p.add_argument("--mtp", type=int, default=0, help="deepseek_v3: multi-token-prediction layers")
+    p.add_argument("--hf-vlm", type=Path, help="qwen3_5: the HF VLM config of the same model, with its vision tower")
+    p.add_argument("--vision", type=Path, help="qwen3_5: torchtitan's vision tower output on seeded patches")
     args = p.parse_args()
 
     from safetensors.torch import save_file
@@ -288,12 +319,20 @@ def main() -> None:
     if args.family == "gpt_oss":  # its experts compute in bf16 (grouped mm): a bf16 model
         model = model.to(torch.bfloat16)
     with torch.no_grad():
+        if args.family.startswith("qwen3_5"):  # a sharp vision attention: with 0.1's its q and k could be swapped
+            for name, param in model.vision_encoder.named_parameters():  # unseen (nearly uniform scores)
+                if ".attn.wq." in name or ".attn.wk." in name:
+                    param.mul_(20)
         if args.family in ("deepseek_v3", "kimi_k2_7"):  # a routing bias that changes which experts are chosen
             for name, buffer in model.named_buffers():
                 if name.endswith("expert_bias_E"):
                     buffer.copy_(torch.randn_like(buffer) * 0.1)
     if rank == 0:
         hf().save_pretrained(args.hf)
+        if args.hf_vlm:
+            qwen3_5_vlm_config(moe=args.family == "qwen3_5_moe_text").save_pretrained(args.hf_vlm)
+        if args.vision:
+            torch.save(qwen3_5_vision_features(model.eval()), args.vision)
         if args.reference:
             oracle = Llama3StateDictAdapter(config, None).to_hf(model.state_dict())
             args.reference.mkdir(parents=True, exist_ok=True)
