@@ -6,8 +6,9 @@ the one family without marks (llama) when none does; or `--model torchtitan-<fam
 routed experts are stacked tensors ([E, F, D]); each expert's part is read on its own (sources/unstacked.py) and
 written under the per-expert names transformers saves. The head counts and the architecture come from the HF
 config, which a torchtitan checkpoint lacks: pass `--hf_model_config_path` with the config.json of the HF model
-to produce. Where a family writes the text model of a torchtitan VLM (Qwen3.5, Kimi-K2.5 / K2.7), the vision tower
-is left out and counted in the note, and the VLM's own config.json is refused, naming its text_config.
+to produce. A torchtitan VLM (Qwen3.5, Kimi-K2.5 / K2.7) is written whole where config.json is the HF VLM's and
+the family maps its vision tower (Qwen3.5); where it is the text model's, the tower is left out and counted in
+the note; a VLM config.json whose tower is not mapped (kimi_k25) is refused, naming its text_config.
 """
 from __future__ import annotations
 
