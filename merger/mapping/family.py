@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from .kinds import KINDS
-
-if TYPE_CHECKING:
-    from .naming import VisionTower
 
 
 @dataclass(frozen=True)
@@ -74,6 +71,23 @@ def sources_once(rows: tuple[Row, ...], where: str) -> None:
         if source in seen:
             raise ValueError(f"row {source!r} appears twice in {where}")
         seen.add(source)
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """A torchtitan VLM's vision tower, written whole where config.json is the HF VLM's: its tensors under their
+    own naming (globals named in full, block rows after `blocks` and block i, written after `hf_blocks`), and the
+    text model's names moved under the VLM's (`model.` -> `text_prefix`)."""
+    model_types: tuple[str, ...]  # the HF VLMs' config.json model types
+    prefix: str  # the names of the tower's tensors start with it
+    blocks: str  # then block i and a dot
+    hf_blocks: str  # where HF keeps block i's rows
+    globals: tuple[Row, ...]
+    rows: tuple[Row, ...]
+    text_prefix: str  # where the VLM keeps what the text model keeps under `model.`
+
+    def text_name(self, name: str) -> str:
+        return self.text_prefix + name[len("model."):] if name.startswith("model.") else name
 
 
 @dataclass(frozen=True)

@@ -38,20 +38,6 @@ class Naming:
 
 
 @dataclass(frozen=True)
-class VisionTower:
-    """A torchtitan VLM's vision tower, written whole where config.json is the HF VLM's: its layers under its own
-    naming, and the text model's names moved under the VLM's (`model.` -> `text_prefix`)."""
-    model_types: tuple[str, ...]  # the HF VLMs' config.json model types
-    prefix: str  # the names of the tower's tensors start with it
-    naming: Naming  # its globals and where its blocks are, in the checkpoint and in HF
-    rows: tuple[Row, ...]  # its block rows
-    text_prefix: str  # where the VLM keeps what the text model keeps under `model.`
-
-    def text_name(self, name: str) -> str:
-        return self.text_prefix + name[len("model."):] if name.startswith("model.") else name
-
-
-@dataclass(frozen=True)
 class Entry:
     pattern: re.Pattern  # with groups i (decoder layer), j (MTP layer), e (expert) as the name holds them
     row: Row

@@ -23,9 +23,9 @@ from ..sources.unstacked import unstacked
 from . import kinds, mtp
 from .families import TORCHTITAN_FAMILIES as FAMILIES
 from .families import TORCHTITAN_UNMARKED
-from .family import Family, Row
+from .family import Family, Row, VisionTower
 from .hf import model_config
-from .naming import VisionTower, compile_table, lookup
+from .naming import Naming, compile_table, lookup
 from .steps import Mapping, cast
 from .torchtitan_rows import DROPPED_BUFFERS, TORCHTITAN
 
@@ -91,7 +91,8 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     _checked_config(family, config, hf_dir)
     table = compile_table(TORCHTITAN, family.torchtitan)
     vision = _vision(family, config)
-    vision_table = compile_table(vision.naming, vision.rows) if vision else None
+    vision_table = compile_table(Naming("torchtitan vision", vision.blocks, vision.globals, None, vision.hf_blocks),
+                                 vision.rows) if vision else None
     layers = mtp.mtp_layers(catalog, TORCHTITAN, family, config, options)
     steps, stacks, skipped, left_out = [], {}, [], Counter()
     for name, t in catalog.tensors.items():

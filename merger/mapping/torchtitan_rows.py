@@ -10,8 +10,8 @@ them. The families that use these rows are the records of families.py.
 """
 from __future__ import annotations
 
-from .family import Row
-from .naming import MtpNaming, Naming, VisionTower
+from .family import Row, VisionTower
+from .naming import MtpNaming, Naming
 
 NORMS = (
     Row("attention_norm.weight", "rename", ("input_layernorm.weight",)),
@@ -116,14 +116,13 @@ VISION_TOWER = (("vision_encoder.", "the vision tower, which the HF text model h
 # Qwen3.5's vision tower, where config.json is the VLM's (qwen3_5, qwen3_5_moe): blocks with separate q, k, v
 # (weights and biases) HF fuses as qkv, the patch embedding a Linear HF keeps as a Conv3d
 QWEN3_5_VISION = VisionTower(
-    ("qwen3_5", "qwen3_5_moe"), "vision_encoder.",
-    Naming("torchtitan vision", "vision_encoder.layers.", hf_layer="model.visual.blocks.{i}.", mtp=None, globals=(
+    ("qwen3_5", "qwen3_5_moe"), "vision_encoder.", "vision_encoder.layers.", "model.visual.blocks.{i}.", globals=(
         Row("vision_encoder.patch_embed.weight", "patch_conv3d", ("model.visual.patch_embed.proj.weight",)),
         Row("vision_encoder.patch_embed.bias", "rename", ("model.visual.patch_embed.proj.bias",)),
         Row("vision_encoder.pos_embed", "rename", ("model.visual.pos_embed.weight",)),
         *(Row(f"vision_encoder.merger.{m}.{p}", "rename", (f"model.visual.merger.{m}.{p}",))
           for m in ("norm", "linear_fc1", "linear_fc2") for p in ("weight", "bias")),
-    )),
+    ),
     rows=(
         *(Row(f"{m}.{p}", "rename", (f"{m}.{p}",))
           for m in ("norm1", "norm2", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2") for p in ("weight", "bias")),
