@@ -1,5 +1,5 @@
 """torchtitan 0.3.0's qwen3_5 and kimi_k2_7 models, as DCP checkpoints torchtitan itself writes on 2 gloo ranks
-(tests/writers/torchtitan_checkpoint.py), merged into the HF text model each one's VLM wraps.
+(tests/writers/torchtitan_checkpoint.py), merged into HF's VLM or the text model it wraps.
 
 - Qwen3.5 dense and MoE: a Gated DeltaNet layer (separate q, k, v projections and conv channels, which HF fuses
   into in_proj_qkv and conv1d) and a gated full-attention layer; MoE with a gated shared expert. Its vision
@@ -8,8 +8,9 @@
 - Kimi-K2.5 / K2.7: DeepSeek-V3 with a MoonViT vision tower, written as HF deepseek_v3 with the tower left out.
 
 Oracle: torchtitan's own forward logits of the unsharded model (and its vision tower's features) against
-transformers' forward of the merged folder, and the names and shapes save_pretrained writes for the same config. The torchtitan Gated DeltaNet runs
-through FLA's pure-torch reference of its kernel (the writer's gated_deltanet_on_cpu).
+transformers' forward of the merged folder, and the names and shapes save_pretrained writes for the same config.
+The torchtitan Gated DeltaNet runs through FLA's pure-torch reference of its kernel (the writer's
+gated_deltanet_on_cpu).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import transformers
 
 from conftest import load_safetensors_folder, run_merger, single_error_line
 from test_torchtitan import TOKENS, _written_by_torchtitan
+
+VLM = transformers.AutoModelForImageTextToText  # qwen3_5's and qwen3_5_moe's Auto class
 
 
 def _qwen3_5_in_torch():
@@ -120,14 +123,14 @@ def test_qwen3_5_vlm_gives_torchtitan_logits_and_vision_features(qwen3_5_written
     root, vlm = qwen3_5_written
     proc = _merge(root, tmp_path / "out", hf=vlm / "hf", nproc=2)
     assert "merger: torchtitan qwen3_5 names, written as HF qwen3_5 with its vision tower\n" in proc.stderr
-    model = _loaded(tmp_path / "out", "Qwen3_5ForConditionalGeneration", transformers.AutoModelForImageTextToText)
+    model = _loaded(tmp_path / "out", "Qwen3_5ForConditionalGeneration", VLM)
     vision = torch.load(vlm / "vision.pt", weights_only=True)
     with torch.no_grad():
         logits = model(torch.tensor(TOKENS)).logits
         features = model.model.visual(vision["patches"], grid_thw=vision["grid"]).pooler_output
     assert (logits - torch.load(root / "logits.pt", weights_only=True)).abs().max().item() < 1e-4
     assert (features - vision["features"]).abs().max().item() < 1e-4
-    _as_save_pretrained_writes(tmp_path / "out", vlm / "hf", tmp_path / "saved", transformers.AutoModelForImageTextToText)
+    _as_save_pretrained_writes(tmp_path / "out", vlm / "hf", tmp_path / "saved", VLM)
 
 
 def test_qwen3_5_moe_experts_give_torchtitan_logits(qwen3_5_moe_written, tmp_path):
@@ -145,10 +148,9 @@ def test_qwen3_5_moe_experts_give_torchtitan_logits(qwen3_5_moe_written, tmp_pat
             "layers.0.moe.expert_bias_E (Qwen3.5-MoE routes") in proc.stderr
     # and as the MoE VLM, with its vision tower
     _merge(root, tmp_path / "vlm", hf=vlm / "hf")
-    vlm_logits = _logits(tmp_path / "vlm", "Qwen3_5MoeForConditionalGeneration", transformers.AutoModelForImageTextToText)
+    vlm_logits = _logits(tmp_path / "vlm", "Qwen3_5MoeForConditionalGeneration", VLM)
     assert (vlm_logits - titan).abs().max().item() < 0.02 * titan.abs().max().item()
-    _as_save_pretrained_writes(tmp_path / "vlm", vlm / "hf", tmp_path / "vlm_saved",
-                               transformers.AutoModelForImageTextToText)
+    _as_save_pretrained_writes(tmp_path / "vlm", vlm / "hf", tmp_path / "vlm_saved", VLM)
 
 
 @pytest.fixture(scope="session")
