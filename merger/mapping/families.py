@@ -32,6 +32,9 @@ FAMILIES = (
            torchtitan=tr.NORMS + tr.MLA + tr.DENSE_FFN + tr.ROUTED_EXPERTS + tr.SHARED_EXPERTS + (
                Row("moe.expert_bias_E", "rename", ("mlp.gate.e_score_correction_bias",)),),
            torchtitan_marks=("attention.wkv_a.weight",),
+           # torchtitan's kimi_k2_7 (Kimi-K2.5 / K2.7) is this model with a vision tower: its text model is written,
+           # as deepseek_v3; transformers' kimi_k25 wraps it with the vision tower
+           torchtitan_left_out=tr.VISION_TOWER, text_model_of=("kimi_k25",),
            mtp_count_key="num_nextn_predict_layers",
            # TE keeps MLA's down projections whole on every rank, the local spec splits them
            config_rows={"self_attn.q_a_proj.weight": lambda c: c["q_lora_rank"],
@@ -40,6 +43,12 @@ FAMILIES = (
     # layers are HF's model.layers.{L+k}, as DeepSeek-V3's are
     Family("glm4_moe", ("glm4_moe",), megatron=mr.ATTENTION + mr.QK_NORM + mr.DENSE_MLP + mr.DEEPSEEK_MOE,
            mtp_count_key="num_nextn_predict_layers"),
+    # Qwen3.5 / 3.6 dense and MoE (a Gated DeltaNet and gated full attention hybrid, layer_types in config.json):
+    # the VLM with its vision tower (qwen3_5, qwen3_5_moe), or the text model alone, the tower left out
+    Family("qwen3_5", ("qwen3_5_text", "qwen3_5_moe_text"),
+           torchtitan=tr.NORMS + tr.QWEN3_5_ATTENTION + tr.GATED_DELTANET + tr.DENSE_FFN + tr.QWEN3_5_MOE,
+           torchtitan_marks=("attn.wq.weight", "attn.in_proj_q.weight"), torchtitan_left_out=tr.VISION_TOWER,
+           torchtitan_vision=tr.QWEN3_5_VISION),
     Family("gpt_oss", ("gpt_oss",), torchtitan=tr.NORMS + tr.GPT_OSS,
            torchtitan_marks=("moe.routed_experts.inner_experts.mlp1_weight_EGD",)),
 )
@@ -50,7 +59,8 @@ TORCHTITAN_FAMILIES = tuple(f for f in FAMILIES if f.torchtitan)
 def _one_family_per_model_type(families: tuple[Family, ...]) -> None:
     owner: dict[str, str] = {}
     for family in families:
-        for model_type in family.model_types:
+        vlms = family.torchtitan_vision.model_types if family.torchtitan_vision else ()
+        for model_type in family.model_types + family.text_model_of + vlms:
             if owner.setdefault(model_type, family.name) != family.name:
                 raise ValueError(f"model type {model_type!r} belongs to families {owner[model_type]} and {family.name}")
 

@@ -2,14 +2,17 @@
 
 A `Row` maps one source tensor: its name (after the layer prefix for a layer row), its kind (kinds.py: the
 shape rule and transform that make it HF's) and the HF names it becomes (after `model.layers.{i}.` for a layer
-row; `{e}` is the expert number). A skip gives no names but the reason HF has no place for the tensor. Rows are
-checked when built, so a table with an unknown kind, a rename with several targets or a reasonless skip fails
-at import, naming the row.
+row; `{e}` is the expert number). A skip gives no names but the reason HF has no place for the tensor. A join
+(a kind with a `cat_dim`) writes its source and the tensors it names in `joined` as one HF tensor, where HF
+fuses what the framework keeps apart. Rows are checked when built, so a table with an unknown kind, a rename
+with several targets or a reasonless skip fails at import, naming the row.
 
 A `Family` holds what merger knows of one model family: the config.json model types it writes, its layer rows
 under each training framework's names (Megatron's, torchtitan's; none: that framework's checkpoints of it are
-not mapped), what tells its torchtitan checkpoints apart, whether HF has multi-token-prediction layers for it,
-and the row counts config.json fixes. The records are in families.py; adding a family is adding a record.
+not mapped), what tells its torchtitan checkpoints apart and what of them it leaves out (a vision tower its text
+model has no place for), the VLMs whose text model it is, the vision tower it writes for a VLM's config.json,
+whether HF has multi-token-prediction layers for it, and the row counts config.json fixes. The records are in
+families.py; adding a family is adding a record.
 """
 from __future__ import annotations
 
@@ -29,11 +32,17 @@ class Row:
     # A tensor of the same layer the row needs beside it (named as `source` is): without it the tensor is a
     # placeholder, left out for `reason` (torchtitan's MLA builds a query norm even without q-LoRA).
     only_with: str = ""
+    # Tensors of the same layer (named as `source` is) a join writes after `source`, in this order, in its one HF
+    # tensor: torchtitan's in_proj_k and in_proj_v after in_proj_q in HF's in_proj_qkv.
+    joined: tuple[str, ...] = ()
 
     def __post_init__(self):
         kind = KINDS.get(self.kind)
         if kind is None:
             raise ValueError(f"row {self.source!r}: unknown kind {self.kind!r} (known: {', '.join(KINDS)})")
+        if bool(self.joined) != (kind.cat_dim is not None):
+            raise ValueError(f"row {self.source!r}: a {self.kind} row "
+                             f"{'names no tensors to join' if self.joined else 'joins no tensors'}")
         if not isinstance(self.targets, tuple) or len(self.targets) != kind.targets:
             raise ValueError(f"row {self.source!r}: a {self.kind} row has {kind.targets} HF name(s), not "
                              f"{self.targets!r}")
@@ -51,13 +60,35 @@ class Row:
         return re.compile(prefix + re.escape(self.source).replace(r"\{e\}", r"(?P<e>\d+)"))
 
 
+def joined_part(row: Row, part: str) -> Row:
+    """The row a tensor that `row` joins is found by: written by `row`, never on its own."""
+    return Row(part, "joined", reason=f"written with {row.source} as {row.targets[0]}")
+
+
 def sources_once(rows: tuple[Row, ...], where: str) -> None:
-    """A table names each source once: a second row for it would never be reached."""
+    """A table names each source once (a join's parts too): a second row for it would never be reached."""
     seen = set()
-    for row in rows:
-        if row.source in seen:
-            raise ValueError(f"row {row.source!r} appears twice in {where}")
-        seen.add(row.source)
+    for source in (name for row in rows for name in (row.source, *row.joined)):
+        if source in seen:
+            raise ValueError(f"row {source!r} appears twice in {where}")
+        seen.add(source)
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """A torchtitan VLM's vision tower, written whole where config.json is the HF VLM's: its tensors under their
+    own naming (globals named in full, block rows after `blocks` and block i, written after `hf_blocks`), and the
+    text model's names moved under the VLM's (`model.` -> `text_prefix`)."""
+    model_types: tuple[str, ...]  # the HF VLMs' config.json model types
+    prefix: str  # the names of the tower's tensors start with it
+    blocks: str  # then block i and a dot
+    hf_blocks: str  # where HF keeps block i's rows
+    globals: tuple[Row, ...]
+    rows: tuple[Row, ...]
+    text_prefix: str  # where the VLM keeps what the text model keeps under `model.`
+
+    def text_name(self, name: str) -> str:
+        return self.text_prefix + name[len("model."):] if name.startswith("model.") else name
 
 
 @dataclass(frozen=True)
@@ -70,6 +101,15 @@ class Family:
     # they tell it apart; the one torchtitan family without any is what names nothing else marks are.
     torchtitan_marks: tuple[str, ...] = ()
     torchtitan_any_config: bool = False  # its torchtitan names fit any model_type's config (a plain Llama's)
+    # Name prefixes of the torchtitan checkpoint's tensors outside the HF model written, with why: a vision tower
+    # the text model has no place for. They are left out and counted in the merge's note, never refused.
+    torchtitan_left_out: tuple[tuple[str, str], ...] = ()
+    # HF model types (VLM wrappers) whose text model this family writes: their config.json is refused, naming
+    # the text config to pass instead
+    text_model_of: tuple[str, ...] = ()
+    # Its torchtitan checkpoints' vision tower, written whole (with the text model under the VLM's names) where
+    # config.json is one of the HF VLMs it names
+    torchtitan_vision: VisionTower | None = None
     mtp_count_key: str | None = None  # config.json's count of MTP layers; None: HF has no MTP layers for it
     # HF layer-row name -> the row count config.json fixes for it, for tensors a TP layout could leave ambiguous
     config_rows: dict[str, Callable[[dict], int]] = field(default_factory=dict)
@@ -77,10 +117,14 @@ class Family:
     def __post_init__(self):
         for naming, rows in (("Megatron", self.megatron), ("torchtitan", self.torchtitan)):
             sources_once(rows, f"the {self.name} family's {naming} rows")
+            for row in rows:
+                if row.kind == "joined":
+                    raise ValueError(f"row {row.source!r} of the {self.name} family: a joined tensor is named in "
+                                     f"the `joined` of the row that writes it")
         for row in self.megatron:  # the Megatron mapper maps every row it matches: it has no skip to honour
-            if row.kind == "skip" or row.only_with:
-                raise ValueError(f"row {row.source!r} of the {self.name} family: Megatron rows name weights (the "
-                                 f"named rules of sources/megatron_skips.py leave the rest out)")
+            if row.kind == "skip" or row.only_with or row.joined:
+                raise ValueError(f"row {row.source!r} of the {self.name} family: Megatron rows name weights, "
+                                 f"one each (the named rules of sources/megatron_skips.py leave the rest out)")
         sources = {row.source for row in self.torchtitan}
         for mark in self.torchtitan_marks:
             if mark not in sources:

@@ -2,7 +2,8 @@
 kind gives, and its plan, the HF shapes a source tensor becomes with the transform that makes them (None: the
 tensor as it is, written as a cast the reading rank can place itself). A new transform is one more registered
 kind, testable alone through its plan; a row naming a kind not registered here is refused when its table is
-imported.
+imported. A join (`cat_dim`) has no plan of its own: it writes its row's source and the tensors the row joins
+as one HF tensor, concatenated along that dim (`step`).
 """
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ Plan = Callable[[str, tuple[int, ...], dict], tuple[list[tuple[int, ...]], Trans
 class Kind:
     name: str
     targets: int  # the HF names a row of this kind gives; 0: a skip, whose row says why instead
-    plan: Plan | None  # None: a skip, never planned
+    plan: Plan | None  # None: a skip, never planned, or a join
     # An [E, ...] stack of a MoE layer's routed experts, each expert's part written under its own HF name (`{e}`
     # in the row's target); the plan is one expert's.
     per_expert: bool = False
+    cat_dim: int | None = None  # a join: the dim its parts are concatenated along
 
 
 def head_counts(config: dict) -> tuple[int, int, int]:
@@ -75,6 +77,14 @@ def _swapped(name: str, shape: tuple[int, ...], config: dict):
     return tf.swapped_shapes(shape), tf.swap_last_dims
 
 
+def _patch_conv3d(name: str, shape: tuple[int, ...], config: dict):
+    # transformers' Qwen3.5 vision config defaults, where config.json leaves them out
+    vision = config.get("vision_config") or {}
+    kernel = (vision.get("in_channels", 3), vision.get("temporal_patch_size", 2), vision.get("patch_size", 16))
+    shapes = tf.patch_conv3d_shapes(shape, kernel, name)
+    return shapes, partial(tf.reshape, shape=shapes[0])
+
+
 KINDS: dict[str, Kind] = {}
 
 
@@ -97,12 +107,25 @@ register(
     # dims swapped, gate and up still interleaved as both interleave them
     Kind("experts_fused", 1, _swapped),
     Kind("skip", 0, None),  # no HF equivalent: left out, for the reason its row gives
+    # torchtitan's Qwen3.5 Gated DeltaNet keeps q, k and v apart (projections, conv channels) where HF fuses them
+    # (in_proj_qkv, conv1d): rows [q; k; v]
+    Kind("cat", 1, None, cat_dim=0),
+    Kind("joined", 0, None),  # a tensor a join writes with its row's source: its row is made by the join's
+    # a ViT's patch embedding as a Linear over flattened patches [D, C*T*P*P] (torchtitan's Qwen3.5), as HF's Conv3d
+    # [D, C, T, P, P] (the same numbers: the Conv3d's stride is its kernel)
+    Kind("patch_conv3d", 1, _patch_conv3d),
 )
 
 
 def step(name: str, shape: tuple[int, ...], dtype: torch.dtype, kind: str, targets: tuple[str, ...],
-         config: dict) -> Step:
-    """The step writing source tensor `name` as `targets` under its row's `kind`."""
+         config: dict, joined: tuple[tuple[str, tuple[int, ...]], ...] = ()) -> Step:
+    """The step writing source tensor `name` as `targets` under its row's `kind`; a join writes it and the
+    `joined` tensors (name, shape) after it as its one target."""
+    dim = KINDS[kind].cat_dim
+    if dim is not None:
+        names, shapes = (name, *(n for n, _ in joined)), [shape, *(s for _, s in joined)]
+        return Step(names, (OutputSpec(targets[0], tf.cat_shape(shapes, dim, names), dtype),),
+                    partial(tf.cat, dim=dim))
     shapes, fn = KINDS[kind].plan(name, shape, config)
     if fn is None:
         return cast(name, targets[0], shape, dtype)

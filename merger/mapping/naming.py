@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .family import Row, sources_once
+from .family import Row, joined_part, sources_once
 
 
 @dataclass(frozen=True)
@@ -28,11 +28,13 @@ class Naming:
     name: str  # in messages: "Megatron tensor ..."
     decoder: str  # then the decoder layer number i and a dot
     globals: tuple[Row, ...]  # rows of tensors outside the layers, named in full
-    mtp: MtpNaming
+    mtp: MtpNaming | None  # None: it holds no multi-token-prediction layers
+    hf_layer: str = "model.layers.{i}."  # where HF keeps layer i's rows
 
     def __post_init__(self):
         sources_once(self.globals, f"{self.name}'s global rows")
-        sources_once(self.mtp.rows, f"{self.name}'s MTP rows")
+        if self.mtp:
+            sources_once(self.mtp.rows, f"{self.name}'s MTP rows")
 
 
 @dataclass(frozen=True)
@@ -43,17 +45,19 @@ class Entry:
 
 
 def compile_table(naming: Naming, rows: tuple[Row, ...]) -> list[Entry]:
-    """Global rows, then each layer row for decoder layers and for MTP layers, then the MTP layers' own rows."""
+    """Global rows, then each layer row for decoder layers and for MTP layers (a join's parts as rows of their
+    own, kind joined), then the MTP layers' own rows."""
     def in_layer(row: Row) -> tuple[str, ...]:
-        return tuple("model.layers.{i}." + t for t in row.targets)
+        return tuple(naming.hf_layer + t for t in row.targets)
 
-    mtp = re.escape(naming.mtp.prefix) + r"(?P<j>\d+)\."
-    inner = "(?:" + "|".join(map(re.escape, naming.mtp.layer)) + ")"
     table = [Entry(row.pattern(""), row, row.targets) for row in naming.globals]
-    for row in rows:
-        table.append(Entry(row.pattern(re.escape(naming.decoder) + r"(?P<i>\d+)\."), row, in_layer(row)))
-        table.append(Entry(row.pattern(mtp + inner), row, in_layer(row)))
-    table += [Entry(row.pattern(mtp), row, in_layer(row)) for row in naming.mtp.rows]
+    rows = (*rows, *(joined_part(row, part) for row in rows for part in row.joined))
+    table += [Entry(row.pattern(re.escape(naming.decoder) + r"(?P<i>\d+)\."), row, in_layer(row)) for row in rows]
+    if naming.mtp:
+        mtp = re.escape(naming.mtp.prefix) + r"(?P<j>\d+)\."
+        inner = "(?:" + "|".join(map(re.escape, naming.mtp.layer)) + ")"
+        table += [Entry(row.pattern(mtp + inner), row, in_layer(row)) for row in rows]
+        table += [Entry(row.pattern(mtp), row, in_layer(row)) for row in naming.mtp.rows]
     return table
 
 

@@ -6,11 +6,14 @@ the one family without marks (llama) when none does; or `--model torchtitan-<fam
 routed experts are stacked tensors ([E, F, D]); each expert's part is read on its own (sources/unstacked.py) and
 written under the per-expert names transformers saves. The head counts and the architecture come from the HF
 config, which a torchtitan checkpoint lacks: pass `--hf_model_config_path` with the config.json of the HF model
-to produce.
+to produce. A torchtitan VLM (Qwen3.5, Kimi-K2.5 / K2.7) is written whole where config.json is the HF VLM's and
+the family maps its vision tower (Qwen3.5); where it is the text model's, the tower is left out and counted in
+the note; a VLM config.json whose tower is not mapped (kimi_k25) is refused, naming its text_config.
 """
 from __future__ import annotations
 
 import re
+from collections import Counter
 from functools import partial
 
 from ..catalog import Catalog
@@ -20,9 +23,9 @@ from ..sources.unstacked import unstacked
 from . import kinds, mtp
 from .families import TORCHTITAN_FAMILIES as FAMILIES
 from .families import TORCHTITAN_UNMARKED
-from .family import Family
+from .family import Family, Row, VisionTower
 from .hf import model_config
-from .naming import compile_table, lookup
+from .naming import Naming, compile_table, lookup
 from .steps import Mapping, cast
 from .torchtitan_rows import DROPPED_BUFFERS, TORCHTITAN
 
@@ -31,8 +34,8 @@ _LAYER_ROW = re.compile(r"layers\.\d+\.(.*)")
 
 
 def looks_like_torchtitan(names) -> bool:
-    return any(n == "tok_embeddings.weight" or re.fullmatch(r"layers\.\d+\.attention\.(qkv_linear\.)?wq\.weight", n)
-               for n in names)
+    return any(n == "tok_embeddings.weight" or re.fullmatch(
+        r"layers\.\d+\.(attention\.(qkv_linear\.)?wq|attn\.(wq|in_proj_q))\.weight", n) for n in names)
 
 
 def family_of(names, root) -> Family:
@@ -52,11 +55,34 @@ def claims(catalog: Catalog, options: MergeOptions) -> bool:
     return options.model in MODELS
 
 
+def _vision(family: Family, config: dict) -> VisionTower | None:
+    """The family's vision tower where config.json is one of its HF VLMs, else None."""
+    tower = family.torchtitan_vision
+    return tower if tower and config.get("model_type") in tower.model_types else None
+
+
 def _checked_config(family: Family, config: dict, hf_dir) -> None:
+    if _vision(family, config):
+        return
+    if config.get("model_type") in family.text_model_of:
+        raise MergerError(f"torchtitan {family.name} names are written as the text model of HF "
+                          f"{config['model_type']} (its vision tower is not mapped): pass a folder whose config.json "
+                          f"is this config's text_config (model_type {' or '.join(family.model_types)}) with "
+                          f"--hf_model_config_path, {hf_dir / 'config.json'}")
     if not family.torchtitan_any_config and config.get("model_type") not in family.model_types:
         raise MergerError(f"torchtitan {family.name} names, but config.json has model_type "
                           f"{config.get('model_type')!r} (expected {' or '.join(family.model_types)}): pass the HF "
                           f"config of this model with --hf_model_config_path, {hf_dir / 'config.json'}")
+
+
+def _parts(catalog: Catalog, name: str, row: Row) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The tensors of `name`'s layer that its row joins to it, with their shapes."""
+    parts = []
+    for part in (name.replace(row.source, j) for j in row.joined):
+        if part not in catalog.tensors:
+            raise MergerError(f"tensor {name} is written with {part}, which the checkpoint lacks, {catalog.root}")
+        parts.append((part, catalog.tensors[part].shape))
+    return tuple(parts)
 
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
@@ -64,20 +90,35 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
     _checked_config(family, config, hf_dir)
     table = compile_table(TORCHTITAN, family.torchtitan)
+    vision = _vision(family, config)
+    vision_table = compile_table(Naming("torchtitan vision", vision.blocks, vision.globals, None, vision.hf_blocks),
+                                 vision.rows) if vision else None
     layers = mtp.mtp_layers(catalog, TORCHTITAN, family, config, options)
-    steps, stacks, skipped = [], {}, []
+    steps, stacks, skipped, left_out = [], {}, [], Counter()
     for name, t in catalog.tensors.items():
         if any(name == b or name.endswith("." + b) for b in DROPPED_BUFFERS):
             continue  # recomputed by HF, never a weight
         if name.startswith(TORCHTITAN.mtp.prefix) and not layers:
             continue  # --drop-mtp
-        found = lookup(table, name, config.get("num_hidden_layers", 0))
+        in_tower = vision is not None and name.startswith(vision.prefix)
+        outside = next((part for part in family.torchtitan_left_out if name.startswith(part[0])), None)
+        if outside and not in_tower:
+            left_out[outside] += 1
+            continue
+        found = lookup(vision_table if in_tower else table, name, config.get("num_hidden_layers", 0))
         if found is None:
             raise MergerError(f"tensor {name} has no HF name in torchtitan's {family.name} table (is this a "
                               f"torchtitan {family.name} checkpoint? --model names the family), {catalog.root}")
         row, targets = found
+        if vision and not in_tower:
+            targets = tuple(map(vision.text_name, targets))
+        if row.kind == "joined":
+            continue  # written by the row that joins it
         if row.kind == "skip" or (row.only_with and name.replace(row.source, row.only_with) not in catalog.tensors):
             skipped.append(f"{name} ({row.reason})")
+        elif row.joined:
+            steps.append(kinds.step(name, t.shape, t.dtype, row.kind, targets, config,
+                                    joined=_parts(catalog, name, row)))
         elif kinds.KINDS[row.kind].per_expert:
             stacks[name] = partial("{}.{}".format, name)
             (shape,), _ = kinds.KINDS[row.kind].plan(name, t.shape, config)
@@ -86,12 +127,15 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
             steps.append(kinds.step(name, t.shape, t.dtype, row.kind, targets, config))
     steps += mtp.shared_steps(catalog, TORCHTITAN, config, layers)
     note = f"merger: torchtitan {family.name} names, written as HF {config.get('model_type')}"
+    if vision:
+        note += " with its vision tower"
     if stacks:
         note += f"; {len(stacks)} stacked expert tensors split per expert"
     if layers:
         note += f"; {len(layers)} MTP layers written after the decoder layers"
     elif options.drop_mtp and any(n.startswith(TORCHTITAN.mtp.prefix) for n in catalog.tensors):
         note += "; MTP layers left out (--drop-mtp)"
+    skipped += [f"{prefix}* ({count} tensors: {why})" for (prefix, why), count in left_out.items()]
     if skipped:
         note += f"; left out: {', '.join(skipped)}"
     return Mapping(steps, hf_dir, config, config_updates=mtp.count_update(family, layers), notes=(note,),

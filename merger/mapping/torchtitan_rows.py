@@ -5,12 +5,12 @@ Layer rows follow `layers.{i}.`. Both naming generations of torchtitan are accep
 rotary_kv); Qwen3 (CosSinRoPE) and DeepSeek-V3 (HF's `rope_interleave`) need no permutation. A MoE layer's
 routed experts are stacked [E, ...] tensors (kind experts). MLA's query norm is written only beside q-LoRA's
 `wq_a`: without it torchtitan still builds a 1-element placeholder, which HF has no place for. torchtitan's MTP
-block `mtp_layers.{j}.` holds its own rows beside its transformer layer's. The families that use these rows are
-the records of families.py.
+block `mtp_layers.{j}.` holds its own rows beside its transformer layer's. Qwen3.5's rows are explained beside
+them. The families that use these rows are the records of families.py.
 """
 from __future__ import annotations
 
-from .family import Row
+from .family import Row, VisionTower
 from .naming import MtpNaming, Naming
 
 NORMS = (
@@ -79,6 +79,58 @@ GPT_OSS = (  # attention with biases and sinks, a router with a bias, experts fu
     Row("moe.expert_bias_E", "skip", reason="GPT-OSS routes by the router's logits alone: torchtitan's "
                                             "load-balancing bias has no HF equivalent"),
 )
+# Qwen3.5 (torchtitan's qwen3_5): every layer's mixer is `attn.`, either gated full attention (wq holds each
+# head's query then its gate, as HF's q_proj does; q/k norms weigh 1 + w on both sides) or a Gated DeltaNet, whose
+# separate q, k, v projections and conv channels HF fuses (kind cat). The gated norm weighs w on both sides.
+QWEN3_5_ATTENTION = (
+    Row("attn.wq.weight", "rename", ("self_attn.q_proj.weight",)),
+    Row("attn.wk.weight", "rename", ("self_attn.k_proj.weight",)),
+    Row("attn.wv.weight", "rename", ("self_attn.v_proj.weight",)),
+    Row("attn.wo.weight", "rename", ("self_attn.o_proj.weight",)),
+    Row("attn.q_norm.weight", "rename", ("self_attn.q_norm.weight",)),
+    Row("attn.k_norm.weight", "rename", ("self_attn.k_norm.weight",)),
+)
+GATED_DELTANET = (
+    Row("attn.in_proj_q.weight", "cat", ("linear_attn.in_proj_qkv.weight",),
+        joined=("attn.in_proj_k.weight", "attn.in_proj_v.weight")),
+    Row("attn.in_proj_z.weight", "rename", ("linear_attn.in_proj_z.weight",)),
+    Row("attn.in_proj_b.weight", "rename", ("linear_attn.in_proj_b.weight",)),
+    Row("attn.in_proj_a.weight", "rename", ("linear_attn.in_proj_a.weight",)),
+    Row("attn.conv_q.weight", "cat", ("linear_attn.conv1d.weight",),
+        joined=("attn.conv_k.weight", "attn.conv_v.weight")),
+    Row("attn.A_log", "rename", ("linear_attn.A_log",)),
+    Row("attn.dt_bias", "rename", ("linear_attn.dt_bias",)),
+    Row("attn.norm.weight", "rename", ("linear_attn.norm.weight",)),
+    Row("attn.out_proj.weight", "rename", ("linear_attn.out_proj.weight",)),
+)
+QWEN3_5_MOE = ROUTED_EXPERTS + (  # and one shared expert behind a sigmoid gate
+    Row("moe.shared_experts.w1.weight", "rename", ("mlp.shared_expert.gate_proj.weight",)),
+    Row("moe.shared_experts.w2.weight", "rename", ("mlp.shared_expert.down_proj.weight",)),
+    Row("moe.shared_experts.w3.weight", "rename", ("mlp.shared_expert.up_proj.weight",)),
+    Row("moe.shared_experts.gate.weight", "rename", ("mlp.shared_expert_gate.weight",)),
+    Row("moe.expert_bias_E", "skip", reason="Qwen3.5-MoE routes by scores alone: torchtitan's load-balancing bias "
+                                            "has no HF equivalent"),
+)
+# torchtitan's Qwen3.5 always builds its vision tower, and Kimi-K2.5 / K2.7 may hold one: the text model written
+# has no place for it
+VISION_TOWER = (("vision_encoder.", "the vision tower, which the HF text model has no place for"),)
+# Qwen3.5's vision tower, where config.json is the VLM's (qwen3_5, qwen3_5_moe): blocks with separate q, k, v
+# (weights and biases) HF fuses as qkv, the patch embedding a Linear HF keeps as a Conv3d
+QWEN3_5_VISION = VisionTower(
+    ("qwen3_5", "qwen3_5_moe"), "vision_encoder.", "vision_encoder.layers.", "model.visual.blocks.{i}.", globals=(
+        Row("vision_encoder.patch_embed.weight", "patch_conv3d", ("model.visual.patch_embed.proj.weight",)),
+        Row("vision_encoder.patch_embed.bias", "rename", ("model.visual.patch_embed.proj.bias",)),
+        Row("vision_encoder.pos_embed", "rename", ("model.visual.pos_embed.weight",)),
+        *(Row(f"vision_encoder.merger.{m}.{p}", "rename", (f"model.visual.merger.{m}.{p}",))
+          for m in ("norm", "linear_fc1", "linear_fc2") for p in ("weight", "bias")),
+    ),
+    rows=(
+        *(Row(f"{m}.{p}", "rename", (f"{m}.{p}",))
+          for m in ("norm1", "norm2", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2") for p in ("weight", "bias")),
+        *(Row(f"attn.wq.{p}", "cat", (f"attn.qkv.{p}",), joined=(f"attn.wk.{p}", f"attn.wv.{p}"))
+          for p in ("weight", "bias")),
+    ),
+    text_prefix="model.language_model.")
 
 TORCHTITAN = Naming(
     "torchtitan", "layers.",

@@ -77,3 +77,30 @@ def swapped_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
 def swap_last_dims(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """[E, out, in] -> [E, in, out]: a stacked expert tensor as transformers keeps it on disk (gpt-oss)."""
     return [tensors[0].transpose(-2, -1)]
+
+
+def cat_shape(shapes: list[tuple[int, ...]], dim: int, names: tuple[str, ...]) -> tuple[int, ...]:
+    rest = {tuple(s[:dim]) + tuple(s[dim + 1:]) for s in shapes}
+    if len(rest) != 1 or any(len(s) <= dim for s in shapes):
+        raise MergerError(f"tensors {', '.join(names)} are {', '.join(map(str, shapes))}: they differ past dim {dim}, "
+                          f"so they are not parts of one tensor")
+    first = shapes[0]
+    return (*first[:dim], sum(s[dim] for s in shapes), *first[dim + 1:])
+
+
+def cat(tensors: list[torch.Tensor], dim: int) -> list[torch.Tensor]:
+    """Parts a framework keeps apart, as the one tensor HF fuses them into (torchtitan's Gated DeltaNet q, k, v)."""
+    return [torch.cat(tensors, dim=dim)]
+
+
+def patch_conv3d_shapes(shape: tuple[int, ...], kernel: tuple[int, int, int], name: str) -> list[tuple[int, ...]]:
+    channels, frames, side = kernel
+    if len(shape) != 2 or shape[1] != channels * frames * side * side:
+        raise MergerError(f"tensor {name} is {shape}, but config.json's vision_config gives patches of {channels} "
+                          f"channels x {frames} frames x {side} x {side} (pass the HF config of this model with "
+                          f"--hf_model_config_path)")
+    return [(shape[0], channels, frames, side, side)]
+
+
+def reshape(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> list[torch.Tensor]:
+    return [tensors[0].reshape(shape)]

@@ -126,6 +126,50 @@ def test_fused_experts_are_written_in_to_out_and_stacked_experts_one_at_a_time()
     assert _plan("experts", (3, 4, 5), {}) == ([(4, 5)], None) and KINDS["experts"].per_expert
 
 
+def test_cat_joins_torchtitans_separate_gated_deltanet_parts_as_hf_fuses_them():
+    """HF's in_proj_qkv is [q; k; v] (its forward splits the projection at key_dim, key_dim, value_dim), conv1d's
+    channels too: the join writes a row's source then its joined tensors, in the row's order."""
+    q, k, v = torch.randn(4, 6), torch.randn(4, 6), torch.randn(8, 6)
+    written = step("layers.0.attn.in_proj_q.weight", (4, 6), torch.float32, "cat",
+                   ("model.layers.0.linear_attn.in_proj_qkv.weight",), {},
+                   joined=(("layers.0.attn.in_proj_k.weight", (4, 6)), ("layers.0.attn.in_proj_v.weight", (8, 6))))
+    assert written.inputs == ("layers.0.attn.in_proj_q.weight", "layers.0.attn.in_proj_k.weight",
+                              "layers.0.attn.in_proj_v.weight")
+    assert written.outputs[0].shape == (16, 6)
+    fused = written.run([q, k, v])[0]
+    assert torch.equal(fused[:4], q) and torch.equal(fused[4:8], k) and torch.equal(fused[8:], v)
+    with pytest.raises(MergerError, match="they differ past dim 0"):
+        step("q", (4, 6), torch.float32, "cat", ("qkv",), {}, joined=(("k", (4, 5)),))
+
+
+def test_patch_conv3d_is_the_linear_over_flattened_patches():
+    """torch's own Conv3d with stride = kernel, on patches, gives what the Linear gives on them flattened."""
+    dim, channels, frames, side = 5, 3, 2, 2
+    linear = torch.randn(dim, channels * frames * side * side)
+    config = {"vision_config": {"in_channels": channels, "temporal_patch_size": frames, "patch_size": side}}
+    shapes, fn = _plan("patch_conv3d", tuple(linear.shape), config)
+    assert shapes == [(dim, channels, frames, side, side)]
+    patches = torch.randn(7, channels, frames, side, side)
+    conv = torch.nn.functional.conv3d(patches, fn([linear])[0], stride=(frames, side, side))
+    assert torch.allclose(conv.flatten(1), patches.flatten(1) @ linear.T, atol=1e-5)
+    with pytest.raises(MergerError, match="vision_config gives patches of 3 channels x 2 frames x 16 x 16"):
+        _plan("patch_conv3d", (dim, 24), {})  # transformers' defaults where config.json says nothing
+
+
+def test_a_join_names_its_parts_and_they_are_rows_of_no_one_else():
+    with pytest.raises(ValueError, match=r"row 'attn.in_proj_q.weight': a cat row joins no tensors"):
+        Row("attn.in_proj_q.weight", "cat", ("linear_attn.in_proj_qkv.weight",))
+    with pytest.raises(ValueError, match=r"row 'attn.in_proj_z.weight': a rename row names no tensors to join"):
+        Row("attn.in_proj_z.weight", "rename", ("linear_attn.in_proj_z.weight",), joined=("attn.in_proj_k.weight",))
+    join = Row("attn.in_proj_q.weight", "cat", ("linear_attn.in_proj_qkv.weight",), joined=("attn.in_proj_k.weight",))
+    with pytest.raises(ValueError, match=r"row 'attn.in_proj_k.weight' appears twice in the toy family's torchtitan"):
+        Family("toy", ("toy",), torchtitan=(join, Row("attn.in_proj_k.weight", "rename", ("k.weight",))))
+    with pytest.raises(ValueError, match=r"row 'attn.in_proj_k.weight' of the toy family: a joined tensor is named"):
+        Family("toy", ("toy",), torchtitan=(Row("attn.in_proj_k.weight", "joined", reason="by hand"),))
+    with pytest.raises(ValueError, match=r"row 'attn.in_proj_q.weight' of the toy family: Megatron rows name weights"):
+        Family("toy", ("toy",), megatron=(join,))
+
+
 def _megatron_cases() -> set[str]:
     """The model types the Megatron logits tests write (test_megatron.py, test_megatron_deepseek.py,
     test_megatron_glm45.py)."""
@@ -198,11 +242,16 @@ def test_a_megatron_row_is_a_weight():
 
 
 def test_torchtitan_names_are_the_family_their_marks_say():
-    from merger.mapping.torchtitan import family_of
+    from merger.mapping.torchtitan import family_of, looks_like_torchtitan
 
     common = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.feed_forward.w1.weight"]
     assert family_of(common, "ckpt").name == "llama"
     assert family_of(common + ["layers.0.attention.k_norm.weight"], "ckpt").name == "qwen3"
     assert family_of(common + ["layers.1.attention.wkv_a.weight"], "ckpt").name == "deepseek_v3"
+    # Qwen3.5's mixers are attn.: a Gated DeltaNet layer or a gated full-attention one marks it
+    qwen3_5 = ["tok_embeddings.weight", "layers.0.feed_forward.w1.weight"]
+    assert family_of(qwen3_5 + ["layers.0.attn.in_proj_q.weight"], "ckpt").name == "qwen3_5"
+    assert family_of(qwen3_5 + ["layers.3.attn.wq.weight"], "ckpt").name == "qwen3_5"
+    assert looks_like_torchtitan(["layers.2.attn.in_proj_q.weight"])  # a later pipeline stage: no embedding
     with pytest.raises(MergerError, match=r"marks of the qwen3 and deepseek_v3 families \(--model names the family\)"):
         family_of(common + ["layers.0.attention.k_norm.weight", "layers.1.attention.wkv_a.weight"], "ckpt")

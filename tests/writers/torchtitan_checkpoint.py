@@ -11,7 +11,11 @@ config of the same shape to HF (torchtitan checkpoints carry none) and an oracle
   the unsharded state dict;
 - qwen3 (`Qwen3Model`, dense: qk-norm, GQA), qwen3_moe (the same with MoE layers: 4 experts, top 2) and deepseek_v3 (`DeepSeekV3Model`: MLA
   with q-LoRA, a dense first layer, then MoE with a sigmoid router, a routing bias and a shared expert): LOGITS,
-  torchtitan's own forward of the unsharded model on TOKENS (torchtitan's to_hf is not an oracle for every family).
+  torchtitan's own forward of the unsharded model on TOKENS (torchtitan's to_hf is not an oracle for every family);
+- qwen3_5_text / qwen3_5_moe_text (`Qwen35Model`: a Gated DeltaNet layer, then a gated full-attention one; the MoE
+  variant with a gated shared expert; its vision tower) and kimi_k2_7 (`KimiK25Model`: the deepseek_v3 model above
+  with a MoonViT vision tower): LOGITS on text TOKENS, with the HF config of the text model (Qwen3.5's needs FLA
+  importable; see gated_deltanet_on_cpu).
 """
 from __future__ import annotations
 
@@ -122,6 +126,112 @@ def deepseek_v3_hf_config():
         architectures=["DeepseekV3ForCausalLM"])
 
 
+# Qwen3.5: a Gated DeltaNet layer then a gated full-attention layer (full_attention_interval 2), and the vision
+# tower torchtitan's Qwen3.5 always builds (tiny: one block)
+QW_LAYERS, QW_ROTARY, QW_KEY_HEADS, QW_VALUE_HEADS, QW_SHARED_FFN = 2, 4, 2, 4, 16
+
+
+def qwen3_5_titan_config(moe: bool = False):
+    from torchtitan.models import qwen3_5
+    from torchtitan.models.common import Embedding, Linear
+
+    shape = dict(n_layers=QW_LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                 rotary_dim=QW_ROTARY, n_key_heads=QW_KEY_HEADS, n_value_heads=QW_VALUE_HEADS, key_head_dim=HEAD_DIM,
+                 value_head_dim=HEAD_DIM, full_attention_interval=2, attn_backend="flex",
+                 rope=qwen3_5.MRoPE.Config(dim=QW_ROTARY, max_seq_len=128, theta=THETA, mrope_section=[1, 1, 0]))
+    layers = (qwen3_5._build_qwen35_moe_layers(moe_hidden_dim=MOE_FFN, num_experts=EXPERTS, top_k=TOP_K,
+                                               shared_expert_hidden_dim=QW_SHARED_FFN, **shape) if moe
+              else qwen3_5._build_qwen35_layers(hidden_dim=FFN, **shape))
+    return qwen3_5.Qwen35Model.Config(
+        dim=DIM, vocab_size=VOCAB, norm=qwen3_5._offset_norm(DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB), layers=layers,
+        vision_encoder=qwen3_5._qwen35_vision_encoder_config(
+            dim=16, ffn_dim=32, num_layers=1, num_heads=2, patch_size=2, temporal_patch_size=2, spatial_merge_size=2,
+            out_hidden_size=DIM, num_position_embeddings=16))
+
+
+def qwen3_5_hf_config(moe: bool = False):
+    import transformers
+
+    shape = dict(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=QW_LAYERS, num_attention_heads=HEADS,
+                 num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, linear_conv_kernel_dim=4,
+                 linear_key_head_dim=HEAD_DIM, linear_value_head_dim=HEAD_DIM, linear_num_key_heads=QW_KEY_HEADS,
+                 linear_num_value_heads=QW_VALUE_HEADS, layer_types=["linear_attention", "full_attention"],
+                 rms_norm_eps=1e-6, max_position_embeddings=128, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": THETA,
+                                  "partial_rotary_factor": QW_ROTARY / HEAD_DIM, "mrope_section": [1, 1, 0],
+                                  "mrope_interleaved": True})
+    if moe:
+        return transformers.Qwen3_5MoeTextConfig(
+            moe_intermediate_size=MOE_FFN, shared_expert_intermediate_size=QW_SHARED_FFN, num_experts=EXPERTS,
+            num_experts_per_tok=TOP_K, architectures=["Qwen3_5MoeForCausalLM"], **shape)
+    return transformers.Qwen3_5TextConfig(intermediate_size=FFN, architectures=["Qwen3_5ForCausalLM"], **shape)
+
+
+QW_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, in_channels=3, patch_size=2,
+                 temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=DIM, num_position_embeddings=16)
+VISION_GRID = [[1, 4, 4]]  # one image of 4 x 4 patches
+
+
+def qwen3_5_vlm_config(moe: bool = False):
+    """The HF VLM (qwen3_5 / qwen3_5_moe) of the same text model, with the vision tower torchtitan builds."""
+    import transformers
+
+    cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    return cls(text_config=qwen3_5_hf_config(moe).to_dict(), vision_config=QW_VISION, tie_word_embeddings=False,
+               architectures=["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"])
+
+
+def qwen3_5_vision_features(model) -> dict:
+    """torchtitan's vision tower on seeded patches of VISION_GRID, its block mask built eagerly (as its flex
+    attention runs, eager_flex_attention)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models.qwen3_5 import vision_encoder
+
+    vision_encoder.compiled_create_block_mask = create_block_mask
+    grid = torch.tensor(VISION_GRID)
+    torch.manual_seed(1)
+    patches = torch.randn(int(grid.prod()), 3 * 2 * 2 * 2)  # C x T x P x P per patch, QW_VISION's
+    with torch.no_grad():
+        features = model.vision_encoder(patches[None], grid_thw=grid)[0]
+    return {"patches": patches, "grid": grid, "features": features}
+
+
+def gated_deltanet_on_cpu() -> None:
+    """Run torchtitan's Gated DeltaNet on CPU: its kernel through FLA's own pure-torch reference (FLA's kernels are
+    Triton, GPU only; the kernel torchtitan calls normalizes q and k inside, use_qk_l2norm_in_kernel, as here), and
+    its causal conv on one whole sequence (no document offsets: their varlen conv is FLA's Triton too), which
+    torchtitan's spmd_types annotation refuses, so the unsharded forward runs under its partial_dtensor backend."""
+    from fla.ops.gated_delta_rule import naive_recurrent_gated_delta_rule
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.qwen3_5 import model
+
+    set_spmd_backend("partial_dtensor")
+
+    def l2norm(x):
+        return x * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+    def kernel(q, k, v, g, beta, use_qk_l2norm_in_kernel, cu_seqlens=None, cu_seqlens_cpu=None):
+        assert use_qk_l2norm_in_kernel and cu_seqlens is None
+        return naive_recurrent_gated_delta_rule(l2norm(q), l2norm(k), v, beta, g)
+
+    model._fla_chunk_gated_delta_rule = kernel
+
+
+def kimi_k2_7_titan_config():
+    """torchtitan's Kimi-K2.5 / K2.7 (`KimiK25Model`): the DeepSeek-V3 model above with a MoonViT vision tower."""
+    import dataclasses
+
+    from torchtitan.models import kimi_k2_7
+
+    text = deepseek_v3_titan_config()
+    fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(text) if f.init}
+    return kimi_k2_7.KimiK25Model.Config(**fields, vision_encoder=kimi_k2_7._vision_encoder_config(
+        dim=16, ffn_dim=32, num_layers=1, num_heads=2, patch_size=2, init_pos_emb_height=4, init_pos_emb_width=4,
+        text_hidden_size=DIM))
+
+
 def gpt_oss_titan_config():
     from torchtitan.models import gpt_oss
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
@@ -180,10 +290,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--hf", type=Path, required=True)
-    p.add_argument("--family", choices=["llama", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss"], default="llama")
+    p.add_argument("--family", choices=["llama", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_5_text",
+                                        "qwen3_5_moe_text", "kimi_k2_7"], default="llama")
     p.add_argument("--reference", type=Path, help="llama: torchtitan's own to_hf output")
     p.add_argument("--logits", type=Path, help="torchtitan's own logits on TOKENS (with MTP: a list, main first)")
     p.add_argument("--mtp", type=int, default=0, help="deepseek_v3: multi-token-prediction layers")
+    p.add_argument("--hf-vlm", type=Path, help="qwen3_5: the HF VLM config of the same model, with its vision tower")
+    p.add_argument("--vision", type=Path, help="qwen3_5: torchtitan's vision tower output on seeded patches")
     args = p.parse_args()
 
     from safetensors.torch import save_file
@@ -195,18 +308,31 @@ def main() -> None:
     titan, hf = {"llama": (titan_config, hf_config), "qwen3": (partial(qwen3_titan_config, moe=False), qwen3_hf_config),
                  "qwen3_moe": (qwen3_titan_config, qwen3_moe_hf_config),
                  "deepseek_v3": (deepseek_v3_titan_config, deepseek_v3_hf_config),
-                 "gpt_oss": (gpt_oss_titan_config, gpt_oss_hf_config)}[args.family]
+                 "gpt_oss": (gpt_oss_titan_config, gpt_oss_hf_config),
+                 "qwen3_5_text": (qwen3_5_titan_config, qwen3_5_hf_config),
+                 "qwen3_5_moe_text": (partial(qwen3_5_titan_config, moe=True), partial(qwen3_5_hf_config, moe=True)),
+                 "kimi_k2_7": (kimi_k2_7_titan_config, deepseek_v3_hf_config)}[args.family]
     config = titan(args.mtp) if args.mtp else titan()
+    if args.family.startswith("qwen3_5"):
+        gated_deltanet_on_cpu()
     model = seeded_model(config)
     if args.family == "gpt_oss":  # its experts compute in bf16 (grouped mm): a bf16 model
         model = model.to(torch.bfloat16)
     with torch.no_grad():
-        if args.family == "deepseek_v3":  # a routing bias that changes which experts are chosen
+        if args.family.startswith("qwen3_5"):  # a sharp vision attention: with 0.1's its q and k could be swapped
+            for name, param in model.vision_encoder.named_parameters():  # unseen (nearly uniform scores)
+                if ".attn.wq." in name or ".attn.wk." in name:
+                    param.mul_(20)
+        if args.family in ("deepseek_v3", "kimi_k2_7"):  # a routing bias that changes which experts are chosen
             for name, buffer in model.named_buffers():
                 if name.endswith("expert_bias_E"):
                     buffer.copy_(torch.randn_like(buffer) * 0.1)
     if rank == 0:
         hf().save_pretrained(args.hf)
+        if args.hf_vlm:
+            qwen3_5_vlm_config(moe=args.family == "qwen3_5_moe_text").save_pretrained(args.hf_vlm)
+        if args.vision:
+            torch.save(qwen3_5_vision_features(model.eval()), args.vision)
         if args.reference:
             oracle = Llama3StateDictAdapter(config, None).to_hf(model.state_dict())
             args.reference.mkdir(parents=True, exist_ok=True)
@@ -214,8 +340,12 @@ def main() -> None:
         if args.logits:
             tokens = torch.tensor(TOKENS)
             positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+            masks, text = model.get_attention_masks(positions), {}
+            if args.family.startswith("qwen3_5"):  # one sequence: the Gated DeltaNet reads it whole (no offsets)
+                masks["deltanet"] = None
+                text = {"special_tokens": {"image_id": -1, "video_id": -1}}  # text only: no image placeholder
             with torch.no_grad():
-                logits = model.eval()(tokens, positions, model.get_attention_masks(positions))
+                logits = model.eval()(tokens, positions=positions, attention_masks=masks, **text)
             torch.save(logits, args.logits)
 
     dist.init_process_group("gloo")
