@@ -15,10 +15,8 @@ import transformers
 
 from tests.helpers.in_process import single_error_line
 from tests.helpers.processes import run_merger, run_writer
-from tests.helpers.torchtitan_writes import written_by_torchtitan
+from tests.helpers.torchtitan_writes import TOKENS, written_by_torchtitan
 from tests.helpers.weights import load_safetensors_folder
-
-TOKENS = [[1, 5, 7, 9, 11, 3, 42, 100]]  # the writer's TOKENS
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,10 @@ import pytest
 import torch
 import transformers
 
-from conftest import load_safetensors_folder, run_merger, single_error_line
-from test_torchtitan import TOKENS, _written_by_torchtitan
+from tests.helpers.in_process import single_error_line
+from tests.helpers.processes import run_merger
+from tests.helpers.torchtitan_writes import TOKENS, written_by_torchtitan
+from tests.helpers.weights import load_safetensors_folder
 
 VLM = transformers.AutoModelForImageTextToText  # qwen3_5's and qwen3_5_moe's Auto class
 
@@ -58,7 +60,7 @@ def _vlm_outputs(tmp_path_factory) -> tuple[Path, tuple]:
 @pytest.fixture(scope="session")
 def qwen3_5_written(tmp_path_factory) -> tuple[Path, Path]:
     vlm, flags = _vlm_outputs(tmp_path_factory)
-    return _written_by_torchtitan(tmp_path_factory, "qwen3_5_text", *flags), vlm
+    return written_by_torchtitan(tmp_path_factory, "qwen3_5_text", *flags), vlm
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +71,7 @@ def qwen3_5_root(qwen3_5_written) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_5_moe_written(tmp_path_factory) -> tuple[Path, Path]:
     vlm, flags = _vlm_outputs(tmp_path_factory)
-    return _written_by_torchtitan(tmp_path_factory, "qwen3_5_moe_text", *flags), vlm
+    return written_by_torchtitan(tmp_path_factory, "qwen3_5_moe_text", *flags), vlm
 
 
 def _merge(root: Path, out: Path, *extra, hf: Path | None = None, nproc: int = 1):
@@ -155,7 +157,7 @@ def test_qwen3_5_moe_experts_give_torchtitan_logits(qwen3_5_moe_written, tmp_pat
 
 @pytest.fixture(scope="session")
 def kimi_root(tmp_path_factory) -> Path:
-    return _written_by_torchtitan(tmp_path_factory, "kimi_k2_7")
+    return written_by_torchtitan(tmp_path_factory, "kimi_k2_7")
 
 
 def test_kimi_k2_7_text_model_gives_torchtitan_logits(kimi_root, tmp_path):

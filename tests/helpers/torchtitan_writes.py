@@ -6,6 +6,8 @@ from pathlib import Path
 from tests.helpers.processes import run_writer
 from tests.helpers.skips import need_torchtitan
 
+TOKENS = [[1, 5, 7, 9, 11, 3, 42, 100]]  # the writer's TOKENS, whose logits it saves
+
 
 def written_by_torchtitan(tmp_path_factory, family: str, *extra: str) -> Path:
     """ROOT/checkpoint/step-1 (the DCP folder torchtitan saved on 2 gloo ranks), ROOT/hf, ROOT/logits.pt."""
