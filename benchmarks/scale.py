@@ -11,12 +11,15 @@ disk). The fraction scales the MoE layers; 1/8 is a quick run. It then times, ea
   classes): the baseline, what any DCP reader pays;
 - merger, phase by phase in one process: load_metadata (the restricted unpickle), open_catalog (again, the
   unpickle included), build_mapping, plan_layout (1 rank), the plan rerouted for each --merge_ranks;
-- `merger inspect --merge_ranks N --json` end to end, for the largest N.
-Each row gives wall seconds and the process's peak RSS so far. The folders are removed unless --keep.
+- `merger inspect --merge_ranks N --json` end to end, for the largest N (its output's sha256 printed: the same
+  plan before and after a change has the same).
+Each row gives wall seconds, CPU seconds (steadier than wall time on a shared machine) and the process's
+peak RSS so far. The folders are removed unless --keep.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pickle
@@ -111,14 +114,16 @@ def synthesize(folder: Path, fraction: Fraction, ranks: int) -> dict:
             "metadata_bytes": (folder / ".metadata").stat().st_size}
 
 
-def _peak_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _timed(rows: list, name: str, fn):
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), _cpu()
     value = fn()
-    rows.append({"phase": name, "seconds": round(time.perf_counter() - t, 2), "peak_rss_gib": round(_peak_gib(), 2)})
+    rows.append({"phase": name, "seconds": round(time.perf_counter() - t, 2), "cpu_seconds": round(_cpu() - cpu, 2),
+                 "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)})  # KiB
     return value
 
 
@@ -156,11 +161,12 @@ def _in_process(function: str, *args) -> list:
     return json.loads(out.stdout.splitlines()[-1])
 
 
-# Runs the command after it in a fresh process; prints its stdout, then wall seconds and its peak RSS (KiB).
+# Runs the command after it in a fresh process; prints its stdout, then wall seconds, CPU seconds and its peak
+# RSS (KiB).
 _MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
             "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); s = time.perf_counter() - t; "
-            "sys.exit(p.stderr) if p.returncode else print(p.stdout, s, "
-            "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+            "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
+            "sys.exit(p.stderr) if p.returncode else print(p.stdout, s, u.ru_utime + u.ru_stime, u.ru_maxrss)")
 
 
 def inspect_end_to_end(folder: Path, ranks: int) -> dict:
@@ -169,11 +175,11 @@ def inspect_end_to_end(folder: Path, ranks: int) -> dict:
                           "--merge_ranks", str(ranks), "--json"], cwd=ROOT, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"inspect failed: {out.stderr.strip()}")
-    text, seconds, kib = out.stdout.rsplit(None, 2)
-    info = json.loads(text)
-    return {"phase": f"merger inspect --merge_ranks {ranks} (end to end)", "seconds": round(float(seconds), 2),
-            "peak_rss_gib": round(int(kib) / 2**20, 2), "output_files": len(info["output_files"]),
-            "sent_bytes": sum(r["sent_bytes"] for r in info["bytes_per_rank"])}
+    text, seconds, cpu, kib = out.stdout.rsplit(None, 3)
+    json.loads(text)  # a whole answer
+    return {"output_sha256": hashlib.sha256(text.encode()).hexdigest(),  # the same before and after a change
+            "phase": f"merger inspect --merge_ranks {ranks} (end to end)", "seconds": round(float(seconds), 2),
+            "cpu_seconds": round(float(cpu), 2), "peak_rss_gib": round(int(kib) / 2**20, 2)}
 
 
 def main() -> None:
@@ -210,9 +216,10 @@ def main() -> None:
                 shutil.rmtree(folder, ignore_errors=True)
         print(f"\n### {text} of DeepSeek-V3 671B: {counts['params'] / 1e9:.0f}B params, {counts['tensors']} tensors, "
               f"{counts['chunks']} chunks ({a.ranks} ranks), .metadata {counts['metadata_bytes'] / 2**20:.0f} MiB\n")
-        print("| phase | seconds | peak RSS (GiB) |\n|---|---|---|")
+        print("| phase | wall s | CPU s | peak RSS (GiB) |\n|---|---|---|---|")
         for r in rows:
-            print(f"| {r['phase']} | {r['seconds']} | {r['peak_rss_gib']} |")
+            print(f"| {r['phase']} | {r['seconds']} | {r['cpu_seconds']} | {r['peak_rss_gib']} |")
+        print(f"\n`inspect --json` output sha256: {rows[-1]['output_sha256']}")
         sys.stdout.flush()
 
 
