@@ -19,8 +19,8 @@ import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
-from ..hf_folder import CONFIG_DIR, config_dir, named_file
-from .dcp_chunk_table import ChunkTable, TablePieces, load_chunk_table
+from ..hf_folder import CONFIG_DIR, config_dir
+from .dcp_chunk_table import ChunkTable, TablePieces, check_stored, load_chunk_table
 from .dcp_classes import BytesStorageMetadata, TensorStorageMetadata
 from .dcp_metadata import METADATA_FILE
 from .dcp_safetensors import DcpSafetensorsReader, holds_safetensors
@@ -87,26 +87,6 @@ def _select(tensor_fqns: list[str], planner_data: dict, prefix: str | None,
     return prefix, chosen
 
 
-def storage_entries(metadata, folder: Path) -> dict:
-    """`.metadata`'s storage entries by (fqn, chunk offsets), every file they name checked to lie in `folder`."""
-    storage = {(idx.fqn, tuple(int(o) for o in idx.offset or ())): info
-               for idx, info in (metadata.storage_data or {}).items()}
-    for name in {info.relative_path for info in storage.values()}:
-        named_file(folder, name, folder / METADATA_FILE)
-    return storage
-
-
-def chunk_location(storage: dict, fqn: str, offsets: tuple[int, ...], folder: Path) -> tuple[str, tuple[int, int]]:
-    """The .distcp file and byte range holding one chunk, from `.metadata`'s storage entries by (fqn, offsets)."""
-    info = storage.get((fqn, offsets))
-    if info is None:
-        raise MergerError(f"tensor {fqn} chunk at {offsets} has no storage entry, {folder / METADATA_FILE}")
-    if info.transform_descriptors:
-        raise MergerError(f"tensor {fqn} was saved with storage transforms {list(info.transform_descriptors)} "
-                          f"(e.g. compression), which merger cannot read, {folder / METADATA_FILE}")
-    return str(folder / info.relative_path), (int(info.offset), int(info.length))
-
-
 def _file_order(path: str) -> tuple[int, int]:
     m = CHUNK_FILE.fullmatch(Path(path).name)
     return (int(m.group(1)), int(m.group(2))) if m else (1 << 62, 0)
@@ -123,14 +103,7 @@ def _pieces(table: ChunkTable, chosen: dict[str, str], metadata, folder: Path) -
         rows = np.arange(start, stop)
         if 0 not in meta.size:
             rows = rows[(table.sizes[rows, :len(meta.size)] != 0).all(axis=1)]
-        bad = rows[(table.file[rows] < 0) | np.isin(rows, list(table.transforms))]
-        if len(bad):
-            row = int(bad[0])
-            offsets = tuple(table.offsets[row, :len(meta.size)].tolist())
-            if table.file[row] < 0:
-                raise MergerError(f"tensor {fqn} chunk at {offsets} has no storage entry, {folder / METADATA_FILE}")
-            raise MergerError(f"tensor {fqn} was saved with storage transforms {list(table.transforms[row])} "
-                              f"(e.g. compression), which merger cannot read, {folder / METADATA_FILE}")
+        check_stored(table, fqn, rows, len(meta.size), folder)
         pieces[name] = TablePieces(table, rows, len(meta.size), fqn, files)
     return pieces
 

@@ -128,6 +128,26 @@ def _tabled(metadata, folder: Path) -> ChunkTable:
                       column(int(i.offset) for i in infos), column(int(i.length) for i in infos), transforms, paths)
 
 
+def check_stored(table: ChunkTable, fqn: str, rows: np.ndarray, ndim: int, folder: Path) -> None:
+    """MergerError for the first of tensor `fqn`'s chunk `rows` that has no storage entry, or was stored with
+    transforms (compression...) merger cannot undo."""
+    bad = rows[(table.file[rows] < 0) | np.isin(rows, list(table.transforms))]
+    if not len(bad):
+        return
+    row = int(bad[0])
+    if table.file[row] < 0:
+        offsets = tuple(table.offsets[row, :ndim].tolist())
+        raise MergerError(f"tensor {fqn} chunk at {offsets} has no storage entry, {folder / METADATA_FILE}")
+    raise MergerError(f"tensor {fqn} was saved with storage transforms {list(table.transforms[row])} "
+                      f"(e.g. compression), which merger cannot read, {folder / METADATA_FILE}")
+
+
+def chunk_rows(table: ChunkTable, rows: np.ndarray, ndim: int):
+    """(offsets, sizes, file index, (byte offset, length)) of each of `rows`, as Python ints."""
+    return zip(map(tuple, table.offsets[rows, :ndim].tolist()), map(tuple, table.sizes[rows, :ndim].tolist()),
+               table.file[rows].tolist(), zip(table.byte_offset[rows].tolist(), table.length[rows].tolist()))
+
+
 class TablePieces(Sequence):
     """One tensor's pieces, made from the table when asked for: rows `rows` (one DCP chunk each) of `table`,
     read from `files[table.file[row]]` by the key `fqn`. Equal to the tuple of the same ShardPieces."""
@@ -144,11 +164,8 @@ class TablePieces(Sequence):
         return self._made(self.rows)
 
     def _made(self, rows: np.ndarray):
-        t, n = self.table, self.ndim
-        for offsets, sizes, file, start, length in zip(t.offsets[rows, :n].tolist(), t.sizes[rows, :n].tolist(),
-                                                       t.file[rows].tolist(), t.byte_offset[rows].tolist(),
-                                                       t.length[rows].tolist()):
-            yield ShardPiece(tuple(offsets), tuple(sizes), (PieceCopy(self.files[file], self.fqn, (start, length)),))
+        for offsets, sizes, file, byte_range in chunk_rows(self.table, rows, self.ndim):
+            yield ShardPiece(offsets, sizes, (PieceCopy(self.files[file], self.fqn, byte_range),))
 
     def __getitem__(self, i):
         if isinstance(i, slice):
