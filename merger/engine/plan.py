@@ -215,8 +215,8 @@ def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size:
 
 
 def rerouted(plan: Plan, catalog: Catalog, world: int) -> Plan:
-    """The same outputs in the same files, placed as the plan places them, routed for `world` ranks (`inspect
-    --merge_ranks`)."""
+    """The same outputs in the same files, placed as the plan places them, routed for `world` ranks: one layout
+    planned for several worlds (benchmarks/scale.py); `inspect --merge_ranks` plans for its world directly."""
     if world == plan.world:
         return plan
     writers, batches = _route(catalog, plan.steps, world, plan.max_inflight, plan.direct)
