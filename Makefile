@@ -1,6 +1,7 @@
 # make demo: set up, write a small real FSDP2 checkpoint, merge it with torchrun, load it and generate.
 # make test: set up and run the test suite. Both install everything they need into .venv (VENV).
 # make unit: only the unit tests (marked `unit`, in tests/unit): the engine on synthetic checkpoints, in seconds.
+# make bench-scale: plan (inspect) a synthesized 671B-shaped DCP checkpoint at FRACTIONS of its size, metadata only.
 # Another interpreter gets its own venv: make test PYTHON=/usr/bin/python3 VENV=.venv-debian
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +9,7 @@ PY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.installed
 DEMO := demo_out
 
-.PHONY: setup test unit demo bench clean
+.PHONY: setup test unit demo bench bench-scale clean
 
 setup: $(VENV_STAMP)
 
@@ -37,6 +38,11 @@ demo: setup
 
 bench: setup
 	$(PY) benchmarks/run.py
+
+# Planning from metadata alone at fractions of a 671B DCP checkpoint (sparse files under /tmp): FRACTIONS=1/8,1/4,1/2,1
+FRACTIONS ?= 1/8
+bench-scale: setup
+	$(PY) benchmarks/scale.py --fractions $(FRACTIONS)
 
 clean:
 	rm -rf .venv .venv-* $(VENV) $(DEMO) bench_out

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .sources.file_reads import Stored
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PieceCopy:
     """One place where a piece's bytes are stored: a file plus how its format finds them there.
 
@@ -29,7 +29,7 @@ class PieceCopy:
     byte_range: tuple[int, int] | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ShardPiece:
     """A box of the global tensor (`offsets`, `sizes` per dim) and every file that holds a copy of it.
 

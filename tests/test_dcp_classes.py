@@ -25,6 +25,7 @@ from torch.distributed.checkpoint import filesystem, metadata, planner
 
 from merger.errors import MergerError
 from merger.sources import dcp_classes
+from merger.sources.dcp_chunk_table import load_chunk_table
 from merger.sources.dcp_metadata import load_metadata
 from tests.helpers.dcp_fields import plain
 from tests.helpers.enums_by_name import EnumsByName
@@ -165,7 +166,8 @@ def _global(module: str, name: str) -> bytes:
     ("merger.sources.dcp_classes", "Metadata"),  # the stand-ins under their own name
     ("os", "system"),
 ])
-def test_global_outside_the_list_is_refused(tmp_path, module, name):
+@pytest.mark.parametrize("load", [load_metadata, load_chunk_table])
+def test_global_outside_the_list_is_refused(tmp_path, module, name, load):
     (tmp_path / ".metadata").write_bytes(_global(module, name))
     with pytest.raises(MergerError, match=re.escape(f"(refusing to load global {module}.{name}), {tmp_path}")):
-        load_metadata(tmp_path)
+        load(tmp_path)

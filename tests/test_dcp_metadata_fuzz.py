@@ -1,4 +1,5 @@
-"""dcp_metadata.load_metadata against hostile and damaged `.metadata` files (hypothesis).
+"""dcp_metadata.load_metadata and dcp_chunk_table.load_chunk_table against hostile and damaged `.metadata` files
+(hypothesis).
 
 The seed is written by torch.distributed.checkpoint itself (a single-process dcp.save). Every mutation of
 it, and arbitrary bytes, must either load to a `Metadata` (merger's stand-in for DCP's) or raise
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from merger.errors import MergerError
+from merger.sources.dcp_chunk_table import load_chunk_table
 from merger.sources.dcp_classes import Metadata
 from merger.sources.dcp_metadata import load_metadata
 
@@ -33,12 +35,13 @@ def seed() -> bytes:
 def check(content: bytes) -> None:
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / ".metadata").write_bytes(content)
-        try:
-            metadata = load_metadata(Path(d))
-        except MergerError as e:
-            assert ".metadata" in str(e)
-            return
-        assert isinstance(metadata, Metadata)
+        for load in (load_metadata, lambda folder: load_chunk_table(folder)[0]):
+            try:
+                metadata = load(Path(d))
+            except MergerError as e:
+                assert ".metadata" in str(e)
+                continue
+            assert isinstance(metadata, Metadata)
 
 
 def test_seed_loads(seed):

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from merger.errors import MergerError
+from merger.sources.dcp_chunk_table import load_chunk_table
 from merger.sources.dcp_metadata import load_metadata
 from merger.sources.megatron_legacy import load_file
 from merger.sources.safe_load import torch_load
@@ -102,19 +103,21 @@ def test_eval_chain_runs_under_plain_pickle(tmp_path):
     assert marker.is_dir()
 
 
-def test_eval_chain_through_dcp_classes_is_refused(dcp_folder, tmp_path):
+@pytest.mark.parametrize("load", [load_metadata, load_chunk_table])
+def test_eval_chain_through_dcp_classes_is_refused(dcp_folder, tmp_path, load):
     marker = tmp_path / "ran"
     (dcp_folder / ".metadata").write_bytes(_eval_through(_global(METADATA, "Metadata"), marker))
     with pytest.raises(MergerError, match=r"refusing to call getattr\(Metadata, '__init__'\).*\.metadata"):
-        load_metadata(dcp_folder)
+        load(dcp_folder)
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("load", [load_metadata, load_chunk_table])
 @pytest.mark.parametrize("case", list(HOSTILE_CALLS))
-def test_any_other_getattr_in_dcp_metadata_is_refused(case, dcp_folder):
+def test_any_other_getattr_in_dcp_metadata_is_refused(case, dcp_folder, load):
     (dcp_folder / ".metadata").write_bytes(_pickle(HOSTILE_CALLS[case]))
     with pytest.raises(MergerError, match=r"not a DCP metadata file \(refusing to call getattr"):
-        load_metadata(dcp_folder)
+        load(dcp_folder)
 
 
 def _megatron_args() -> argparse.Namespace:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..engine.compare import CompareResult, compare_with_folder
 from ..engine.dist import Group, borrow_group, init_group
-from ..engine.plan import rerouted, traffic
+from ..engine.plan import traffic
 from ..engine.source_check import SourceCheck, check_sources
 from ..errors import MergerError
 from .pipeline import prepare, run_merge
@@ -87,8 +87,8 @@ def check_with(options: MergeOptions) -> SourceCheck:
 
 
 def inspect_with(options: MergeOptions, merge_ranks: int) -> dict:
-    prepared = prepare(options, Group())  # one process plans for all: the plan is the same on every rank
-    c, plan = prepared.catalog, rerouted(prepared.plan, prepared.catalog, world=merge_ranks)
+    prepared = prepare(options, Group(), merge_ranks)  # one process plans for all: the plan is the same on every rank
+    c, plan = prepared.catalog, prepared.plan
     info = {
         "format": c.format, "root": str(c.root), "source_files": len(c.files), **c.details,
         "tensors": len(c.tensors), "source_bytes": c.nbytes, "hf_dir": str(prepared.hf_dir),

@@ -55,9 +55,10 @@ class Prepared:
     base_model: Path | None = None  # --base_model's folder (a Hub id's snapshot folder), a source like the others
 
 
-def prepare(options: MergeOptions, group: Group) -> Prepared:
+def prepare(options: MergeOptions, group: Group, plan_world: int | None = None) -> Prepared:
     """Catalog, mapping and plan, identical on every rank, from metadata alone (but for the values of a tied
-    lm_head and input embedding, compared when the source holds both): the one place a plan is made."""
+    lm_head and input embedding, compared when the source holds both): the one place a plan is made.
+    `plan_world`: the merge ranks to plan for, when not the group's (`inspect --merge_ranks` plans in one process)."""
     def build():
         source = open_catalog(Path(options.local_dir), options.backend, options.prefix)
         local = with_hub_folders(options)  # Hub ids among the flags: their snapshot folders
@@ -70,8 +71,8 @@ def prepare(options: MergeOptions, group: Group) -> Prepared:
     mapping = settle_tie(mapping, catalog, group, options)  # reads lm_head and the input embedding: a collective
 
     def layout():
-        plan = plan_layout(catalog, mapping.steps, group.world, options.max_shard_size, options.max_inflight,
-                           tie=mapping.tie)
+        plan = plan_layout(catalog, mapping.steps, plan_world or group.world, options.max_shard_size,
+                           options.max_inflight, tie=mapping.tie)
         return Prepared(catalog, mapping.hf_dir, plan, mapping.config_updates, mapping.config_removals,
                         mapping.extra_files, source.notes + mapping.notes, local.base_model)
 
@@ -85,7 +86,7 @@ def log_prepared(prepared: Prepared, group: Group) -> Prepared:
         c, p = prepared.catalog, prepared.plan
         log.info("merger: %s checkpoint, %d tensors (%s) in %d files -> %d output files (%s, %s), %d batches, "
                  "%d merge ranks", c.format, len(c.tensors), format_size(c.nbytes), len(c.files), len(p.files),
-                 format_size(p.total_bytes), _output_dtypes(p), len(p.batches), group.world)
+                 format_size(p.total_bytes), _output_dtypes(p), len(p.batches), p.world)
         for note in prepared.notes:
             log.info(note)
     return prepared

@@ -23,7 +23,7 @@ from ..mapping.steps import OutputSpec, Step, Tie
 from ..safetensors_io import TensorEntry, build_header
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Route:
     """One piece of one step input, from the rank that reads it to the rank that writes it: the step's writer,
     or the reader itself when the step is placed directly (`Plan.writers[step]` is None).
@@ -168,7 +168,7 @@ def block_runs(shape: tuple[int, ...], piece: ShardPiece) -> Runs:
                 tuple(s for _, s in outer))
 
 
-def places_directly(catalog: Catalog, step: Step) -> bool:
+def places_directly(catalog: Catalog, step: Step, pieces: tuple[ShardPiece, ...]) -> bool:
     """A pure cast whose pieces tile the output in runs of its bytes (verl FSDP and FSDP2 Shard(0) blocks are one
     run each; Megatron's row-parallel weights and DTensor Shard(1) blocks one run per row): the rank that reads a
     piece casts it and writes each run at its offset, and nothing crosses ranks. Pieces that do not cover the
@@ -176,9 +176,11 @@ def places_directly(catalog: Catalog, step: Step) -> bool:
     if not step.is_cast or len(step.inputs) != 1 or len(step.outputs) != 1:
         return False
     tensor, spec = catalog.tensors[step.inputs[0]], step.outputs[0]
-    if tensor.shape != spec.shape or sum(p.numel for p in tensor.pieces) != math.prod(spec.shape):
+    if tensor.shape != spec.shape or sum(p.numel for p in pieces) != math.prod(spec.shape):
         return False
-    for piece in tensor.pieces:
+    for piece in pieces:
+        if piece.sizes[1:] == spec.shape[1:]:
+            continue  # a block of whole rows (FSDP's Shard(0)): one run
         runs = block_runs(spec.shape, piece)
         if runs.count > 1 and runs.length * spec.dtype.itemsize < MIN_RUN_BYTES:
             return False
@@ -213,8 +215,8 @@ def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size:
 
 
 def rerouted(plan: Plan, catalog: Catalog, world: int) -> Plan:
-    """The same outputs in the same files, placed as the plan places them, routed for `world` ranks (`inspect
-    --merge_ranks`)."""
+    """The same outputs in the same files, placed as the plan places them, routed for `world` ranks: one layout
+    planned for several worlds (benchmarks/scale.py); `inspect --merge_ranks` plans for its world directly."""
     if world == plan.world:
         return plan
     writers, batches = _route(catalog, plan.steps, world, plan.max_inflight, plan.direct)
@@ -256,12 +258,13 @@ def _route(catalog: Catalog, steps: list[Step], world: int, max_inflight: int,
     for si, step in enumerate(steps):
         wires = [step.outputs[0].dtype if step.is_cast and len(step.inputs) == 1 else catalog.tensors[n].dtype
                  for n in step.inputs]
-        if direct and places_directly(catalog, step):
+        pieces = [tuple(catalog.tensors[n].pieces) for n in step.inputs]  # made once: a catalog may make them lazily
+        if direct and places_directly(catalog, step, pieces[0] if pieces else ()):
             writer = None
         else:
             held = [0] * world  # input bytes each rank opened a copy of
-            for name, wire in zip(step.inputs, wires):
-                for piece in catalog.tensors[name].pieces:
+            for input_pieces, wire in zip(pieces, wires):
+                for piece in input_pieces:
                     for r in {owner[c.file] for c in piece.copies}:
                         held[r] += piece.numel * wire.itemsize
             home = min(range(world), key=lambda r: (-held[r], load[r], r))
@@ -270,7 +273,7 @@ def _route(catalog: Catalog, steps: list[Step], world: int, max_inflight: int,
         routes = []
         for ii, (name, wire) in enumerate(zip(step.inputs, wires)):
             tensor = catalog.tensors[name]
-            for piece in tensor.pieces:
+            for piece in pieces[ii]:
                 local = [c for c in piece.copies if owner[c.file] == writer]
                 copy = local[0] if local else min(piece.copies, key=lambda c: (read_load[owner[c.file]], owner[c.file]))
                 reader = owner[copy.file]

@@ -14,13 +14,15 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
-from ..hf_folder import CONFIG_DIR, config_dir, named_file
+from ..hf_folder import CONFIG_DIR, config_dir
+from .dcp_chunk_table import ChunkTable, TablePieces, check_stored, load_chunk_table
 from .dcp_classes import BytesStorageMetadata, TensorStorageMetadata
-from .dcp_metadata import METADATA_FILE, load_metadata
+from .dcp_metadata import METADATA_FILE
 from .dcp_safetensors import DcpSafetensorsReader, holds_safetensors
 from .file_reads import RangeFile, SourceFiles, Stored
 from .torch_save_blob import BlobError, tensor_in_blob
@@ -85,58 +87,43 @@ def _select(tensor_fqns: list[str], planner_data: dict, prefix: str | None,
     return prefix, chosen
 
 
-def _chunk_pieces(fqn: str, meta, storage: dict, folder: Path) -> tuple[ShardPiece, ...]:
-    pieces = []
-    for chunk in meta.chunks:
-        offsets, sizes = tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes)
-        if 0 in sizes and 0 not in meta.size:
-            continue  # FSDP2 saves an empty chunk for ranks past the end of a short dim: nothing to place
-        file, byte_range = chunk_location(storage, fqn, offsets, folder)
-        pieces.append(ShardPiece(offsets, sizes, (PieceCopy(file, fqn, byte_range),)))
-    return tuple(pieces)
-
-
-def storage_entries(metadata, folder: Path) -> dict:
-    """`.metadata`'s storage entries by (fqn, chunk offsets), every file they name checked to lie in `folder`."""
-    storage = {(idx.fqn, tuple(int(o) for o in idx.offset or ())): info
-               for idx, info in (metadata.storage_data or {}).items()}
-    for name in {info.relative_path for info in storage.values()}:
-        named_file(folder, name, folder / METADATA_FILE)
-    return storage
-
-
-def chunk_location(storage: dict, fqn: str, offsets: tuple[int, ...], folder: Path) -> tuple[str, tuple[int, int]]:
-    """The .distcp file and byte range holding one chunk, from `.metadata`'s storage entries by (fqn, offsets)."""
-    info = storage.get((fqn, offsets))
-    if info is None:
-        raise MergerError(f"tensor {fqn} chunk at {offsets} has no storage entry, {folder / METADATA_FILE}")
-    if info.transform_descriptors:
-        raise MergerError(f"tensor {fqn} was saved with storage transforms {list(info.transform_descriptors)} "
-                          f"(e.g. compression), which merger cannot read, {folder / METADATA_FILE}")
-    return str(folder / info.relative_path), (int(info.offset), int(info.length))
-
-
 def _file_order(path: str) -> tuple[int, int]:
     m = CHUNK_FILE.fullmatch(Path(path).name)
     return (int(m.group(1)), int(m.group(2))) if m else (1 << 62, 0)
+
+
+def _pieces(table: ChunkTable, chosen: dict[str, str], metadata, folder: Path) -> dict[str, TablePieces]:
+    """Each chosen tensor's pieces (name -> its chunks in the table), every one checked to have a readable storage
+    entry. FSDP2 saves an empty chunk for ranks past the end of a short dim: nothing to place, left out."""
+    files = [str(folder / p) for p in table.paths]
+    pieces = {}
+    for name, fqn in chosen.items():
+        meta = metadata.state_dict_metadata[fqn]
+        start, stop = table.spans[fqn]
+        rows = np.arange(start, stop)
+        if 0 not in meta.size:
+            rows = rows[(table.sizes[rows, :len(meta.size)] != 0).all(axis=1)]
+        check_stored(table, fqn, rows, len(meta.size), folder)
+        pieces[name] = TablePieces(table, rows, len(meta.size), fqn, files)
+    return pieces
 
 
 def open_catalog(root: Path, prefix: str | None = None) -> Catalog:
     folder = dcp_dir(root)
     if folder is None:
         raise MergerError(f"no DCP checkpoint (.metadata + __*_*.distcp) here or in {ACCELERATE_DIR}/, {root}")
-    metadata = load_metadata(folder)
+    metadata, table = load_chunk_table(folder)
     planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    storage = storage_entries(metadata, folder)
 
     tensor_fqns = [f for f, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)]
     prefix, chosen = _select(tensor_fqns, planner_data, prefix, folder)
+    pieces = _pieces(table, chosen, metadata, folder)
     tensors = {}
     for name, fqn in chosen.items():
         meta = metadata.state_dict_metadata[fqn]
-        tensors[name] = SourceTensor(name, tuple(int(s) for s in meta.size), meta.properties.dtype,
-                                     _chunk_pieces(fqn, meta, storage, folder))
-    files = sorted({c.file for t in tensors.values() for p in t.pieces for c in p.copies}, key=_file_order)
+        tensors[name] = SourceTensor(name, tuple(int(s) for s in meta.size), meta.properties.dtype, pieces[name])
+    used = np.unique(np.concatenate([table.file[p.rows] for p in pieces.values()])) if pieces else []
+    files = sorted((str(folder / table.paths[i]) for i in used.tolist()), key=_file_order)
     skipped = sum(1 for m in metadata.state_dict_metadata.values() if isinstance(m, BytesStorageMetadata))
     skipped += len(tensor_fqns) - len(chosen)
     # FileSystemWriter(serialization_format=SAFETENSORS) stores chunks in safetensors form: its own reader.

@@ -16,11 +16,13 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from ..errors import MergerError
-from .dcp import chunk_location, chunk_stored, storage_entries
+from .dcp import chunk_stored
+from .dcp_chunk_table import check_stored, chunk_rows, load_chunk_table
 from .dcp_classes import TensorStorageMetadata
 from .dcp_metadata import load_metadata
 from .file_reads import SourceFiles, Stored
@@ -66,8 +68,8 @@ def _stacked_axes(fqn: str):
 
 def open_catalog(root: Path) -> Catalog:
     ckpt, hf_dir = checkpoint_dir(root)
-    meta = load_metadata(ckpt)
-    storage = storage_entries(meta, ckpt)
+    meta, table = load_chunk_table(ckpt)
+    files = [str(ckpt / p) for p in table.paths]
     pieces: dict[str, list[ShardPiece]] = {}
     shapes: dict[str, tuple] = {}
     dtypes: dict[str, torch.dtype] = {}
@@ -78,15 +80,15 @@ def open_catalog(root: Path) -> Catalog:
             skipped[fqn] = rule
             continue
         axes, name_of = _stacked_axes(fqn)
-        for chunk in md.chunks:
-            file, (offset, length) = chunk_location(storage, fqn, tuple(chunk.offsets), ckpt)
+        rows = np.arange(*table.spans[fqn])
+        check_stored(table, fqn, rows, len(md.size), ckpt)
+        for offsets, sizes, file, (offset, length) in chunk_rows(table, rows, len(md.size)):
             key = f"{fqn}@{offset}:{length}"
             # One piece per (layer, expert) the chunk covers: its box without the stacked axes.
-            for local in itertools.product(*(range(chunk.sizes[k]) for k in range(axes))):
-                name = name_of(tuple(chunk.offsets[k] + i for k, i in enumerate(local)))
-                copy = PieceCopy(file, with_index(key, local), (offset, length))
-                pieces.setdefault(name, []).append(ShardPiece(tuple(chunk.offsets[axes:]),
-                                                              tuple(chunk.sizes[axes:]), (copy,)))
+            for local in itertools.product(*(range(sizes[k]) for k in range(axes))):
+                name = name_of(tuple(offsets[k] + i for k, i in enumerate(local)))
+                copy = PieceCopy(files[file], with_index(key, local), (offset, length))
+                pieces.setdefault(name, []).append(ShardPiece(offsets[axes:], sizes[axes:], (copy,)))
                 shapes[name], dtypes[name] = tuple(md.size[axes:]), md.properties.dtype
     if not any(n.startswith(MODEL_PREFIXES) for n in pieces):
         raise MergerError(f"torch_dist checkpoint holds no model weights (decoder.*, embedding.*), {ckpt}")
