@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -11,6 +12,13 @@ import pytest
 
 from tests.helpers.processes import run_writer
 from tests.helpers.torchtitan_writes import written_by_torchtitan
+
+
+# transformers binds FLA's Triton kernels (GPU only) in place of its torch Gated DeltaNet when it imports a model
+# module while `import fla` works, so a Qwen3.5 forward on this CPU would fail or pass depending on which test
+# imported the module first. The tests' process never imports FLA; torchtitan's writers, which need it, are
+# processes of their own.
+sys.modules["fla"] = None
 
 
 @pytest.fixture

@@ -14,9 +14,7 @@ gated_deltanet_on_cpu).
 """
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,34 +23,17 @@ import transformers
 
 from tests.helpers.in_process import single_error_line
 from tests.helpers.processes import run_merger
+from tests.helpers.skips import need_fla
 from tests.helpers.torchtitan_writes import TOKENS, written_by_torchtitan
 from tests.helpers.weights import load_safetensors_folder
 
 VLM = transformers.AutoModelForImageTextToText  # qwen3_5's and qwen3_5_moe's Auto class
 
 
-def _qwen3_5_in_torch():
-    """torchtitan's qwen3_5 imports FLA (flash-linear-attention's fla-core) at import time. transformers, when FLA
-    imports, runs its own Gated DeltaNet through FLA's Triton kernels, GPU or not: on CPU its torch path is the
-    one that runs, so its Qwen3.5 modules are imported here with FLA hidden."""
-    if importlib.util.find_spec("fla") is None:
-        pytest.skip("torchtitan's qwen3_5 needs fla-core (flash-linear-attention) and it is not installed "
-                    "(pip install fla-core)")
-    fla = sys.modules.get("fla")
-    sys.modules["fla"] = None  # import fla raises ImportError
-    try:
-        importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
-        importlib.import_module("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
-    finally:
-        del sys.modules["fla"]
-        if fla is not None:
-            sys.modules["fla"] = fla
-
-
 def _vlm_outputs(tmp_path_factory) -> tuple[Path, tuple]:
     """VLM and the writer's flags filling it: VLM/hf, the HF VLM config of the same model, and VLM/vision.pt,
     torchtitan's vision tower on seeded patches."""
-    _qwen3_5_in_torch()
+    need_fla()
     vlm = tmp_path_factory.mktemp("qwen3_5_vlm")
     return vlm, ("--hf-vlm", vlm / "hf", "--vision", vlm / "vision.pt")
 
