@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +20,11 @@ from tests.helpers.torchtitan_writes import written_by_torchtitan
 # imported the module first. The tests' process never imports FLA; torchtitan's writers, which need it, are
 # processes of their own.
 sys.modules["fla"] = None
+
+# Tests send Ctrl-C (SIGINT) to the merger processes they start. A shell that starts the suite in the background
+# (`make test &`, a CI step's `cmd &`) has it ignore SIGINT, and a child inherits an ignored signal, so merger would
+# never see the Ctrl-C: Python's own handler makes the children start with SIGINT at its default again.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
