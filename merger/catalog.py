@@ -8,12 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from .sources.file_reads import Stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +70,34 @@ class SourceTensor:
         return n
 
 
+@dataclass(frozen=True)
+class ZipRecord:
+    """One storage record. `used` is the byte span [begin, end) of the record that some tensor views; bytes
+    outside it are padding that no piece reads (a checksum still covers them)."""
+
+    name: str  # data/<key>
+    start: int  # where the data begins in the file
+    size: int
+    crc: int
+    used: tuple[int, int] = (0, 0)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Where a piece's elements lie: `view` gives their geometry (dtype, shape, strides, storage offset; its data
+    is never touched) in a storage whose bytes start at byte `start` of `file`. `record` is that storage's zip
+    record when the format checksums it (its start is `start`). `start` None: `view` holds the data itself (a
+    pre-zip torch file, loaded whole)."""
+
+    file: str
+    start: int | None
+    view: torch.Tensor
+    record: ZipRecord | None = None
+
+    def narrowed(self, view: torch.Tensor) -> Stored:
+        return Stored(self.file, self.start, view, self.record)
+
+
 class PieceReader(Protocol):
     """Reads pieces from the files one merge rank opened. Formats implement it; the stream calls it."""
 
@@ -80,7 +105,7 @@ class PieceReader(Protocol):
         """Open `files` and check them against the catalog (shapes, placements); raise MergerError."""
 
     def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:
-        """Where the piece's data lies in `copy.file` (sources/file_reads.Stored), from metadata alone; the stream
+        """Where the piece's data lies in `copy.file` (`Stored`), from metadata alone; the stream
         checks it has shape `piece.sizes` and dtype `dtype` and reads it."""
 
 

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 
 from .errors import MergerError
+from .io import is_remote, location
+from .io.fetched import fetched_folder
 
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -130,7 +132,9 @@ def model_config_dir(given: Path | None, found: Path | None, checkpoint: Path) -
     if folder is None:
         raise MergerError(f"no HF config folder found beside the checkpoint (pass --hf_model_config_path), "
                           f"{checkpoint}")
-    folder = Path(folder)
+    folder = location(folder)
+    if is_remote(folder):  # its config and tokenizer files, fetched: transformers reads local folders
+        folder = fetched_folder(folder, lambda name: not is_weight_file(name))
     if not folder.is_dir():
         raise MergerError(f"HF config folder does not exist, {folder}")
     if not any(f.name == CONFIG for f in files_to_copy(folder)):

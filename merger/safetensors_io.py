@@ -6,13 +6,13 @@ front; writers on any rank then put each tensor's bytes at `data_start + begin` 
 from __future__ import annotations
 
 import json
-import os
 import struct
 from dataclasses import dataclass
 
 import torch
 
 from .errors import MergerError
+from .io import file_size, read_range
 
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -74,16 +74,14 @@ def read_header(path: str, start: int = 0) -> tuple[int, dict[str, TensorEntry],
     section of the wrong length.
     """
     try:
-        file_size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            f.seek(start)
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise MergerError(f"not a safetensors file (shorter than 8 bytes), {path}")
-            (n,) = struct.unpack("<Q", prefix)
-            if n > MAX_HEADER_BYTES or start + 8 + n > file_size:
-                raise MergerError(f"safetensors header length {n} runs past the file ({file_size} bytes), {path}")
-            raw = f.read(n)
+        size = file_size(path)
+        prefix = read_range(path, start, 8)
+        if len(prefix) < 8:
+            raise MergerError(f"not a safetensors file (shorter than 8 bytes), {path}")
+        (n,) = struct.unpack("<Q", prefix)
+        if n > MAX_HEADER_BYTES or start + 8 + n > size:
+            raise MergerError(f"safetensors header length {n} runs past the file ({size} bytes), {path}")
+        raw = read_range(path, start + 8, n)
     except OSError as e:
         raise MergerError(f"cannot read {e.strerror.lower() if e.strerror else e}, {path}") from e
     try:
@@ -114,8 +112,8 @@ def read_header(path: str, start: int = 0) -> tuple[int, dict[str, TensorEntry],
         if e.begin != expected:
             raise MergerError(f"safetensors entry {e.name!r} overlaps or leaves a gap at byte {e.begin}, {path}")
         expected = e.end
-    if start + 8 + n + expected != file_size:
-        raise MergerError(f"safetensors data section is {file_size - start - 8 - n} bytes but the header describes "
+    if start + 8 + n + expected != size:
+        raise MergerError(f"safetensors data section is {size - start - 8 - n} bytes but the header describes "
                           f"{expected}, {path}")
     return start + 8 + n, entries, metadata
 

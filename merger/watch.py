@@ -25,6 +25,7 @@ from pathlib import Path
 from .api.pipeline import run_merge
 from .engine.dist import Group
 from .errors import MergerError
+from .io import is_remote
 from .options import MergeOptions
 from .output.target import earlier_merge, stage_of
 from .sources.megatron_layout import TRACKER
@@ -109,6 +110,9 @@ def watch(options: MergeOptions, role: str, once: bool, interval: float, group: 
         log.info("merger: watch: %s, every step whose save is complete (verl global_step_N/%s, HF Trainer "
                  "checkpoint-N, Megatron-LM iter_N, torchtitan step-N) -> %s/<step>%s", options.local_dir, role,
                  options.target_dir, "" if once else f", looking again every {interval:g} s (Ctrl-C stops)")
+    if is_remote(options.local_dir):
+        raise MergerError(f"merger watch reads a run folder on a local or mounted filesystem, where it learns that a "
+                          f"save completed; merge each step from the bucket with merger merge, {options.local_dir}")
     if not Path(options.local_dir).is_dir():
         raise MergerError(f"run folder does not exist, {options.local_dir}")
     while True:

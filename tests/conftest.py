@@ -39,6 +39,15 @@ def other_filesystem(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def dcp_root(tmp_path_factory) -> Path:
+    """plain/ (FSDP2 over 4 ranks, vocab 101), checkpoint-1/pytorch_model_fsdp_0 (HSDP 2x2, nested, with
+    optimizer), hf/, reference/."""
+    root = tmp_path_factory.mktemp("dcp")
+    run_writer("dcp_checkpoint.py", "--out", root, "--hsdp", "2,2", nproc=4)
+    return root
+
+
+@pytest.fixture(scope="session")
 def fsdp_checkpoint(tmp_path_factory):
     """fsdp_checkpoint(arch, world, mesh=None, tied=False, ...) -> (actor_dir, reference_dir), built once each."""
     cache: dict = {}

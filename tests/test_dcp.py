@@ -24,15 +24,6 @@ from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
 
 @pytest.fixture(scope="session")
-def dcp_root(tmp_path_factory) -> Path:
-    """plain/ (FSDP2 over 4 ranks, vocab 101), checkpoint-1/pytorch_model_fsdp_0 (HSDP 2x2, nested, with
-    optimizer), hf/, reference/."""
-    root = tmp_path_factory.mktemp("dcp")
-    run_writer("dcp_checkpoint.py", "--out", root, "--hsdp", "2,2", nproc=4)
-    return root
-
-
-@pytest.fixture(scope="session")
 def torchtitan_root(tmp_path_factory) -> Path:
     need_torchtitan()
     root = tmp_path_factory.mktemp("torchtitan")

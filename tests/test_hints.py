@@ -86,17 +86,24 @@ def test_a_config_that_names_no_model_is_refused(fsdp_checkpoint, tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.merger-partial").exists()
 
 
-@pytest.mark.parametrize("flag", ["--local_dir", "--target_dir", "--hf_model_config_path"])
+@pytest.mark.parametrize("flag", ["--local_dir", "--target_dir", "--hf_model_config_path", "--adapter_config"])
 def test_a_url_is_refused_with_the_scheme_named(fsdp_checkpoint, tmp_path, flag, capsys, monkeypatch):
+    """A flag that reads buckets names the package gs:// needs (gcsfs, not a dependency); the others refuse a URL
+    at the flag. Neither leaves a folder `gs:/bucket/run` behind, as a URL read as a relative path would."""
     actor, _ = fsdp_checkpoint("llama", world=1)
-    monkeypatch.chdir(tmp_path)  # where a URL read as a relative path would become folders `gs:/bucket/run`
+    monkeypatch.chdir(tmp_path)
     args = {"--local_dir": str(actor), "--target_dir": "out", flag: "gs://bucket/run"}
-    assert main(["merge", *[a for pair in args.items() for a in pair]]) == 2
+    status = main(["merge", *[a for pair in args.items() for a in pair]])
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert err == (f"merger: error: argument {flag}/{flag.replace('_', '-')}: gs:// paths are not supported: merger "
-                   f"reads and writes local folders, and folders of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2), "
-                   f"gs://bucket/run\n")
+    if flag in ("--local_dir", "--hf_model_config_path"):
+        assert (status, err) == (1, "merger: error: reading gs:// needs the gcsfs package (pip install 'merger[s3]' "
+                                    "for s3://), gs://bucket/run\n")
+    else:
+        assert status == 2 and err == (
+            f"merger: error: argument {flag}/{flag.replace('_', '-')}: gs:// paths are not supported here: this flag "
+            f"takes a local folder, or one of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2); --local_dir and "
+            f"--hf_model_config_path read buckets directly, gs://bucket/run\n")
     assert list(tmp_path.iterdir()) == []
 
 

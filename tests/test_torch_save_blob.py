@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from merger.errors import MergerError
-from merger.sources.file_reads import RangeFile, SourceReads, Stored
+from merger.catalog import Stored
+from merger.sources.file_reads import RangeFile, SourceReads
 from merger.sources.torch_save_blob import BlobError, tensor_in_blob
 
 CASES = {

@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from ..errors import UsageError
+from ..errors import MergerError, UsageError
+from ..io import is_remote, location
+from ..io.locations import ObjectPath
 from ..mapping.torchtitan import MODELS
 from ..options import DTYPES, MergeOptions, dtype_name
 from ..sources import BACKENDS
@@ -66,9 +68,25 @@ def local_path(text: str) -> Path:
         return Path(text)
     if scheme.group(1).lower() == "file":
         return Path(text[len("file://"):])
-    raise argparse.ArgumentTypeError(f"{scheme.group(1)}:// paths are not supported: merger reads and writes local "
-                                     f"folders, and folders of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2), "
-                                     f"{text}")
+    raise argparse.ArgumentTypeError(f"{scheme.group(1)}:// paths are not supported here: this flag takes a local "
+                                     f"folder, or one of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2); "
+                                     f"--local_dir and --hf_model_config_path read buckets directly, {text}")
+
+
+def source_path(text: str) -> Path | ObjectPath:
+    """A checkpoint's folder: local, mounted or file://, or a bucket's folder (s3://, gs://, az://; merger/io)."""
+    try:
+        return location(text)
+    except MergerError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def config_folder(text: str) -> str:
+    """--hf_model_config_path: a folder (a bucket's too) or a Hub model id, kept as given (folder_or_hub_id)."""
+    if is_remote(text):
+        source_path(text)  # an unknown scheme is refused here
+        return text
+    return folder_or_hub_id(text)
 
 
 def folder_or_hub_id(text: str) -> str:
@@ -88,7 +106,7 @@ def _flag(*names: str) -> list[str]:
 
 def _add_source_args(p: argparse.ArgumentParser, what: str = "the checkpoint folder (e.g. global_step_100/actor)"
                      ) -> None:
-    p.add_argument(*_flag("--local_dir"), dest="local_dir", type=local_path, required=True, help=what)
+    p.add_argument(*_flag("--local_dir"), dest="local_dir", type=source_path, required=True, help=what)
     p.add_argument("--backend", default="auto", choices=["auto", *BACKENDS],
                    help="checkpoint format (default auto: detect it)")
     p.add_argument("--prefix", default=None,
@@ -97,7 +115,7 @@ def _add_source_args(p: argparse.ArgumentParser, what: str = "the checkpoint fol
     p.add_argument("--model", choices=["auto", "hf", *MODELS], default="auto",
                    help="naming of the source tensors (default: detect; torchtitan-<family> converts torchtitan's "
                         "names to HF's and needs --hf_model_config_path)")
-    p.add_argument(*_flag("--hf_model_config_path"), dest="hf_model_config_path", type=folder_or_hub_id,
+    p.add_argument(*_flag("--hf_model_config_path"), dest="hf_model_config_path", type=config_folder,
                    default=None, help="folder with config.json, tokenizer, processor, chat template, remote code, or "
                                       "a Hub model id (owner/name; default: huggingface/ in the checkpoint)")
     p.add_argument(*_flag("--tie_word_embedding"), dest="tie_word_embedding", action="store_true",

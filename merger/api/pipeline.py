@@ -25,6 +25,7 @@ from ..engine.progress import Progress
 from ..engine.stream import run_plan
 from ..engine.tie_check import settle_tie
 from ..errors import AgreedError, Interrupted, MergerError
+from ..io import is_remote, location
 from ..mapping.hub_folders import with_hub_folders
 from ..mapping.registry import build_mapping
 from ..options import MergeOptions
@@ -60,7 +61,7 @@ def prepare(options: MergeOptions, group: Group, plan_world: int | None = None) 
     lm_head and input embedding, compared when the source holds both): the one place a plan is made.
     `plan_world`: the merge ranks to plan for, when not the group's (`inspect --merge_ranks` plans in one process)."""
     def build():
-        source = open_catalog(Path(options.local_dir), options.backend, options.prefix)
+        source = open_catalog(location(options.local_dir), options.backend, options.prefix)
         local = with_hub_folders(options)  # Hub ids among the flags: their snapshot folders
         return source, local, build_mapping(source, local)
 
@@ -125,8 +126,9 @@ def verify_staged(stage: Path, prepared: Prepared, group: Group, options: MergeO
 def _source_paths(options: MergeOptions, prepared: Prepared) -> list[Path]:
     """Every folder and file the merge reads: a target may be none of them, hold none and lie in none."""
     c = prepared.catalog
-    paths = [Path(options.local_dir), Path(c.root), *{Path(f).parent for f in c.files}]
-    return paths + [Path(p) for p in (prepared.hf_dir, prepared.base_model, options.adapter_config) if p is not None]
+    paths = [options.local_dir, c.root, *{location(f).parent for f in c.files}]
+    paths += [prepared.hf_dir, prepared.base_model, options.adapter_config]
+    return [Path(p) for p in paths if p is not None and not is_remote(p)]  # a bucket's objects lie in no folder
 
 
 def _open_target(options: MergeOptions, prepared: Prepared) -> Target:

@@ -13,12 +13,13 @@ shared folder, and their inodes and mtimes differ.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..catalog import Catalog
 from ..errors import AgreedError
+from ..io import file_size, location, relative_name
+from ..io.locations import ObjectPath
 from .dist import Group
 from .plan import Plan
 
@@ -37,15 +38,15 @@ _COUNTS = {"source_files": "source files", "source_bytes": "bytes of source file
 _ORDER = ("source_files", "source_bytes", "files", "tensors", "plan")
 
 
-def _relative(path: str, root: Path) -> str:
+def _relative(path: str, root: Path | ObjectPath) -> str:
     """A source file as every node names it: inside the checkpoint, its path there (nodes may mount it at
     different places); elsewhere (a base model) its path as given."""
-    return os.path.relpath(path, root) if Path(path).is_relative_to(root) else path
+    return relative_name(path, root) if root in location(path).parents else path
 
 
 def source_files(catalog: Catalog) -> list[tuple[str, int]]:
-    root = Path(catalog.root)
-    return [(_relative(f, root), os.stat(f).st_size) for f in catalog.files]
+    root = location(catalog.root)
+    return [(_relative(f, root), file_size(f)) for f in catalog.files]
 
 
 def _sha256(*parts) -> str:

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 from ..errors import MergerError
+from ..io import is_remote, location
 from ..options import MergeOptions
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -59,6 +60,8 @@ def _snapshot(repo_id: str, flag: str, patterns: list[str]) -> Path:
 def _folder(value: str | Path | None, flag: str, patterns: list[str]) -> Path | None:
     if value is None:
         return None
+    if is_remote(value):
+        return location(value)  # a bucket's folder: read where it is (hf_folder fetches a config folder's files)
     return _snapshot(str(value), flag, patterns) if is_hub_id(str(value)) else Path(value)
 
 

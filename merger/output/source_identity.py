@@ -1,24 +1,14 @@
 """Which files a merge read, by identity: taken when the checkpoint is opened, checked again before the finished
 folder is moved into place, and kept in the manifest, where `--resume` compares it.
 
-Name, size and mtime alone let wrong bytes through: a trainer overwriting its checkpoint keeps the size, and a
-copy made with `cp -p` keeps the mtime. The inode changes with a copy or a replace-by-rename, and the ctime
-changes with any write, rename or utime call, and cannot be set back.
+A file's identity is what its storage says changes with any write (merger/io: inode, ctime and mtime for a
+local file; ETag and version for an object).
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from ..catalog import Catalog
 from ..errors import MergerError
-
-_FIELDS = ("size", "mtime_ns", "ctime_ns", "inode")
-
-
-def file_identity(path: str) -> dict[str, int]:
-    st = os.stat(path)
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+from ..io import file_identity, location, relative_name
 
 
 def source_identity(catalog: Catalog) -> dict[str, dict[str, int]]:
@@ -26,7 +16,7 @@ def source_identity(catalog: Catalog) -> dict[str, dict[str, int]]:
     out = {}
     for f in catalog.files:
         try:
-            out[os.path.relpath(f, catalog.root)] = file_identity(f)
+            out[relative_name(f, catalog.root)] = file_identity(f)
         except OSError as e:
             raise MergerError(f"cannot stat the source file ({e.strerror}), {f}") from e
     return out
@@ -34,20 +24,20 @@ def source_identity(catalog: Catalog) -> dict[str, dict[str, int]]:
 
 def source_folder(catalog: Catalog) -> str:
     """The checkpoint folder with every link resolved: two paths to one checkpoint name the same source."""
-    return str(Path(catalog.root).resolve())
+    return str(location(catalog.root).resolve())
 
 
 def check_unchanged(catalog: Catalog, before: dict[str, dict[str, int]]) -> None:
     """Raise when any source file is not the one the merge started reading: gone, replaced or written to."""
     changed = []
     for rel, was in before.items():
-        path = os.path.join(catalog.root, rel)
+        path = str(location(catalog.root) / rel)
         try:
             now = file_identity(path)
         except OSError:
             changed.append((path, "it is gone"))
             continue
-        fields = [k for k in _FIELDS if now[k] != was[k]]
+        fields = [k for k in was if now.get(k) != was[k]]
         if fields:
             changed.append((path, f"its {', '.join(fields)} changed"))
     if changed:

@@ -11,6 +11,7 @@ from ..engine.compare import CompareResult
 from ..engine.dist import Group
 from ..engine.memory import peak_rss_per_rank
 from ..engine.plan import Plan, traffic
+from ..io import fetched_bytes, is_remote, location
 from ..options import MergeOptions
 
 
@@ -22,13 +23,15 @@ def merge_summary(catalog: Catalog, plan: Plan, options: MergeOptions, group: Gr
     c = catalog
     return {
         "status": "failed" if error else "ok", "error": error,
-        "source_format": c.format, "source_dir": str(Path(options.local_dir).absolute()),
+        "source_format": c.format, "source_dir": str(location(options.local_dir).absolute()),
         "checkpoint_world_size": c.details.get("world_size"), "merge_world_size": group.world,
         "target_dir": str(Path(options.target_dir).absolute()), "dtype": options.dtype,
         "tensors": len(plan.location), "bytes": plan.total_bytes,
         "output_files": [{"name": f.name, "bytes": f.size, "tensors": len(f.entries)} for f in plan.files],
         "wall_time_s": round(time.monotonic() - started, 3), "peak_rss_bytes_per_rank": peaks,
         "bytes_per_rank": traffic(plan),
+        # what the ranks GET from a bucket, read-ahead included: about `bytes` of source when each byte is read once
+        "fetched_bytes_per_rank": group.all_gather(fetched_bytes()) if is_remote(options.local_dir) else None,
         "verify": verify.as_dict() if verify else None, "uploaded_to": uploaded,
     }
 

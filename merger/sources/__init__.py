@@ -82,6 +82,7 @@ def detect_backend(root: Path) -> str:
 def open_catalog(root: Path, backend: str = "auto", prefix: str | None = None) -> Catalog:
     from .verl_engines import locate  # verl's torchtitan and automodel engines save beside or below the folder named
 
+    root.exists()  # the first request to a bucket: a store that refuses it names the folder given, not a probe
     if (save := locate(root)) is not None:
         return save.annotate(_open_folder(save.folder, backend, prefix))
     return _open_folder(root, backend, prefix)

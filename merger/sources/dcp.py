@@ -9,7 +9,6 @@ Optimizer state and non-tensor entries are skipped; the `model.` nesting acceler
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -17,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
+from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
 from ..errors import MergerError
 from ..hf_folder import CONFIG_DIR, config_dir
 from .dcp_chunk_table import ChunkTable, TablePieces, check_stored, load_chunk_table
 from .dcp_classes import BytesStorageMetadata, TensorStorageMetadata
 from .dcp_metadata import METADATA_FILE
 from .dcp_safetensors import DcpSafetensorsReader, holds_safetensors
-from .file_reads import RangeFile, SourceFiles, Stored
+from .file_reads import RangeFile, SourceFiles
 from .torch_save_blob import BlobError, tensor_in_blob
 
 CHUNK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
@@ -164,10 +163,7 @@ class DcpReader:
                 for c in piece.copies:
                     ends[c.file] = max(ends.get(c.file, 0), c.byte_range[0] + c.byte_range[1])
         for file in files:
-            try:
-                size = os.path.getsize(file)
-            except FileNotFoundError as e:
-                raise MergerError(f"source file is missing, {file}") from e
+            size = self.files.size(file)
             if size < ends.get(file, 0):
                 raise MergerError(f"DCP chunk file is {size} bytes but .metadata places data up to byte "
                                   f"{ends[file]} (truncated?), {file}")

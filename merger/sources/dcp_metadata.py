@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MergerError
+from ..io import open_binary
 from .dcp_classes import TORCH_NAMES, Metadata
 from .pickled_enums import GETATTR, member_lookup
 
@@ -46,7 +47,7 @@ def load_metadata(folder: Path):
     """The `Metadata` of a DCP folder (dcp_classes' stand-in), unpickled with only DCP's own classes allowed."""
     path = folder / METADATA_FILE
     try:
-        with open(path, "rb") as f:
+        with open_binary(str(path)) as f:
             metadata = _RestrictedUnpickler(f).load()
     except FileNotFoundError as e:
         raise MergerError(f"no .metadata file, {path}") from e

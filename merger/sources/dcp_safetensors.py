@@ -11,15 +11,14 @@ saved offsets) and reads the exact range.
 from __future__ import annotations
 
 import json
-import os
 import struct
 
 import torch
 
-from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
+from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
 from ..errors import MergerError
+from ..io import is_file, read_range
 from ..safetensors_io import TensorEntry, read_header
-from .file_reads import Stored
 
 SHARDING_INFO = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_utils.CUSTOM_METADATA_KEY
 _ZIP_MAGIC = b"PK\x03\x04"  # a torch.save blob, DCP's default serialization
@@ -32,9 +31,7 @@ def holds_safetensors(tensors: dict[str, SourceTensor]) -> bool:
     if copy is None:
         return False
     try:
-        with open(copy.file, "rb") as f:
-            f.seek(copy.byte_range[0])
-            head = f.read(9)
+        head = read_range(copy.file, copy.byte_range[0], 9)
     except OSError:
         return False  # the usual reader reports the missing or unreadable file
     if len(head) < 9 or head.startswith(_ZIP_MAGIC):
@@ -68,7 +65,7 @@ class DcpSafetensorsReader:
         """(data start, fqn -> entry) for one file, every chunk `.metadata` places there checked against it."""
         if file in self.located:
             return self.located[file]
-        if not os.path.isfile(file):
+        if not is_file(file):
             raise MergerError(f"DCP chunk file is missing, {file}")
         chunks = self.chunks_in.get(file, [])
         starts = {c.byte_range[0] for _, _, c in chunks}

@@ -22,11 +22,10 @@ from pathlib import Path
 
 import torch
 
-from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, row_major_index
+from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored, row_major_index
 from ..errors import MergerError
 from ..hf_folder import config_dir, named_file
 from .deepspeed_states import load_states
-from .file_reads import Stored
 from .flat_runs import run_boxes
 from .mapped_states import MappedStates
 

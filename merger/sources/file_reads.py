@@ -1,10 +1,8 @@
-"""Pieces copied out of source files with pread, checked against the CRC-32 that torch.save records.
+"""Pieces copied out of source files at offsets, checked against the CRC-32 that torch.save records.
 
-Readers say where a piece's elements lie (`Stored`); `SourceReads` copies them into the batch buffer.
-pread rather than a memory mapping: a source file that shrinks while the merge runs (a trainer rewriting its
-checkpoint) then gives a short read and one clear error, where touching a mapped page past the new end
-kills the process with SIGBUS, which no handler turns into an error line. Nothing of the source stays in
-the process's resident set either.
+Readers say where a piece's elements lie (`Stored`); `SourceReads` copies them into the batch buffer, reading
+through the storage that holds each file (merger/io: pread for local files, ranged GETs for objects). Nothing
+of the source stays in the process's resident set.
 
 torch.save files (verl FSDP rank files, DCP .distcp chunks, Megatron legacy .pt, legacy adapter .bin) record
 a CRC-32 of every storage; it is computed over the bytes as they are copied, each piece's part separately
@@ -15,15 +13,16 @@ Safetensors files record no checksum.
 from __future__ import annotations
 
 import io
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ..errors import MergerError
+from ..io import storage_of
+from ..io.local import LocalStorage, pread_into
 from .crc32 import crc32, crc32_combine
-from .zip_records import ZipRecord
+from ..catalog import Stored, ZipRecord
 
 CHUNK = 1 << 20  # bytes per pread: small enough to stay in cache between the read, the checksum and the cast
 
@@ -34,41 +33,50 @@ def source_shrank(file: str, end: int) -> MergerError:
                        f"the merge began (rewritten during the merge?), {file}")
 
 
-def pread_into(fd: int, view: memoryview, offset: int) -> int:
-    """Fill `view` with the bytes of the open file `fd` from `offset`, as far as the file goes; the bytes read."""
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            break
-        done += got
-    return done
-
-
 class SourceFiles:
-    """Source files, each opened once, read at offsets."""
+    """Source files read at offsets, each through the storage that holds it (merger/io)."""
 
     def __init__(self):
-        self.opened: dict[str, io.FileIO] = {}
+        self.local = LocalStorage()  # descriptors of its own, closed with it
+        self.used: list = [self.local]
 
-    def fd(self, file: str) -> int:
-        f = self.opened.get(file)
-        if f is None:
-            try:
-                f = self.opened[file] = open(file, "rb", buffering=0)
-            except FileNotFoundError as e:
-                raise MergerError(f"source file is missing, {file}") from e
-        return f.fileno()
+    def _storage(self, file: str):
+        storage, key = storage_of(file)
+        if isinstance(storage, LocalStorage):
+            return self.local, key
+        if storage not in self.used:
+            self.used.append(storage)
+        return storage, key
+
+    def fd(self, file: str) -> int | None:
+        """An open descriptor of a local file (for the kernel's copy); None for an object in a bucket."""
+        storage, key = self._storage(file)
+        try:
+            return storage.local_fd(key)
+        except FileNotFoundError as e:
+            raise MergerError(f"source file is missing, {file}") from e
+
+    def size(self, file: str) -> int:
+        storage, key = self._storage(file)
+        try:
+            return storage.size(key)
+        except FileNotFoundError as e:
+            raise MergerError(f"source file is missing, {file}") from e
 
     def read_into(self, file: str, view: memoryview, offset: int) -> None:
         """Fill `view` with the file's bytes from `offset`; a file that ends first is an error."""
-        if pread_into(self.fd(file), view, offset) < len(view):
+        storage, key = self._storage(file)
+        try:
+            got = storage.read_into(key, view, offset)
+        except FileNotFoundError as e:
+            raise MergerError(f"source file is missing, {file}") from e
+        if got < len(view):
             raise source_shrank(file, offset + len(view))
 
     def close(self) -> None:
-        for f in self.opened.values():
-            f.close()
-        self.opened.clear()
+        for storage in self.used:
+            storage.close()
+        self.used.clear()
 
 
 class RangeFile(io.RawIOBase):
@@ -95,22 +103,6 @@ class RangeFile(io.RawIOBase):
         self.files.read_into(self.file, memoryview(buffer).cast("B")[:n], self.start + self.pos)
         self.pos += n
         return n
-
-
-@dataclass(frozen=True)
-class Stored:
-    """Where a piece's elements lie: `view` gives their geometry (dtype, shape, strides, storage offset; its data
-    is never touched) in a storage whose bytes start at byte `start` of `file`. `record` is that storage's zip
-    record when the format checksums it (its start is `start`). `start` None: `view` holds the data itself (a
-    pre-zip torch file, loaded whole)."""
-
-    file: str
-    start: int | None
-    view: torch.Tensor
-    record: ZipRecord | None = None
-
-    def narrowed(self, view: torch.Tensor) -> Stored:
-        return Stored(self.file, self.start, view, self.record)
 
 
 def geometry(dtype: torch.dtype, size, stride, offset: int, numel: int) -> torch.Tensor:
@@ -210,7 +202,10 @@ class SourceReads:
         if stored.start is None or view.numel() == 0 or not view.is_contiguous():
             return False
         first = view.storage_offset() * view.element_size()
-        placed = place(self.files.fd(stored.file), stored.start + first, stored.file)
+        fd = self.files.fd(stored.file)
+        if fd is None:
+            return False  # an object in a bucket: no kernel copy from it
+        placed = place(fd, stored.start + first, stored.file)
         if placed is None:
             return False
         if stored.record is not None:
@@ -234,7 +229,7 @@ class SourceReads:
             return 0  # loaded whole (a pre-zip torch file, which loading checked), or nothing to read
         if stored.record is None:
             end = stored.start + _span_end(view)
-            size = os.fstat(self.files.fd(stored.file)).st_size
+            size = self.files.size(stored.file)
             if end > size:
                 raise MergerError(f"tensor {name} ends at byte {end}, past the end of the file ({size} bytes; "
                                   f"truncated?), {stored.file}")

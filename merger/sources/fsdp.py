@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
+from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
 from ..errors import MergerError
+from ..io import exists
 from ..hf_folder import CONFIG_DIR, config_dir
 from .dtensor_classes import classes_for, dtensor_types
-from .file_reads import Stored
 from .mapped_states import MappedStates
 from .safe_load import torch_load
 
@@ -143,7 +143,7 @@ def _dtensor_pieces(name: str, value, files: list[str], path: str) -> tuple[Shar
 def open_catalog(root: Path) -> Catalog:
     world = _world_size(root)
     files = [str(root / f"model_world_size_{world}_rank_{r}.pt") for r in range(world)]
-    missing = [f for f in files if not Path(f).exists()]
+    missing = [f for f in files if not exists(f)]
     if missing:
         raise MergerError(f"{len(missing)} of {world} rank files are missing, {missing[0]}")
     state = load_rank_file(files[0])

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
+from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
 from ..errors import MergerError
+from ..io import is_file
 from ..hf_folder import weight_files
 from ..safetensors_io import read_header
-from .file_reads import Stored
 
 def detect(root: Path) -> bool:
     return bool(weight_files(root))
@@ -50,7 +50,7 @@ class SafetensorsReader:
 
     def check_files(self, files: list[str]) -> None:
         for f in files:
-            if not Path(f).is_file():
+            if not is_file(f):
                 raise MergerError(f"safetensors file is missing, {f}")
 
     def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:

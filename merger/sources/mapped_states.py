@@ -16,9 +16,9 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..catalog import Stored, ZipRecord
 from ..errors import MergerError
-from .file_reads import Stored
-from .zip_records import ZipRecord, ZipRecordError, open_archive, storage_record
+from .zip_records import ZipRecordError, open_archive, storage_record
 
 
 def _tensors(state) -> Iterator[torch.Tensor]:

@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
+from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
 from ..errors import MergerError
+from ..io import is_file
 from .dcp import chunk_stored
 from .dcp_chunk_table import check_stored, chunk_rows, load_chunk_table
 from .dcp_classes import TensorStorageMetadata
 from .dcp_metadata import load_metadata
-from .file_reads import SourceFiles, Stored
+from .file_reads import SourceFiles
 from .piece_keys import split_key, take, with_index
 from .megatron_layout import checkpoint_dir
 from .megatron_skips import NOT_A_TENSOR, skip_rule
@@ -108,7 +108,7 @@ class DistReader:
 
     def check_files(self, files: list[str]) -> None:
         for file in files:
-            if not os.path.isfile(file):
+            if not is_file(file):
                 raise MergerError(f"DCP data file is missing, {file}")
 
     def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:

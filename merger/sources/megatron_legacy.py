@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
+from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
 from ..errors import MergerError
-from .file_reads import Stored
 from .mapped_states import MappedStates
 from .piece_keys import split_expert, split_key, take, take_expert, with_expert, with_slice
 from .megatron_skips import NOT_A_TENSOR, skip_rule

@@ -13,6 +13,7 @@ import zipfile
 import torch
 
 from ..errors import MergerError
+from ..io import is_remote
 from .pickled_enums import member_lookup
 
 _ZIP = b"PK\x03\x04"  # torch.save since torch 1.6: a zip archive
@@ -28,6 +29,12 @@ def torch_load(path: str, what: str, mmap: bool = True, safe_globals: tuple = ()
     pickled by name (see pickled_enums).
     """
     getattr_enum_member = member_lookup(g[0] if isinstance(g, tuple) else g for g in safe_globals)
+    if is_remote(path):
+        # torch.load reads a file it maps or holds whole: from a bucket, that would fetch every tensor's bytes
+        # into memory before the plan picks the ones this rank needs.
+        raise MergerError(f"cannot load {what} from object storage: merger reads torch.save checkpoints (verl FSDP, "
+                          f"DeepSpeed, Megatron .pt) only from local or mounted folders; DCP, Megatron torch_dist "
+                          f"and safetensors checkpoints are read from buckets, {path}")
     try:
         with open(path, "rb") as f:
             head = f.read(32)

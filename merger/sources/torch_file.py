@@ -5,9 +5,8 @@ from pathlib import Path
 
 import torch
 
-from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
+from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
 from ..errors import MergerError
-from .file_reads import Stored
 from .mapped_states import MappedStates
 from .safe_load import torch_load
 

@@ -21,9 +21,10 @@ from typing import BinaryIO
 
 import torch
 
+from ..catalog import ZipRecord
 from ..errors import MergerError
 from .file_reads import geometry
-from .zip_records import ZipRecord, ZipRecordError, open_archive, storage_record
+from .zip_records import ZipRecordError, open_archive, storage_record
 
 
 class BlobError(ValueError):

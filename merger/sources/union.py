@@ -7,8 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
-from .file_reads import Stored
+from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
 
 
 def union_catalog(parts: dict[str, Catalog], root: Path, fmt: str) -> Catalog:

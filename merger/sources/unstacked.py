@@ -13,9 +13,8 @@ from typing import Callable
 
 import torch
 
-from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
+from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
 from ..errors import MergerError
-from .file_reads import Stored
 from .piece_keys import split_key, take, with_index
 
 

@@ -22,6 +22,7 @@ from ..hf_folder import config_dir, weight_files
 from . import megatron_dist
 from .dcp_metadata import load_metadata
 from .megatron_dist import MODEL_PREFIXES
+from .peft_adapter import open_adapter_catalog
 from .verl_manifest import VerlModel
 
 FORMAT = "verl_megatron_peft"
@@ -64,8 +65,6 @@ def open_adapter_shards(root: Path, verl: VerlModel) -> Catalog:
 
 
 def open_catalog(root: Path, verl: VerlModel) -> Catalog:
-    from ..mapping.lora.adapter import open_adapter_catalog  # the adapter folder reader LoRA's mappers share
-
     adapter = open_adapter_catalog(verl.adapter)
     base = weight_files(verl.hf_dir)
     details = {"checkpoint": str(root), "adapter": str(verl.adapter),

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import struct
 import zipfile
-from dataclasses import dataclass
 from typing import BinaryIO
+
+from ..catalog import ZipRecord
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature ... file name length, extra field length
 _LOCAL_SIGNATURE = b"PK\x03\x04"
@@ -17,18 +18,6 @@ _LOCAL_SIGNATURE = b"PK\x03\x04"
 
 class ZipRecordError(ValueError):
     """The archive's records cannot be located (the caller names the file)."""
-
-
-@dataclass(frozen=True)
-class ZipRecord:
-    """One storage record. `used` is the byte span [begin, end) of the record that some tensor views; bytes
-    outside it are padding that no piece reads (a checksum still covers them)."""
-
-    name: str  # data/<key>
-    start: int  # where the data begins in the file
-    size: int
-    crc: int
-    used: tuple[int, int] = (0, 0)
 
 
 def open_archive(fileobj: BinaryIO) -> tuple[zipfile.ZipFile, dict[str, zipfile.ZipInfo]]:

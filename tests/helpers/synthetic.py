@@ -22,7 +22,7 @@ from merger.catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from merger.engine.dist import Group
 from merger.engine.plan import Plan, Runs
 from merger.mapping.steps import OutputSpec, Step
-from merger.sources.file_reads import Stored
+from merger.catalog import Stored
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32)
 SIDE_FILES = ("lora_adapter/adapter_model.safetensors", "extra.safetensors")

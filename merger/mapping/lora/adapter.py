@@ -13,12 +13,11 @@ from pathlib import Path
 
 from ...catalog import Catalog, SourceTensor
 from ...errors import MergerError
+from ...sources.peft_adapter import CONFIG_FILE
 from ..steps import Step, cast
 from .fold import lora_scale, pattern_value
 
 PEFT_PREFIX = "base_model.model."
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 # transformers models built on Conv1D, whose weights are stored [in, out] (PEFT's fan_in_fan_out)
 _CONV1D_MODELS = {"gpt2", "openai-gpt", "imagegpt", "decision_transformer"}
 # LoRA variants whose merge is not W + scale * B @ A (or DoRA): refused rather than folded wrongly.
@@ -124,19 +123,6 @@ def read_config_file(path: Path) -> dict:
         if config.get(key):
             raise MergerError(f"adapter uses {key}, a LoRA variant merger does not fold, {path}")
     return config
-
-
-def open_adapter_catalog(folder: Path) -> Catalog:
-    from ...sources.hf_safetensors import catalog_of_files
-    from ...sources.torch_file import open_file_catalog
-
-    if not folder.is_dir():
-        raise MergerError(f"adapter folder does not exist, {folder}")
-    if (folder / WEIGHTS_FILE).is_file():
-        return catalog_of_files([folder / WEIGHTS_FILE], folder, "peft_adapter")
-    if (folder / "adapter_model.bin").is_file():
-        return open_file_catalog(folder / "adapter_model.bin", "peft_adapter")
-    raise MergerError(f"no adapter_model.safetensors or adapter_model.bin in the adapter folder, {folder}")
 
 
 def adapter_from_folder(folder: Path, prefix: str, catalog: Catalog) -> LoraAdapter:

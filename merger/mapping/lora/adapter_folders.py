@@ -19,7 +19,8 @@ from .. import fp8
 from ..hub_folders import hub_id_of
 from ..policy import ties
 from ..steps import Mapping, Step
-from .adapter import LoraAdapter, adapter_from_folder, open_adapter_catalog
+from ...sources.peft_adapter import open_adapter_catalog
+from .adapter import LoraAdapter, adapter_from_folder
 from .fold_steps import fold_steps
 
 

@@ -22,9 +22,10 @@ from ...catalog import Catalog
 from ...errors import MergerError
 from ...hf_folder import read_config
 from ...options import MergeOptions
+from ...sources.peft_adapter import CONFIG_FILE, WEIGHTS_FILE
 from ..steps import Mapping, Step
-from .adapter import (CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, LoraAdapter, adapter_file_steps, adapter_from_catalog,
-                      describe, file_keys, split_key)
+from .adapter import (PEFT_PREFIX, LoraAdapter, adapter_file_steps, adapter_from_catalog, describe, file_keys,
+                      split_key)
 from .adapter_folders import base_model_name, fold_into_base, open_base
 from .checkpoint_config import checkpoint_config
 from .peft_state import ADAPTER_DIR, ADAPTER_FILE, is_peft_state, lora_note, split_state_names, state_keys

@@ -19,7 +19,8 @@ from ...catalog import Catalog
 from ...errors import MergerError
 from ...options import MergeOptions
 from ...sources.dcp import ACCELERATE_DIR
-from .adapter import CONFIG_FILE, config_from_tensors, read_config_file
+from ...sources.peft_adapter import CONFIG_FILE
+from .adapter import config_from_tensors, read_config_file
 
 log = logging.getLogger("merger")
 META = "lora_train_meta.json"

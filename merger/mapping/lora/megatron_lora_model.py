@@ -18,11 +18,11 @@ import torch
 from ...catalog import Catalog
 from ...errors import MergerError
 from ...options import MergeOptions
+from ...sources.peft_adapter import CONFIG_FILE
 from ...sources.verl_peft import is_adapter_shard
 from .. import megatron
 from ..hf import model_config
 from ..steps import Mapping, Step, Transform
-from .adapter import CONFIG_FILE
 from .fold import fold_lora, lora_scale
 from .megatron_shards import AdaptedLinear, adapted_linears, adapter_steps, peft_config, rank_and_alpha
 from .peft_state import ADAPTER_DIR, ADAPTER_FILE, lora_note

@@ -25,11 +25,12 @@ import torch
 from ...catalog import Catalog
 from ...errors import MergerError
 from ...options import MergeOptions
+from ...sources.peft_adapter import CONFIG_FILE, WEIGHTS_FILE
 from ...sources.verl_peft import SHARDS_FORMAT, adapter_linear, is_adapter_shard
 from ..hf import model_config
 from ..megatron import family_of, family_table, hf_names, transform_of
 from ..steps import Mapping, OutputSpec, Step, Transform, cast
-from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, config_from_tensors, describe, read_config_file
+from .adapter import PEFT_PREFIX, config_from_tensors, describe, read_config_file
 from .adapter_folders import base_folder, base_model_name, fold_into_base, open_base
 from .adapter_state import ADAPTER_PART, adapter_folder_of
 from .checkpoint_config import given_config_path, resolve_flag

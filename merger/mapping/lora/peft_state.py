@@ -15,10 +15,11 @@ import re
 from ...catalog import Catalog
 from ...errors import MergerError
 from ...options import MergeOptions
+from ...sources.peft_adapter import CONFIG_FILE, WEIGHTS_FILE
 from ..hf import model_config
 from ..policy import ties
 from ..steps import Mapping
-from .adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, adapter_file_steps, build_adapter, describe, split_key
+from .adapter import PEFT_PREFIX, adapter_file_steps, build_adapter, describe, split_key
 from .checkpoint_config import checkpoint_config
 from .fold_steps import fold_steps
 

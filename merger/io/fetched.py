@@ -1,0 +1,33 @@
+"""Small files of a folder in a bucket (an HF config folder: config, tokenizer, chat template) copied into a
+local folder, so that transformers reads them and the output copies them as it does a local config folder."""
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from ..errors import MergerError
+from .locations import ObjectPath
+
+_LARGEST = 64 << 20  # a file past this is no config or tokenizer: not fetched
+
+
+@cache
+def fetched_folder(folder: ObjectPath, wanted) -> Path:
+    """A local folder holding the files of `folder` (its top level) that `wanted(name)` accepts; removed when the
+    process ends. Fetched once per process."""
+    if not folder.is_dir():
+        raise MergerError(f"HF config folder does not exist, {folder}")
+    local = Path(tempfile.mkdtemp(prefix="merger-fetched-"))
+    atexit.register(shutil.rmtree, local, ignore_errors=True)
+    storage = folder.storage
+    for entry in storage.list(folder.key):
+        if entry.is_dir or not wanted(entry.name):
+            continue
+        key = f"{folder.key}/{entry.name}"
+        if storage.size(key) > _LARGEST:
+            continue
+        (local / entry.name).write_bytes(storage.read(key))
+    return local

@@ -1,0 +1,53 @@
+"""A real S3-protocol server (moto's) on the loopback, and checkpoints uploaded to it: what the object-storage
+tests read. Clients find it through the standard environment (`env`), as they would find AWS."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+# Made-up credentials the server accepts; the tests check that neither ever reaches merger's output.
+KEY_ID = "AKIAMERGERTESTKEY000"
+SECRET = "merger-test-secret-0123456789abcdefSECRET"
+
+
+@dataclass
+class ObjectStore:
+    endpoint: str
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET,
+                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=KEY_ID,
+                            aws_secret_access_key=SECRET, region_name="us-east-1")
+
+    def upload(self, folder: Path, bucket: str, prefix: str) -> str:
+        """Every file below `folder` as an object under s3://bucket/prefix/; the folder's URL."""
+        client = self.client()
+        if bucket not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+            client.create_bucket(Bucket=bucket)
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
+        return f"s3://{bucket}/{prefix}"
+
+
+@contextmanager
+def moto_server():
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield ObjectStore(f"http://{host}:{port}")
+    finally:
+        server.stop()

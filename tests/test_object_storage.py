@@ -1,0 +1,168 @@
+"""Checkpoints read straight from a bucket (s3://), against a real S3-protocol server on the loopback (moto's).
+
+Oracle: the same checkpoint merged from its local folder, which the DCP and HF tests check against the training
+library's own save_pretrained output; a merge from the bucket must write the same bytes. The server speaks the
+S3 protocol over HTTP (ranged GETs, listings, ETags), so the client library merger uses is exercised as it is
+against AWS.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from merger.catalog import Catalog
+from tests.helpers.in_process import single_error_line
+from tests.helpers.object_store import KEY_ID, SECRET, ObjectStore, moto_server
+from tests.helpers.processes import free_port, run_merger, subprocess_env
+from tests.helpers.weights import assert_same_weights
+
+pytest.importorskip("moto", reason="moto[server] (a test extra) runs the S3 server these tests read from")
+
+
+@pytest.fixture(scope="module")
+def store():
+    with moto_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def dcp_in_bucket(store, dcp_root) -> str:
+    return store.upload(dcp_root, "ckpt", "runs/dcp")
+
+
+def _same_files(a: Path, b: Path) -> None:
+    """Every file of the two merges holds the same bytes; the manifests differ only in where the source was."""
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        if name != "merge_manifest.json":
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_dcp_from_a_bucket_writes_what_the_local_merge_writes(store, dcp_root, dcp_in_bucket, nproc, tmp_path):
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    run_merger("merge", "--local_dir", dcp_root / "plain", "--target_dir", local, nproc=nproc)
+    proc = run_merger("merge", "--local_dir", f"{dcp_in_bucket}/plain", "--target_dir", remote,
+                      "--summary_json", tmp_path / "summary.json", nproc=nproc, env=store.env)
+    _same_files(local, remote)
+    assert_same_weights(remote, dcp_root / "reference", torch.bfloat16)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["source_dir"] == f"{dcp_in_bucket}/plain"
+    # each byte of the chunk files fetched about once, read-ahead included; the rest is .metadata and config
+    chunk_bytes = sum(p.stat().st_size for p in (dcp_root / "plain").glob("*.distcp"))
+    assert chunk_bytes <= sum(summary["fetched_bytes_per_rank"]) <= 1.05 * chunk_bytes + (1 << 20), summary
+    assert SECRET not in proc.stderr + proc.stdout and KEY_ID not in proc.stderr + proc.stdout
+
+
+def test_nested_dcp_with_its_config_folder_in_the_bucket(store, dcp_root, dcp_in_bucket, tmp_path):
+    """accelerate's checkpoint-N/pytorch_model_fsdp_0 found below the URL given, the config from a bucket too."""
+    out = tmp_path / "out"
+    run_merger("merge", "--local_dir", f"{dcp_in_bucket}/checkpoint-1", "--target_dir", out,
+               "--hf_model_config_path", f"{dcp_in_bucket}/hf", "--dtype", "keep", env=store.env)
+    assert_same_weights(out, dcp_root / "reference", None)
+    assert json.loads((out / "config.json").read_text())["model_type"] == \
+        json.loads((dcp_root / "hf" / "config.json").read_text())["model_type"]
+
+
+def test_hf_folder_from_a_bucket(store, dcp_root, tmp_path):
+    """A HF safetensors folder (the reference save_pretrained wrote) read from a bucket: the same bytes as local."""
+    url = store.upload(dcp_root / "reference", "ckpt", "runs/hf")
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    run_merger("merge", "--local_dir", dcp_root / "reference", "--target_dir", local)
+    run_merger("merge", "--local_dir", url, "--target_dir", remote, env=store.env)
+    _same_files(local, remote)
+
+
+def test_wrong_credentials_are_one_line_and_never_shown(tmp_path):
+    """A server that checks keys, as AWS does (moto's, with no unauthenticated request allowed): ours is unknown."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              env=subprocess_env({"INITIAL_NO_AUTH_ACTION_COUNT": "0"}),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            assert time.monotonic() < deadline and server.poll() is None, "moto's server did not start"
+            time.sleep(0.1)
+        env = {**ObjectStore(f"http://127.0.0.1:{port}").env, "AWS_MAX_ATTEMPTS": "1"}
+        url = "s3://ckpt/runs/dcp/plain"
+        proc = run_merger("merge", "--local_dir", url, "--target_dir", tmp_path / "out", env=env, check=False)
+        assert proc.returncode == 1
+        assert single_error_line(proc.stderr) == (
+            f"merger: error: access denied by the object store (check the credentials: AWS_ACCESS_KEY_ID, "
+            f"AWS_PROFILE...), {url}")
+        debug = run_merger("merge", "--local_dir", url, "--target_dir", tmp_path / "out", "--debug", env=env,
+                           check=False)
+        for text in (proc.stderr, proc.stdout, debug.stderr, debug.stdout):
+            assert SECRET not in text and KEY_ID not in text
+        assert not (tmp_path / "out").exists()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_a_missing_bucket_or_folder_is_one_line(store, dcp_in_bucket, tmp_path):
+    for url, said in (("s3://no-such-bucket/x", "checkpoint folder does not exist"),
+                      (f"{dcp_in_bucket}/no-such-step", "checkpoint folder does not exist")):
+        proc = run_merger("merge", "--local_dir", url, "--target_dir", tmp_path / "out", env=store.env, check=False)
+        assert proc.returncode == 1
+        assert single_error_line(proc.stderr) == f"merger: error: {said}, {url}"
+        assert not (tmp_path / "out").exists()
+
+
+def test_an_unreachable_endpoint_is_one_line(dcp_root, tmp_path):
+    env = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET,
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1"}
+    proc = run_merger("merge", "--local_dir", "s3://ckpt/runs/dcp/plain", "--target_dir", tmp_path / "out",
+                      env=env, check=False, timeout=120)
+    assert proc.returncode == 1
+    assert single_error_line(proc.stderr) == ("merger: error: cannot reach the object store's endpoint "
+                                              "(AWS_ENDPOINT_URL?), s3://ckpt/runs/dcp/plain")
+
+
+def test_torch_save_checkpoints_in_a_bucket_are_refused_with_one_line(store, fsdp_checkpoint, tmp_path):
+    actor, _ = fsdp_checkpoint()
+    url = store.upload(actor, "ckpt", "runs/fsdp")
+    proc = run_merger("merge", "--local_dir", url, "--target_dir", tmp_path / "out", env=store.env, check=False)
+    assert proc.returncode == 1
+    line = single_error_line(proc.stderr)
+    assert line.startswith("merger: error: cannot load rank file from object storage") and \
+        line.endswith(f"{url}/model_world_size_4_rank_0.pt"), line
+
+
+def test_a_target_in_a_bucket_is_refused_at_the_flag(tmp_path, dcp_root):
+    proc = run_merger("merge", "--local_dir", dcp_root / "plain", "--target_dir", "s3://out/model", check=False)
+    assert proc.returncode == 2
+    assert "s3:// paths are not supported here" in proc.stderr and not Path("s3:").exists()
+
+
+def test_an_object_rewritten_after_planning_is_found(store, dcp_root, monkeypatch):
+    """The identity a merge checks at its end: an object's ETag changes with a rewrite of the same size."""
+    from merger.io import locations
+    from merger.output.source_identity import check_unchanged, source_identity
+    from merger.sources import open_catalog
+    from merger.errors import MergerError
+    from merger.io import location
+
+    for key, value in store.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(locations, "_OBJECT_STORAGES", {})  # a client of its own, made with this environment
+    url = store.upload(dcp_root / "plain", "ckpt", "runs/rewritten")
+    catalog: Catalog = open_catalog(location(url))
+    before = source_identity(catalog)
+    check_unchanged(catalog, before)  # nothing changed yet
+    victim = catalog.files[0]
+    bucket, key = victim.removeprefix("s3://").split("/", 1)
+    body = bytearray(store.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[-1] ^= 1
+    store.client().put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    with pytest.raises(MergerError, match=r"a source file changed while it was being merged \(its etag changed\)"):
+        check_unchanged(catalog, before)
