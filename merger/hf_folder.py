@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .errors import MergerError
 from .io import is_remote, location
+from .io.locations import ObjectPath
 from .io.fetched import fetched_folder
 
 CONFIG = "config.json"
@@ -125,6 +126,14 @@ def files_to_copy(folder: Path) -> list[Path]:
     return files
 
 
+def local_config_folder(folder: Path | ObjectPath) -> Path:
+    """A model's folder where transformers can read its config: itself, or for a folder in a bucket, a local copy
+    of its config, tokenizer and other small files (its weights are read where they lie)."""
+    if is_remote(folder):
+        return fetched_folder(folder, lambda name: not is_weight_file(name))
+    return folder
+
+
 def model_config_dir(given: Path | None, found: Path | None, checkpoint: Path) -> Path:
     """The folder config.json and the tokenizer come from: `--hf_model_config_path`, else the one the source
     found beside the checkpoint. Checked now, not at the end: only a regular config.json inside it is copied."""
@@ -132,9 +141,7 @@ def model_config_dir(given: Path | None, found: Path | None, checkpoint: Path) -
     if folder is None:
         raise MergerError(f"no HF config folder found beside the checkpoint (pass --hf_model_config_path), "
                           f"{checkpoint}")
-    folder = location(folder)
-    if is_remote(folder):  # its config and tokenizer files, fetched: transformers reads local folders
-        folder = fetched_folder(folder, lambda name: not is_weight_file(name))
+    folder = local_config_folder(location(folder))
     if not folder.is_dir():
         raise MergerError(f"HF config folder does not exist, {folder}")
     if not any(f.name == CONFIG for f in files_to_copy(folder)):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.megatron_cases import CASES
 from tests.helpers.processes import run_writer
 from tests.helpers.torchtitan_writes import written_by_torchtitan
 
@@ -44,6 +45,25 @@ def dcp_root(tmp_path_factory) -> Path:
     optimizer), hf/, reference/."""
     root = tmp_path_factory.mktemp("dcp")
     run_writer("dcp_checkpoint.py", "--out", root, "--hsdp", "2,2", nproc=4)
+    return root
+
+
+@pytest.fixture(scope="session")
+def megatron_root(tmp_path_factory) -> Path:
+    """ROOT/<case>/{legacy,torch_dist,hf} for every case of tests/helpers/megatron_cases.py, by megatron-core."""
+    root = tmp_path_factory.mktemp("megatron")
+    run_writer("megatron_checkpoint.py", "--out", root,
+               *[arg for name, spec in CASES.items() for arg in ("--case", f"{name}:{spec}")], nproc=4)
+    return root
+
+
+@pytest.fixture(scope="session")
+def adapter_cases(tmp_path_factory) -> Path:
+    """ROOT/<case>/{base, adapter folders..., oracle.pt}: tests/writers/peft_adapters.py's cases, with PEFT."""
+    from tests.writers.peft_adapters import write_all
+
+    root = tmp_path_factory.mktemp("peft_adapters")
+    write_all(root)  # in this process: PEFT is imported here anyway, a subprocess would only add start-up time
     return root
 
 

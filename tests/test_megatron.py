@@ -19,29 +19,11 @@ from tests.helpers.files import flip_bit_in_tensor, metadata_naming
 from tests.helpers.in_process import merge_in_process as merge
 from tests.helpers.in_process import single_error_line
 from tests.helpers.logits import hf_logits
-from tests.helpers.processes import run_merger, run_merger_leaving_no_thread, run_writer
+from tests.helpers.megatron_cases import CASES
+from tests.helpers.processes import run_merger, run_merger_leaving_no_thread
 from tests.helpers.weights import assert_same_weights
 
-CASES = {
-    "tp2_gqa_bias": "arch=qwen2,tp=2",  # Qwen2: qkv bias, 4 heads in 2 groups, split over 2 TP ranks
-    "tp2_pp2_vpp2_tied": "arch=llama,tp=2,pp=2,vpp=2,layers=4,tied=1",  # vocab 101 padded to 256
-    "moe_tp2_ep2": "arch=qwen2_moe,tp=2,ep=2",  # 4 experts over 2 EP ranks, shared expert with its gate
-    "qwen3_mqa_pp2": "arch=qwen3,pp=2,groups=1,layers=4",  # q/k norms; one query group (groups % TP == 0)
-    "mistral_tp2": "arch=mistral,tp=2",  # Llama's layout under Mistral's model_type
-    "mixtral_ep2": "arch=mixtral,ep=2",  # `mp_rank_00_001` is EP here, not PP: the saved args decide
-    "qwen3_moe_tp2": "arch=qwen3_moe,tp=2",
-    "critic_tp2": "arch=qwen2,tp=2,value=1",  # verl's critic: a replicated Linear(hidden, 1) head
-    "optim_only": "optim_only=1",  # a torch_dist save holding no model tensors
-}
 MODELS = [c for c in CASES if c != "optim_only"]
-
-
-@pytest.fixture(scope="session")
-def megatron_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("megatron")
-    run_writer("megatron_checkpoint.py", "--out", root,
-               *[arg for name, spec in CASES.items() for arg in ("--case", f"{name}:{spec}")], nproc=4)
-    return root
 
 
 @pytest.fixture(scope="session")

@@ -128,14 +128,45 @@ def test_an_unreachable_endpoint_is_one_line(dcp_root, tmp_path):
                                               "(AWS_ENDPOINT_URL?), s3://ckpt/runs/dcp/plain")
 
 
-def test_torch_save_checkpoints_in_a_bucket_are_refused_with_one_line(store, fsdp_checkpoint, tmp_path):
-    actor, _ = fsdp_checkpoint()
-    url = store.upload(actor, "ckpt", "runs/fsdp")
-    proc = run_merger("merge", "--local_dir", url, "--target_dir", tmp_path / "out", env=store.env, check=False)
-    assert proc.returncode == 1
-    line = single_error_line(proc.stderr)
-    assert line.startswith("merger: error: cannot load rank file from object storage") and \
-        line.endswith(f"{url}/model_world_size_4_rank_0.pt"), line
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_verl_fsdp_rank_files_from_a_bucket(store, fsdp_checkpoint, nproc, tmp_path):
+    """torch.save rank files: their pickles and zip directories are fetched, their tensors read in ranges."""
+    actor, reference = fsdp_checkpoint()
+    url = store.upload(actor, "ckpt", "runs/fsdp/global_step_1/actor")
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    run_merger("merge", "--local_dir", actor, "--target_dir", local)
+    run_merger("merge", "--local_dir", url, "--target_dir", remote, "--summary_json", tmp_path / "summary.json",
+               nproc=nproc, env=store.env)
+    _same_files(local, remote)
+    assert_same_weights(remote, reference, torch.bfloat16)
+    rank_bytes = sum(p.stat().st_size for p in actor.glob("model_world_size_*.pt"))
+    fetched = sum(json.loads((tmp_path / "summary.json").read_text())["fetched_bytes_per_rank"])
+    assert rank_bytes <= fetched <= 1.05 * rank_bytes + (1 << 20)
+
+
+@pytest.mark.parametrize("fmt", ["dist", "legacy"])
+def test_megatron_from_a_bucket(store, megatron_root, fmt, tmp_path):
+    """Megatron-LM save dirs, TP 2 with a GQA bias: torch_dist (a DCP underneath) and legacy mp_rank_*/ .pt files,
+    with the HF config folder in the bucket too."""
+    case = megatron_root / "tp2_gqa_bias"
+    url = store.upload(case, "ckpt", "runs/megatron")
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    run_merger("merge", "--local_dir", case / fmt, "--target_dir", local, "--hf_model_config_path", case / "hf")
+    run_merger("merge", "--local_dir", f"{url}/{fmt}", "--target_dir", remote, "--hf_model_config_path",
+               f"{url}/hf", nproc=2, env=store.env)
+    _same_files(local, remote)
+
+
+def test_peft_adapters_into_a_base_model_from_a_bucket(store, adapter_cases, tmp_path):
+    """`merger lora`: the base's weights and both adapters read from the bucket, its config fetched."""
+    root = adapter_cases / "llama"
+    url = store.upload(root, "ckpt", "models/llama")
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    run_merger("lora", "--base", root / "base", "--adapter", root / "patterns", "--adapter", root / "dora",
+               "--target_dir", local)
+    run_merger("lora", "--base", f"{url}/base", "--adapter", f"{url}/patterns", "--adapter", f"{url}/dora",
+               "--target_dir", remote, env=store.env)
+    _same_files(local, remote)
 
 
 def test_a_target_in_a_bucket_is_refused_at_the_flag(tmp_path, dcp_root):

@@ -70,7 +70,8 @@ def local_path(text: str) -> Path:
         return Path(text[len("file://"):])
     raise argparse.ArgumentTypeError(f"{scheme.group(1)}:// paths are not supported here: this flag takes a local "
                                      f"folder, or one of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2); "
-                                     f"--local_dir and --hf_model_config_path read buckets directly, {text}")
+                                     f"--local_dir, --hf_model_config_path, --base_model and --adapter read "
+                                     f"buckets directly, {text}")
 
 
 def source_path(text: str) -> Path | ObjectPath:
@@ -81,8 +82,8 @@ def source_path(text: str) -> Path | ObjectPath:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
-def config_folder(text: str) -> str:
-    """--hf_model_config_path: a folder (a bucket's too) or a Hub model id, kept as given (folder_or_hub_id)."""
+def folder_url_or_hub_id(text: str) -> str:
+    """A folder (a bucket's too) or a Hub model id, kept as given (folder_or_hub_id)."""
     if is_remote(text):
         source_path(text)  # an unknown scheme is refused here
         return text
@@ -115,7 +116,7 @@ def _add_source_args(p: argparse.ArgumentParser, what: str = "the checkpoint fol
     p.add_argument("--model", choices=["auto", "hf", *MODELS], default="auto",
                    help="naming of the source tensors (default: detect; torchtitan-<family> converts torchtitan's "
                         "names to HF's and needs --hf_model_config_path)")
-    p.add_argument(*_flag("--hf_model_config_path"), dest="hf_model_config_path", type=config_folder,
+    p.add_argument(*_flag("--hf_model_config_path"), dest="hf_model_config_path", type=folder_url_or_hub_id,
                    default=None, help="folder with config.json, tokenizer, processor, chat template, remote code, or "
                                       "a Hub model id (owner/name; default: huggingface/ in the checkpoint)")
     p.add_argument(*_flag("--tie_word_embedding"), dest="tie_word_embedding", action="store_true",
@@ -136,7 +137,7 @@ def _add_source_args(p: argparse.ArgumentParser, what: str = "the checkpoint fol
     p.add_argument(*_flag("--lora_alpha"), dest="lora_alpha", type=float, default=None,
                    help="LoRA alpha, when the checkpoint records none (no lora_train_meta.json; Megatron-Bridge "
                         "adapter shards without their HF export)")
-    p.add_argument(*_flag("--base_model"), dest="base_model", type=folder_or_hub_id, default=None,
+    p.add_argument(*_flag("--base_model"), dest="base_model", type=folder_url_or_hub_id, default=None,
                    help="adapter-only checkpoints (accelerate adapter_only DCP, verl save_lora_only): HF "
                         "safetensors folder, or Hub model id, to fold the adapter into (default: write the adapter "
                         "as a PEFT adapter folder)")
@@ -222,9 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(test)
 
     lora = sub.add_parser("lora", help="fold PEFT adapter folders, in order, into a HF safetensors base model")
-    lora.add_argument(*_flag("--base_model"), "--base", dest="local_dir", type=local_path, required=True,
+    lora.add_argument(*_flag("--base_model"), "--base", dest="local_dir", type=source_path, required=True,
                       metavar="DIR", help="HF model folder (safetensors) to fold the adapters into")
-    lora.add_argument("--adapter", dest="adapters", type=local_path, action="append", required=True,
+    lora.add_argument("--adapter", dest="adapters", type=source_path, action="append", required=True,
                       help="PEFT adapter folder; repeat to apply several in order")
     lora.add_argument(*_flag("--target_dir"), dest="target_dir", type=local_path, required=True, help=TARGET_HELP)
     _add_dtype_args(lora, "keep", "the base's own, as PEFT's merge_and_unload")

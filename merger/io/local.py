@@ -57,6 +57,9 @@ class LocalStorage:
             f.seek(start)
             return f.read() if length is None else f.read(length)
 
+    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        return [self.read(key, start, end - start) for start, end in ranges]
+
     def read_into(self, key: str, view: memoryview, offset: int) -> int:
         return pread_into(self.local_fd(key), view, offset)
 

@@ -58,7 +58,8 @@ def _refusal(e: Exception, url: str) -> Exception:
         return MergerError(f"cannot reach the object store's endpoint (AWS_ENDPOINT_URL?), {url}")
     if any(code in text for code in ("SlowDown", "Throttl", "RequestLimitExceeded", "503")):
         return MergerError(f"the object store kept throttling after the client's retries, {url}")
-    return MergerError(f"the object store refused a read ({name}), {url}")
+    first = text.strip().splitlines()[0][:200] if text.strip() else ""
+    return MergerError(f"the object store refused a read ({name}{': ' + first if first else ''}), {url}")
 
 
 class ObjectStorage:
@@ -128,10 +129,23 @@ class ObjectStorage:
         return "dir" if info.get("type") == "directory" else "file"
 
     def read(self, key: str, start: int = 0, length: int | None = None) -> bytes:
+        if length is not None and length <= 0:
+            return b""  # an empty range is no request (S3 refuses one)
         end = None if length is None else start + length
         data = self._call(key, self.fs.cat_file, key, start=start, end=end)
         self.fetched += len(data)
         return data
+
+    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        if not ranges:
+            return []
+        got = self._call(key, self.fs.cat_ranges, [key] * len(ranges), [a for a, _ in ranges],
+                         [b for _, b in ranges], on_error="raise")
+        for data in got:
+            if isinstance(data, Exception):
+                raise _refusal(data, self.url(key))
+            self.fetched += len(data)
+        return got
 
     def read_into(self, key: str, view: memoryview, offset: int) -> int:
         size = self.size(key)
@@ -155,13 +169,8 @@ class ObjectStorage:
                 return block
             wanted = [i for i in range(index, index + READ_AHEAD)
                       if i * BLOCK < size and (key, i) not in self.blocks]
-            starts = [i * BLOCK for i in wanted]
-            ends = [min(size, s + BLOCK) for s in starts]
-            got = self._call(key, self.fs.cat_ranges, [key] * len(wanted), starts, ends, on_error="raise")
+            got = self.read_ranges(key, [(i * BLOCK, min(size, (i + 1) * BLOCK)) for i in wanted])
             for i, data in zip(wanted, got):
-                if isinstance(data, Exception):
-                    raise _refusal(data, self.url(key))
-                self.fetched += len(data)
                 self.blocks[(key, i)] = data
             while len(self.blocks) > KEEP:
                 self.blocks.popitem(last=False)

@@ -37,6 +37,9 @@ class Storage(Protocol):
     def read(self, key: str, start: int = 0, length: int | None = None) -> bytes:
         """Bytes [start, start + length) of the file (to its end when `length` is None); fewer where it ends."""
 
+    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Bytes [start, end) of the file for each range, fetched together where the storage can."""
+
     def read_into(self, key: str, view: memoryview, offset: int) -> int:
         """Fill `view` with the file's bytes from `offset`, as far as the file goes; the number of bytes read."""
 

@@ -15,6 +15,7 @@ from typing import Callable
 
 from ..catalog import Catalog
 from ..errors import MergerError
+from ..hf_folder import local_config_folder
 from ..options import MergeOptions
 from . import fp8, hf, megatron, torchtitan
 from .lora import adapter_folders, adapter_state, megatron_lora_model, megatron_peft, megatron_shards, peft_state
@@ -60,7 +61,10 @@ def build_mapping(catalog: Catalog, options: MergeOptions) -> Mapping:
     """The steps writing `catalog` as the target, after the tie and dtype policy, with the config updates."""
     mapper = mapper_for(catalog, options)
     refuse_unused(mapper.flags, options, catalog)
-    mapping = apply_policy(mapper.build(catalog, options), options)
+    mapping = mapper.build(catalog, options)
+    if mapping.hf_dir is not None:
+        mapping.hf_dir = local_config_folder(mapping.hf_dir)  # a base model in a bucket: its config, fetched
+    mapping = apply_policy(mapping, options)
     if mapping.hf_dir is not None:  # a model: its config.json may need another class, labels, ...
         outputs = {o.name: o.shape for s in mapping.steps for o in s.outputs}
         mapping.config_updates = {**config_updates(mapping.config, outputs, options.is_value_model, mapping.hf_dir),

@@ -21,6 +21,8 @@ from typing import NamedTuple
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..io.zip_shadow import zip_shadow
+
 _TENSOR = "torch.distributed.tensor"
 _SPEC = "torch.distributed.tensor._dtensor_spec"
 _PLACEMENTS = "torch.distributed.tensor.placement_types"
@@ -154,7 +156,7 @@ def classes_for(path: str) -> tuple:
     if _TENSOR in sys.modules:
         return ()
     try:
-        named = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        named = torch.serialization.get_unsafe_globals_in_checkpoint(zip_shadow(path))
     except Exception:  # noqa: BLE001 - a damaged or legacy file: loading it, as before, says what is wrong
         named = None
     if named is None or any(name.startswith("torch.distributed.") and name not in COVERED for name in named):

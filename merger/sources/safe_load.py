@@ -13,7 +13,7 @@ import zipfile
 import torch
 
 from ..errors import MergerError
-from ..io import is_remote
+from ..io.zip_shadow import zip_shadow
 from .pickled_enums import member_lookup
 
 _ZIP = b"PK\x03\x04"  # torch.save since torch 1.6: a zip archive
@@ -29,14 +29,9 @@ def torch_load(path: str, what: str, mmap: bool = True, safe_globals: tuple = ()
     pickled by name (see pickled_enums).
     """
     getattr_enum_member = member_lookup(g[0] if isinstance(g, tuple) else g for g in safe_globals)
-    if is_remote(path):
-        # torch.load reads a file it maps or holds whole: from a bucket, that would fetch every tensor's bytes
-        # into memory before the plan picks the ones this rank needs.
-        raise MergerError(f"cannot load {what} from object storage: merger reads torch.save checkpoints (verl FSDP, "
-                          f"DeepSpeed, Megatron .pt) only from local or mounted folders; DCP, Megatron torch_dist "
-                          f"and safetensors checkpoints are read from buckets, {path}")
     try:
-        with open(path, "rb") as f:
+        local = zip_shadow(path)  # an object in a bucket: all but its tensors' bytes, in a local file
+        with open(local, "rb") as f:
             head = f.read(32)
         if not head:
             raise MergerError(f"cannot load {what}: the file is empty, {path}")
@@ -48,7 +43,7 @@ def torch_load(path: str, what: str, mmap: bool = True, safe_globals: tuple = ()
                 raise MergerError(f"cannot load {what}: saved in torch's legacy (before 1.6) format, which cannot "
                                   f"be memory-mapped, {path}")
         with torch.serialization.safe_globals([*safe_globals, (getattr_enum_member, "builtins.getattr")]):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(local, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError as e:
         raise MergerError(f"{what} is missing, {path}") from e
     except MergerError:
@@ -63,7 +58,7 @@ def torch_load(path: str, what: str, mmap: bool = True, safe_globals: tuple = ()
         found = re.search(r"refusing to call getattr\(.*", text)
         if found:
             raise MergerError(f"refusing to load {what}: {found.group(0)}, {path}") from e
-        if _cut_short_zip(path):
+        if _cut_short_zip(zip_shadow(path)):
             raise MergerError(f"cannot load {what}: a zip archive whose end (the directory of its records) is "
                               f"missing or damaged (truncated?), {path}") from e
         first_line = text.strip().splitlines()[0] if text.strip() else type(e).__name__

@@ -12,14 +12,16 @@ from pathlib import Path
 from ...catalog import Catalog
 from ...errors import MergerError
 from ...hf_folder import read_config, weight_files
+from ...io import is_remote, location
+from ...io.locations import ObjectPath
 from ...options import MergeOptions
 from ...sources import hf_safetensors
+from ...sources.peft_adapter import open_adapter_catalog
 from ...sources.union import union_catalog
 from .. import fp8
 from ..hub_folders import hub_id_of
 from ..policy import ties
 from ..steps import Mapping, Step
-from ...sources.peft_adapter import open_adapter_catalog
 from .adapter import LoraAdapter, adapter_from_folder
 from .fold_steps import fold_steps
 
@@ -32,18 +34,19 @@ def open_base(base_dir: Path) -> Catalog:
     return hf_safetensors.open_catalog(base_dir)
 
 
-def base_folder(catalog: Catalog, options: MergeOptions) -> Path | None:
+def base_folder(catalog: Catalog, options: MergeOptions) -> Path | ObjectPath | None:
     """The base model of an adapter: --base_model, else the HF weights saved beside it (mbridge's
     `model/huggingface/` in a verl Megatron LoRA save), else None."""
     if options.base_model is not None:
-        return Path(options.base_model)
+        return location(options.base_model)
     return catalog.hf_dir if catalog.hf_dir and weight_files(catalog.hf_dir) else None
 
 
 def base_model_name(base_dir: str | Path) -> str:
     """What the adapter's config records as its base_model_name_or_path: the Hub id of a base taken from the Hub
     cache (`--base_model owner/name`), which loads anywhere, else the folder's absolute path."""
-    return hub_id_of(Path(base_dir)) or str(Path(base_dir).absolute())
+    where = location(base_dir)
+    return (hub_id_of(where) if not is_remote(where) else None) or str(where.absolute())
 
 
 def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[LoraAdapter], options: MergeOptions,
@@ -52,7 +55,7 @@ def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[Lora
     """`base` (a HF folder's catalog) with `adapters` folded in; `parts` maps each adapter catalog to its name
     prefix. `side_steps` and `extra_files` add outputs beside the model (an adapter folder); `folds` write base
     tensors themselves (an adapter folded by other rules), which are then not copied."""
-    base_dir = Path(base.root)
+    base_dir = location(base.root)
     catalog = union_catalog({"": base, **parts}, base_dir, fmt)
     config = read_config(base_dir)
     written = {o.name for s in folds for o in s.outputs}
@@ -80,7 +83,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     if catalog.format != "hf_safetensors":
         raise MergerError(f"the base model must be a HF safetensors folder, and this is a {catalog.format} "
                           f"checkpoint, {catalog.root}")
-    parts = {f"adapter{k}:": open_adapter_catalog(Path(folder)) for k, folder in enumerate(options.adapters)}
-    adapters = [adapter_from_folder(Path(folder), f"adapter{k}:", parts[f"adapter{k}:"])
+    parts = {f"adapter{k}:": open_adapter_catalog(location(folder)) for k, folder in enumerate(options.adapters)}
+    adapters = [adapter_from_folder(location(folder), f"adapter{k}:", parts[f"adapter{k}:"])
                 for k, folder in enumerate(options.adapters)]
     return fold_into_base(catalog, parts, adapters, options, "hf_safetensors+peft_adapter")
