@@ -1,0 +1,149 @@
+"""Merging a checkpoint that lies in a bucket: read where it lies, against downloading it first.
+
+    python benchmarks/object_storage.py [--format dcp] [--layers 7] [--hidden 2048] [--repeats 3] [--keep]
+
+The checkpoint (fp32 FSDP2 on 2 ranks, built by benchmarks/build_checkpoint.py as benchmarks/run.py builds it;
+7 layers at hidden 2048 is 2.1 GB) is uploaded to a real S3-protocol server on the loopback (moto's, a process of
+its own), and each run, alternating and repeated, merges it to bf16 in a local folder:
+- `download` (the floor for reading it): s3fs's `get` of the whole folder, the library merger reads through;
+- `download + merge`: that download, then merger on the local copy: what a user without bucket reads does;
+- merger reading the bucket, 1 rank, and 2 ranks under torchrun;
+- merger on a local copy (no bucket at all), for scale.
+Wall time and the largest resident set of any process of the run are medians; `GET / source` is the bytes the
+merge's ranks fetched (its summary's fetched_bytes_per_rank) over the checkpoint's data bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.run import OUT, PY, build, data_files, measure  # noqa: E402
+from merger.units import format_size  # noqa: E402
+
+BUCKET = "bench"
+ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+       "AWS_ALLOW_HTTP": "true"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server() -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    server = subprocess.Popen([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+        if time.monotonic() > deadline or server.poll() is not None:
+            raise SystemExit("moto's S3 server did not start (pip install 'moto[server]')")
+        time.sleep(0.2)
+    return server, f"http://127.0.0.1:{port}"
+
+
+def upload(folder: Path, prefix: str) -> str:
+    import boto3
+
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=BUCKET)
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), BUCKET, f"{prefix}/{path.relative_to(folder).as_posix()}")
+    return f"s3://{BUCKET}/{prefix}"
+
+
+def download_then_merge(url: str, scratch: str, target: str) -> None:
+    """The baseline as one command: the whole folder fetched with s3fs, then merged from the local copy."""
+    import s3fs
+
+    s3fs.S3FileSystem().get(url.removeprefix("s3://") + "/", scratch + "/", recursive=True)
+    subprocess.run([PY, "-m", "merger", "merge", "--local_dir", scratch, "--target_dir", target], check=True)
+
+
+def download(url: str, scratch: str) -> None:
+    import s3fs
+
+    s3fs.S3FileSystem().get(url.removeprefix("s3://") + "/", scratch + "/", recursive=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--format", choices=("dcp", "fsdp"), default="dcp")
+    p.add_argument("--layers", type=int, default=7)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--keep", action="store_true", help="keep the checkpoint built under bench_out/")
+    args = p.parse_args()
+
+    built: list[Path] = []
+    ckpt = build(args.format, args.layers, args.hidden, built)
+    source_bytes = sum(f.stat().st_size for f in data_files(args.format, ckpt))
+    server, endpoint = start_server()
+    os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
+    work = Path(tempfile.mkdtemp(prefix="merger-bench-s3-", dir=OUT))
+    try:
+        url = upload(ckpt, "ckpt")
+        target, scratch, summary = str(work / "out"), str(work / "scratch"), work / "summary.json"
+        merge = ["-m", "merger", "merge", "--target_dir", target, "--summary_json", str(summary)]
+        torchrun = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                    "--master_port", str(_free_port())]
+        runs = {
+            "download (s3fs get)": [PY, __file__, "--_download", url, scratch],
+            "download + merge": [PY, __file__, "--_download_then_merge", url, scratch, target],
+            "merger from S3, 1 rank": [PY, *merge, "--local_dir", url],
+            "merger from S3, 2 ranks (torchrun)": [*torchrun, *merge, "--local_dir", url],
+            "merger, local folder": [PY, *merge, "--local_dir", str(ckpt)],
+        }
+        results: dict[str, list[tuple[float, int, float | None]]] = {name: [] for name in runs}
+        for _ in range(args.repeats):
+            for name, cmd in runs.items():
+                for leftover in (target, scratch):
+                    shutil.rmtree(leftover, ignore_errors=True)
+                summary.unlink(missing_ok=True)
+                wall, rss, rc, _ = measure(cmd, settle=2)
+                if rc != 0:
+                    raise SystemExit(f"{name} failed (exit {rc}): {' '.join(cmd)}")
+                fetched = None
+                if summary.exists():
+                    per_rank = json.loads(summary.read_text())["fetched_bytes_per_rank"]
+                    fetched = sum(per_rank) / source_bytes if per_rank is not None else None
+                results[name].append((wall, rss, fetched))
+        base = statistics.median(w for w, _, _ in results["download + merge"])
+        print(f"\n{args.format} checkpoint, {format_size(source_bytes)} of data, fp32 -> bf16, medians of "
+              f"{args.repeats}, moto's S3 server on the loopback\n")
+        print("| run | wall | x download + merge | peak RSS per process | GET / source |\n|---|---|---|---|---|")
+        for name, rows in results.items():
+            wall = statistics.median(w for w, _, _ in rows)
+            rss = statistics.median(r for _, r, _ in rows)
+            got = [f for _, _, f in rows if f is not None]
+            print(f"| {name} | {wall:.2f} s | {wall / base:.2f}x | {format_size(rss)} | "
+                  f"{f'{statistics.median(got):.3f}' if got else '-'} |")
+    finally:
+        server.terminate()
+        shutil.rmtree(work, ignore_errors=True)
+        for ckpt in [] if args.keep else built:
+            shutil.rmtree(ckpt, ignore_errors=True)
+            if ckpt.parent.is_dir() and not any(ckpt.parent.iterdir()):
+                ckpt.parent.rmdir()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--_download":
+        download(*sys.argv[2:4])
+    elif len(sys.argv) > 1 and sys.argv[1] == "--_download_then_merge":
+        download_then_merge(*sys.argv[2:5])
+    else:
+        main()
