@@ -75,7 +75,46 @@ def fold_bias(bias: torch.Tensor, b_bias: torch.Tensor, scale: float) -> torch.T
     return bias.float() + b_bias.float() * scale
 
 
-def fold_module(deltas: tuple[LoraDelta, ...], with_bias: bool) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+@dataclass(frozen=True)
+class ExpertDelta:
+    """A LoRA on a parameter (PEFT's `target_parameters`), as one base tensor receives it: the whole parameter
+    (`expert` None) or, where the base stores experts apart, one expert's rows `rows` of it. Step inputs: A, B.
+
+    The rule (peft 0.21, ParamWrapper.get_delta_weight, written out here): the parameter has `experts` = E
+    experts (E = 1 for a 2-D one) and is read as [E, out, in]; lora_A is [E*r, in], expert e owning rows
+    e*r .. e*r+r-1; lora_B is [out, r*E], read as [out, r, E], so expert e owns columns e, e+E, e+2E, ...
+    delta[e] = scale * B_e @ A_e, an [out, in] matrix per expert, transposed to [in, out] where the module stores
+    the parameter [E, in, out] (`transposed`: transformers' `is_transposed` experts, gpt-oss). PEFT casts the
+    delta to the parameter's dtype before adding it (`round_to`: bf16(W + bf16(delta)) for a bf16 base); a
+    float8 base's delta stays float32, added to the dequantized weight."""
+
+    scale: float
+    experts: int
+    transposed: bool
+    round_to: torch.dtype | None
+    expert: int | None = None
+    rows: tuple[int, int] | None = None  # of the expert's [out, in] delta; None: all of them
+    n_inputs = 2
+    bias = False
+    dora = False
+
+    def fold(self, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        r = a.shape[0] // self.experts
+        a3 = a.float().reshape(self.experts, r, a.shape[1])
+        b3 = b.float().reshape(b.shape[0], r, self.experts).permute(2, 0, 1)  # [E, out, r]
+        if self.expert is not None:
+            a3, b3 = a3[self.expert: self.expert + 1], b3[self.expert: self.expert + 1]
+        delta = torch.bmm(b3, a3) * self.scale
+        if self.rows is not None:
+            delta = delta[:, self.rows[0]: self.rows[1]]
+        if self.transposed:
+            delta = delta.transpose(1, 2)
+        if self.round_to is not None:
+            delta = delta.to(self.round_to)
+        return weight.float() + delta.float().reshape(weight.shape)
+
+
+def fold_module(deltas: tuple[LoraDelta | ExpertDelta, ...], with_bias: bool) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
     """A Step fn: inputs [weight, (bias if with_bias), per delta A, B, (B bias), (magnitude)] -> [weight, (bias)].
 
     Deltas apply in order, each to the result of the previous ones (as merging adapters one after another);
@@ -90,7 +129,9 @@ def fold_module(deltas: tuple[LoraDelta, ...], with_bias: bool) -> Callable[[lis
             b_bias = inputs[i + 2] if d.bias else None
             magnitude = inputs[i + 2 + d.bias] if d.dora else None
             i += d.n_inputs
-            if d.dora:
+            if isinstance(d, ExpertDelta):
+                weight = d.fold(weight, a, b)
+            elif d.dora:
                 weight = fold_dora(weight, a, b, magnitude, d.scale, d.fan_in_fan_out)
             else:
                 weight = fold_lora(weight, a, b, d.scale, d.fan_in_fan_out)
