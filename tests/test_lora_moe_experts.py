@@ -122,6 +122,24 @@ def test_lora_on_fused_experts_equals_peft_merge(case, dtype, tmp_path):
         torch.testing.assert_close(_logits(tmp_path / "out", dtype), peft_logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("step_bytes", [1, 3 * 4 * 8 * 16], ids=["one_tensor_a_step", "three_tensors_a_step"])
+def test_per_expert_tensors_fold_the_same_in_smaller_steps(step_bytes, tmp_path, monkeypatch):
+    """Per-expert tensors share steps up to a size (each step reads every expert's A and B once); cut smaller, in
+    steps of one tensor or of three (an expert's gate_proj in one step, its up_proj in the next), the bytes are the
+    same: PEFT's merge."""
+    from merger.mapping.lora import fold_steps
+
+    monkeypatch.setattr(fold_steps, "EXPERT_STEP_BYTES", step_bytes)
+    make_config, lora = CASES["qwen3_moe"]
+    base = _base(tmp_path / "base", make_config(), torch.bfloat16)
+    _adapter(base, torch.bfloat16, tmp_path / "adapter", **lora)
+    want = _peft_merged(base, torch.bfloat16, tmp_path / "adapter", tmp_path / "peft")
+    assert main(["lora", "--base_model", str(base), "--adapter", str(tmp_path / "adapter"), "--target_dir",
+                 str(tmp_path / "out")]) == 0
+    got = load_safetensors_folder(tmp_path / "out")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
 def test_lora_on_fused_experts_under_torchrun(tmp_path):
     """Two ranks write the bytes one process writes."""
     make_config, lora = CASES["gpt_oss"]

@@ -99,11 +99,12 @@ class ExpertDelta:
     dora = False
 
     def fold(self, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        r = a.shape[0] // self.experts
-        a3 = a.float().reshape(self.experts, r, a.shape[1])
-        b3 = b.float().reshape(b.shape[0], r, self.experts).permute(2, 0, 1)  # [E, out, r]
-        if self.expert is not None:
-            a3, b3 = a3[self.expert: self.expert + 1], b3[self.expert: self.expert + 1]
+        e, n, r = self.expert, self.experts, a.shape[0] // self.experts
+        if e is None:
+            a3 = a.float().reshape(n, r, a.shape[1])  # [E, r, in]
+            b3 = b.float().reshape(b.shape[0], r, n).permute(2, 0, 1)  # [E, out, r]
+        else:  # one expert's factors only, taken before the float32 copy
+            a3, b3 = a[e * r: (e + 1) * r].float()[None], b[:, e::n].float()[None]
         delta = torch.bmm(b3, a3) * self.scale
         if self.rows is not None:
             delta = delta[:, self.rows[0]: self.rows[1]]
@@ -112,6 +113,21 @@ class ExpertDelta:
         if self.round_to is not None:
             delta = delta.to(self.round_to)
         return weight.float() + delta.float().reshape(weight.shape)
+
+
+def fold_experts(deltas: tuple[tuple[ExpertDelta, ...], ...]) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    """A Step fn for several per-expert tensors that the same LoRAs change: inputs [each tensor, then each LoRA's A
+    and B once] -> the tensors, each with its deltas applied in order (fp32; the writer casts them once)."""
+    def fn(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        weights, factors = inputs[: len(deltas)], inputs[len(deltas):]
+        out = []
+        for weight, weight_deltas in zip(weights, deltas):
+            for j, d in enumerate(weight_deltas):
+                weight = d.fold(weight, factors[2 * j], factors[2 * j + 1])
+            out.append(weight)
+        return out
+
+    return fn
 
 
 def fold_module(deltas: tuple[LoraDelta | ExpertDelta, ...], with_bias: bool) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:

@@ -7,6 +7,7 @@ the state dict of a PEFT-wrapped model in an FSDP checkpoint.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,7 +17,11 @@ from ..policy import TIED_OUTPUT, input_embedding
 from ..steps import OutputSpec, Step
 from .adapter import LoraAdapter, ModuleAdapter, resolve_module
 from .expert_params import ParamLora, expert_deltas
-from .fold import ExpertDelta, LoraDelta, fold_module
+from .fold import ExpertDelta, LoraDelta, fold_experts, fold_module
+
+# Per-expert tensors that the same LoRAs change share a step, up to this many bytes of float32 results: a step
+# reads the LoRAs' factors (every expert's A and B) once, not once per expert tensor (3 x 128 times a layer).
+EXPERT_STEP_BYTES = 128 << 20
 
 
 @dataclass
@@ -69,6 +74,21 @@ def _split_params(adapter: LoraAdapter, current: dict[str, str], tensors: dict[s
     return modules, params
 
 
+def _expert_groups(deltas: dict[str, list], shapes: dict[str, tuple]) -> list[list[str]]:
+    """The per-expert tensors (their deltas all ExpertDeltas of one expert) in groups that share the same LoRA
+    inputs, each group at most EXPERT_STEP_BYTES of float32 (one tensor at least)."""
+    groups: dict[tuple[str, ...], list[tuple[list[str], int]]] = {}
+    for weight, weight_deltas in deltas.items():
+        if not all(isinstance(d, ExpertDelta) and d.expert is not None for d, _ in weight_deltas):
+            continue
+        size = 4 * math.prod(shapes[weight])
+        chunks = groups.setdefault(tuple(n for _, names in weight_deltas for n in names), [([], 0)])
+        if chunks[-1][0] and chunks[-1][1] + size > EXPERT_STEP_BYTES:
+            chunks.append(([], 0))
+        chunks[-1] = (chunks[-1][0] + [weight], chunks[-1][1] + size)
+    return [names for chunks in groups.values() for names, _ in chunks]
+
+
 def fold_steps(base: dict[str, str], adapters: list[LoraAdapter], tensors: dict[str, SourceTensor], tied: bool,
                experts_transposed: Callable[[str], bool | None] = lambda module: None) -> FoldResult:
     """Apply `adapters` in order to the base of a model that ties its embeddings or not. Each output is declared
@@ -114,7 +134,16 @@ def fold_steps(base: dict[str, str], adapters: list[LoraAdapter], tensors: dict[
         return OutputSpec(name, shape, tensors[origin[name]].dtype)
 
     steps, folded_biases = [], set()
+    grouped = _expert_groups(deltas, {w: tensors[current[w]].shape for w in deltas})
+    for group in grouped:
+        factors = tuple(n for _, names in deltas[group[0]] for n in names)
+        steps.append(Step(tuple(current[w] for w in group) + factors,
+                          tuple(spec(w, tensors[current[w]].shape) for w in group),
+                          fold_experts(tuple(tuple(d for d, _ in deltas[w]) for w in group))))
+    in_groups = {w for group in grouped for w in group}
     for weight, module_deltas in deltas.items():
+        if weight in in_groups:
+            continue
         bias = weight.removesuffix(".weight") + ".bias"
         with_bias = any(d.bias for d, _ in module_deltas)
         inputs = (current[weight],) + ((current[bias],) if with_bias else ())
