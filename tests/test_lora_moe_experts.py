@@ -140,6 +140,28 @@ def test_per_expert_tensors_fold_the_same_in_smaller_steps(step_bytes, tmp_path,
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
+def test_two_adapters_on_experts_equal_peft_merging_one_after_another(case, tmp_path):
+    """`--adapter` twice on a bfloat16 base: PEFT merges the first, then the second into the merged model, its
+    parameter rounded to bfloat16 after each."""
+    make_config, lora = CASES[case]
+    base = _base(tmp_path / "base", make_config(), torch.bfloat16)
+    _adapter(base, torch.bfloat16, tmp_path / "first", **lora)
+    torch.manual_seed(2)
+    second = peft.get_peft_model(_load(base, torch.bfloat16), peft.LoraConfig(
+        r=3, lora_alpha=2, init_lora_weights=False, target_modules=[], target_parameters=lora.get(
+            "target_parameters", ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])))
+    second.save_pretrained(tmp_path / "second")
+    merged = peft.PeftModel.from_pretrained(_load(base, torch.bfloat16), tmp_path / "first").merge_and_unload()
+    peft.PeftModel.from_pretrained(merged, tmp_path / "second").merge_and_unload().save_pretrained(tmp_path / "peft")
+    want = load_safetensors_folder(tmp_path / "peft")
+
+    assert main(["lora", "--base_model", str(base), "--adapter", str(tmp_path / "first"), "--adapter",
+                 str(tmp_path / "second"), "--target_dir", str(tmp_path / "out")]) == 0
+    got = load_safetensors_folder(tmp_path / "out")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
 def test_lora_on_fused_experts_under_torchrun(tmp_path):
     """Two ranks write the bytes one process writes."""
     make_config, lora = CASES["gpt_oss"]

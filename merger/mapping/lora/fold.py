@@ -85,8 +85,9 @@ class ExpertDelta:
     e*r .. e*r+r-1; lora_B is [out, r*E], read as [out, r, E], so expert e owns columns e, e+E, e+2E, ...
     delta[e] = scale * B_e @ A_e, an [out, in] matrix per expert, transposed to [in, out] where the module stores
     the parameter [E, in, out] (`transposed`: transformers' `is_transposed` experts, gpt-oss). PEFT casts the
-    delta to the parameter's dtype before adding it (`round_to`: bf16(W + bf16(delta)) for a bf16 base); a
-    float8 base's delta stays float32, added to the dequantized weight."""
+    delta to the parameter's dtype and adds it in place (`round_to`: bf16(W + bf16(delta)) for a bf16 base, each
+    adapter on the last one's rounded result); a float8 base's delta stays float32, added to the dequantized
+    weight."""
 
     scale: float
     experts: int
@@ -110,9 +111,11 @@ class ExpertDelta:
             delta = delta[:, self.rows[0]: self.rows[1]]
         if self.transposed:
             delta = delta.transpose(1, 2)
-        if self.round_to is not None:
-            delta = delta.to(self.round_to)
-        return weight.float() + delta.float().reshape(weight.shape)
+        delta = delta.reshape(weight.shape)
+        if self.round_to is None:
+            return weight.float() + delta
+        # PEFT's parameter stays in its dtype: the delta is rounded to it, and so is the sum, adapter by adapter
+        return (weight.float() + delta.to(self.round_to).float()).to(self.round_to).float()
 
 
 def fold_experts(deltas: tuple[tuple[ExpertDelta, ...], ...]) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
