@@ -175,8 +175,9 @@ def test_lora_on_fused_experts_under_torchrun(tmp_path):
 
 
 def test_lora_on_experts_that_do_not_fit_is_refused(tmp_path, capsys):
-    """An adapter whose expert LoRAs fit no parameter of the base, and a square experts tensor whose layout the
-    installed transformers cannot tell (a model class it lacks): one line each, nothing written."""
+    """An adapter whose expert LoRAs fit no parameter of the base, a square experts tensor whose layout the
+    installed transformers cannot tell (a model class it lacks), and nested LoRAs on parameters that the adapter
+    config does not name: one line each, nothing written."""
     qwen = _base(tmp_path / "qwen", _qwen3_moe(), torch.float32)
     gpt = _base(tmp_path / "gpt", _gpt_oss(), torch.float32)
     _adapter(qwen, torch.float32, tmp_path / "qwen_adapter", r=2, lora_alpha=4, target_modules=[],
@@ -202,4 +203,15 @@ def test_lora_on_experts_that_do_not_fit_is_refused(tmp_path, capsys):
         "merger: error: cannot tell whether model.layers.0.mlp.experts.down_proj (4, 16, 16) is stored [experts, "
         "in, out] or [experts, out, in]: the installed transformers does not build this model's class to ask its "
         f"experts module, {tmp_path / 'gpt_adapter'}")
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+    # a config that lost its target_parameters: the nested LoRA names no module of the base
+    both = tmp_path / "both"
+    _adapter(gpt, torch.float32, both, r=2, lora_alpha=4, target_modules=[],
+             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    config = json.loads((both / "adapter_config.json").read_text())
+    (both / "adapter_config.json").write_text(json.dumps(dict(config, target_parameters=None)))
+    assert main(["lora", "--base_model", str(gpt), "--adapter", str(both), "--target_dir", str(tmp_path / "c")]) == 1
+    assert single_error_line(capsys.readouterr().err) == (
+        "merger: error: tensor model.layers.0.mlp.experts.base_layer.lora_A.weight is a LoRA on a parameter of "
+        f"model.layers.0.mlp.experts, which the adapter config's target_parameters does not name, {both}")
+    assert not any((tmp_path / out).exists() for out in "abc")

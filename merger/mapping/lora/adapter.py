@@ -93,6 +93,9 @@ def build_adapter(name: str, config: dict, keys: dict[str, str], shapes: dict[st
             p = adapter.params.setdefault(wrapped, ParamLora(*wrapped))
             setattr(p, part, source)
             continue
+        if module.endswith(".base_layer"):  # only PEFT's nested LoRAs on parameters are named so
+            raise MergerError(f"tensor {key} is a LoRA on a parameter of {module.split('.base_layer')[0]}, which "
+                              f"the adapter config's target_parameters does not name, {name}")
         m = adapter.modules.setdefault(module, ModuleAdapter(module))
         setattr(m, part, source)
         m.embedding = m.embedding or "lora_embedding_" in key
