@@ -1,11 +1,13 @@
 """`merger lora` with PEFT adapters on transformers 5's fused MoE expert tensors (`target_parameters`), against
 PEFT itself: every tensor of PEFT's merge_and_unload (saved by save_pretrained), and the logits of the unmerged
-PEFT model. Bases as save_pretrained writes them: Qwen3-MoE and Qwen3.5-MoE per expert (`experts.{e}.gate_proj`,
-...), gpt-oss fused and transposed ([experts, in, out]) with a square down_proj, whose layout only the model's
-class can tell.
+PEFT model. Bases as save_pretrained writes them: Qwen3-MoE and Qwen3.5-MoE (text, and the VLM as released) per
+expert (`experts.{e}.gate_proj`, ...), gpt-oss fused and transposed ([experts, in, out]) with a square
+down_proj, whose layout only the model's class can tell.
 
 The tensors are compared bit for bit: merger computes each expert's delta in float32 as PEFT does (one matmul of
-the same factors per expert), casts it to the base's dtype where PEFT does (a bfloat16 base), and adds it once.
+the same factors per expert), casts it to a bfloat16 base's dtype and rounds the sum as PEFT's in-place add does,
+so no tolerance is needed. Logits (float32 only) are compared with the unmerged PEFT model's within 1e-5: the
+merged and unmerged forwards add the same terms in another order.
 """
 from __future__ import annotations
 
@@ -41,15 +43,26 @@ def _qwen3_5_moe():
                                              linear_key_head_dim=8, linear_value_head_dim=8)
 
 
+def _qwen3_5_moe_vlm():
+    # the released Qwen3.5-MoE: the text model under model.language_model, beside a vision tower
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    return transformers.Qwen3_5MoeConfig(text_config=_qwen3_5_moe().to_dict(), vision_config=vision)
+
+
 def _gpt_oss():
     # intermediate_size == hidden_size, as in the released gpt-oss (2880): down_proj [experts, 16, 16] is square
     return transformers.GptOssConfig(**SMALL, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                                      layer_types=["sliding_attention", "full_attention"])
 
 
+def _auto(config: dict):
+    return transformers.AutoModelForImageTextToText if "vision_config" in config else transformers.AutoModelForCausalLM
+
+
 def _base(folder: Path, config, dtype: torch.dtype) -> Path:
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = _auto(config.to_dict()).from_config(config)
     with torch.no_grad():  # norms and biases start at 1 and 0: randomise them so a mix-up cannot go unnoticed
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.02)
@@ -58,7 +71,7 @@ def _base(folder: Path, config, dtype: torch.dtype) -> Path:
 
 
 def _load(base: Path, dtype: torch.dtype):
-    return transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype).eval()
+    return _auto(json.loads((base / "config.json").read_text())).from_pretrained(base, dtype=dtype).eval()
 
 
 def _adapter(base: Path, dtype: torch.dtype, folder: Path, **lora) -> torch.Tensor:
@@ -94,6 +107,9 @@ CASES = {
     # target_parameters entry "down_proj" matches its name too
     "qwen3_5_moe": (_qwen3_5_moe, dict(r=2, lora_alpha=3, target_modules=["down_proj", "q_proj"],
                                        target_parameters=["gate_up_proj", "down_proj"])),
+    "qwen3_5_moe_vlm": (_qwen3_5_moe_vlm, dict(r=2, lora_alpha=3, target_modules=["q_proj"],
+                                               target_parameters=["mlp.experts.gate_up_proj",
+                                                                  "mlp.experts.down_proj"])),
     # fused, [experts, in, out] base (transformers' is_transposed), square down_proj
     "gpt_oss": (_gpt_oss, dict(r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"],
                                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),

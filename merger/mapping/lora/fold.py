@@ -133,7 +133,8 @@ def fold_experts(deltas: tuple[tuple[ExpertDelta, ...], ...]) -> Callable[[list[
     return fn
 
 
-def fold_module(deltas: tuple[LoraDelta | ExpertDelta, ...], with_bias: bool) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+def fold_module(deltas: tuple[LoraDelta | ExpertDelta, ...], with_bias: bool
+                ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
     """A Step fn: inputs [weight, (bias if with_bias), per delta A, B, (B bias), (magnitude)] -> [weight, (bias)].
 
     Deltas apply in order, each to the result of the previous ones (as merging adapters one after another);
