@@ -95,9 +95,11 @@ def _logits(folder: Path, dtype: torch.dtype) -> torch.Tensor:
 
 
 CASES = {
-    # per-expert base; rank and alpha patterns on one fused parameter, rsLoRA, and a LoRA on attention beside
+    # per-expert base; rank and alpha patterns on one fused parameter, rsLoRA, a LoRA on the router's 2-D weight
+    # as a parameter, and one on attention beside
     "qwen3_moe": (_qwen3_moe, dict(r=2, lora_alpha=4, use_rslora=True, target_modules=["q_proj"],
-                                   target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                                   target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                                                      "mlp.gate.weight"],
                                    rank_pattern={"down_proj": 3}, alpha_pattern={"gate_up_proj": 5})),
     # PEFT turns target_modules gate_proj/up_proj/down_proj into target_parameters on the fused experts, rank and
     # alpha doubled on gate_up_proj by a rank_pattern / alpha_pattern it writes itself

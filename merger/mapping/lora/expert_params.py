@@ -67,11 +67,17 @@ def _params_named(module: str, target_parameters) -> list[str]:
     return names
 
 
+def holds_parameter(module: str, target_parameters, current: dict[str, str]) -> bool:
+    """Whether the base holds a parameter of `module` that target_parameters names, fused or per expert."""
+    return any(f"{module}.{param}" in current or any(f"{module}.0.{part}.weight" in current
+                                                     for part in PER_EXPERT.get(param, ()))
+               for param in _params_named(module, target_parameters))
+
+
 def wrapped_parameter(module: str, target_parameters) -> tuple[str, int] | None:
     """(module, nesting depth) when a LoRA key's module may be a wrapper of target_parameters, else None. Deeper
-    wrappers (`<module>.base_layer`...) are nothing else; an outermost one (`<module>`) is one when target_parameters
-    names a parameter of the module, unless the base gives the module a `.weight` (a linear layer that
-    target_modules adapted, whose name a short target_parameters entry also matches: fold_steps decides)."""
+    wrappers (`<module>.base_layer`...) are nothing else; an outermost one (`<module>`) may be one when
+    target_parameters names a parameter of the module (fold_steps asks the base: holds_parameter)."""
     inner, chain = _WRAPPED.match(module).groups()
     if not target_parameters or not _params_named(inner, target_parameters):
         return None

@@ -101,6 +101,8 @@ class ExpertDelta:
 
     def fold(self, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         e, n, r = self.expert, self.experts, a.shape[0] // self.experts
+        if n == 1:  # a 2-D parameter: PEFT takes lora.Linear's B @ A, a plain matrix product
+            return self._added(weight, (b.float() @ a.float()) * self.scale)
         if e is None:
             a3 = a.float().reshape(n, r, a.shape[1])  # [E, r, in]
             b3 = b.float().reshape(b.shape[0], r, n).permute(2, 0, 1)  # [E, out, r]
@@ -111,7 +113,9 @@ class ExpertDelta:
             delta = delta[:, self.rows[0]: self.rows[1]]
         if self.transposed:
             delta = delta.transpose(1, 2)
-        delta = delta.reshape(weight.shape)
+        return self._added(weight, delta.reshape(weight.shape))
+
+    def _added(self, weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         if self.round_to is None:
             return weight.float() + delta
         # PEFT's parameter stays in its dtype: the delta is rounded to it, and so is the sum, adapter by adapter

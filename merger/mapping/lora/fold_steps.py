@@ -16,7 +16,7 @@ from ...errors import MergerError
 from ..policy import TIED_OUTPUT, input_embedding
 from ..steps import OutputSpec, Step
 from .adapter import LoraAdapter, ModuleAdapter, resolve_module
-from .expert_params import ParamLora, expert_deltas
+from .expert_params import ParamLora, expert_deltas, holds_parameter
 from .fold import ExpertDelta, LoraDelta, fold_experts, fold_module
 
 # Per-expert tensors that the same LoRAs change share a step, up to this many bytes of float32 results: a step
@@ -62,11 +62,12 @@ def _delta(m: ModuleAdapter, adapter: LoraAdapter, weight: str, shape: tuple, te
 
 def _split_params(adapter: LoraAdapter, current: dict[str, str], tensors: dict[str, SourceTensor]
                   ) -> tuple[dict[str, ModuleAdapter], list[ParamLora]]:
-    """The adapter's modules and its LoRAs on parameters; an outermost one on a module the base gives a `.weight`
-    (a linear layer whose name a short target_parameters entry also matches) is one of the modules."""
+    """The adapter's modules and its LoRAs on parameters; an outermost one on a module that holds none of the
+    parameters target_parameters names (a linear layer whose name a short entry also matches, "down_proj") is one
+    of the modules."""
     modules, params = dict(adapter.modules), []
     for p in adapter.params.values():
-        if p.depth == 0 and p.module + ".weight" in current:
+        if p.depth == 0 and not holds_parameter(p.module, adapter.config["target_parameters"], current):
             m = modules[p.module] = ModuleAdapter(p.module, p.a, p.b)
             resolve_module(m, adapter.config, {n: tensors[n].shape for n in (p.a, p.b)}, adapter.name)
         else:
