@@ -246,7 +246,14 @@ def test_quantize_and_quantize_like_together_are_refused(deepseek, tmp_path, cap
 
 
 # A PEFT adapter folded into an FP8 release: dequantized, folded, requantized (--dtype keep) or cast.
-def test_lora_folded_into_an_fp8_base_is_peft_merge_then_transformers_quantizer(deepseek, tmp_path, capsys):
+@pytest.mark.parametrize("targets, adapted_by, count", [
+    (["q_a_proj", "kv_b_proj", "o_proj"], lambda name: name.split(".")[-2] in ("q_a_proj", "kv_b_proj", "o_proj"), 6),
+    # PEFT turns these on transformers 5's fused experts into target_parameters (LoRA on the expert tensors
+    # themselves, gate_up_proj and down_proj), which the release stores per expert
+    (["gate_proj", "up_proj", "down_proj"], lambda name: ".mlp.experts." in name, 12),
+], ids=["attention", "moe_experts"])
+def test_lora_folded_into_an_fp8_base_is_peft_merge_then_transformers_quantizer(targets, adapted_by, count,
+                                                                                  deepseek, tmp_path, capsys):
     """The oracle: transformers loads the release dequantized (float32), PEFT merges the adapter into it
     (merge_and_unload, saved by save_pretrained), transformers' quantizer quantizes the result; `merger lora`
     keeps the base's FP8 layout by default, and `--dtype bfloat16` writes PEFT's merge in bfloat16."""
@@ -257,8 +264,7 @@ def test_lora_folded_into_an_fp8_base_is_peft_merge_then_transformers_quantizer(
     base = transformers.AutoModelForCausalLM.from_pretrained(
         release, dtype=torch.float32, quantization_config=transformers.FineGrainedFP8Config(dequantize=True))
     torch.manual_seed(1)
-    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                             target_modules=["q_a_proj", "kv_b_proj", "o_proj"])  # MLPs: target_parameters
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=targets)
     peft.get_peft_model(base, config).save_pretrained(tmp_path / "adapter")
     base = transformers.AutoModelForCausalLM.from_pretrained(
         release, dtype=torch.float32, quantization_config=transformers.FineGrainedFP8Config(dequantize=True))
@@ -272,8 +278,8 @@ def test_lora_folded_into_an_fp8_base_is_peft_merge_then_transformers_quantizer(
     got = load_safetensors_folder(tmp_path / "fp8")
     assert {n: t.dtype for n, t in got.items()} == {n: t.dtype for n, t in stored.items()}
     quantized = [n for n in stored if n + "_scale_inv" in stored]
-    adapted = [n for n in quantized if n.split(".")[-2] in config.target_modules]
-    assert len(adapted) == 6 and not any(torch.equal(got[n].float(), stored[n].float()) for n in adapted)
+    adapted = [n for n in quantized if adapted_by(n)]
+    assert len(adapted) == count and not any(torch.equal(got[n].float(), stored[n].float()) for n in adapted)
     for name in quantized:
         weight, scale = transformers_quantized(want[name], (4, 4), "ue8m0")
         assert torch.equal(got[name].view(torch.uint8), weight.view(torch.uint8)), name
@@ -288,26 +294,6 @@ def test_lora_folded_into_an_fp8_base_is_peft_merge_then_transformers_quantizer(
         assert torch.equal(got[name], t.to(got[name].dtype)), name
     assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
     capsys.readouterr()
-
-
-def test_an_adapter_on_fused_moe_experts_is_refused_with_one_line(deepseek, tmp_path, capsys):
-    """PEFT on transformers 5's fused experts writes `target_parameters` (LoRA on the expert tensors themselves),
-    which merger does not fold yet: one line, nothing written, never dropped."""
-    import peft
-    from merger.cli import main
-
-    release, _ = deepseek((4, 4), "ue8m0")
-    base = transformers.AutoModelForCausalLM.from_pretrained(
-        release, dtype=torch.float32, quantization_config=transformers.FineGrainedFP8Config(dequantize=True))
-    config = peft.LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules=["down_proj"])
-    peft.get_peft_model(base, config).save_pretrained(tmp_path / "adapter")
-    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_parameters"]
-    assert main(["lora", "--base_model", str(release), "--adapter", str(tmp_path / "adapter"), "--target_dir",
-                 str(tmp_path / "out")]) == 1
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("merger: error:")]
-    assert errors == [f"merger: error: adapter uses target_parameters, a LoRA variant merger does not fold, "
-                      f"{tmp_path / 'adapter' / 'adapter_config.json'}"]
-    assert not (tmp_path / "out").exists()
 
 
 def test_quantize_like_a_hub_id_reads_the_cached_snapshot(deepseek, tmp_path):

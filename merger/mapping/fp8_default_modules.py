@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from ..errors import MergerError
 from .fp8_quantize import Fp8Output
+from .meta_model import meta_model
 from .saved_names import saved_names
 
 SCHEME = "fp8-block"
@@ -30,13 +29,8 @@ def _transformers_choice(hf_dir: Path, config: dict, trust_remote_code: bool) ->
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
     archs = config.get("architectures") or []
-    model_class = getattr(transformers, archs[0], None) if archs else None
     try:
-        if "auto_map" in config or (archs and model_class is None):
-            raise ValueError("remote code, or no class of that name in the installed transformers")
-        hf_config = transformers.AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_remote_code)
-        with torch.device("meta"):  # no architectures: the causal LM of its model_type, as AutoModel picks it
-            model = model_class(hf_config) if model_class else transformers.AutoModelForCausalLM.from_config(hf_config)
+        model = meta_model(hf_dir, config, trust_remote_code)
     except ValueError as e:
         raise MergerError(f"--quantize {SCHEME} asks transformers which modules to quantize, and it knows no class "
                           f"for this config.json (architectures {archs}, model_type {config.get('model_type')!r}: "

@@ -15,6 +15,7 @@ from ...catalog import Catalog, SourceTensor
 from ...errors import MergerError
 from ...sources.peft_adapter import CONFIG_FILE
 from ..steps import Step, cast
+from .expert_params import ParamLora, wrapped_parameter
 from .fold import lora_scale, pattern_value
 
 PEFT_PREFIX = "base_model.model."
@@ -22,8 +23,7 @@ PEFT_PREFIX = "base_model.model."
 _CONV1D_MODELS = {"gpt2", "openai-gpt", "imagegpt", "decision_transformer"}
 # LoRA variants whose merge is not W + scale * B @ A (or DoRA): refused rather than folded wrongly.
 _UNSUPPORTED = ("alora_invocation_tokens", "arrow_config", "kasa_config", "layer_replication", "megatron_config",
-                "monteclora_config", "target_parameters", "trainable_token_indices", "use_bdlora", "use_qalora",
-                "velora_config")
+                "monteclora_config", "trainable_token_indices", "use_bdlora", "use_qalora", "velora_config")
 _LORA_PARTS = {"lora_A.weight": "a", "lora_B.weight": "b", "lora_B.bias": "b_bias",
                "lora_embedding_A": "a", "lora_embedding_B": "b", "lora_magnitude_vector": "magnitude"}
 
@@ -45,13 +45,15 @@ class ModuleAdapter:
 
 @dataclass
 class LoraAdapter:
-    """An adapter: its config, its modules, and the base tensors it replaces (modules_to_save, saved
-    embedding layers), each mapped to the source tensor that replaces it."""
+    """An adapter: its config, its modules, its LoRAs on parameters (PEFT's `target_parameters`), and the base
+    tensors it replaces (modules_to_save, saved embedding layers), each mapped to the source tensor that
+    replaces it."""
 
     name: str
     config: dict
     modules: dict[str, ModuleAdapter] = field(default_factory=dict)
     replacements: dict[str, str] = field(default_factory=dict)
+    params: dict[tuple[str, int], ParamLora] = field(default_factory=dict)  # (module, nesting depth) -> its LoRA
 
 
 def describe(config: dict, modules: int) -> str:
@@ -82,20 +84,40 @@ def build_adapter(name: str, config: dict, keys: dict[str, str], shapes: dict[st
             adapter.replacements[key.replace(".base_layer.", ".")] = source
             continue
         module, part = split
+        wrapped = wrapped_parameter(module, config.get("target_parameters") or ())
+        if wrapped is not None:
+            if part not in ("a", "b"):
+                raise MergerError(f"tensor {key} is no lora_A or lora_B weight, and PEFT's LoRA on parameters "
+                                  f"(target_parameters) has no other parts, {name}")
+            p = adapter.params.setdefault(wrapped, ParamLora(*wrapped))
+            setattr(p, part, source)
+            continue
+        if module.endswith(".base_layer"):  # only PEFT's nested LoRAs on parameters are named so
+            raise MergerError(f"tensor {key} is a LoRA on a parameter of {module.split('.base_layer')[0]}, which "
+                              f"the adapter config's target_parameters does not name, {name}")
         m = adapter.modules.setdefault(module, ModuleAdapter(module))
         setattr(m, part, source)
         m.embedding = m.embedding or "lora_embedding_" in key
+    for p in adapter.params.values():
+        if not p.a or not p.b:
+            raise MergerError(f"module {p.module} has lora_{'B' if p.a else 'A'} but not lora_{'A' if p.a else 'B'} "
+                              f"for a parameter (target_parameters), {name}")
     for m in adapter.modules.values():
-        if not m.a or not m.b:
-            raise MergerError(f"module {m.module} has lora_{'B' if m.a else 'A'} but not lora_{'A' if m.a else 'B'}, "
-                              f"{name}")
-        m.r = int(pattern_value(config.get("rank_pattern") or {}, m.module, config["r"]))
-        if shapes[m.a][0] != m.r:
-            raise MergerError(f"tensor {m.a} has rank {shapes[m.a][0]} but the adapter config gives module "
-                              f"{m.module} r={m.r}, {name}")
-        m.alpha = float(pattern_value(config.get("alpha_pattern") or {}, m.module, config["lora_alpha"]))
-        m.scale = lora_scale(m.alpha, m.r, bool(config.get("use_rslora")))
+        resolve_module(m, config, shapes, name)
     return adapter
+
+
+def resolve_module(m: ModuleAdapter, config: dict, shapes: dict[str, tuple], name: str) -> None:
+    """Sets the module's r, alpha and scale as PEFT resolves them, and checks r against lora_A's shape."""
+    if not m.a or not m.b:
+        raise MergerError(f"module {m.module} has lora_{'B' if m.a else 'A'} but not lora_{'A' if m.a else 'B'}, "
+                          f"{name}")
+    m.r = int(pattern_value(config.get("rank_pattern") or {}, m.module, config["r"]))
+    if shapes[m.a][0] != m.r:
+        raise MergerError(f"tensor {m.a} has rank {shapes[m.a][0]} but the adapter config gives module "
+                          f"{m.module} r={m.r}, {name}")
+    m.alpha = float(pattern_value(config.get("alpha_pattern") or {}, m.module, config["lora_alpha"]))
+    m.scale = lora_scale(m.alpha, m.r, bool(config.get("use_rslora")))
 
 
 def read_adapter_config(folder: Path) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ...catalog import Catalog
 from ...errors import MergerError
-from ...hf_folder import read_config, weight_files
+from ...hf_folder import local_config_folder, read_config, weight_files
 from ...io import is_remote, location
 from ...io.locations import ObjectPath
 from ...options import MergeOptions
@@ -23,6 +23,7 @@ from ..hub_folders import hub_id_of
 from ..policy import ties
 from ..steps import Mapping, Step
 from .adapter import LoraAdapter, adapter_from_folder
+from .experts_orientation import experts_transposed
 from .fold_steps import fold_steps
 
 
@@ -61,7 +62,8 @@ def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[Lora
     written = {o.name for s in folds for o in s.outputs}
     qc = fp8.quantization(config)  # an FP8 release: its weights are dequantized, folded, then requantized or cast
     weights = [n for n in base.tensors if n not in written and not (qc and n.endswith(fp8.SCALE_SUFFIX))]
-    result = fold_steps({n: n for n in weights}, adapters, catalog.tensors, ties(config, options))
+    result = fold_steps({n: n for n in weights}, adapters, catalog.tensors, ties(config, options),
+                        experts_transposed(local_config_folder(base_dir), config, options.trust_remote_code))
     steps = result.steps + list(folds)
     if qc is not None:  # folds by other rules (Megatron-Bridge's shards) read the base too
         steps = fp8.dequantizing_inputs(steps, catalog.tensors, fp8.block_size(qc, base_dir / "config.json"))

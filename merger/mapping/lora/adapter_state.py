@@ -21,6 +21,7 @@ from pathlib import Path
 from ...catalog import Catalog
 from ...errors import MergerError
 from ...hf_folder import read_config
+from ...io import location
 from ...options import MergeOptions
 from ...sources.peft_adapter import CONFIG_FILE, WEIGHTS_FILE
 from ..steps import Mapping, Step
@@ -52,7 +53,7 @@ def _adapter_keys(catalog: Catalog) -> dict[str, str]:
 def _model_config(options: MergeOptions, catalog: Catalog) -> dict:
     """The model's config.json when one is known (it tells a Conv1D model, whose adapters are fan_in_fan_out)."""
     if options.base_model is not None:
-        return read_config(Path(options.base_model))
+        return read_config(location(options.base_model))
     hf_dir = options.hf_model_config_path or catalog.hf_dir
     return read_config(Path(hf_dir)) if hf_dir is not None and (Path(hf_dir) / "config.json").is_file() else {}
 
@@ -97,7 +98,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
         note = (f"merger: adapter-only LoRA checkpoint ({describe(config, len(adapter.modules))}): the target is a "
                 f"PEFT adapter folder (--base_model DIR folds it into a base model)")
         return adapter_folder(catalog, keys, config, options, (note, *dropped))
-    base = open_base(Path(options.base_model))
+    base = open_base(location(options.base_model))
     config, name = peft_config(catalog, keys, options, {n: n for n in base.tensors})
     adapter = adapter_from_catalog(name, config, ADAPTER_PART, catalog, keys)
     config, dropped = _drop_unsaved_modules(config, adapter)
