@@ -72,6 +72,16 @@ def test_nested_dcp_with_its_config_folder_in_the_bucket(store, dcp_root, dcp_in
         json.loads((dcp_root / "hf" / "config.json").read_text())["model_type"]
 
 
+def test_inspect_and_its_check_from_a_bucket(store, dcp_root, dcp_in_bucket):
+    """`inspect --check` reads every record from the bucket and checks its CRC-32, as a merge would."""
+    url = f"{dcp_in_bucket}/plain"
+    proc = run_merger("inspect", "--local_dir", url, "--check", env=store.env)
+    files = len(list((dcp_root / "plain").glob("*.distcp")))
+    assert f"checked {files} source files" in proc.stdout and "all fine" in proc.stdout, proc.stdout
+    described = run_merger("inspect", "--local_dir", url, env=store.env).stdout
+    assert f"root: {url}\n" in described and f"hf_dir: {url}/huggingface\n" in described, described
+
+
 def test_hf_folder_from_a_bucket(store, dcp_root, tmp_path):
     """A HF safetensors folder (the reference save_pretrained wrote) read from a bucket: the same bytes as local."""
     url = store.upload(dcp_root / "reference", "ckpt", "runs/hf")
