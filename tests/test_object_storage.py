@@ -185,6 +185,15 @@ def test_a_target_in_a_bucket_is_refused_at_the_flag(tmp_path, dcp_root):
     assert "s3:// paths are not supported here" in proc.stderr and not Path("s3:").exists()
 
 
+def test_watch_refuses_a_bucket_with_one_line(tmp_path):
+    proc = run_merger("watch", "--local_dir", "s3://ckpt/runs", "--target_dir", tmp_path / "hf", "--once",
+                      check=False)
+    assert proc.returncode == 1
+    assert single_error_line(proc.stderr) == (
+        "merger: error: merger watch reads a run folder on a local or mounted filesystem, where it learns that a "
+        "save completed; merge each step from the bucket with merger merge, s3://ckpt/runs")
+
+
 def test_an_object_rewritten_after_planning_is_found(store, dcp_root, monkeypatch):
     """The identity a merge checks at its end: an object's ETag changes with a rewrite of the same size."""
     from merger.io import locations
