@@ -102,8 +102,8 @@ def test_a_url_is_refused_with_the_scheme_named(fsdp_checkpoint, tmp_path, flag,
     else:
         assert status == 2 and err == (
             f"merger: error: argument {flag}/{flag.replace('_', '-')}: gs:// paths are not supported here: this flag "
-            f"takes a local folder, or one of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2); --local_dir and "
-            f"--hf_model_config_path read buckets directly, gs://bucket/run\n")
+            f"takes a local folder, or one of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2); --local_dir, "
+            f"--hf_model_config_path, --base_model and --adapter read buckets directly, gs://bucket/run\n")
     assert list(tmp_path.iterdir()) == []
 
 

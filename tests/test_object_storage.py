@@ -72,6 +72,16 @@ def test_nested_dcp_with_its_config_folder_in_the_bucket(store, dcp_root, dcp_in
         json.loads((dcp_root / "hf" / "config.json").read_text())["model_type"]
 
 
+def test_inspect_and_its_check_from_a_bucket(store, dcp_root, dcp_in_bucket):
+    """`inspect --check` reads every record from the bucket and checks its CRC-32, as a merge would."""
+    url = f"{dcp_in_bucket}/plain"
+    proc = run_merger("inspect", "--local_dir", url, "--check", env=store.env)
+    files = len(list((dcp_root / "plain").glob("*.distcp")))
+    assert f"checked {files} source files" in proc.stdout and "all fine" in proc.stdout, proc.stdout
+    described = run_merger("inspect", "--local_dir", url, env=store.env).stdout
+    assert f"root: {url}\n" in described and f"hf_dir: {url}/huggingface\n" in described, described
+
+
 def test_hf_folder_from_a_bucket(store, dcp_root, tmp_path):
     """A HF safetensors folder (the reference save_pretrained wrote) read from a bucket: the same bytes as local."""
     url = store.upload(dcp_root / "reference", "ckpt", "runs/hf")
@@ -173,6 +183,15 @@ def test_a_target_in_a_bucket_is_refused_at_the_flag(tmp_path, dcp_root):
     proc = run_merger("merge", "--local_dir", dcp_root / "plain", "--target_dir", "s3://out/model", check=False)
     assert proc.returncode == 2
     assert "s3:// paths are not supported here" in proc.stderr and not Path("s3:").exists()
+
+
+def test_watch_refuses_a_bucket_with_one_line(tmp_path):
+    proc = run_merger("watch", "--local_dir", "s3://ckpt/runs", "--target_dir", tmp_path / "hf", "--once",
+                      check=False)
+    assert proc.returncode == 1
+    assert single_error_line(proc.stderr) == (
+        "merger: error: merger watch reads a run folder on a local or mounted filesystem, where it learns that a "
+        "save completed; merge each step from the bucket with merger merge, s3://ckpt/runs")
 
 
 def test_an_object_rewritten_after_planning_is_found(store, dcp_root, monkeypatch):

@@ -21,6 +21,7 @@ from ..engine.dist import Group, borrow_group, init_group
 from ..engine.plan import traffic
 from ..engine.source_check import SourceCheck, check_sources
 from ..errors import MergerError
+from ..io.fetched import origin
 from .pipeline import prepare, run_merge
 from ..options import MergeOptions
 from .flags import keywords_to_args, options_from_args
@@ -91,7 +92,7 @@ def inspect_with(options: MergeOptions, merge_ranks: int) -> dict:
     c, plan = prepared.catalog, prepared.plan
     info = {
         "format": c.format, "root": str(c.root), "source_files": len(c.files), **c.details,
-        "tensors": len(c.tensors), "source_bytes": c.nbytes, "hf_dir": str(prepared.hf_dir),
+        "tensors": len(c.tensors), "source_bytes": c.nbytes, "hf_dir": str(origin(prepared.hf_dir)),
         "output_dtype": options.dtype, "output_tensors": len(plan.location), "output_bytes": plan.total_bytes,
         "output_files": [{"name": f.name, "bytes": f.size, "tensors": len(f.entries)} for f in plan.files],
         "merge_ranks": merge_ranks, "bytes_per_rank": traffic(plan),

@@ -12,6 +12,12 @@ from ..errors import MergerError
 from .locations import ObjectPath
 
 _LARGEST = 64 << 20  # a file past this is no config or tokenizer: not fetched
+_ORIGINS: dict[Path, ObjectPath] = {}  # each local copy -> the folder it was fetched from
+
+
+def origin(folder: Path) -> Path | ObjectPath:
+    """Where a folder's files come from: the bucket's folder for a local copy fetched here, else itself."""
+    return _ORIGINS.get(folder, folder)
 
 
 @cache
@@ -30,4 +36,5 @@ def fetched_folder(folder: ObjectPath, wanted) -> Path:
         if storage.size(key) > _LARGEST:
             continue
         (local / entry.name).write_bytes(storage.read(key))
+    _ORIGINS[local] = folder
     return local

@@ -3,9 +3,12 @@
 Credentials, region and endpoint come from the client library's standard environment and files
 (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws/config...): merger takes none of its own and prints none.
 
-A merge rank reads its pieces front to back, a megabyte at a time. One GET per megabyte would spend the merge
-on request latency, so reads are served from blocks of BLOCK bytes, fetched READ_AHEAD at a time with the
-requests in flight together; each byte of the source is fetched about once when a rank's reads run forward.
+A merge rank reads each piece front to back, a megabyte at a time. One GET per megabyte would spend the merge
+on request latency, so reads are served from blocks of BLOCK bytes. A read that goes on from where the file's
+last one was (a piece longer than a block, or the next piece in the file) fetches READ_AHEAD blocks, their
+requests in flight together; one that jumps elsewhere (the next tensor in output order lies elsewhere in the
+file) fetches its own block only, so read-ahead is not wasted at every jump. Each byte of the source is then
+fetched about once.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from .storage import Entry
 BLOCK = 8 << 20
 READ_AHEAD = 4  # blocks fetched together on a miss: 32 MiB in flight
 KEEP = 2 * READ_AHEAD  # blocks kept: those just read and those fetched ahead
+SMALL = 64 << 10  # reads up to this size that find no large block cached are served from blocks of this size
+KEEP_SMALL = 64
 
 
 # The client libraries log at INFO where they found the credentials and the endpoint: not merger's progress.
@@ -69,8 +74,10 @@ class ObjectStorage:
         self.scheme = scheme
         self.fs = _filesystem(scheme, url)
         self.blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self.small: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self.sizes: dict[str, int] = {}
         self.kinds: dict[str, str] = {}  # what listings showed: a folder's entries need no request each
+        self.last: dict[str, int] = {}  # each file's block read last: whether a read goes on from there
         self.fetched = 0  # bytes GET so far, read ahead included
         self.lock = threading.Lock()
 
@@ -149,11 +156,13 @@ class ObjectStorage:
 
     def read_into(self, key: str, view: memoryview, offset: int) -> int:
         size = self.size(key)
+        small = len(view) <= SMALL and (key, offset // BLOCK) not in self.blocks
+        unit = SMALL if small else BLOCK
         done = 0
         while done < len(view) and offset + done < size:
             at = offset + done
-            block = self._block(key, at // BLOCK, size)
-            lo = at - (at // BLOCK) * BLOCK
+            block = self._small_block(key, at // SMALL, size) if small else self._block(key, at // BLOCK, size)
+            lo = at - (at // unit) * unit
             n = min(len(view) - done, len(block) - lo)
             if n <= 0:
                 break
@@ -161,13 +170,27 @@ class ObjectStorage:
             done += n
         return done
 
+    def _small_block(self, key: str, index: int, size: int) -> bytes:
+        """A block of SMALL bytes, for the small reads that find a piece (a DCP blob's zip directory and pickle, at
+        its two ends): they neither fetch nor push out the large blocks the data is read from."""
+        with self.lock:
+            block = self.small.get((key, index))
+            if block is None:
+                block = self.small[(key, index)] = self.read(key, index * SMALL, min(SMALL, size - index * SMALL))
+                while len(self.small) > KEEP_SMALL:
+                    self.small.popitem(last=False)
+            return block
+
     def _block(self, key: str, index: int, size: int) -> bytes:
         with self.lock:
             block = self.blocks.get((key, index))
             if block is not None:
                 self.blocks.move_to_end((key, index))
+                self.last[key] = index
                 return block
-            wanted = [i for i in range(index, index + READ_AHEAD)
+            going_on = self.last.get(key) in (index - 1, index)
+            self.last[key] = index
+            wanted = [i for i in range(index, index + (READ_AHEAD if going_on else 1))
                       if i * BLOCK < size and (key, i) not in self.blocks]
             got = self.read_ranges(key, [(i * BLOCK, min(size, (i + 1) * BLOCK)) for i in wanted])
             for i, data in zip(wanted, got):
@@ -181,3 +204,4 @@ class ObjectStorage:
 
     def close(self) -> None:
         self.blocks.clear()
+        self.small.clear()
