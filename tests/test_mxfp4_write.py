@@ -1,13 +1,13 @@
 """gpt-oss's MoE experts written in MXFP4, as the gpt-oss release stores them: `--quantize mxfp4` and
 `--quantize_like` a gpt-oss MXFP4 release.
 
-The model is a tiny random gpt-oss (transformers' GptOssConfig, 2 layers of 4 experts; gate_up_proj [4, 64, 192]
-and down_proj [4, 96, 64], so `in` holds 2 and 3 blocks of 32 and `in` != `out`) saved by save_pretrained in
-bfloat16. Oracles: transformers' own CPU dequantizer of the release format (`convert_moe_packed_tensors`, what
+The model is a tiny random gpt-oss (transformers' GptOssConfig, 2 layers of 4 experts; gate_up_proj [4, 64, 192] and
+down_proj [4, 96, 64], so `in` holds 2 and 3 blocks of 32 and `in` != `out`) saved by save_pretrained in bfloat16.
+Oracles: transformers' own CPU dequantizer of the release format (`convert_moe_packed_tensors`, what
 `from_pretrained` runs on CPU), transformers loading the output, and an MXFP4 release made in the test from random
-bytes (its bf16 model is transformers' dequantization of them). transformers' quantizer is no oracle here: it runs
-the gpt-oss Triton kernels, fetched from the Hub at run time (GPU only, and no machine of this project reaches the
-Hub).
+bytes (its bf16 model is transformers' dequantization of them). transformers' quantizer is no oracle here: its
+arithmetic ships in the gpt-oss Triton kernels package that transformers fetches from the Hub at run time
+(`kernels`), and no machine of this project reaches the Hub.
 """
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_la
 EXPERTS = ("gate_up_proj", "down_proj")
 TOKENS = torch.tensor([[1, 5, 7, 9, 11, 3, 42, 60, 2, 100, 17, 4]])
 # the release's own choice, unlike --quantize mxfp4's: --quantize_like must copy it
-RELEASE_QC = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                                  "model.embed_tokens", "lm_head", "model.norm"]}
+RELEASE_QC = {"quant_method": "mxfp4",
+              "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                         "lm_head", "model.norm"]}
 
 
 def expert_weights(state: dict) -> list[str]:
@@ -171,7 +172,8 @@ def test_values_on_the_mxfp4_grid_round_trip_byte_for_byte(release, tmp_path, ca
     config.json the release's quantization_config. transformers reads the release and both outputs alike."""
     folder, model_dir = release
     stored = load_safetensors_folder(folder)
-    assert merge_here(capsys, "--local_dir", model_dir, "--target_dir", tmp_path / "q", "--quantize", "mxfp4") == (0, [])
+    assert merge_here(capsys, "--local_dir", model_dir, "--target_dir", tmp_path / "q", "--quantize",
+                      "mxfp4") == (0, [])
     assert merge_here(capsys, "--local_dir", model_dir, "--target_dir", tmp_path / "like", "--quantize_like",
                       folder) == (0, [])
     quantized, like = load_safetensors_folder(tmp_path / "q"), load_safetensors_folder(tmp_path / "like")

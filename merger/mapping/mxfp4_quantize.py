@@ -18,14 +18,15 @@ The format, as transformers 5.24 reads it (integrations/mxfp4.py; quantizers/qua
 - config.json says `"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [...]}`
   (transformers' Mxfp4Config); the gpt-oss releases list attention, router, embeddings and lm_head there.
 
-The arithmetic: transformers quantizes through the gpt-oss Triton kernels (GPU only, fetched from the Hub at run
-time); its torch reference rounds the scale up, and this is the same rule, computed here in float32 one expert at
-a time: per block, the scale is the smallest power of two X with max|w| / X <= 6, taken from max|w| / 6 in float32
-(X = 2^-126 at the least, and the scale byte 0 for an all-zero block), so no element saturates; each element
-w / X is rounded to the nearest e2m1 magnitude, a tie away from zero, and keeps its sign (a negative that rounds
-to zero is -0). This differs from the OCP MX spec's example rule (X = 2^(floor(log2 max|w|) - 2), which clamps
-the block's largest elements to 6 when max|w| / X lies in (6, 8)): rounding up keeps every element within half an
-e2m1 step of itself at its block's scale.
+The arithmetic: transformers quantizes with `downcast_to_mxfp_torch`, the torch reference that ships in the gpt-oss
+Triton kernels package it fetches from the Hub at run time (`kernels`), in its default "round up" scale mode. This
+is the same rule (checked once against a retyped copy of that function: the same bytes on random, all-zero, -0, tie
+and on-grid blocks), computed here in float32 one expert at a time: per block, the scale is the smallest power of
+two X with max|w| / X <= 6, taken from max|w| / 6 in float32 (X = 2^-126 at the least, and the scale byte 0 for an
+all-zero block), so no element saturates; each element w / X is rounded to the nearest e2m1 magnitude, a tie away
+from zero, and keeps its sign (a negative that rounds to zero is -0). This differs from the OCP MX spec's example
+rule (X = 2^(floor(log2 max|w|) - 2), which clamps the block's largest elements to 6 when max|w| / X lies in (6,
+8)): rounding up keeps every element within half an e2m1 step of itself at its block's scale.
 """
 from __future__ import annotations
 
