@@ -60,8 +60,9 @@ class MergeOptions:
     base_model: str | Path | None = _shapes_output(None)  # adapter-only checkpoints: HF folder or Hub id to fold into
     adapter_config: Path | None = _shapes_output(None)  # LoRA checkpoints: the adapter's adapter_config.json
     adapters: tuple[Path, ...] = _shapes_output(())  # `merger lora`: PEFT adapter folders folded into the base
-    quantize_like: str | Path | None = _shapes_output(None)  # an FP8 release (folder or Hub id) to write like
-    quantize: str | None = _shapes_output(None)  # fp8-block: FP8 in 128x128 blocks, transformers' choice of modules
+    quantize_like: str | Path | None = _shapes_output(None)  # an FP8 or gpt-oss MXFP4 release (folder or Hub id)
+    # fp8-block: FP8 in 128x128 blocks, transformers' choice of modules; mxfp4: gpt-oss's experts in MXFP4
+    quantize: str | None = _shapes_output(None)
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -159,12 +159,15 @@ def _add_dtype_args(p: argparse.ArgumentParser, default: str, why: str) -> None:
 
 def _add_quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(*_flag("--quantize_like"), dest="quantize_like", type=folder_or_hub_id, default=None,
-                   metavar="RELEASE", help="write the output in the layout of this FP8 block-scaled release (folder "
-                                           "or Hub model id): the tensors it quantizes as float8 with per-block "
-                                           "weight_scale_inv, the rest in its dtypes, its quantization_config")
-    p.add_argument("--quantize", choices=["fp8-block"], default=None,
-                   help="write FP8 block-scaled weights (128x128 blocks, float32 weight_scale_inv) for the modules "
-                        "transformers' FP8 quantizer converts by default (Linear layers and experts; not lm_head)")
+                   metavar="RELEASE", help="write the output in the layout of this release (folder or Hub model "
+                                           "id): FP8 block-scaled (the tensors it quantizes as float8 with "
+                                           "per-block weight_scale_inv) or gpt-oss MXFP4 (its experts as _blocks "
+                                           "and _scales); the rest in its dtypes, its quantization_config")
+    p.add_argument("--quantize", choices=["fp8-block", "mxfp4"], default=None,
+                   help="fp8-block: FP8 block-scaled weights (128x128 blocks, float32 weight_scale_inv) for the "
+                        "modules transformers' FP8 quantizer converts by default (Linear layers and experts; not "
+                        "lm_head); mxfp4: gpt-oss's MoE experts in MXFP4 as the gpt-oss release stores them "
+                        "(gpt-oss only)")
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""Writing FP8 block-scaled weights: the quantization arithmetic, and the steps that apply it to a mapping's outputs.
+"""Writing FP8 block-scaled weights: the quantization arithmetic, and how a quantized output is written
+(quantized_steps.py applies it to a mapping's steps).
 
 The arithmetic is transformers' own (`transformers.integrations.finegrained_fp8.Fp8Quantize._quantize_one`), so
 the bytes are those transformers writes: per block of [b0, b1] elements of the last two dims, in float32,
@@ -18,13 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from .fp8 import SCALE_SUFFIX, scale_shape
-from .steps import OutputSpec, Step, Transform
+from .steps import OutputSpec
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -71,45 +71,12 @@ class Fp8Output:
     dtypes: dict[str, torch.dtype]
     quantization_config: dict
 
+    def quantizes(self, spec: OutputSpec) -> bool:
+        return spec.file is None and spec.name in self.quantized and len(spec.shape) >= 2
 
-def _run(transform: Transform | None, quantize_from: tuple[torch.dtype | None, ...], block: tuple[int, int],
-         ue8m0: bool, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The step's own results, each quantized output quantized from its tensor in `quantize_from` (the dtype the
-    policy gave it: what transformers' quantizer is handed, a model loaded at --dtype)."""
-    results = tensors if transform is None else transform(tensors)
-    out = []
-    for tensor, dtype in zip(results, quantize_from):
-        out.extend([tensor] if dtype is None else quantize(block, ue8m0, tensor.to(dtype)))
-    return out
+    def written_as(self, spec: OutputSpec) -> tuple[OutputSpec, ...]:
+        return (dataclasses.replace(spec, dtype=FP8),
+                OutputSpec(spec.name + SCALE_SUFFIX, scale_shape(spec.shape, self.block), SCALE_DTYPE))
 
-
-def _quantizes(spec: OutputSpec, fp8: Fp8Output) -> bool:
-    return spec.file is None and spec.name in fp8.quantized and len(spec.shape) >= 2
-
-
-def quantize_steps(steps: list[Step], fp8: Fp8Output) -> list[Step]:
-    """`steps` with each output `fp8` quantizes written as float8 beside its `_scale_inv`, and each other output
-    in the dtype `fp8` gives it, where it gives one."""
-    out = []
-    for step in steps:
-        specs, quantize_from = [], []
-        for spec in step.outputs:
-            if _quantizes(spec, fp8):
-                specs += [dataclasses.replace(spec, dtype=FP8),
-                          OutputSpec(spec.name + SCALE_SUFFIX, scale_shape(spec.shape, fp8.block), SCALE_DTYPE)]
-                quantize_from.append(spec.dtype)
-            else:
-                keep = fp8.dtypes.get(spec.name) if spec.file is None and spec.dtype.is_floating_point else None
-                specs.append(spec if keep is None else dataclasses.replace(spec, dtype=keep))
-                quantize_from.append(None)
-        if any(d is not None for d in quantize_from):
-            step = Step(step.inputs, tuple(specs), partial(_run, step.transform, tuple(quantize_from), fp8.block,
-                                                           fp8.ue8m0))
-        else:
-            step = dataclasses.replace(step, outputs=tuple(specs))
-        out.append(step)
-    return out
-
-
-def quantized_count(steps: list[Step], fp8: Fp8Output) -> int:
-    return sum(_quantizes(spec, fp8) for step in steps for spec in step.outputs)
+    def quantize(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return list(quantize(self.block, self.ue8m0, tensor))

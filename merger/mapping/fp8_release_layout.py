@@ -51,7 +51,7 @@ def _hub_headers(repo_id: str, revision: str, folder: Path) -> dict[str, tuple[t
     return tensors
 
 
-def _headers(folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def release_headers(folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     repo_id = hub_id_of(folder)
     if repo_id is not None and not any(folder.glob("*.safetensors")):
         return _hub_headers(repo_id, folder.name, folder)
@@ -70,7 +70,7 @@ def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Fp8Outp
         raise MergerError(f"{FLAG} needs an FP8 block-scaled release: its config.json's {QUANTIZATION_CONFIG} must "
                           f"say quant_method fp8 with a weight_block_size, {folder / 'config.json'}")
     block = block_size(qc, folder / "config.json")
-    tensors = _headers(folder)
+    tensors = release_headers(folder)
     quantized = frozenset(name for name in tensors if name + SCALE_SUFFIX in tensors)
     for name in sorted(quantized & outputs.keys()):
         if tuple(outputs[name]) != tensors[name][1]:

@@ -9,9 +9,9 @@ left-out step is kept in `Mapping.tie`, and the merge compares the two tensors' 
 --dtype (`keep`: its own), as save_pretrained writes a model loaded at that dtype: the modules the model's class
 keeps in float32 at that dtype (DeepSeek-V3's router `gate.weight` and `e_score_correction_bias` at bfloat16)
 are written in float32, holding the source's values exactly where it stores them in float32. Side files (an
-adapter folder's weights) keep the dtype their mapper declared. FP8 output (`--quantize_like`, `--quantize`): the
-tensors the release (or transformers' default choice) quantizes are then quantized from that dtype
-(fp8_quantize.py); with a release, the others take its dtypes.
+adapter folder's weights) keep the dtype their mapper declared. Quantized output (`--quantize_like`, `--quantize`):
+the tensors the release (or transformers' default FP8 choice, or gpt-oss's experts for MXFP4) quantizes are then
+quantized from that dtype (quantized_steps.py); with a release, the others take its dtypes.
 """
 from __future__ import annotations
 
@@ -23,11 +23,13 @@ import torch
 
 from ..errors import MergerError
 from ..options import MergeOptions
+from . import mxfp4_layout
 from .fp8 import QUANTIZATION_CONFIG
 from .fp8_default_modules import default_layout
-from .fp8_quantize import quantize_steps, quantized_count
 from .fp8_release_layout import release_layout
 from .model_class import keep_in_fp32
+from .mxfp4_quantize import Mxfp4Output
+from .quantized_steps import quantize_steps, quantized_count
 from .steps import FLOAT8, Mapping, OutputSpec, Step, Tie, output_dtype
 
 TIED_OUTPUT = "lm_head.weight"
@@ -122,29 +124,51 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
     return dataclasses.replace(mapping, tie=tie)
 
 
+def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[int, ...]]):
+    """(the quantized layout, how the log names it, what it leaves out, what is done to config.json's
+    quantization_config): --quantize_like's release (FP8 or gpt-oss MXFP4), or --quantize's scheme."""
+    if options.quantize_like is not None:
+        folder = Path(options.quantize_like)
+        layout = (mxfp4_layout.release_layout if mxfp4_layout.is_mxfp4_release(folder) else release_layout)(
+            folder, outputs)
+        return layout, f"like {options.quantize_like}", "", "copied into"
+    if options.quantize == mxfp4_layout.SCHEME:
+        layout = mxfp4_layout.default_layout(mapping.hf_dir, mapping.config, outputs)
+        return (layout, f"({options.quantize}, gpt-oss's experts)", "; left unquantized: every other tensor "
+                "(attention, router, embeddings, norms, lm_head, the experts' biases), as the gpt-oss release",
+                "written into")
+    layout, skip = default_layout(mapping.hf_dir, mapping.config, outputs, options.trust_remote_code)
+    left = (f"; left unquantized: {', '.join(skip)} (transformers' default skips) and every module that is not "
+            f"a Linear layer or experts (embeddings, norms, routers)")
+    return layout, f"({options.quantize}, transformers' default choice of modules)", left, "written into"
+
+
+def _format(layout) -> tuple[str, str]:
+    """(the format's name, how its tensors are stored), for the log."""
+    if isinstance(layout, Mxfp4Output):
+        return "MXFP4", "uint8 _blocks of e2m1 pairs, uint8 _scales e8m0 per 32 elements"
+    return "FP8", (f"float8_e4m3fn, block {layout.block[0]}x{layout.block[1]}, weight_scale_inv float32"
+                   f"{', scale_fmt ue8m0' if layout.ue8m0 else ''}")
+
+
 def _quantized(mapping: Mapping, options: MergeOptions) -> Mapping:
-    """`mapping` written as FP8: in the layout of --quantize_like's release, or --quantize's scheme in
-    transformers' default choice of modules; config.json gets the quantization_config."""
+    """`mapping` written quantized: in the layout of --quantize_like's release, or --quantize's scheme (FP8 in
+    transformers' default choice of modules, MXFP4 for gpt-oss's experts); config.json gets the
+    quantization_config."""
     outputs = {o.name: o.shape for s in mapping.steps for o in s.outputs if o.file is None}
     if options.quantize_like is not None and options.quantize is not None:
         raise MergerError(f"--quantize_like and --quantize both say how to quantize: pass one, "
                           f"{options.quantize_like}")
+    layout, how, left, config = _layout(mapping, options, outputs)
+    name, stored = _format(layout)
     if options.torch_dtype == torch.float16:  # float16 would turn weights beyond ±65504 into inf before the scale
-        raise MergerError(f"FP8 output is quantized from the weights at --dtype, and float16 cannot hold every "
+        raise MergerError(f"{name} output is quantized from the weights at --dtype, and float16 cannot hold every "
                           f"weight: use --dtype bfloat16 (the default) or float32, "
                           f"{options.quantize_like or mapping.hf_dir}")
-    if options.quantize_like is not None:
-        fp8 = release_layout(Path(options.quantize_like), outputs)
-        how, left, config = f"like {options.quantize_like}", "", "copied into"
-    else:
-        fp8, skip = default_layout(mapping.hf_dir, mapping.config, outputs, options.trust_remote_code)
-        how, config = f"({options.quantize}, transformers' default choice of modules)", "written into"
-        left = (f"; left unquantized: {', '.join(skip)} (transformers' default skips) and every module that is not "
-                f"a Linear layer or experts (embeddings, norms, routers)")
-    count = quantized_count(mapping.steps, fp8)
-    note = (f"merger: {count} tensors written as FP8 {how} (float8_e4m3fn, block {fp8.block[0]}x{fp8.block[1]}, "
-            f"weight_scale_inv float32{', scale_fmt ue8m0' if fp8.ue8m0 else ''}){left}; {QUANTIZATION_CONFIG} "
-            f"{config} config.json")
-    return dataclasses.replace(mapping, steps=quantize_steps(mapping.steps, fp8), notes=(*mapping.notes, note),
-                               config_updates={**mapping.config_updates, QUANTIZATION_CONFIG: fp8.quantization_config},
+    count = quantized_count(mapping.steps, layout)
+    note = (f"merger: {count} tensors written as {name} {how} ({stored}){left}; {QUANTIZATION_CONFIG} {config} "
+            f"config.json")
+    return dataclasses.replace(mapping, steps=quantize_steps(mapping.steps, layout), notes=(*mapping.notes, note),
+                               config_updates={**mapping.config_updates,
+                                               QUANTIZATION_CONFIG: layout.quantization_config},
                                config_removals=tuple(k for k in mapping.config_removals if k != QUANTIZATION_CONFIG))

@@ -31,6 +31,12 @@ def tiny_config(arch: str, tied: bool = False, vocab: int | None = None, hidden:
     if arch == "gpt2":
         return transformers.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=128,
                                        tie_word_embeddings=True)
+    if arch == "gpt_oss":  # MoE experts [E, in, out]; pass --hidden in 32s for MXFP4 (blocks of 32 along `in`)
+        return transformers.GptOssConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden,
+                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=hidden // 4, num_local_experts=4, num_experts_per_tok=2,
+                                         sliding_window=16, max_position_embeddings=128, tie_word_embeddings=tied,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
     if arch == "qwen2_vl":
         # token ids of the vision markers are those build_tokenizer(vision=True) gives them
         ids = {tok: len(WORDS) + 2 + i for i, tok in enumerate(VISION_TOKENS)}
