@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from merger.errors import MergerError
 from merger.catalog import Stored
-from merger.sources.file_reads import RangeFile, SourceReads
+from merger.sources.file_reads import SourceReads
 from merger.sources.torch_save_blob import BlobError, tensor_in_blob
 
 CASES = {
@@ -56,7 +56,7 @@ def _read(path: Path, offset: int, length: int, dtype: torch.dtype | None = None
     """The blob's tensor as merger reads it: located from the blob's directory, copied with pread (casting)."""
     reads = SourceReads()
     try:
-        view, record = tensor_in_blob(RangeFile(reads.files, str(path), offset, length), length)
+        view, record = tensor_in_blob(reads.files.range_file(str(path), offset, length), length)
         record = replace(record, start=offset + record.start)
         out = torch.empty(view.shape, dtype=dtype or view.dtype)
         reads.copy(Stored(str(path), record.start, view, record), out, "t")

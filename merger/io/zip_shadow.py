@@ -9,7 +9,6 @@ storage where it lies in the object, and the merge reads its bytes from the obje
 from __future__ import annotations
 
 import atexit
-import io
 import os
 import shutil
 import tempfile
@@ -17,36 +16,11 @@ import zipfile
 from pathlib import Path
 
 from .locations import is_remote, storage_of
+from .range_file import RangeFile
 
 _HEADER = 30  # a zip local header's fixed part
 _PADDING = 128  # torch pads a record's extra field so its data starts 64-byte aligned: kept whole with this
 _SHADOWS: dict[str, str] = {}
-
-
-class _ObjectFile(io.RawIOBase):
-    """An object as a read-only file, a ranged GET per read (zipfile reads its directory through it)."""
-
-    def __init__(self, storage, key: str, size: int):
-        self.storage, self.key, self.size, self.pos = storage, key, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = max(0, offset + (0, self.pos, self.size)[whence])
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        data = self.storage.read(self.key, self.pos, max(0, min(len(buffer), self.size - self.pos)))
-        memoryview(buffer).cast("B")[:len(data)] = data
-        self.pos += len(data)
-        return len(data)
 
 
 def _kept_ranges(infos: list[zipfile.ZipInfo], size: int, directory_start: int) -> list[tuple[int, int]]:
@@ -72,7 +46,11 @@ def zip_shadow(file: str) -> str:
         storage, key = storage_of(file)
         size = storage.size(key)
         try:
-            with zipfile.ZipFile(io.BufferedReader(_ObjectFile(storage, key, size), 1 << 16)) as archive:
+            def read(view: memoryview, at: int) -> None:
+                if storage.read_into(key, view, at) < len(view):
+                    raise zipfile.BadZipFile("the object ends before its zip directory says")
+
+            with zipfile.ZipFile(RangeFile(read, 0, size)) as archive:
                 infos = archive.infolist()
                 directory_start = archive.start_dir
             ranges = _kept_ranges(infos, size, directory_start)

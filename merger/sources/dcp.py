@@ -23,7 +23,7 @@ from .dcp_chunk_table import ChunkTable, TablePieces, check_stored, load_chunk_t
 from .dcp_classes import BytesStorageMetadata, TensorStorageMetadata
 from .dcp_metadata import METADATA_FILE
 from .dcp_safetensors import DcpSafetensorsReader, holds_safetensors
-from .file_reads import RangeFile, SourceFiles
+from .file_reads import SourceFiles
 from .torch_save_blob import BlobError, tensor_in_blob
 
 CHUNK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
@@ -141,7 +141,7 @@ def chunk_stored(files: SourceFiles, copy: PieceCopy) -> Stored:
     """Where the tensor one DCP chunk holds lies (its byte range is a torch.save blob), from the blob's directory."""
     offset, length = copy.byte_range
     try:
-        view, record = tensor_in_blob(RangeFile(files, copy.file, offset, length), length)
+        view, record = tensor_in_blob(files.range_file(copy.file, offset, length), length)
     except BlobError as e:
         raise MergerError(f"tensor {copy.key}: chunk at byte {offset} is not a torch.save blob of a tensor "
                           f"({e}), {copy.file}") from e

@@ -12,17 +12,17 @@ Safetensors files record no checksum.
 """
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ..catalog import Stored, ZipRecord
 from ..errors import MergerError
 from ..io import storage_of
 from ..io.local import LocalStorage, pread_into
+from ..io.range_file import RangeFile
 from .crc32 import crc32, crc32_combine
-from ..catalog import Stored, ZipRecord
 
 CHUNK = 1 << 20  # bytes per pread: small enough to stay in cache between the read, the checksum and the cast
 
@@ -73,36 +73,14 @@ class SourceFiles:
         if got < len(view):
             raise source_shrank(file, offset + len(view))
 
+    def range_file(self, file: str, start: int, length: int) -> RangeFile:
+        """Bytes [start, start + length) of the source file as a read-only file (zipfile reads a DCP blob)."""
+        return RangeFile(lambda view, at: self.read_into(file, view, at), start, length)
+
     def close(self) -> None:
         for storage in self.used:
             storage.close()
         self.used.clear()
-
-
-class RangeFile(io.RawIOBase):
-    """Bytes [start, start + length) of a source file as a read-only file (zipfile reads a DCP blob through it)."""
-
-    def __init__(self, files: SourceFiles, file: str, start: int, length: int):
-        self.files, self.file, self.start, self.length, self.pos = files, file, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = max(0, offset + (0, self.pos, self.length)[whence])
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), self.length - self.pos))
-        self.files.read_into(self.file, memoryview(buffer).cast("B")[:n], self.start + self.pos)
-        self.pos += n
-        return n
 
 
 def geometry(dtype: torch.dtype, size, stride, offset: int, numel: int) -> torch.Tensor:
