@@ -68,6 +68,14 @@ def adapter_cases(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def ds_root(tmp_path_factory) -> Path:
+    """ROOT/<case>/{out, hf, reference.pt}: tests/writers/deepspeed_checkpoint.py's ZeRO cases, by DeepSpeed."""
+    root = tmp_path_factory.mktemp("deepspeed")
+    run_writer("deepspeed_checkpoint.py", "--out", root, nproc=3, env={"DS_ACCELERATOR": "cpu"})
+    return root
+
+
+@pytest.fixture(scope="session")
 def fsdp_checkpoint(tmp_path_factory):
     """fsdp_checkpoint(arch, world, mesh=None, tied=False, ...) -> (actor_dir, reference_dir), built once each."""
     cache: dict = {}

@@ -15,18 +15,11 @@ import pytest
 import torch
 
 from tests.helpers.in_process import merge_here, merge_in_process, single_error_line
-from tests.helpers.processes import run, run_merger, run_merger_leaving_no_thread, run_writer
+from tests.helpers.processes import run, run_merger, run_merger_leaving_no_thread
 from tests.helpers.weights import load_safetensors_folder
 from tests.writers.deepspeed_checkpoint import BUFFER, CASES
 
 TIED = {name for name, (_, _, tied, _, _) in CASES.items() if tied}
-
-
-@pytest.fixture(scope="session")
-def ds_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("deepspeed")
-    run_writer("deepspeed_checkpoint.py", "--out", root, nproc=3, env={"DS_ACCELERATOR": "cpu"})
-    return root
 
 
 def source(root: Path, case: str) -> tuple[Path, list[str]]:

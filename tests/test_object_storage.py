@@ -167,6 +167,17 @@ def test_megatron_from_a_bucket(store, megatron_root, fmt, tmp_path):
     _same_files(local, remote)
 
 
+def test_deepspeed_zero3_from_a_bucket(store, ds_root, tmp_path):
+    """DeepSpeed ZeRO-3 fp32 (flat partitions in *_optim_states.pt and the module states file), from a bucket."""
+    case = ds_root / "s3_fp32_tied_frozen"
+    url = store.upload(case, "ckpt", "runs/deepspeed")
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    run_merger("merge", "--local_dir", case / "out", "--target_dir", local, "--hf_model_config_path", case / "hf")
+    run_merger("merge", "--local_dir", f"{url}/out", "--target_dir", remote, "--hf_model_config_path", f"{url}/hf",
+               env=store.env)
+    _same_files(local, remote)
+
+
 def test_peft_adapters_into_a_base_model_from_a_bucket(store, adapter_cases, tmp_path):
     """`merger lora`: the base's weights and both adapters read from the bucket, its config fetched."""
     root = adapter_cases / "llama"
