@@ -59,6 +59,16 @@ def fsdp_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def dcp_written(tmp_path_factory) -> Path:
+    """DCP checkpoints as torch writes them: FSDP2 over 4 ranks (plain/), HSDP 2x2 nested by accelerate with
+    optimizer state (checkpoint-1/), torch tensor parallelism over 2 ranks (tp/checkpoint/)."""
+    root = tmp_path_factory.mktemp("dcp_written")
+    run_writer("dcp_checkpoint.py", "--out", root, "--hsdp", "2,2", nproc=4)
+    run_writer("dcp_tp_checkpoint.py", "--out", root / "tp", nproc=2)
+    return root
+
+
+@pytest.fixture(scope="session")
 def deepseek_v3_root(tmp_path_factory) -> Path:
     """A torchtitan DeepSeek-V3 checkpoint (MLA, MoE, a float32 expert bias), shared by the tests of several files."""
     return written_by_torchtitan(tmp_path_factory, "deepseek_v3")

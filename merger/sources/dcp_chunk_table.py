@@ -130,17 +130,18 @@ def _tabled(metadata, records: CompactRecords, folder: Path) -> ChunkTable:
     entries, objects = _in_order(storage, len(stored["fqn"]))
     infos = [storage[k] for k in objects]
     index = {fqn: i for i, (fqn, _) in enumerate(tensors)}
-    key_tensor = np.concatenate([np.asarray([index.get(f, -1) for f in records.fqns], dtype=np.int64)[stored["fqn"]],
+    key_tensor = np.concatenate([np.asarray([index.get(f, -1) for f in records.strings], dtype=np.int64)[stored["fqn"]],
                                  np.fromiter((index.get(k.fqn, -1) for k in objects), np.int64, len(objects))])
     obj_ndim, obj_offsets = _boxes([k.offset or () for k in objects])
     key_ndim = np.concatenate([stored["nd"], obj_ndim])
     key_width = max(width, stored["key_offsets"].shape[1], obj_offsets.shape[1])
     key_offsets = np.concatenate([_widened(stored["key_offsets"], key_width), _widened(obj_offsets, key_width)])
-    paths = sorted(set(records.paths) | {info.relative_path for info in infos})
+    paths = sorted({records.strings[i] for i in np.unique(stored["path"]).tolist()}
+                   | {info.relative_path for info in infos})
     for name in paths:
         named_file(folder, name, folder / METADATA_FILE)
     path_id = {p: i for i, p in enumerate(paths)}
-    file = np.concatenate([np.asarray([path_id[p] for p in records.paths], dtype=np.int64)[stored["path"]],
+    file = np.concatenate([np.asarray([path_id.get(p, -1) for p in records.strings], dtype=np.int64)[stored["path"]],
                            np.fromiter((path_id[i.relative_path] for i in infos), np.int64, len(infos))])
     byte_offset = np.concatenate([stored["byte_offset"], np.fromiter((int(i.offset) for i in infos), np.int64,
                                                                      len(infos))])

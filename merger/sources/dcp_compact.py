@@ -40,6 +40,9 @@ _PERSISTENT = {ord("P"), ord("Q")}
 _POP_MARK = ord("1")
 _TAKE_MARK = {ord(c) for c in "tld1io"} | {0x91, 0x90}
 _RECORD_CLASS = {"chunks": CHUNK_NAMES["c"], "storage": STORAGE_NAMES["mi"]}
+# (kind, a single record) -> the opcode that adds the records to their list / dict
+_CLOSERS = {("chunks", False): _APPENDS, ("chunks", True): ord("a"), ("storage", False): _SETITEMS,
+            ("storage", True): ord("s")}
 _SPECIAL = {_MEMOIZE, _MARK, _STOP, _STACK_GLOBAL, FRAME, _APPENDS, _SETITEMS, _EMPTY_LIST, _EMPTY_DICT, *_GETS,
             *_PUTS, *_STRINGS, *_PERSISTENT, *_TAKE_MARK}
 
@@ -65,14 +68,13 @@ def _no_storage() -> dict:
 @dataclass
 class CompactRecords:
     """The records cut out of the pickle. Chunks: offsets and sizes (3 columns, `chunk_nd` used). Storage entries:
-    `fqn` and `path` index `fqns` and `paths`; `index` is -1 where `index_none`; key offsets as the chunks'."""
+    `fqn` and `path` index `strings`; `index` is -1 where `index_none`; key offsets as the chunks'."""
 
     chunk_nd: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     chunk_offsets: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
     chunk_sizes: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
     storage: dict = field(default_factory=_no_storage)  # name -> array, as decode_storage, fqn and path as ids
-    fqns: list = field(default_factory=list)
-    paths: list = field(default_factory=list)
+    strings: list = field(default_factory=list)
 
     def chunk(self, row: int) -> ChunkStorageMetadata:
         nd = int(self.chunk_nd[row])
@@ -82,9 +84,9 @@ class CompactRecords:
     def storage_entry(self, row: int) -> tuple[MetadataIndex, _StorageInfo]:
         s = self.storage
         index = None if s["index_none"][row] else int(s["index"][row])
-        key = MetadataIndex(self.fqns[s["fqn"][row]], torch.Size(s["key_offsets"][row, :s["nd"][row]].tolist()),
+        key = MetadataIndex(self.strings[s["fqn"][row]], torch.Size(s["key_offsets"][row, :s["nd"][row]].tolist()),
                             index)
-        return key, _StorageInfo(self.paths[s["path"][row]], int(s["byte_offset"][row]), int(s["length"][row]))
+        return key, _StorageInfo(self.strings[s["path"][row]], int(s["byte_offset"][row]), int(s["length"][row]))
 
     def expanded(self, rows: Rows) -> list:
         """The objects the pickle held in place of `rows`: chunks, or (key, info) pairs."""
@@ -100,15 +102,12 @@ class _Run:
     size: int
     rows: Rows
     record_memos: np.ndarray
+    part: int | None = None  # storage: its fields are storage_parts[part]
 
 
-def _memo_entries(obj, state: dict, sizes: list) -> list:
-    """The memo entries of one record, in pickle order: the object, its state, then per Size (ints,) unless
-    empty, ((ints,),), the Size."""
-    out = [obj, state]
-    for size in sizes:
-        out += ([tuple(size)] if len(size) else []) + [(tuple(size),), size]
-    return out
+def _size_entries(size: torch.Size) -> list:
+    """The memo entries a pickled torch.Size makes, in order: its ints (unless none), (ints,), the Size."""
+    return ([tuple(size)] if len(size) else []) + [(tuple(size),), size]
 
 
 def _strip_frames(data: bytearray) -> list[int]:
@@ -146,8 +145,7 @@ class _Rewriter:
         self.chunk_rows = 0
         self.storage_parts: list[dict] = []
         self.storage_rows = 0
-        self.fqn_ids: dict[str, int] = {}
-        self.path_ids: dict[str, int] = {}
+        self.string_ids: dict[str, int] = {}  # fqns and paths of the records cut -> their index in `strings`
         self.records = CompactRecords()
 
     # -- memo numbering ------------------------------------------------------------------------------------
@@ -196,16 +194,21 @@ class _Rewriter:
                 idx = self._index(p, end, _GETS[op])
                 if idx >= self.count:
                     raise TokenError(f"memo entry {idx} is read before it is set")
-                kind = marks[-1][0] if marks else None
-                # An item of the chunks list, or a key of storage_data, starts: perhaps a run of records.
-                if kind and (kind == "chunks" or depth % 2 == 0) and self.known.get(idx) == _RECORD_CLASS[kind]:
-                    cut = self._cut(p, kind)
+                # An item of a chunks list, or a key of storage_data, starts: perhaps records to cut. Right above
+                # the list / dict (`holds`), one record, which APPEND / SETITEM adds; else in a batch above its MARK.
+                single = holds is not None
+                kind = holds or (marks[-1][0] if marks else None)
+                if kind and (single or kind == "chunks" or depth % 2 == 0) \
+                        and self.known.get(idx) == _RECORD_CLASS[kind]:
+                    cut = self._cut(p, kind, single)
                     if cut:
                         resume, marker = cut
                         self.out += [data[keep:p], marker]
                         p = keep = resume
-                        depth += 1 if kind == "chunks" else 2
-                        top = below = holds = None
+                        if not single:
+                            depth += 1 if kind == "chunks" else 2
+                        top = below = None
+                        holds = kind if single else None
                         while next_frame < p:  # checked by _frames_in
                             frame += 1
                             next_frame = self.frames[frame]
@@ -286,10 +289,11 @@ class _Rewriter:
             out.append((name, raw))
         return tuple(out)
 
-    def _cut(self, start: int, kind: str):
+    def _cut(self, start: int, kind: str, single: bool):
         """At an item of a `chunks` list or a key of a `storage_data` dict (records from `start`): (where to go on,
-        the persistent id in their place) for a run of chunk or storage records up to the APPENDS / SETITEMS that
-        takes them; None where there is none."""
+        what stands in their place) for a run of chunk or storage records up to the APPENDS / SETITEMS that takes
+        them (`single`: one record and the APPEND / SETITEM after it, which the stand-in includes); None where
+        there is none."""
         data = self.data
         if kind == "chunks":
             m = PROBE_CHUNK.match(data, start)
@@ -297,19 +301,20 @@ class _Rewriter:
                 return None
             literals = self._literals(m, CHUNK_NAMES)
             nd = next(k for k in range(4) if m.group(f"n{k}") is not None)
-            closer = _APPENDS
         else:
             m = PROBE_STORAGE.match(data, start)
             if not m:
                 return None
-            literals, nd, closer = self._literals(m, STORAGE_NAMES), None, _SETITEMS
+            literals, nd = self._literals(m, STORAGE_NAMES), None
         if literals is None:
             return None
+        closer = _CLOSERS[kind, single]
         # Each match of a scanner starts where the last ended (re.Scanner's primitive): the run's records in a row.
         scanner = run_pattern(kind, literals, nd).scanner(data, start)
         ends = np.fromiter((r.end() for r in iter(scanner.match, None)), dtype=np.int64)
         resume = int(ends[-1])
-        if resume >= len(data) or data[resume] != closer or not self._frames_in(start, ends):
+        if resume >= len(data) or data[resume] != closer or (single and len(ends) > 1) \
+                or not self._frames_in(start, ends):
             return None
         starts = np.concatenate([[start], ends[:-1]]).astype(np.int64)
         if kind == "chunks":
@@ -328,11 +333,13 @@ class _Rewriter:
             size = int(fields["memos"].sum())
             fields["record_memos"] = record_memos
             self.storage_parts.append(fields)
-        self.runs.append(_Run(self.count, size, rows, record_memos))
+        self.runs.append(_Run(self.count, size, rows, record_memos, None if kind == "chunks" else
+                              len(self.storage_parts) - 1))
         self.run_memos.append(self.count)
         self.cut_before.append(self.cut_before[-1] + size)
         self.count += size
-        return resume, self._persistent(rows) + (b"N" if kind == "storage" else b"")  # storage: the key's value
+        marker = self._persistent(rows) + (b"N" if kind == "storage" else b"")  # storage: None as the key's value
+        return (resume + 1, marker + bytes([closer])) if single else (resume, marker)
 
     def _frames_in(self, start: int, ends: np.ndarray) -> bool:
         """Whether every stripped frame header inside the records `start:ends[-1]` was where an opcode starts."""
@@ -346,48 +353,52 @@ class _Rewriter:
                 return False
         return True
 
-    def _str_id(self, text, ids: dict) -> int:
+    def _string_id(self, text) -> int:
         if type(text) is not str:
-            raise KeyError
-        return ids.setdefault(text, len(ids))
+            raise KeyError(text)
+        return self.string_ids.setdefault(text, len(self.string_ids))
 
     def _storage(self, f: dict) -> dict | None:
-        """The fqn and path of each record as ids (their memo lookups resolved), or None where one is not a str."""
+        """The records' fqn and path as string ids (spelled out, or memo lookups resolved), or None where one is
+        not a str."""
         try:
-            gets, inverse = np.unique(f["fqn_get"], return_inverse=True)
-            f["fqn"] = np.asarray([self._str_id(self.known.get(int(i)), self.fqn_ids) for i in gets],
-                                  dtype=np.int64)[inverse.reshape(-1)]
-            path = np.zeros(len(f["fqn_get"]), dtype=np.int64)
-            literal = f["path_literal"]
-            if literal.any():
-                lengths, at = f["path_len"][literal], f["path_at"][literal]
-                cols = np.arange(int(lengths.max()))
-                raw = self.u8[np.minimum(at[:, None] + cols, len(self.u8) - 1)] * (cols < lengths[:, None])
-                rows = np.ascontiguousarray(np.column_stack([lengths.astype(np.uint8), raw]))
-                unique, inverse = np.unique(rows.view(np.dtype((np.void, rows.shape[1]))).ravel(), return_inverse=True)
-                ids = [self._str_id(row.tobytes()[1:1 + row.tobytes()[0]].decode("utf-8", "surrogatepass"),
-                                    self.path_ids) for row in unique]
-                path[literal] = np.asarray(ids, dtype=np.int64)[inverse.reshape(-1)]
-            if not literal.all():
-                gets, inverse = np.unique(f["path_get"][~literal], return_inverse=True)
-                path[~literal] = np.asarray([self._path_of(int(i)) for i in gets], dtype=np.int64)[inverse.reshape(-1)]
+            for name in ("fqn", "path"):
+                ids = np.zeros(len(f["memos"]), dtype=np.int64)
+                literal = f[f"{name}_literal"]
+                if literal.any():
+                    lengths, at = f[f"{name}_len"][literal], f[f"{name}_at"][literal]
+                    cols = np.arange(int(lengths.max()))
+                    raw = self.u8[np.minimum(at[:, None] + cols, len(self.u8) - 1)] * (cols < lengths[:, None])
+                    rows = np.ascontiguousarray(np.column_stack([lengths.astype(np.uint8), raw]))
+                    unique, inverse = np.unique(rows.view(np.dtype((np.void, rows.shape[1]))).ravel(),
+                                                return_inverse=True)
+                    made = [self._string_id(row.tobytes()[1:1 + row.tobytes()[0]].decode("utf-8", "surrogatepass"))
+                            for row in unique]
+                    ids[literal] = np.asarray(made, dtype=np.int64)[inverse.reshape(-1)]
+                if not literal.all():
+                    gets, inverse = np.unique(f[f"{name}_get"][~literal], return_inverse=True)
+                    ids[~literal] = np.asarray([self._string_at(int(i)) for i in gets],
+                                               dtype=np.int64)[inverse.reshape(-1)]
+                f[name] = ids
         except (KeyError, UnicodeDecodeError):
             return None
-        f["path"] = path
         return f
 
-    def _path_of(self, idx: int) -> int:
-        """The path id of memo entry `idx`: a tracked str, or a path string an earlier storage record memoized."""
+    def _string_at(self, idx: int) -> int:
+        """The string id of memo entry `idx`: a tracked str, or a fqn or path an earlier storage record spelled out."""
         if idx in self.known:
-            return self._str_id(self.known[idx], self.path_ids)
+            return self._string_id(self.known[idx])
         i, run = self._run_of(idx)
-        if run is None or run.rows.kind != "storage" or idx >= run.memo + run.size:
-            raise KeyError
-        part = self.storage_parts[sum(1 for r in self.runs[:i] if r.rows.kind == "storage")]
+        if run is None or run.part is None or idx >= run.memo + run.size:
+            raise KeyError(idx)
+        part = self.storage_parts[run.part]
         r = int(np.searchsorted(part["record_memos"], idx, side="right")) - 1
-        if not part["path_literal"][r] or idx != part["record_memos"][r] + part["memos"][r] - 1:
-            raise KeyError
-        return int(part["path"][r])
+        entry = idx - int(part["record_memos"][r])
+        if part["fqn_literal"][r] and entry == 2:
+            return int(part["fqn"][r])
+        if part["path_literal"][r] and entry == part["memos"][r] - 1:
+            return int(part["path"][r])
+        raise KeyError(idx)
 
     def _decode_chunks(self) -> None:
         rec = self.records
@@ -403,7 +414,7 @@ class _Rewriter:
         parts = [_no_storage()] + self.storage_parts
         rec.storage = {k: np.concatenate([p[k] for p in parts]) for k in _STORAGE_FIELDS}
         rec.storage["index"][rec.storage["index_none"]] = -1
-        rec.fqns, rec.paths = list(self.fqn_ids), list(self.path_ids)
+        rec.strings = list(self.string_ids)
 
     # -- what a persistent id in the rewritten stream stands for ---------------------------------------------------
     def stand_in(self, pid: int):
@@ -417,10 +428,13 @@ class _Rewriter:
         row = run.rows.start + r
         if run.rows.kind == "chunks":
             chunk = self.records.chunk(row)
-            return _memo_entries(chunk, dict(chunk.__dict__), [chunk.offsets, chunk.sizes])[entry]
+            return ([chunk, dict(chunk.__dict__)] + _size_entries(chunk.offsets) + _size_entries(chunk.sizes))[entry]
         key, info = self.records.storage_entry(row)
-        entries = _memo_entries(key, dict(key.__dict__), [key.offset]) + [info, dict(info.__dict__)]
-        return (entries + [info.relative_path])[entry]
+        part = self.storage_parts[run.part]
+        entries = ([key, dict(key.__dict__)] + ([key.fqn] if part["fqn_literal"][r] else [])
+                   + _size_entries(key.offset) + [info, dict(info.__dict__)]
+                   + ([info.relative_path] if part["path_literal"][r] else []))
+        return entries[entry]
 
 
 def rewrite(data: bytes):

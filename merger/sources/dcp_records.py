@@ -67,8 +67,9 @@ def chunk_record(lit: dict, nd: int | None) -> bytes:
 def storage_record(lit: dict) -> bytes:
     def n(name):
         return _named(name, lit.get(name))
-    index = _object(n("mi")) + _ops(n("kf"), _GET, n("ki"), b"(?:" + _INT + b"|N)", n("ko")) + _size(n("s"), None)
-    info = _object(n("si")) + _ops(n("kr"), b"(?:" + _GET + b"|" + _STR + rb"\x94)", n("ko2"), _INT, n("kl"), _INT)
+    text = b"(?:" + _GET + b"|" + _STR + rb"\x94)"  # a str: looked up, or spelled out and memoized
+    index = _object(n("mi")) + _ops(n("kf"), text, n("ki"), b"(?:" + _INT + b"|N)", n("ko")) + _size(n("s"), None)
+    info = _object(n("si")) + _ops(n("kr"), text, n("ko2"), _INT, n("kl"), _INT)
     return index + _ops(b"u", b"b") + info + _ops(b"u", b"b")
 
 
@@ -176,15 +177,23 @@ def chunk_memos(nd: int) -> int:
 
 
 def decode_storage(u8: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
-    """The fields of the storage records at `starts`: the fqn's memo index, index (None: `index_none`), the key's
-    ndim and offsets, the path (a string at `path_at` of `path_len` bytes, or the memo index `path_get`), the byte
-    offset and length, and the memo entries each record makes."""
+    """The fields of the storage records at `starts`: the fqn and path (each a string at `<name>_at` of
+    `<name>_len` bytes where `<name>_literal`, else the memo index `<name>_get`), index (None: `index_none`), the
+    key's ndim and offsets, the byte offset and length, and the memo entries each record makes."""
     w = _Walk(u8, starts)
     out = {}
+
+    def text(name: str) -> None:
+        literal = w.op() == 0x8C
+        out[f"{name}_len"], out[f"{name}_at"], out[f"{name}_literal"] = w.at(1), w.pos + 2, literal
+        w.move(2 + out[f"{name}_len"], literal)
+        w.skip(mask=literal)
+        out[f"{name}_get"] = w.get(mask=~literal)
+
     w.get()
     w.skip(6)
     w.get()
-    out["fqn_get"] = w.get()
+    text("fqn")
     w.get()
     none = w.op() == ord("N")
     out["index"], out["index_none"] = w.int(mask=~none), none
@@ -195,14 +204,10 @@ def decode_storage(u8: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
     w.get()
     w.skip(6)
     w.get()
-    literal = w.op() == 0x8C
-    out["path_len"], out["path_at"], out["path_literal"] = w.at(1), w.pos + 2, literal
-    w.move(2 + out["path_len"], literal)
-    w.skip(mask=literal)
-    out["path_get"] = w.get(mask=~literal)
+    text("path")
     w.get()
     out["byte_offset"] = w.int()
     w.get()
     out["length"] = w.int()
-    out["memos"] = 4 + np.where(out["nd"] > 0, 3, 2) + literal
+    out["memos"] = 4 + np.where(out["nd"] > 0, 3, 2) + out["fqn_literal"] + out["path_literal"]
     return out
