@@ -382,6 +382,8 @@ class _Rewriter:
                 f[name] = ids
         except (KeyError, UnicodeDecodeError):
             return None
+        for name in ("fqn", "path"):  # where the strings were: read now
+            del f[f"{name}_len"], f[f"{name}_at"], f[f"{name}_get"]
         return f
 
     def _string_at(self, idx: int) -> int:

@@ -62,13 +62,14 @@ def _unpickled(stream: bytes, stand_in=None):
 
 
 def _rows_in_place(metadata, runs: int) -> bool:
-    """Whether the unpickled metadata holds every cut run where runs belong: in a TensorStorageMetadata's
-    chunks or as a key of `storage_data` (a run found anywhere else: the plain load must decide)."""
-    found = sum(isinstance(c, Rows) for m in metadata.state_dict_metadata.values()
-                if isinstance(m, TensorStorageMetadata) and isinstance(m.chunks, list) for c in m.chunks)
+    """Whether the unpickled metadata holds each cut run once, where runs belong: in a TensorStorageMetadata's
+    chunks or as a key of `storage_data` (a run found anywhere else, or twice: the plain load must decide)."""
+    found = [c for m in metadata.state_dict_metadata.values()
+             if isinstance(m, TensorStorageMetadata) and isinstance(m.chunks, list) for c in m.chunks
+             if isinstance(c, Rows)]
     if isinstance(metadata.storage_data, dict):
-        found += sum(isinstance(k, Rows) for k in metadata.storage_data)
-    return found == runs
+        found += [k for k in metadata.storage_data if isinstance(k, Rows)]
+    return len(found) == len(set(found)) == runs
 
 
 def load_compact(folder: Path):
