@@ -34,6 +34,7 @@ STORAGE_NAMES = {"mi": ("global", METADATA, "MetadataIndex"), "kf": "fqn", "ki":
 
 
 def _ops(*parts: bytes) -> bytes:
+    """Opcodes in a row."""
     return b"".join(parts)
 
 
@@ -65,6 +66,8 @@ def chunk_record(lit: dict, nd: int | None) -> bytes:
 
 
 def storage_record(lit: dict) -> bytes:
+    """A MetadataIndex(fqn, index, offset of 0 to 3 dims) key, then its _StorageInfo(relative_path, offset,
+    length) value: the state keys in the order torch's __init__ sets them."""
     def n(name):
         return _named(name, lit.get(name))
     text = b"(?:" + _GET + b"|" + _STR + rb"\x94)"  # a str: looked up, or spelled out and memoized
