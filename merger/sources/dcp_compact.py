@@ -171,6 +171,8 @@ class _Rewriter:
     # -- the walk --------------------------------------------------------------------------------------------
     def run(self) -> bytes:
         data, n = self.data, len(self.data)
+        if n < 2 or data[0] != 0x80 or data[1] < 4:  # the records match only as protocol 4+ writes them (MEMOIZE)
+            raise TokenError("not a protocol 4+ pickle")
         p = keep = 0  # data[keep:p] goes to the output as it is
         top = below = None  # the two values last pushed, where known (str or global)
         holds = None  # "chunks"/"storage": the list / dict just pushed is the value of that state key
