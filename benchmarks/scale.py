@@ -9,8 +9,9 @@ as FileSystemWriter does) and whose `__r_0.distcp` files are sparse (truncated t
 disk). The fraction scales the MoE layers; 1/8 is a quick run. It then times, each in a fresh process:
 - torch: the `.metadata` loaded as torch's FileSystemReader loads it (a plain pickle.load with torch's
   classes): the baseline, what any DCP reader pays;
-- merger, phase by phase in one process: load_metadata (the restricted unpickle), open_catalog (again, the
-  unpickle included), build_mapping, plan_layout (1 rank), the plan rerouted for each --merge_ranks;
+- merger, phase by phase in one process: load_compact (`.metadata` read as open_catalog reads it: the runs of
+  chunks and storage entries as arrays, the rest by the restricted unpickler), open_catalog (again, the load
+  included), build_mapping, plan_layout (1 rank), the plan rerouted for each --merge_ranks;
 - `merger inspect --merge_ranks N --json` end to end, for the largest N (its output's sha256 printed: the same
   plan before and after a change has the same).
 Each row gives wall seconds, CPU seconds (steadier than wall time on a shared machine) and the process's
@@ -141,10 +142,10 @@ def merger_phases(folder: str, merge_ranks: list[int]) -> list:
     from merger.mapping.registry import build_mapping
     from merger.options import MergeOptions
     from merger.sources.dcp import open_catalog
-    from merger.sources.dcp_metadata import load_metadata
+    from merger.sources.dcp_metadata import load_compact
 
     rows: list = []
-    _timed(rows, "merger: load_metadata", lambda: load_metadata(Path(folder)))
+    _timed(rows, "merger: load_compact (.metadata)", lambda: load_compact(Path(folder)))
     catalog = _timed(rows, "merger: open_catalog (unpickle included)", lambda: open_catalog(Path(folder)))
     options = MergeOptions(local_dir=Path(folder), target_dir=None)
     mapping = _timed(rows, "merger: build_mapping", lambda: build_mapping(catalog, options))

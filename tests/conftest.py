@@ -96,6 +96,22 @@ def fsdp_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def dcp_tp_root(tmp_path_factory) -> Path:
+    """checkpoint/ (torch tensor parallelism over 2 ranks, hidden 512), reference/."""
+    root = tmp_path_factory.mktemp("dcp_tp")
+    run_writer("dcp_tp_checkpoint.py", "--out", root, nproc=2)
+    return root
+
+
+@pytest.fixture(scope="session")
+def dcp_written(dcp_root, dcp_tp_root):
+    """The DCP checkpoints torch writes for the suite, by name: "plain" (FSDP2 over 4 ranks), "checkpoint-1" (HSDP
+    2x2 nested by accelerate, with optimizer state), "tp" (torch tensor parallelism over 2 ranks)."""
+    return {"plain": dcp_root / "plain", "checkpoint-1": dcp_root / "checkpoint-1",
+            "tp": dcp_tp_root / "checkpoint"}.__getitem__
+
+
+@pytest.fixture(scope="session")
 def deepseek_v3_root(tmp_path_factory) -> Path:
     """A torchtitan DeepSeek-V3 checkpoint (MLA, MoE, a float32 expert bias), shared by the tests of several files."""
     return written_by_torchtitan(tmp_path_factory, "deepseek_v3")

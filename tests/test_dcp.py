@@ -63,22 +63,14 @@ def test_kept_dtype_from_another_filesystem(dcp_root, tmp_path, other_filesystem
     assert_same_weights(tmp_path / "out", dcp_root / "reference", None)
 
 
-@pytest.fixture(scope="session")
-def tp_root(tmp_path_factory) -> Path:
-    """checkpoint/ (torch tensor parallelism over 2 ranks, hidden 512), reference/."""
-    root = tmp_path_factory.mktemp("dcp_tp")
-    run_writer("dcp_tp_checkpoint.py", "--out", root, nproc=2)
-    return root
-
-
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_tensor_parallel_column_blocks_are_written_where_read(tp_root, nproc, tmp_path):
+def test_tensor_parallel_column_blocks_are_written_where_read(dcp_tp_root, nproc, tmp_path):
     """Row-wise parallel weights (o_proj, down_proj) are saved as DTensor Shard(1) column blocks: each merge rank
     casts the blocks it reads and writes them row by row at their offsets, so no byte crosses ranks; the result
     is the model's own weights cast to bf16, bit for bit."""
-    run_merger("merge", "--local_dir", tp_root / "checkpoint", "--target_dir", tmp_path / "out", "--device", "cpu",
+    run_merger("merge", "--local_dir", dcp_tp_root / "checkpoint", "--target_dir", tmp_path / "out", "--device", "cpu",
                "--summary_json", tmp_path / "summary.json", nproc=nproc)
-    assert_same_weights(tmp_path / "out", tp_root / "reference", torch.bfloat16)
+    assert_same_weights(tmp_path / "out", dcp_tp_root / "reference", torch.bfloat16)
     moved = json.loads((tmp_path / "summary.json").read_text())["bytes_per_rank"]
     assert [m["sent_bytes"] + m["received_bytes"] for m in moved] == [0] * nproc
     assert all(m["written_bytes"] > 0 for m in moved)

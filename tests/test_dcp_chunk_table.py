@@ -22,7 +22,6 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 
 from merger.errors import MergerError
 from merger.sources.dcp import dcp_dir, open_catalog
-from tests.helpers.processes import run_writer
 
 
 def torch_pieces(folder: Path, prefix: str) -> dict[str, list]:
@@ -57,19 +56,9 @@ def assert_catalog_is_torchs(root: Path) -> None:
     assert all(tuple(t.pieces) == t.pieces and len(t.pieces) == len(tuple(t.pieces)) for t in catalog.tensors.values())
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory) -> Path:
-    """The DCP checkpoints the other tests write: FSDP2 over 4 ranks (plain/), HSDP 2x2 nested by accelerate with
-    optimizer state (checkpoint-1/), torch tensor parallelism over 2 ranks (tp/checkpoint/)."""
-    root = tmp_path_factory.mktemp("dcp_tables")
-    run_writer("dcp_checkpoint.py", "--out", root, "--hsdp", "2,2", nproc=4)
-    run_writer("dcp_tp_checkpoint.py", "--out", root / "tp", nproc=2)
-    return root
-
-
-@pytest.mark.parametrize("folder", ["plain", "checkpoint-1", "tp/checkpoint"])
-def test_catalog_of_written_checkpoints_is_torchs(written, folder):
-    assert_catalog_is_torchs(written / folder)
+@pytest.mark.parametrize("folder", ["plain", "checkpoint-1", "tp"])
+def test_catalog_of_written_checkpoints_is_torchs(dcp_written, folder):
+    assert_catalog_is_torchs(dcp_written(folder))
 
 
 def test_catalog_of_odd_tensors_is_torchs(tmp_path):

@@ -6,9 +6,9 @@ that holds a file (`storage_of`), into the caller's buffer at the offsets the pl
 """
 from __future__ import annotations
 
-from .files import exists, file_identity, file_size, is_file, open_binary, read_range
+from .files import exists, file_identity, file_size, is_file, read_range, read_whole
 from .locations import fetched_bytes, is_remote, location, relative_name, storage_of
 from .storage import Storage
 
-__all__ = ["Storage", "exists", "file_identity", "file_size", "is_file", "fetched_bytes", "is_remote", "location", "open_binary",
-           "read_range", "relative_name", "storage_of"]
+__all__ = ["Storage", "exists", "file_identity", "file_size", "is_file", "fetched_bytes", "is_remote", "location", "read_range",
+           "read_whole", "relative_name", "storage_of"]

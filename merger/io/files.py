@@ -1,8 +1,7 @@
 """One file named by string (a local path or an object URL), read whole or in part through its storage."""
 from __future__ import annotations
 
-import io
-from typing import BinaryIO
+import os
 
 from .locations import is_remote, storage_of
 
@@ -28,12 +27,15 @@ def read_range(file: str, start: int = 0, length: int | None = None) -> bytes:
     return storage.read(key, start, length)
 
 
-def open_binary(file: str) -> BinaryIO:
-    """The file to read front to back (a pickle): opened where it is local, fetched whole from a bucket."""
+def read_whole(file: str) -> bytearray:
+    """The whole file in a bytearray of its own (a reader that edits it in place), read straight into it locally."""
     if not is_remote(file):
-        return open(file, "rb")
+        with open(file, "rb") as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            del data[f.readinto(data):]
+            return data
     storage, key = storage_of(file)
-    return io.BytesIO(storage.read(key))
+    return bytearray(storage.read(key))
 
 
 def file_identity(file: str) -> dict[str, int | str]:

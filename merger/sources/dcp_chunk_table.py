@@ -1,13 +1,11 @@
 """A DCP `.metadata` with its chunks as arrays, not a Python object per chunk.
 
-A 671B model saved by 64 FSDP2 ranks holds 2.9 M chunks. As dcp_metadata loads it, each chunk is a
-ChunkStorageMetadata with two torch.Size, plus a MetadataIndex and a _StorageInfo in `storage_data`. Right after
-the (restricted) load, their fields go into arrays, chunks and storage entries are matched by (tensor, offsets)
-in numpy rather than through a dict, and the objects are dropped: the catalog holds the arrays, and makes a
-tensor's ShardPieces only when they are asked for.
-
-Why not arrays while unpickling: CPython's unpickler keeps every object it made (its memo) until the load ends,
-so the peak is the same either way, and a Python __setstate__ per object doubled the load's time.
+A 671B model saved by 64 FSDP2 ranks holds 2.9 M chunks, each a ChunkStorageMetadata in its tensor's `chunks`
+and a MetadataIndex -> _StorageInfo entry of `storage_data`. dcp_metadata.load_compact reads the runs of them
+straight into arrays (dcp_compact); the few the pickle holds otherwise (a record split by a frame, an odd
+pickle) come as objects and join the arrays here. Chunks and storage entries are matched by (tensor, offsets)
+in numpy rather than through a dict: the catalog holds the arrays, and makes a tensor's ShardPieces only when
+they are asked for.
 """
 from __future__ import annotations
 
@@ -22,7 +20,8 @@ from ..catalog import PieceCopy, ShardPiece
 from ..errors import MergerError
 from ..hf_folder import named_file
 from .dcp_classes import TensorStorageMetadata
-from .dcp_metadata import METADATA_FILE, load_metadata
+from .dcp_compact import CompactRecords, Rows
+from .dcp_metadata import METADATA_FILE, load_compact
 
 
 @dataclass(frozen=True)
@@ -45,9 +44,9 @@ class ChunkTable:
 
 def load_chunk_table(folder: Path):
     """`.metadata` as (Metadata with each tensor's `chunks` emptied and no `storage_data`, ChunkTable)."""
-    metadata = load_metadata(folder)
+    metadata, records = load_compact(folder)
     try:
-        return metadata, _tabled(metadata, folder)
+        return metadata, _tabled(metadata, records, folder)
     except (AttributeError, TypeError, ValueError) as e:  # a field of the wrong kind: a damaged pickle
         raise MergerError(f"damaged DCP metadata file ({type(e).__name__}: {e}), {folder / METADATA_FILE}") from e
 
@@ -57,7 +56,9 @@ def _storage_of(chunks: np.ndarray, keys: np.ndarray, infos: np.ndarray) -> np.n
     (fqn, offset) equality of MetadataIndex. Later keys win, as in the dict torch builds."""
     where = np.full(len(chunks), -1, dtype=np.int64)
     if len(keys) and len(chunks):
-        _, inverse = np.unique(np.concatenate([keys, chunks]), axis=0, return_inverse=True)
+        rows = np.ascontiguousarray(np.concatenate([keys, chunks]), dtype=np.int64)
+        # each row as one opaque value: equal rows are equal bytes, and sorting those is 2x np.unique(axis=0)
+        _, inverse = np.unique(rows.view(np.dtype((np.void, 8 * rows.shape[1]))).ravel(), return_inverse=True)
         inverse = inverse.reshape(-1)
         entry = np.full(int(inverse.max()) + 1, -1, dtype=np.int64)
         entry[inverse[:len(keys)]] = infos
@@ -80,52 +81,87 @@ def _padded(flat: np.ndarray, ndim: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-def _tabled(metadata, folder: Path) -> ChunkTable:
+def _boxes(boxes: list) -> tuple[np.ndarray, np.ndarray]:
+    """(ndim, padded ints) of boxes given as objects (torch.Size or tuples)."""
+    ndim = np.fromiter(map(len, boxes), dtype=np.int64, count=len(boxes))
+    return ndim, _padded(_flat(boxes, ndim), ndim, int(ndim.max(initial=0)))
+
+
+def _widened(a: np.ndarray, width: int) -> np.ndarray:
+    return np.pad(a, ((0, 0), (0, max(0, width - a.shape[1]))))[:, :width]
+
+
+def _in_order(items, records_rows: int) -> tuple[np.ndarray, list]:
+    """Rows of (the compact records, then the objects among `items`) in the order of `items`, and those objects."""
+    picks, objects = [], []
+    for item in items:
+        if isinstance(item, Rows):
+            picks.append(np.arange(item.start, item.stop, dtype=np.int64))
+        else:
+            picks.append(np.array([records_rows + len(objects)], dtype=np.int64))
+            objects.append(item)
+    return (np.concatenate(picks) if picks else np.zeros(0, np.int64)), objects
+
+
+def _tabled(metadata, records: CompactRecords, folder: Path) -> ChunkTable:
     tensors = [(f, m) for f, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)]
-    chunks = [c for _, m in tensors for c in m.chunks]
-    spans, start = {}, 0
+    spans, start, order, picks = {}, 0, [], []  # order: chunks the pickle held as objects
     for fqn, meta in tensors:
-        spans[fqn] = (start, start + len(meta.chunks))
-        start += len(meta.chunks)
+        rows, objects = _in_order(meta.chunks, len(records.chunk_nd) + len(order))
+        spans[fqn] = (start, start + len(rows))
+        start += len(rows)
+        order += objects
+        picks.append(rows)
         meta.chunks = []  # the arrays say it all now
+    picks = np.concatenate(picks) if picks else np.zeros(0, np.int64)
     tensor_of = np.repeat(np.arange(len(tensors), dtype=np.int64), [b - a for a, b in spans.values()])
-    offsets = [c.offsets for c in chunks]
-    sizes = [c.sizes for c in chunks]
-    del chunks
-    ndim = np.fromiter(map(len, offsets), dtype=np.int64, count=len(offsets))
-    if not np.array_equal(ndim, np.fromiter(map(len, sizes), dtype=np.int64, count=len(sizes))):
+    extra_ndim, extra_offsets = _boxes([c.offsets for c in order])
+    sizes_ndim, extra_sizes = _boxes([c.sizes for c in order])
+    if not np.array_equal(extra_ndim, sizes_ndim):
         raise ValueError("a chunk's offsets and sizes differ in length")
+    ndim = np.concatenate([records.chunk_nd, extra_ndim])[picks]
     width = int(ndim.max(initial=0))
-    offsets, sizes = _padded(_flat(offsets, ndim), ndim, width), _padded(_flat(sizes, ndim), ndim, width)
+    offsets = np.concatenate([_widened(records.chunk_offsets, width), _widened(extra_offsets, width)])[picks]
+    sizes = np.concatenate([_widened(records.chunk_sizes, width), _widened(extra_sizes, width)])[picks]
 
     storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
     metadata.storage_data = None
+    stored = records.storage
+    entries, objects = _in_order(storage, len(stored["fqn"]))
+    infos = [storage[k] for k in objects]
     index = {fqn: i for i, (fqn, _) in enumerate(tensors)}
-    key_tensor = np.fromiter((index.get(k.fqn, -1) for k in storage), dtype=np.int64, count=len(storage))
-    key_boxes = [k.offset or () for k in storage]
-    key_ndim = np.fromiter(map(len, key_boxes), dtype=np.int64, count=len(key_boxes))
-    key_offsets = _padded(_flat(key_boxes, key_ndim), key_ndim, max(width, int(key_ndim.max(initial=0))))
-    infos = list(storage.values())
-    del storage, key_boxes
-    usable = (key_tensor >= 0) & (key_ndim <= width)  # a key of no tensor, or of more dims than any, matches none
-    where = _storage_of(np.column_stack([tensor_of, ndim, offsets]),
-                        np.column_stack([key_tensor[usable], key_ndim[usable], key_offsets[usable, :width]]),
-                        np.flatnonzero(usable))
-    paths = sorted({info.relative_path for info in infos})
+    key_tensor = np.concatenate([np.asarray([index.get(f, -1) for f in records.strings], dtype=np.int64)[stored["fqn"]],
+                                 np.fromiter((index.get(k.fqn, -1) for k in objects), np.int64, len(objects))])
+    obj_ndim, obj_offsets = _boxes([k.offset or () for k in objects])
+    key_ndim = np.concatenate([stored["nd"], obj_ndim])
+    key_width = max(width, stored["key_offsets"].shape[1], obj_offsets.shape[1])
+    key_offsets = np.concatenate([_widened(stored["key_offsets"], key_width), _widened(obj_offsets, key_width)])
+    paths = sorted({records.strings[i] for i in np.unique(stored["path"]).tolist()}
+                   | {info.relative_path for info in infos})
     for name in paths:
         named_file(folder, name, folder / METADATA_FILE)
     path_id = {p: i for i, p in enumerate(paths)}
+    file = np.concatenate([np.asarray([path_id.get(p, -1) for p in records.strings], dtype=np.int64)[stored["path"]],
+                           np.fromiter((path_id[i.relative_path] for i in infos), np.int64, len(infos))])
+    byte_offset = np.concatenate([stored["byte_offset"], np.fromiter((int(i.offset) for i in infos), np.int64,
+                                                                     len(infos))])
+    length = np.concatenate([stored["length"], np.fromiter((int(i.length) for i in infos), np.int64, len(infos))])
+    key_tensor, key_ndim, key_offsets = key_tensor[entries], key_ndim[entries], key_offsets[entries]
+    usable = (key_tensor >= 0) & (key_ndim <= width)  # a key of no tensor, or of more dims than any, matches none
+    where = _storage_of(np.column_stack([tensor_of, ndim, offsets]),
+                        np.column_stack([key_tensor[usable], key_ndim[usable], key_offsets[usable, :width]]),
+                        entries[usable])
     found, pick = where >= 0, np.maximum(where, 0)
 
-    def column(values) -> np.ndarray:
-        values = np.fromiter(values, dtype=np.int64, count=len(infos))
+    def column(values: np.ndarray) -> np.ndarray:
         return np.where(found, values[pick], -1) if len(values) else np.full(len(where), -1, np.int64)
 
-    transformed = [j for j, info in enumerate(infos) if info.transform_descriptors]  # newer torch's compression...
-    transforms = {int(r): infos[int(where[r])].transform_descriptors
-                  for r in np.flatnonzero(np.isin(where, transformed))} if transformed else {}
-    return ChunkTable(spans, offsets, sizes, column(path_id[i.relative_path] for i in infos),
-                      column(int(i.offset) for i in infos), column(int(i.length) for i in infos), transforms, paths)
+    # newer torch's compression..., only ever on entries the pickle held as objects
+    transformed = {len(stored["fqn"]) + j: info.transform_descriptors for j, info in enumerate(infos)
+                   if info.transform_descriptors}
+    transforms = {int(r): transformed[int(where[r])] for r in np.flatnonzero(np.isin(where, list(transformed)))} \
+        if transformed else {}
+    return ChunkTable(spans, offsets, sizes, column(file), column(byte_offset), column(length), transforms, paths)
 
 
 def check_stored(table: ChunkTable, fqn: str, rows: np.ndarray, ndim: int, folder: Path) -> None:

@@ -9,14 +9,16 @@ pickle an enum member as `getattr(EnumClass, "NAME")`; see pickled_enums).
 """
 from __future__ import annotations
 
+import io
 import pickle
 from pathlib import Path
 
 import torch
 
 from ..errors import MergerError
-from ..io import open_binary
-from .dcp_classes import TORCH_NAMES, Metadata
+from ..io import read_whole
+from .dcp_classes import TORCH_NAMES, Metadata, TensorStorageMetadata
+from .dcp_compact import CompactRecords, Rows, rewrite
 from .pickled_enums import GETATTR, member_lookup
 
 METADATA_FILE = ".metadata"
@@ -43,18 +45,76 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def load_metadata(folder: Path):
-    """The `Metadata` of a DCP folder (dcp_classes' stand-in), unpickled with only DCP's own classes allowed."""
+def _read(path: Path) -> bytearray:
+    """The whole `.metadata`, as a bytearray (dcp_compact edits it in place), local or in a bucket."""
+    return read_whole(str(path))
+
+
+def _unpickled(stream: bytes, stand_in=None):
+    unpickler = _RestrictedUnpickler(io.BytesIO(stream))
+    if stand_in is not None:  # our own persistent ids (dcp_compact); without it, one in the file is refused
+        unpickler.persistent_load = stand_in
+    return unpickler.load()
+
+
+def _rows_in_place(metadata, runs: int) -> bool:
+    """Whether the unpickled metadata holds each cut run once, where runs belong: in a TensorStorageMetadata's
+    chunks or as a key of `storage_data` (a run found anywhere else, or twice: the plain load must decide)."""
+    found = [c for m in metadata.state_dict_metadata.values()
+             if isinstance(m, TensorStorageMetadata) and isinstance(m.chunks, list) for c in m.chunks
+             if isinstance(c, Rows)]
+    if isinstance(metadata.storage_data, dict):
+        found += [k for k in metadata.storage_data if isinstance(k, Rows)]
+    return len(found) == len(set(found)) == runs
+
+
+def load_compact(folder: Path):
+    """(Metadata, CompactRecords): the `.metadata` of a DCP folder with the runs of chunks and storage entries as
+    arrays (dcp_compact); each run is a `Rows` in the tensor's `chunks` list or a key of `storage_data` (its value
+    None). Unpickled with only DCP's own classes allowed, as load_metadata."""
     path = folder / METADATA_FILE
     try:
-        with open_binary(str(path)) as f:
-            metadata = _RestrictedUnpickler(f).load()
+        data = _read(path)
     except FileNotFoundError as e:
         raise MergerError(f"no .metadata file, {path}") from e
+    except OSError as e:
+        raise MergerError(f"cannot read DCP metadata file ({e}), {path}") from e
+    try:
+        stream, records, stand_in, runs = rewrite(data)
+        metadata = _unpickled(stream, stand_in)
+        if not (_is_metadata(metadata) and _rows_in_place(metadata, runs)):
+            raise ValueError("not in place")
+    except Exception:  # noqa: BLE001 - anything the walk does not take, the plain load decides, with its errors
+        del data
+        metadata, records = _plain(_read(path), path), CompactRecords()  # the walk edited `data`
+    return metadata, records
+
+
+def _is_metadata(metadata) -> bool:
+    return isinstance(metadata, Metadata) and isinstance(getattr(metadata, "state_dict_metadata", None), dict)
+
+
+def _plain(data: bytes, path: Path):
+    try:
+        metadata = _unpickled(data)
     except pickle.UnpicklingError as e:
         raise MergerError(f"not a DCP metadata file ({e}), {path}") from e
     except Exception as e:  # noqa: BLE001 - a truncated or garbled pickle fails in many ways; all mean "damaged"
         raise MergerError(f"damaged DCP metadata file ({type(e).__name__}: {e}), {path}") from e
-    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+    if not _is_metadata(metadata):
         raise MergerError(f"not a DCP metadata file (holds a {type(metadata).__name__}), {path}")
+    return metadata
+
+
+def load_metadata(folder: Path):
+    """The `Metadata` of a DCP folder (dcp_classes' stand-in), unpickled with only DCP's own classes allowed:
+    every chunk and storage entry an object, as the pickle holds them."""
+    metadata, records = load_compact(folder)
+    for meta in metadata.state_dict_metadata.values():
+        if isinstance(meta, TensorStorageMetadata) and isinstance(meta.chunks, list):
+            meta.chunks = [c for item in meta.chunks
+                           for c in (records.expanded(item) if isinstance(item, Rows) else [item])]
+    if isinstance(metadata.storage_data, dict):
+        metadata.storage_data = dict(pair for key, value in metadata.storage_data.items()
+                                     for pair in (records.expanded(key) if isinstance(key, Rows) else [(key, value)]))
     return metadata

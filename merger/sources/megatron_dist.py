@@ -24,7 +24,7 @@ from ..io import is_file
 from .dcp import chunk_stored
 from .dcp_chunk_table import check_stored, chunk_rows, load_chunk_table
 from .dcp_classes import TensorStorageMetadata
-from .dcp_metadata import load_metadata
+from .dcp_metadata import load_compact
 from .file_reads import SourceFiles
 from .piece_keys import split_key, take, with_index
 from .megatron_layout import checkpoint_dir
@@ -46,7 +46,7 @@ def detect(root: Path) -> bool:
 
 def holds_model(ckpt: Path) -> bool:
     """False when the checkpoint has no model tensors (verl then wrote HF safetensors beside it)."""
-    meta = load_metadata(ckpt)
+    meta, _ = load_compact(ckpt)  # the names alone: no object per chunk
     return any(fqn.startswith(MODEL_PREFIXES) for fqn in meta.state_dict_metadata)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..catalog import Catalog
 from ..hf_folder import config_dir, weight_files
 from . import megatron_dist
-from .dcp_metadata import load_metadata
+from .dcp_metadata import load_compact
 from .megatron_dist import MODEL_PREFIXES
 from .peft_adapter import open_adapter_catalog
 from .verl_manifest import VerlModel
@@ -35,7 +35,7 @@ def has_adapter_shards(verl: VerlModel) -> bool:
     """Whether the dist_ckpt is a torch_dist checkpoint holding Megatron-Bridge adapter shards."""
     if not (verl.dist_ckpt / "metadata.json").is_file():
         return False
-    meta = load_metadata(verl.dist_ckpt)
+    meta, _ = load_compact(verl.dist_ckpt)  # the names alone: no object per chunk
     return any(n.startswith(MODEL_PREFIXES) and is_adapter_shard(n) for n in meta.state_dict_metadata)
 
 
