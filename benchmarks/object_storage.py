@@ -1,16 +1,22 @@
 """Merging a checkpoint that lies in a bucket: read where it lies, against downloading it first.
 
     python benchmarks/object_storage.py [--format dcp] [--layers 7] [--hidden 2048] [--repeats 3] [--keep]
+                                        [--endpoint URL --bucket NAME]
 
 The checkpoint (fp32 FSDP2 on 2 ranks, built by benchmarks/build_checkpoint.py as benchmarks/run.py builds it;
 7 layers at hidden 2048 is 2.1 GB) is uploaded to a real S3-protocol server on the loopback (moto's, a process of
-its own), and each run, alternating and repeated, merges it to bf16 in a local folder:
+its own), or with --endpoint to another S3-protocol service (MinIO, Ceph, AWS itself; credentials from the standard
+AWS environment) into --bucket, and each run, alternating and repeated, merges it to bf16 in a local folder:
 - `download` (the floor for reading it): s3fs's `get` of the whole folder, the library merger reads through;
 - `download + merge`: that download, then merger on the local copy: what a user without bucket reads does;
 - merger reading the bucket, 1 rank, and 2 ranks under torchrun;
 - merger on a local copy (no bucket at all), for scale.
 Wall time and the largest resident set of any process of the run are medians; `GET / source` is the bytes the
 merge's ranks fetched (its summary's fetched_bytes_per_rank) over the checkpoint's data bytes.
+
+moto answers a ranged GET by reading the whole object and slicing it (moto/s3/responses.py, _handle_range_header),
+so against moto a ranged read of a 1 GB object costs a 1 GB read: its wall times say more about moto than about
+reading in ranges once the objects are large. The bytes fetched do not depend on the server.
 """
 from __future__ import annotations
 
@@ -31,7 +37,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.run import OUT, PY, build, data_files, measure  # noqa: E402
 from merger.units import format_size  # noqa: E402
 
-BUCKET = "bench"
 ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
        "AWS_ALLOW_HTTP": "true"}
 
@@ -54,15 +59,16 @@ def start_server() -> tuple[subprocess.Popen, str]:
     return server, f"http://127.0.0.1:{port}"
 
 
-def upload(folder: Path, prefix: str) -> str:
+def upload(folder: Path, bucket: str, prefix: str) -> str:
     import boto3
 
     client = boto3.client("s3")
-    client.create_bucket(Bucket=BUCKET)
+    if bucket not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+        client.create_bucket(Bucket=bucket)
     for path in sorted(folder.rglob("*")):
         if path.is_file():
-            client.upload_file(str(path), BUCKET, f"{prefix}/{path.relative_to(folder).as_posix()}")
-    return f"s3://{BUCKET}/{prefix}"
+            client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
+    return f"s3://{bucket}/{prefix}"
 
 
 def download_then_merge(url: str, scratch: str, target: str) -> None:
@@ -86,16 +92,22 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--keep", action="store_true", help="keep the checkpoint built under bench_out/")
+    p.add_argument("--endpoint", default=None, help="an S3-protocol service to use instead of starting moto's")
+    p.add_argument("--bucket", default="bench", help="the bucket the checkpoint is uploaded to (created if missing)")
     args = p.parse_args()
 
     built: list[Path] = []
     ckpt = build(args.format, args.layers, args.hidden, built)
     source_bytes = sum(f.stat().st_size for f in data_files(args.format, ckpt))
-    server, endpoint = start_server()
-    os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
+    server = None
+    if args.endpoint is None:
+        server, endpoint = start_server()
+        os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
+    else:
+        os.environ["AWS_ENDPOINT_URL"] = args.endpoint
     work = Path(tempfile.mkdtemp(prefix="merger-bench-s3-", dir=OUT))
     try:
-        url = upload(ckpt, "ckpt")
+        url = upload(ckpt, args.bucket, f"merger-bench/{ckpt.parent.name}")
         target, scratch, summary = str(work / "out"), str(work / "scratch"), work / "summary.json"
         merge = ["-m", "merger", "merge", "--target_dir", target, "--summary_json", str(summary)]
         torchrun = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
@@ -123,7 +135,7 @@ def main() -> None:
                 results[name].append((wall, rss, fetched))
         base = statistics.median(w for w, _, _ in results["download + merge"])
         print(f"\n{args.format} checkpoint, {format_size(source_bytes)} of data, fp32 -> bf16, medians of "
-              f"{args.repeats}, moto's S3 server on the loopback\n")
+              f"{args.repeats}, served by {args.endpoint or 'moto on the loopback'}\n")
         print("| run | wall | x download + merge | peak RSS per process | GET / source |\n|---|---|---|---|---|")
         for name, rows in results.items():
             wall = statistics.median(w for w, _, _ in rows)
@@ -132,7 +144,8 @@ def main() -> None:
             print(f"| {name} | {wall:.2f} s | {wall / base:.2f}x | {format_size(rss)} | "
                   f"{f'{statistics.median(got):.3f}' if got else '-'} |")
     finally:
-        server.terminate()
+        if server is not None:
+            server.terminate()
         shutil.rmtree(work, ignore_errors=True)
         for ckpt in [] if args.keep else built:
             shutil.rmtree(ckpt, ignore_errors=True)
