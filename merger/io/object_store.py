@@ -46,7 +46,8 @@ def _filesystem(scheme: str, url: str):
 
 def _refusal(e: Exception, url: str) -> Exception:
     """What the store's error means, as one line naming `url`; FileNotFoundError passes through for the caller.
-    Never the credentials: only the error's class and the store's own code are shown."""
+    Never the credentials: the known cases are said in merger's words; any other shows the error's class and the
+    first line of the store's message, which names the request, not the keys that signed it."""
     if isinstance(e, (FileNotFoundError, MergerError)):
         return e
     name = type(e).__name__
