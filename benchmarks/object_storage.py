@@ -36,19 +36,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.run import OUT, PY, build, data_files, measure  # noqa: E402
 from merger.units import format_size  # noqa: E402
+from tests.helpers.object_store import upload_folder  # noqa: E402
+from tests.helpers.processes import free_port  # noqa: E402
 
 ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
        "AWS_ALLOW_HTTP": "true"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server() -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -62,20 +58,12 @@ def start_server() -> tuple[subprocess.Popen, str]:
 def upload(folder: Path, bucket: str, prefix: str) -> str:
     import boto3
 
-    client = boto3.client("s3")
-    if bucket not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
-        client.create_bucket(Bucket=bucket)
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
-    return f"s3://{bucket}/{prefix}"
+    return upload_folder(boto3.client("s3"), folder, bucket, prefix)
 
 
 def download_then_merge(url: str, scratch: str, target: str) -> None:
     """The baseline as one command: the whole folder fetched with s3fs, then merged from the local copy."""
-    import s3fs
-
-    s3fs.S3FileSystem().get(url.removeprefix("s3://") + "/", scratch + "/", recursive=True)
+    download(url, scratch)
     subprocess.run([PY, "-m", "merger", "merge", "--local_dir", scratch, "--target_dir", target], check=True)
 
 
@@ -111,7 +99,7 @@ def main() -> None:
         target, scratch, summary = str(work / "out"), str(work / "scratch"), work / "summary.json"
         merge = ["-m", "merger", "merge", "--target_dir", target, "--summary_json", str(summary)]
         torchrun = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                    "--master_port", str(_free_port())]
+                    "--master_port", str(free_port())]
         runs = {
             "download (s3fs get)": [PY, __file__, "--_download", url, scratch],
             "download + merge": [PY, __file__, "--_download_then_merge", url, scratch, target],

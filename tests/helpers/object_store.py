@@ -27,14 +27,17 @@ class ObjectStore:
                             aws_secret_access_key=SECRET, region_name="us-east-1")
 
     def upload(self, folder: Path, bucket: str, prefix: str) -> str:
-        """Every file below `folder` as an object under s3://bucket/prefix/; the folder's URL."""
-        client = self.client()
-        if bucket not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
-            client.create_bucket(Bucket=bucket)
-        for path in sorted(folder.rglob("*")):
-            if path.is_file():
-                client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
-        return f"s3://{bucket}/{prefix}"
+        return upload_folder(self.client(), folder, bucket, prefix)
+
+
+def upload_folder(client, folder: Path, bucket: str, prefix: str) -> str:
+    """Every file below `folder` as an object under s3://bucket/prefix/ (the bucket made if missing); its URL."""
+    if bucket not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+        client.create_bucket(Bucket=bucket)
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
+    return f"s3://{bucket}/{prefix}"
 
 
 @contextmanager
