@@ -31,7 +31,8 @@ def _shapes_output(default):
 @dataclass
 class MergeOptions:
     local_dir: Path
-    target_dir: Path | None = None
+    target_dir: Path | str | None = None  # a str only for an object URL (s3://bucket/prefix)
+    stage_dir: Path | None = None  # an object-store target is written here first, then uploaded
     backend: str = "auto"  # the detected format is what a resume compares, so an explicit spelling changes nothing
     hf_model_config_path: str | Path | None = _shapes_output(None)  # a folder, or a Hub model id (hub_folders.py)
     prefix: str | None = _shapes_output(None)  # DCP: the nesting prefix to take off names (None: detect)

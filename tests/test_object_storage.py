@@ -190,8 +190,9 @@ def test_peft_adapters_into_a_base_model_from_a_bucket(store, adapter_cases, tmp
     _same_files(local, remote)
 
 
-def test_a_target_in_a_bucket_is_refused_at_the_flag(tmp_path, dcp_root):
-    proc = run_merger("merge", "--local_dir", dcp_root / "plain", "--target_dir", "s3://out/model", check=False)
+def test_a_summary_in_a_bucket_is_refused_at_the_flag(tmp_path, dcp_root):
+    proc = run_merger("merge", "--local_dir", dcp_root / "plain", "--target_dir", tmp_path / "out", "--summary_json",
+                      "s3://out/summary.json", check=False)
     assert proc.returncode == 2
     assert "s3:// paths are not supported here" in proc.stderr and not Path("s3:").exists()
 

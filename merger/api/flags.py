@@ -71,7 +71,21 @@ def local_path(text: str) -> Path:
     raise argparse.ArgumentTypeError(f"{scheme.group(1)}:// paths are not supported here: this flag takes a local "
                                      f"folder, or one of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2); "
                                      f"--local_dir, --hf_model_config_path, --base_model and --adapter read "
-                                     f"buckets directly, {text}")
+                                     f"buckets directly, and --target_dir writes to s3://, {text}")
+
+
+def target_path(text: str) -> Path | str:
+    """Where a merge writes: a local or mounted folder, or an s3:// prefix, kept as the URL given."""
+    if not is_remote(text):
+        return local_path(text)
+    try:
+        location(text)  # an unknown scheme, or a URL naming no bucket, is refused here
+    except MergerError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    if not text.lower().startswith("s3://"):
+        raise argparse.ArgumentTypeError(f"merged models are written to s3:// buckets only (gs:// and az:// are "
+                                         f"read, not written), {text}")
+    return text.rstrip("/")
 
 
 def source_path(text: str) -> Path | ObjectPath:
@@ -95,6 +109,15 @@ def folder_or_hub_id(text: str) -> str:
     the local `./Qwen/x` into what reads as the id `Qwen/x`; URLs are refused as for any path."""
     local_path(text)
     return text
+
+
+def _add_target_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(*_flag("--target_dir"), dest="target_dir", type=target_path, required=True,
+                        help=TARGET_HELP)
+    parser.add_argument(*_flag("--stage_dir"), dest="stage_dir", type=local_path, default=None, metavar="DIR",
+                        help="with an s3:// --target_dir: the local folder the model is written to before its "
+                             "parts are uploaded (default: a temporary folder, removed after; ranks on several "
+                             "nodes need one they all share); kept after the upload, for --resume")
 
 
 def _flag(*names: str) -> list[str]:
@@ -182,7 +205,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
-TARGET_HELP = "where the HF model goes; it appears whole or not at all"
+TARGET_HELP = "where the HF model goes (a folder, or an s3:// prefix); it appears whole or not at all"
 SHARD_HELP = "largest output safetensors file (default 5GB; 200KB, 2GB, 2GiB or bytes)"
 VERIFY_HELP = "before the final rename, re-read every written tensor and compare it with its source"
 OVERWRITE_HELP = ("replace an earlier merger output at the target, or start over from a partial merge kept beside "
@@ -199,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_source_args(merge)
     _add_dtype_args(merge, "bfloat16", "as verl writes it")
     _add_quantize_args(merge)
-    merge.add_argument(*_flag("--target_dir"), dest="target_dir", type=local_path, required=True, help=TARGET_HELP)
+    _add_target_args(merge)
     merge.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
                        help=SHARD_HELP)
     merge.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
@@ -230,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                       metavar="DIR", help="HF model folder (safetensors) to fold the adapters into")
     lora.add_argument("--adapter", dest="adapters", type=source_path, action="append", required=True,
                       help="PEFT adapter folder; repeat to apply several in order")
-    lora.add_argument(*_flag("--target_dir"), dest="target_dir", type=local_path, required=True, help=TARGET_HELP)
+    _add_target_args(lora)
     _add_dtype_args(lora, "keep", "the base's own, as PEFT's merge_and_unload")
     lora.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
                       help=SHARD_HELP)

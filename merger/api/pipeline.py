@@ -40,6 +40,7 @@ from ..output.target_lock import TargetLock
 from ..output.write_turns import should_take_turns
 from ..sources import open_catalog
 from ..units import format_size
+from .bucket_merge import merge_into_bucket
 
 log = logging.getLogger("merger")
 
@@ -286,7 +287,6 @@ def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = N
     """Merge into options.target_dir and say what was done (output/summary.py), on every rank; `prepared`
     (catalog and plan) defaults to the checkpoint at local_dir."""
     started = time.monotonic()
-    target = Path(options.target_dir).absolute()
     prepared = prepared or prepare(options, group)
     verified, uploaded = None, None
 
@@ -297,13 +297,17 @@ def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = N
         return said
 
     try:
-        verified = _stage_and_place(options, group, prepared, started)
+        if is_remote(options.target_dir):
+            verified = merge_into_bucket(options, group, lambda local: _stage_and_place(local, group, prepared, started))
+        else:
+            verified = _stage_and_place(options, group, prepared, started)
         if options.hf_upload_path:
             from ..output.publish import upload_merged
 
             def publish():
                 nonlocal uploaded
-                uploaded = upload_merged(target, options.hf_upload_path, options.private)
+                uploaded = upload_merged(Path(options.target_dir).absolute(), options.hf_upload_path,
+                                         options.private)
 
             on_rank_zero(group, publish, options.debug)  # one rank uploads; every rank learns if it failed
     except MergerError as e:

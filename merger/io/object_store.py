@@ -44,7 +44,7 @@ def _filesystem(scheme: str, url: str):
         raise MergerError(f"unknown storage {scheme}:// (s3://, gs:// and az:// are known), {url}") from e
 
 
-def _refusal(e: Exception, url: str) -> Exception:
+def _refusal(e: Exception, url: str, doing: str = "a read") -> Exception:
     """What the store's error means, as one line naming `url`; FileNotFoundError passes through for the caller.
     Never the credentials: the known cases are said in merger's words; any other shows the error's class and the
     first line of the store's message, which names the request, not the keys that signed it."""
@@ -65,7 +65,7 @@ def _refusal(e: Exception, url: str) -> Exception:
     if any(code in text for code in ("SlowDown", "Throttl", "RequestLimitExceeded", "503")):
         return MergerError(f"the object store kept throttling after the client's retries, {url}")
     first = text.strip().splitlines()[0][:200] if text.strip() else ""
-    return MergerError(f"the object store refused a read ({name}{': ' + first if first else ''}), {url}")
+    return MergerError(f"the object store refused {doing} ({name}{': ' + first if first else ''}), {url}")
 
 
 class ObjectStorage:

@@ -25,7 +25,7 @@ def merge_summary(catalog: Catalog, plan: Plan, options: MergeOptions, group: Gr
         "status": "failed" if error else "ok", "error": error,
         "source_format": c.format, "source_dir": str(location(options.local_dir).absolute()),
         "checkpoint_world_size": c.details.get("world_size"), "merge_world_size": group.world,
-        "target_dir": str(Path(options.target_dir).absolute()), "dtype": options.dtype,
+        "target_dir": str(options.target_dir if is_remote(options.target_dir) else Path(options.target_dir).absolute()), "dtype": options.dtype,
         "tensors": len(plan.location), "bytes": plan.total_bytes,
         "output_files": [{"name": f.name, "bytes": f.size, "tensors": len(f.entries)} for f in plan.files],
         "wall_time_s": round(time.monotonic() - started, 3), "peak_rss_bytes_per_rank": peaks,

@@ -29,6 +29,30 @@ REFRESH_S = 30.0
 STALE_AFTER_S = 300.0
 
 
+def lock_record(token: str) -> dict:
+    """What a lock holds: who took it (host, pid, kernel, start time), when, with which command, and a token that
+    tells its taker's lock from one taken after it was broken."""
+    return {**asdict(ProcessId.of_this_process()),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv), "token": token}
+
+
+def holder_running(holder: dict) -> bool | None:
+    """Whether the merge that took a lock still runs; None where this process cannot tell (another host or
+    kernel, or a record never finished)."""
+    try:
+        holder_process = ProcessId(*(holder[f.name] for f in fields(ProcessId)))
+    except KeyError:
+        return None
+    return holder_process.alive(ProcessId.of_this_process())
+
+
+def busy_line(holder: dict, lock: object, target: object) -> str:
+    who = (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}: "
+           f"{holder.get('command')}") if holder else "a merge whose lock record is unreadable"
+    return f"another merge is writing this target ({who}); wait for it to end, or if it is gone, remove {lock}, {target}"
+
+
 class TargetLock:
     def __init__(self, path: Path, target: Path):
         self.path, self.target = path, target
@@ -69,9 +93,7 @@ class TargetLock:
                 os.unlink(self.path)
 
     def _record(self) -> dict:
-        return {**asdict(ProcessId.of_this_process()),
-                "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                "command": " ".join(sys.argv), "token": self.token}
+        return lock_record(self.token)
 
     def _holder(self) -> dict | None:
         """The record of whoever holds the lock; {} when it is unreadable (being written, or garbage)."""
@@ -88,20 +110,13 @@ class TargetLock:
             age = time.time() - os.stat(self.path).st_mtime
         except FileNotFoundError:
             return True
-        try:
-            holder_process = ProcessId(*(holder[f.name] for f in fields(ProcessId)))
-        except KeyError:
-            holder_process = None  # a record never finished
-        running = holder_process.alive(ProcessId.of_this_process()) if holder_process else None
+        running = holder_running(holder)
         if running is not None:
             return not running
         return age > STALE_AFTER_S  # another host (or kernel): only the refresh tells
 
     def _busy(self, holder: dict) -> str:
-        who = (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}: "
-               f"{holder.get('command')}") if holder else "a merge whose lock record is unreadable"
-        return (f"another merge is writing this target ({who}); wait for it to end, or if it is gone, remove "
-                f"{self.path}, {self.target}")
+        return busy_line(holder, self.path, self.target)
 
     def _break(self, holder: dict | None) -> None:
         """Remove a stale lock, under a breaker lock so that a fresh lock taken meanwhile is never removed."""

@@ -1,0 +1,80 @@
+"""A merge into an s3:// prefix: the bucket's lock taken first, the model merged into a local folder as any merge
+is, then every rank uploads its share of the parts and rank 0 completes them (output/bucket_target.py)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..engine.compare import CompareResult
+from ..engine.dist import Group, on_every_rank, on_rank_zero
+from ..errors import MergerError
+from ..options import MergeOptions
+from ..output.bucket_target import LAST, BucketTarget, folder_files, parts_of, shares, upload_share, uploaded_line
+
+log = logging.getLogger("merger")
+
+# The folder made when no --stage_dir is given holds the model as `MODEL`, its staging folder beside it.
+MODEL = "model"
+
+
+def merge_into_bucket(options: MergeOptions, group: Group,
+                      stage_and_place: Callable[[MergeOptions], CompareResult | None]) -> CompareResult | None:
+    """Run `stage_and_place` into a local folder (--stage_dir, or a temporary one), then upload it to
+    options.target_dir from every rank. Nothing is written in the bucket until the lock is taken there, and
+    nothing there reads as a model until the upload is complete."""
+    url = str(options.target_dir)
+    if options.hf_upload_path:
+        raise MergerError(f"--hf_upload_path publishes a local folder: merge to one, then `merger upload` it, {url}")
+    hosts = group.all_gather(socket.gethostname())
+    if options.stage_dir is None and len(set(hosts)) > 1:
+        raise MergerError(f"ranks on {len(set(hosts))} hosts write the model before uploading it: give them a "
+                          f"--stage_dir on a filesystem they all share, {url}")
+    bucket: BucketTarget | None = None
+    made: Path | None = None  # a temporary folder of this merge's, removed at the end
+
+    def open_target() -> str:
+        nonlocal bucket, made
+        bucket = BucketTarget(url)
+        bucket.open(options.overwrite, options.resume)
+        if options.stage_dir is not None:
+            return str(Path(options.stage_dir).absolute())
+        made = Path(tempfile.mkdtemp(prefix="merger-upload-"))
+        return str(made / MODEL)
+
+    try:
+        folder = Path(group.all_gather(on_every_rank(group, open_target if group.rank == 0 else lambda: "",
+                                                     options.debug))[0])
+        local = dataclasses.replace(options, target_dir=folder, stage_dir=None, summary_json=None)
+        verified = stage_and_place(local)
+        _upload(folder, url, group, bucket, options.debug)
+    except BaseException:
+        if bucket is not None:
+            bucket.abort()
+        raise
+    finally:
+        if bucket is not None:
+            bucket.release()
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+    return verified
+
+
+def _upload(folder: Path, url: str, group: Group, bucket: BucketTarget | None, debug: bool) -> None:
+    """Every rank sends its share of the parts; rank 0 (the only one holding `bucket`) begins and completes."""
+    started = time.monotonic()
+    files = group.all_gather(folder_files(folder) if group.rank == 0 else None)[0]  # one listing for all
+    parts = parts_of({name: size for name, size in files.items() if name not in LAST})
+    uploads = group.all_gather(on_every_rank(group, lambda: bucket.begin(parts) if bucket else None, debug))[0]
+    mine = shares(parts, group.world)[group.rank]
+    etags: dict = {}
+    for share in group.all_gather(on_every_rank(group, lambda: upload_share(url, folder, mine, uploads), debug)):
+        etags.update(share or {})
+    on_rank_zero(group, lambda: bucket.complete(parts, etags, folder), debug)
+    if group.rank == 0:
+        log.info(uploaded_line(url, files, time.monotonic() - started, group.world))

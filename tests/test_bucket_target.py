@@ -1,0 +1,222 @@
+"""Merged models written straight into a bucket (`--target_dir s3://...`), against moto's S3 server on the loopback.
+
+Oracle: the same merge into a local folder, whose own tests check it against the training library; the objects
+in the bucket must hold the same bytes. The weights of a HF folder merged as float32 are also compared with the
+folder transformers' save_pretrained wrote. The server speaks the S3 protocol over HTTP (multipart uploads,
+conditional puts, listings), so merger's client calls run as they would against AWS.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from merger.output.bucket_target import MAX_PARTS, PART, parts_of, shares
+from tests.helpers.in_process import single_error_line
+from tests.helpers.object_store import KEY_ID, SECRET, moto_server
+from tests.helpers.processes import run_merger
+from tests.helpers.weights import assert_same_weights
+
+pytest.importorskip("moto", reason="moto[server] (a test extra) runs the S3 server these tests write to")
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def store():
+    with moto_server() as server:
+        server.client().create_bucket(Bucket="models")
+        yield server
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory) -> Path:
+    """A save_pretrained Llama whose safetensors file (~35 MB in float32) takes three parts of PART bytes."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=16384, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    folder = tmp_path_factory.mktemp("bucket_target") / "hf"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    assert (folder / "model.safetensors").stat().st_size > 2 * PART
+    return folder
+
+
+def download(store, prefix: str, into: Path) -> list[str]:
+    """Every object under s3://models/prefix/ into a folder; their names."""
+    client = store.client()
+    names = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket="models", Prefix=f"{prefix}/"):
+        for obj in page.get("Contents", []):
+            name = obj["Key"][len(prefix) + 1:]
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            client.download_file("models", obj["Key"], str(into / name))
+            names.append(name)
+    return sorted(names)
+
+
+def open_uploads(store) -> list[str]:
+    return [u["Key"] for u in store.client().list_multipart_uploads(Bucket="models").get("Uploads", [])]
+
+
+def same_files(local: Path, remote: Path) -> None:
+    """The same files with the same bytes; the manifests differ only in where the output went."""
+    names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(remote).as_posix() for p in remote.rglob("*") if p.is_file())
+    for name in names:
+        if name != "merge_manifest.json":
+            assert (local / name).read_bytes() == (remote / name).read_bytes(), name
+
+
+def no_secret(proc: subprocess.CompletedProcess, folder: Path) -> None:
+    said = proc.stdout + proc.stderr
+    assert SECRET not in said and KEY_ID not in said
+    for path in folder.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert SECRET.encode() not in data and KEY_ID.encode() not in data, path
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_merge_into_a_bucket_writes_what_a_local_merge_writes(store, hf_model, nproc, tmp_path):
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    run_merger("merge", "--local_dir", hf_model, "--target_dir", local, "--dtype", "float32")
+    url = f"s3://models/llama-x{nproc}"
+    proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", url, "--dtype", "float32",
+                      "--summary_json", tmp_path / "summary.json", nproc=nproc, env=store.env)
+    names = download(store, f"llama-x{nproc}", remote)
+    assert ".merger-lock" not in names and open_uploads(store) == []
+    same_files(local, remote)
+    assert_same_weights(remote, hf_model, None)  # float32 as save_pretrained wrote them
+    assert json.loads((tmp_path / "summary.json").read_text())["target_dir"] == url
+    assert f"to {url}" in proc.stderr and "uploaded 4 files" in proc.stderr, proc.stderr
+    no_secret(proc, remote)
+
+
+def test_a_dcp_checkpoint_from_one_bucket_into_another_under_torchrun(store, dcp_root, tmp_path):
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    source = store.upload(dcp_root, "ckpt", "runs/dcp")
+    run_merger("merge", "--local_dir", dcp_root / "plain", "--target_dir", local)
+    run_merger("merge", "--local_dir", f"{source}/plain", "--target_dir", "s3://models/dcp", nproc=2,
+               env=store.env)
+    download(store, "dcp", remote)
+    same_files(local, remote)
+    assert_same_weights(remote, dcp_root / "reference", torch.bfloat16)
+
+
+def test_peft_adapters_folded_into_a_base_model_in_a_bucket(store, adapter_cases, tmp_path):
+    """`merger lora` into a bucket: the same bytes as into a folder (whose tests check PEFT's merge_and_unload)."""
+    root = adapter_cases / "llama"
+    run_merger("lora", "--base", root / "base", "--adapter", root / "patterns", "--target_dir", tmp_path / "local")
+    run_merger("lora", "--base", root / "base", "--adapter", root / "patterns", "--target_dir", "s3://models/lora",
+               env=store.env)
+    download(store, "lora", tmp_path / "remote")
+    same_files(tmp_path / "local", tmp_path / "remote")
+
+
+def test_an_earlier_merge_is_replaced_only_with_overwrite(store, hf_model, tmp_path):
+    url = "s3://models/again"
+    run_merger("merge", "--local_dir", hf_model, "--target_dir", url, "--max_shard_size", "20MB", env=store.env)
+    proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", url, env=store.env, check=False)
+    assert proc.returncode == 1
+    assert single_error_line(proc.stderr) == f"merger: error: target holds an earlier merge: pass --overwrite to " \
+                                              f"replace it, {url}"
+    run_merger("merge", "--local_dir", hf_model, "--target_dir", url, "--overwrite", env=store.env)
+    run_merger("merge", "--local_dir", hf_model, "--target_dir", tmp_path / "local")
+    remote = tmp_path / "remote"
+    download(store, "again", remote)  # the earlier merge's two shards and index are gone: one file now
+    same_files(tmp_path / "local", remote)
+
+
+def test_a_prefix_holding_other_objects_is_left_alone(store, hf_model):
+    store.client().put_object(Bucket="models", Key="notes/readme.txt", Body=b"not a model")
+    proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", "s3://models/notes", "--overwrite",
+                      env=store.env, check=False)
+    assert proc.returncode == 1
+    assert single_error_line(proc.stderr) == (
+        "merger: error: target holds objects and no merger output (no merge_manifest.json): merger replaces only "
+        "an empty prefix or an earlier merge; choose another --target_dir, s3://models/notes")
+    keys = [o["Key"] for o in store.client().list_objects_v2(Bucket="models", Prefix="notes/")["Contents"]]
+    assert keys == ["notes/readme.txt"]
+
+
+def test_a_merge_running_elsewhere_holds_the_target(store, hf_model):
+    """The lock object of a merge on another host: a second merge stops before writing, naming the holder."""
+    holder = {"host": "node-7", "pid": 4242, "kernel": "elsewhere", "start": "1", "started": "earlier",
+              "command": "merger merge ...", "token": "theirs"}
+    store.client().put_object(Bucket="models", Key="busy/.merger-lock", Body=json.dumps(holder).encode())
+    proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", "s3://models/busy", env=store.env,
+                      check=False)
+    assert proc.returncode == 1
+    line = single_error_line(proc.stderr)
+    assert line.startswith("merger: error: another merge is writing this target (pid 4242 on node-7"), line
+    assert line.endswith("remove s3://models/busy/.merger-lock, s3://models/busy"), line
+    keys = [o["Key"] for o in store.client().list_objects_v2(Bucket="models", Prefix="busy/")["Contents"]]
+    assert keys == ["busy/.merger-lock"]
+
+
+def test_a_killed_merge_leaves_no_model_and_the_next_one_cleans_up(store, hf_model, tmp_path):
+    """kill -9 during the upload: the parts sent are invisible, nothing reads as a model; the next merge finds the
+    lock stale (its process is gone), aborts the unfinished upload and writes the model."""
+    url, stage = "s3://models/killed", tmp_path / "stage"
+    proc = subprocess.Popen([sys.executable, "-m", "merger", "merge", "--local_dir", str(hf_model), "--target_dir",
+                             url, "--stage_dir", str(stage), "--dtype", "float32"],
+                            env={**os.environ, **store.env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    client = store.client()
+    while proc.poll() is None and not client.list_multipart_uploads(Bucket="models").get("Uploads"):
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    if proc.returncode == 0:
+        pytest.fail("the merge finished before an upload was seen: make the model larger")
+    left = [o["Key"] for o in client.list_objects_v2(Bucket="models", Prefix="killed/").get("Contents", [])]
+    assert set(left) <= {"killed/.merger-lock"}, left  # no weights, config, index or manifest
+    assert open_uploads(store) == ["killed/model.safetensors"]
+    run_merger("merge", "--local_dir", hf_model, "--target_dir", url, "--stage_dir", stage, "--dtype", "float32",
+               "--resume", env=store.env)
+    assert open_uploads(store) == []
+    run_merger("merge", "--local_dir", hf_model, "--target_dir", tmp_path / "local", "--dtype", "float32")
+    download(store, "killed", tmp_path / "remote")
+    same_files(tmp_path / "local", tmp_path / "remote")
+
+
+def test_a_missing_bucket_is_one_line(store, hf_model, tmp_path):
+    proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", "s3://no-such-bucket/model", env=store.env,
+                      check=False)
+    assert proc.returncode == 1
+    assert single_error_line(proc.stderr) == "merger: error: no such bucket, s3://no-such-bucket"
+
+
+def test_targets_other_than_s3_are_refused_at_the_flag(hf_model):
+    proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", "gs://models/x", check=False)
+    assert proc.returncode == 2
+    assert "merged models are written to s3:// buckets only" in proc.stderr
+
+
+@pytest.mark.parametrize("size", [0, 1, PART - 1, PART, PART + 1, 3 * PART + 5, 10 * MAX_PARTS * PART + 7])
+def test_parts_cover_each_file_once_within_s3s_limits(size):
+    """S3's rules for a multipart upload: parts of 5 MiB to 5 GiB but the last, at most 10,000 of them."""
+    parts = parts_of({"a": size})
+    assert [p.number for p in parts] == list(range(1, len(parts) + 1)) and len(parts) <= MAX_PARTS
+    assert all(p.parts == len(parts) for p in parts)
+    assert sum(p.size for p in parts) == size and [p.start for p in parts] == [sum(q.size for q in parts[:i])
+                                                                            for i in range(len(parts))]
+    assert all(5 * MIB <= p.size <= 5 << 30 for p in parts[:-1])
+
+
+def test_shares_give_every_part_to_one_rank_and_balance_bytes():
+    parts = parts_of({"a": 7 * PART + 3, "b": PART // 2, "c": 2 * PART})
+    for world in (1, 2, 3, 8):
+        given = shares(parts, world)
+        assert sorted((p.name, p.number) for share in given for p in share) == sorted((p.name, p.number)
+                                                                                      for p in parts)
+        loads = [sum(p.size for p in share) for share in given]
+        assert max(loads) - min(loads) <= PART
