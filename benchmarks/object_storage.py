@@ -6,11 +6,15 @@
 The checkpoint (fp32 FSDP2 on 2 ranks, built by benchmarks/build_checkpoint.py as benchmarks/run.py builds it;
 7 layers at hidden 2048 is 2.1 GB) is uploaded to a real S3-protocol server on the loopback (moto's, a process of
 its own), or with --endpoint to another S3-protocol service (MinIO, Ceph, AWS itself; credentials from the standard
-AWS environment) into --bucket, and each run, alternating and repeated, merges it to bf16 in a local folder:
+AWS environment) into --bucket, and each run, alternating and repeated, merges it to bf16:
 - `download` (the floor for reading it): s3fs's `get` of the whole folder, the library merger reads through;
 - `download + merge`: that download, then merger on the local copy: what a user without bucket reads does;
-- merger reading the bucket, 1 rank, and 2 ranks under torchrun;
+- merger reading the bucket into a local folder, 1 rank, and 2 ranks under torchrun;
+- `download + merge + upload`: the same, then s3fs's `put` of the merged folder into the bucket;
+- merger from the bucket into the bucket (`--target_dir s3://`), 1 rank, and 2 ranks under torchrun;
 - merger on a local copy (no bucket at all), for scale.
+Each row's ratio is to its baseline: `download + merge` for a local target, `download + merge + upload` for a
+target in the bucket.
 Wall time and the largest resident set of any process of the run are medians; `GET / source` is the bytes the
 merge's ranks fetched (its summary's fetched_bytes_per_rank) over the checkpoint's data bytes.
 
@@ -67,6 +71,17 @@ def download_then_merge(url: str, scratch: str, target: str) -> None:
     subprocess.run([PY, "-m", "merger", "merge", "--local_dir", scratch, "--target_dir", target], check=True)
 
 
+def download_merge_upload(url: str, scratch: str, target: str, out_url: str) -> None:
+    """The baseline of a merge from a bucket into a bucket: download, merge, then s3fs's put of the folder."""
+    import s3fs
+
+    download_then_merge(url, scratch, target)
+    fs = s3fs.S3FileSystem()
+    if fs.exists(out_url):
+        fs.rm(out_url, recursive=True)
+    fs.put(target + "/", out_url.removeprefix("s3://") + "/", recursive=True)
+
+
 def download(url: str, scratch: str) -> None:
     import s3fs
 
@@ -98,6 +113,8 @@ def main() -> None:
         url = upload(ckpt, args.bucket, f"merger-bench/{ckpt.parent.name}")
         target, scratch, summary = str(work / "out"), str(work / "scratch"), work / "summary.json"
         merge = ["-m", "merger", "merge", "--target_dir", target, "--summary_json", str(summary)]
+        out_url = f"s3://{args.bucket}/merger-bench-out/{ckpt.parent.name}"
+        into_bucket = ["-m", "merger", "merge", "--target_dir", out_url, "--overwrite", "--summary_json", str(summary)]
         torchrun = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                     "--master_port", str(free_port())]
         runs = {
@@ -105,6 +122,9 @@ def main() -> None:
             "download + merge": [PY, __file__, "--_download_then_merge", url, scratch, target],
             "merger from S3, 1 rank": [PY, *merge, "--local_dir", url],
             "merger from S3, 2 ranks (torchrun)": [*torchrun, *merge, "--local_dir", url],
+            "download + merge + upload": [PY, __file__, "--_download_merge_upload", url, scratch, target, out_url],
+            "merger S3 -> S3, 1 rank": [PY, *into_bucket, "--local_dir", url],
+            "merger S3 -> S3, 2 ranks (torchrun)": [*torchrun, *into_bucket, "--local_dir", url],
             "merger, local folder": [PY, *merge, "--local_dir", str(ckpt)],
         }
         results: dict[str, list[tuple[float, int, float | None]]] = {name: [] for name in runs}
@@ -121,11 +141,14 @@ def main() -> None:
                     per_rank = json.loads(summary.read_text())["fetched_bytes_per_rank"]
                     fetched = sum(per_rank) / source_bytes if per_rank is not None else None
                 results[name].append((wall, rss, fetched))
-        base = statistics.median(w for w, _, _ in results["download + merge"])
+        bases = {name: statistics.median(w for w, _, _ in results[name])
+                 for name in ("download + merge", "download + merge + upload")}
         print(f"\n{args.format} checkpoint, {format_size(source_bytes)} of data, fp32 -> bf16, medians of "
               f"{args.repeats}, served by {args.endpoint or 'moto on the loopback'}\n")
-        print("| run | wall | x download + merge | peak RSS per process | GET / source |\n|---|---|---|---|---|")
+        print("| run | wall | x its baseline | peak RSS per process | GET / source |\n|---|---|---|---|---|")
         for name, rows in results.items():
+            base = bases["download + merge + upload" if "S3 -> S3" in name or "upload" in name else
+                         "download + merge"]
             wall = statistics.median(w for w, _, _ in rows)
             rss = statistics.median(r for _, r, _ in rows)
             got = [f for _, _, f in rows if f is not None]
@@ -146,5 +169,7 @@ if __name__ == "__main__":
         download(*sys.argv[2:4])
     elif len(sys.argv) > 1 and sys.argv[1] == "--_download_then_merge":
         download_then_merge(*sys.argv[2:5])
+    elif len(sys.argv) > 1 and sys.argv[1] == "--_download_merge_upload":
+        download_merge_upload(*sys.argv[2:6])
     else:
         main()

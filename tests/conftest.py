@@ -115,3 +115,12 @@ def dcp_written(dcp_root, dcp_tp_root):
 def deepseek_v3_root(tmp_path_factory) -> Path:
     """A torchtitan DeepSeek-V3 checkpoint (MLA, MoE, a float32 expert bias), shared by the tests of several files."""
     return written_by_torchtitan(tmp_path_factory, "deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def peft_lora_checkpoint(tmp_path_factory) -> Path:
+    """global_step_1/actor (verl FSDP, 2 ranks, a PEFT LoRA inside), lora_only/, reference/{adapter,merged}."""
+    root = tmp_path_factory.mktemp("fsdp_lora")
+    run_writer("fsdp_lora_checkpoint.py", "--out", root / "global_step_1" / "actor", "--lora-only", root / "lora_only",
+               nproc=2)
+    return root

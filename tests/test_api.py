@@ -40,10 +40,11 @@ def test_merge_returns_the_summary_and_leaves_the_process_as_found(fsdp_checkpoi
      "unknown option dtyp (did you mean dtype?)"),
     (lambda tmp: merger.merge(local_dir=tmp, target_dir=tmp / "out", dtype="fp8"),
      "argument --dtype: invalid choice: 'fp8' (choose from 'bfloat16', 'float16', 'float32', 'keep')"),
-    (lambda tmp: merger.merge(local_dir=tmp, target_dir="s3://bucket/out"),
-     "argument --target_dir/--target-dir: s3:// paths are not supported here: this flag takes a local folder, or one "
-     "of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2); --local_dir, --hf_model_config_path, --base_model and "
-     "--adapter read buckets directly, s3://bucket/out"),
+    (lambda tmp: merger.merge(local_dir=tmp, target_dir=tmp / "out", summary_json="s3://bucket/summary.json"),
+     "argument --summary_json/--summary-json: s3:// paths are not supported here: this flag takes a local folder, or "
+     "one of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2); --local_dir, --hf_model_config_path, --base_model, "
+     "--adapter, --adapter_config and --quantize_like read buckets directly, and --target_dir writes to s3://, "
+     "s3://bucket/summary.json"),
 ])
 def test_bad_input_raises_the_clis_line(tmp_path, call, line):
     before = _process_state()

@@ -16,17 +16,9 @@ import transformers
 from merger.cli import main as merger_main
 from tests.helpers.hub_cache import cache_model, offline_env
 from tests.helpers.in_process import merge_here
-from tests.helpers.processes import run_merger, run_writer
+from tests.helpers.processes import run_merger
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 from tests.writers.peft_adapters import CASES, TOKENS
-
-
-@pytest.fixture(scope="session")
-def peft_lora_checkpoint(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("fsdp_lora")
-    run_writer("fsdp_lora_checkpoint.py", "--out", root / "global_step_1" / "actor", "--lora-only", root / "lora_only",
-               nproc=2)
-    return root
 
 
 def _logits(folder: Path, adapter: Path | None = None) -> torch.Tensor:

@@ -39,8 +39,8 @@ def dcp_in_bucket(store, dcp_root) -> str:
 
 def _same_files(a: Path, b: Path) -> None:
     """Every file of the two merges holds the same bytes; the manifests differ only in where the source was."""
-    names = sorted(p.name for p in a.iterdir())
-    assert names == sorted(p.name for p in b.iterdir())
+    names = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
     for name in names:
         if name != "merge_manifest.json":
             assert (a / name).read_bytes() == (b / name).read_bytes(), name
@@ -188,6 +188,33 @@ def test_peft_adapters_into_a_base_model_from_a_bucket(store, adapter_cases, tmp
     run_merger("lora", "--base", f"{url}/base", "--adapter", f"{url}/patterns", "--adapter", f"{url}/dora",
                "--target_dir", remote, env=store.env)
     _same_files(local, remote)
+
+
+def test_an_adapter_config_in_a_bucket(store, peft_lora_checkpoint, tmp_path):
+    """--adapter_config read from a bucket: the merge equals the one given the local file, whose test checks
+    it against PEFT's merge_and_unload."""
+    actor, adapter = peft_lora_checkpoint / "global_step_1" / "actor", peft_lora_checkpoint / "reference" / "adapter"
+    url = store.upload(adapter, "ckpt", "adapters/fsdp_lora")
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    run_merger("merge", "--local_dir", actor, "--target_dir", local, "--adapter_config", adapter)
+    run_merger("merge", "--local_dir", actor, "--target_dir", remote, "--adapter_config", url, env=store.env)
+    _same_files(local, remote)
+
+
+def test_quantize_like_a_release_in_a_bucket(store, tmp_path):
+    """--quantize_like reads the release's config and safetensors headers from the bucket: the output equals the
+    one written like the local release, whose tests check it against transformers' own FP8 quantizer."""
+    from tests.writers.fp8_release import write_release
+
+    release = write_release(tmp_path / "release", (16, 16), family="deepseek_v3", reference=tmp_path / "ref")
+    url = store.upload(release, "ckpt", "releases/fp8")
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    run_merger("merge", "--local_dir", tmp_path / "ref", "--target_dir", local, "--quantize_like", release)
+    run_merger("merge", "--local_dir", tmp_path / "ref", "--target_dir", remote, "--quantize_like", url,
+               env=store.env)
+    _same_files(local, remote)
+    assert any(name.endswith("_scale_inv") for name in json.loads((remote / "model.safetensors").read_bytes()[
+        8:8 + int.from_bytes((remote / "model.safetensors").read_bytes()[:8], "little")]))
 
 
 def test_a_summary_in_a_bucket_is_refused_at_the_flag(tmp_path, dcp_root):

@@ -70,8 +70,9 @@ def local_path(text: str) -> Path:
         return Path(text[len("file://"):])
     raise argparse.ArgumentTypeError(f"{scheme.group(1)}:// paths are not supported here: this flag takes a local "
                                      f"folder, or one of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2); "
-                                     f"--local_dir, --hf_model_config_path, --base_model and --adapter read "
-                                     f"buckets directly, and --target_dir writes to s3://, {text}")
+                                     f"--local_dir, --hf_model_config_path, --base_model, --adapter, "
+                                     f"--adapter_config and --quantize_like read buckets directly, and --target_dir "
+                                     f"writes to s3://, {text}")
 
 
 def target_path(text: str) -> Path | str:
@@ -164,7 +165,7 @@ def _add_source_args(p: argparse.ArgumentParser, what: str = "the checkpoint fol
                    help="adapter-only checkpoints (accelerate adapter_only DCP, verl save_lora_only): HF "
                         "safetensors folder, or Hub model id, to fold the adapter into (default: write the adapter "
                         "as a PEFT adapter folder)")
-    p.add_argument(*_flag("--adapter_config"), dest="adapter_config", type=local_path, default=None,
+    p.add_argument(*_flag("--adapter_config"), dest="adapter_config", type=source_path, default=None,
                    help="checkpoints with a LoRA adapter: its adapter_config.json, file or folder (r, lora_alpha, "
                         "use_rslora, rank/alpha patterns; default: checkpoint-N/ and its parent for accelerate, "
                         "lora_train_meta.json and the tensors for verl)")
@@ -181,7 +182,7 @@ def _add_dtype_args(p: argparse.ArgumentParser, default: str, why: str) -> None:
 
 
 def _add_quantize_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(*_flag("--quantize_like"), dest="quantize_like", type=folder_or_hub_id, default=None,
+    p.add_argument(*_flag("--quantize_like"), dest="quantize_like", type=folder_url_or_hub_id, default=None,
                    metavar="RELEASE", help="write the output in the layout of this release (folder or Hub model "
                                            "id): FP8 block-scaled (the tensors it quantizes as float8 with "
                                            "per-block weight_scale_inv) or gpt-oss MXFP4 (its experts as _blocks "

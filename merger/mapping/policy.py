@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 
 import torch
 
 from ..errors import MergerError
+from ..io import location
 from ..options import MergeOptions
 from . import mxfp4_layout
 from .fp8 import QUANTIZATION_CONFIG
@@ -128,7 +128,7 @@ def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[in
     """(the quantized layout, how the log names it, what it leaves out, what is done to config.json's
     quantization_config): --quantize_like's release (FP8 or gpt-oss MXFP4), or --quantize's scheme."""
     if options.quantize_like is not None:
-        folder = Path(options.quantize_like)
+        folder = location(options.quantize_like)  # a folder, a Hub snapshot's, or a bucket's
         layout = (mxfp4_layout.release_layout if mxfp4_layout.is_mxfp4_release(folder) else release_layout)(
             folder, outputs)
         return layout, f"like {options.quantize_like}", "", "copied into"
