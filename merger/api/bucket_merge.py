@@ -13,7 +13,7 @@ from typing import Callable
 
 from ..engine.compare import CompareResult
 from ..engine.dist import Group, on_every_rank, on_rank_zero
-from ..errors import MergerError
+from ..errors import Interrupted, MergerError
 from ..options import MergeOptions
 from ..output.bucket_target import LAST, BucketTarget, folder_files, parts_of, shares, upload_share, uploaded_line
 
@@ -53,6 +53,12 @@ def merge_into_bucket(options: MergeOptions, group: Group,
         local = dataclasses.replace(options, target_dir=folder, stage_dir=None, summary_json=None)
         verified = stage_and_place(local)
         _upload(folder, url, group, bucket, options.debug)
+    except Interrupted as e:
+        if bucket is not None:
+            bucket.abort()
+        if made is None:  # the partial merge stays in --stage_dir, for --resume
+            raise
+        raise Interrupted(str(e), f"nothing was written to {url} (the uploads begun were aborted)") from e
     except BaseException:
         if bucket is not None:
             bucket.abort()
