@@ -30,7 +30,7 @@ from tests.writers.leave_group import leave_group
 from tests.writers.megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, parse, randomise_vectors, save_dist,
                                                save_legacy, write_save_dirs)
 
-DEFAULTS = dict(tp=1, vocab=101)
+DEFAULTS = dict(arch="nemotron_h", tp=1, vocab=101)  # the one model type it writes
 PATTERN = "M*M-"  # Megatron's hybrid pattern: M a Mamba2 layer, * attention, - an MLP
 HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN = 64, 4, 2, 16, 128
 MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_GROUPS, STATE, CONV, CHUNK = 8, 16, 2, 16, 4, 16
