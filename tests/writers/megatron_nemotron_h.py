@@ -1,4 +1,4 @@
-"""Write Nemotron-H Megatron checkpoints (MambaModel: Mamba2 mixers, attention and MLP layers by the hybrid
+"""Write Nemotron-H Megatron checkpoints (MambaModel: Mamba2 mixers, attention, MLP and MoE layers by the hybrid
 pattern) with megatron-core, on CPU under gloo (torchrun).
 
     PYTHONPATH=MAMBA_SRC torchrun --nproc_per_node 2 -m tests.writers.megatron_nemotron_h --out ROOT \
@@ -27,11 +27,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.writers.leave_group import leave_group
+from tests.writers.megatron_deepseek import EXPERTS, MOE_FFN, moe_config
 from tests.writers.megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, parse, randomise_vectors, save_dist,
                                                save_legacy, write_save_dirs)
 
 DEFAULTS = dict(arch="nemotron_h", tp=1, vocab=101)  # the one model type it writes
-PATTERN = "M*M-"  # Megatron's hybrid pattern: M a Mamba2 layer, * attention, - an MLP
+# Megatron's hybrid pattern: M a Mamba2 layer, * attention, - an MLP, E a MoE (relu2 experts and a shared expert
+# behind DeepSeek-V3's router: sigmoid scores whose expert bias steers the choice, top-k normalised then scaled)
+PATTERN = "M*M-E"
 HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN = 64, 4, 2, 16, 128
 MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_GROUPS, STATE, CONV, CHUNK = 8, 16, 2, 16, 4, 16
 EPS = 1e-5  # MambaMixer's gated norm hard-codes 1e-5; HF uses layer_norm_epsilon for every norm
@@ -80,12 +83,13 @@ def transformer_config(a: Namespace):
         mamba_num_heads=MAMBA_HEADS, tensor_model_parallel_size=a.tp, use_cpu_initialization=True,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        persist_layer_norm=False, init_method_std=0.05)
+        persist_layer_norm=False, init_method_std=0.05, **moe_config(Namespace(dense=0, layers=len(PATTERN))))
 
 
 def stack_spec():
     """megatron-core's mamba_stack_spec with its local modules in place of Transformer Engine's."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
@@ -97,7 +101,8 @@ def stack_spec():
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    from megatron.core.transformer.transformer_layer import (MoETransformerLayer, TransformerLayer,
+                                                             TransformerLayerSubmodules)
 
     bda = get_bias_dropout_add
     mixer = ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
@@ -114,7 +119,10 @@ def stack_spec():
         attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
             input_layernorm=WrappedTorchNorm, self_attention=attention, self_attn_bda=bda)),
         mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=WrappedTorchNorm, mlp=mlp, mlp_bda=bda))))
+            pre_mlp_layernorm=WrappedTorchNorm, mlp=mlp, mlp_bda=bda)),
+        moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=WrappedTorchNorm, mlp=get_moe_module_spec(use_te=False, num_experts=EXPERTS),
+            mlp_bda=bda))))
 
 
 def hf_config(a: Namespace):
@@ -125,7 +133,9 @@ def hf_config(a: Namespace):
         num_key_value_heads=GROUPS, head_dim=HEAD_DIM, intermediate_size=FFN, mlp_hidden_act="relu2",
         ssm_state_size=STATE, mamba_num_heads=MAMBA_HEADS, mamba_head_dim=MAMBA_HEAD_DIM, n_groups=MAMBA_GROUPS,
         conv_kernel=CONV, chunk_size=CHUNK, layer_norm_epsilon=EPS, max_position_embeddings=64,
-        tie_word_embeddings=False, use_bias=False, mlp_bias=False, use_conv_bias=True)
+        tie_word_embeddings=False, use_bias=False, mlp_bias=False, use_conv_bias=True, n_routed_experts=EXPERTS,
+        num_experts_per_tok=2, moe_intermediate_size=MOE_FFN, moe_shared_expert_intermediate_size=MOE_FFN,
+        n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5)
 
 
 def build_model(a: Namespace, config):
@@ -137,6 +147,10 @@ def build_model(a: Namespace, config):
                        post_process=True, share_embeddings_and_output_weights=False, parallel_output=False,
                        position_embedding_type="none").eval()
     randomise_vectors([model])  # A_log, D, dt_bias, conv bias and the norms too: every rank's part its own
+    with torch.no_grad():  # the expert bias starts at 0 and is a buffer, the same on every rank
+        for name, buf in model.named_buffers():
+            if name.endswith("router.expert_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(7)) * 0.5)
     return model
 
 
