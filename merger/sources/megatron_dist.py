@@ -94,14 +94,14 @@ def open_catalog(root: Path) -> Catalog:
                 shapes[name], dtypes[name] = tuple(md.size[axes:]), md.properties.dtype
     if not any(n.startswith(MODEL_PREFIXES) for n in pieces):
         raise MergerError(f"torch_dist checkpoint holds no model weights (decoder.*, embedding.*), {ckpt}")
-    tensors = _join_sections({n: SourceTensor(n, shapes[n], dtypes[n], tuple(p)) for n, p in pieces.items()}, ckpt)
+    tensors = join_sections({n: SourceTensor(n, shapes[n], dtypes[n], tuple(p)) for n, p in pieces.items()}, ckpt)
     files = sorted({c.file for t in tensors.values() for p in t.pieces for c in p.copies})
     return Catalog(format="megatron_dist", naming="megatron", root=root, tensors=tensors, files=files,
                    reader_factory=DistReader, hf_dir=hf_dir, skipped=skipped,
                    details={"checkpoint": str(ckpt), "stored_tensors": len(meta.state_dict_metadata)})
 
 
-def _join_sections(tensors: dict[str, SourceTensor], ckpt: Path) -> dict[str, SourceTensor]:
+def join_sections(tensors: dict[str, SourceTensor], ckpt: Path) -> dict[str, SourceTensor]:
     """A Mamba2 in_proj or conv1d is stored as one tensor per section (megatron_sections.py): one tensor again,
     in the place of its first section, each section's pieces moved down by the rows of the sections before it."""
     parts: dict[str, dict[int, SourceTensor]] = {}
