@@ -1,13 +1,14 @@
 """Nemotron-H (HF nemotron_h) Megatron checkpoints merged to HF, checked against Megatron's own forward pass.
 
 megatron-core writes a MambaModel with the hybrid pattern M*M-E (Mamba2 mixer, attention, Mamba2 mixer, relu2 MLP,
-MoE with relu2 experts, a shared expert and a sigmoid router with expert bias) at TP2, legacy and torch_dist (tests/writers/megatron_nemotron_h.py, one torchrun launch of 2 gloo ranks, with the
-mamba-ssm sdist's source: tests/helpers/mamba_ssm_source.py). Each TP rank holds its own slice of every section of a
-Mamba2 in_proj ([z x B C dt]) and conv1d ([x B C]). Oracles: Megatron's CPU logits (transformers'
-NemotronHForCausalLM on the merged folder), fp32, max abs diff < 1e-4 with the same argmax; the names and shapes
-transformers' save_pretrained writes for the same config; legacy and torch_dist merge to the same bytes, and 2
-merge ranks to the bytes 1 writes. The mutations a wrong section layout makes (the rank shards concatenated as they are, B and C swapped) must fail the
-logits check.
+MoE with relu2 experts, a shared expert and a sigmoid router with expert bias) at TP2, legacy and torch_dist
+(tests/writers/megatron_nemotron_h.py, one torchrun launch of 2 gloo ranks, with the mamba-ssm sdist's source:
+tests/helpers/mamba_ssm_source.py). Each TP rank holds its own slice of every section of a Mamba2 in_proj
+([z x B C dt]) and conv1d ([x B C]). Oracles: Megatron's CPU logits (transformers' NemotronHForCausalLM on the
+merged folder), fp32, max abs diff < 1e-4 with the same argmax; the names and shapes transformers' save_pretrained
+writes for the same config; legacy and torch_dist merge to the same bytes, and 2 merge ranks to the bytes 1
+writes. The mutations a wrong section layout makes (the rank shards concatenated as they are, B and C swapped)
+must fail the logits check.
 """
 from __future__ import annotations
 
