@@ -49,6 +49,11 @@ FAMILIES = (
            torchtitan=tr.NORMS + tr.QWEN3_5_ATTENTION + tr.GATED_DELTANET + tr.DENSE_FFN + tr.QWEN3_5_MOE,
            torchtitan_marks=("attn.wq.weight", "attn.in_proj_q.weight"), torchtitan_left_out=tr.VISION_TOWER,
            torchtitan_vision=tr.QWEN3_5_VISION),
+    # Nemotron-H: Mamba2, attention and MLP layers by the hybrid pattern (layers_block_type in config.json), which
+    # transformers saves under `backbone.` (its module names are `model.`)
+    Family("nemotron_h", ("nemotron_h",), megatron=mr.NEMOTRON_H,
+           hf_prefixes=(("model.embed_tokens.", "backbone.embeddings."), ("model.norm.", "backbone.norm_f."),
+                        ("model.layers.", "backbone.layers."))),
     Family("gpt_oss", ("gpt_oss",), torchtitan=tr.NORMS + tr.GPT_OSS,
            torchtitan_marks=("moe.routed_experts.inner_experts.mlp1_weight_EGD",)),
 )

@@ -113,6 +113,12 @@ class Family:
     mtp_count_key: str | None = None  # config.json's count of MTP layers; None: HF has no MTP layers for it
     # HF layer-row name -> the row count config.json fixes for it, for tensors a TP layout could leave ambiguous
     config_rows: dict[str, Callable[[dict], int]] = field(default_factory=dict)
+    # (prefix, replacement) of the HF names, where HF keeps the model elsewhere than `model.embed_tokens`,
+    # `model.layers`, `model.norm` (the names the rows give): the names save_pretrained writes
+    hf_prefixes: tuple[tuple[str, str], ...] = ()
+
+    def hf_name(self, name: str) -> str:
+        return next((new + name[len(old):] for old, new in self.hf_prefixes if name.startswith(old)), name)
 
     def __post_init__(self):
         for naming, rows in (("Megatron", self.megatron), ("torchtitan", self.torchtitan)):

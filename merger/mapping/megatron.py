@@ -93,7 +93,7 @@ def hf_names(table: list[Entry], name: str, first_mtp: int, family: Family, cata
     if found is None:
         raise MergerError(f"no HF name for Megatron tensor {name} in the {family.name} table, {catalog.root}")
     row, targets = found
-    return row.kind, targets
+    return row.kind, tuple(family.hf_name(t) for t in targets)
 
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:

@@ -71,12 +71,35 @@ DEEPSEEK_MOE = EXPERTS + (  # a sigmoid router whose expert bias steers the choi
         ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")),
     Row("mlp.shared_experts.linear_fc2.weight", "rename", ("mlp.shared_experts.down_proj.weight",)),
 )
+# Nemotron-H (MambaModel): each layer is one norm and one mixer, a Mamba2 mixer, attention, an MLP (relu2, not
+# gated) or a MoE by the hybrid pattern; HF keeps each as `norm` and `mixer.*`. TE fuses the norm into the mixer's first
+# linear. in_proj and conv1d are the whole tensors HF has ([z; x; B; C; dt], [x; B; C]: sources/megatron_sections.py).
+NEMOTRON_H = tuple(Row(source, "rename", (target,)) for source, target in (
+    ("norm.weight", "norm.weight"),
+    ("mixer.in_proj.layer_norm_weight", "norm.weight"),
+    *((f"mixer.{name}", f"mixer.{name}") for name in (
+        "in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")),
+    ("input_layernorm.weight", "norm.weight"),
+    ("self_attention.linear_qkv.layer_norm_weight", "norm.weight"),
+    ("self_attention.linear_proj.weight", "mixer.o_proj.weight"),
+    ("pre_mlp_layernorm.weight", "norm.weight"),
+    ("mlp.linear_fc1.layer_norm_weight", "norm.weight"),
+    ("mlp.linear_fc1.weight", "mixer.up_proj.weight"),
+    ("mlp.linear_fc2.weight", "mixer.down_proj.weight"),
+    ("mlp.router.weight", "mixer.gate.weight"),
+    ("mlp.router.expert_bias", "mixer.gate.e_score_correction_bias"),
+    ("mlp.experts.local_experts.{e}.linear_fc1.weight", "mixer.experts.{e}.up_proj.weight"),
+    ("mlp.experts.local_experts.{e}.linear_fc2.weight", "mixer.experts.{e}.down_proj.weight"),
+    ("mlp.shared_experts.linear_fc1.weight", "mixer.shared_experts.up_proj.weight"),
+    ("mlp.shared_experts.linear_fc2.weight", "mixer.shared_experts.down_proj.weight"),
+)) + (Row("self_attention.linear_qkv.weight", "qkv", tuple(f"mixer.{p.split('.')[1]}.weight" for p in QKV)),)
 
 MEGATRON = Naming(
     "Megatron", "decoder.layers.",
     globals=(
         Row("embedding.word_embeddings.weight", "vocab", ("model.embed_tokens.weight",)),
         Row("decoder.final_layernorm.weight", "rename", ("model.norm.weight",)),
+        Row("decoder.final_norm.weight", "rename", ("model.norm.weight",)),  # MambaStack's
         Row("output_layer.weight", "vocab", ("lm_head.weight",)),
     ),
     mtp=MtpNaming(

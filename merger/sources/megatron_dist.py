@@ -6,6 +6,7 @@ layer; other models save per-layer keys. The catalog exposes one source tensor p
 each stored chunk that covers layer l gives a piece `name[l - chunk offset]` (the chunk's box without
 axis 0). The reader loads the chunk (a `torch.save` blob inside the .distcp file) and slices the layer out;
 megatron-core writes one chunk per layer, so this reads no extra bytes there.
+A tensor stored as one key per section (a Mamba2 in_proj or conv1d: megatron_sections.py) is presented whole.
 Entries that are not weights (`optimizer.*`, `_extra_state`, stored objects) are left out by the named rules
 of megatron_skips.py.
 """
@@ -28,6 +29,7 @@ from .dcp_metadata import load_compact
 from .file_reads import SourceFiles
 from .piece_keys import split_key, take, with_index
 from .megatron_layout import checkpoint_dir
+from .megatron_sections import section_of
 from .megatron_skips import NOT_A_TENSOR, skip_rule
 
 STACKED = "decoder.layers."
@@ -92,11 +94,38 @@ def open_catalog(root: Path) -> Catalog:
                 shapes[name], dtypes[name] = tuple(md.size[axes:]), md.properties.dtype
     if not any(n.startswith(MODEL_PREFIXES) for n in pieces):
         raise MergerError(f"torch_dist checkpoint holds no model weights (decoder.*, embedding.*), {ckpt}")
-    tensors = {n: SourceTensor(n, shapes[n], dtypes[n], tuple(p)) for n, p in pieces.items()}
+    tensors = join_sections({n: SourceTensor(n, shapes[n], dtypes[n], tuple(p)) for n, p in pieces.items()}, ckpt)
     files = sorted({c.file for t in tensors.values() for p in t.pieces for c in p.copies})
     return Catalog(format="megatron_dist", naming="megatron", root=root, tensors=tensors, files=files,
                    reader_factory=DistReader, hf_dir=hf_dir, skipped=skipped,
                    details={"checkpoint": str(ckpt), "stored_tensors": len(meta.state_dict_metadata)})
+
+
+def join_sections(tensors: dict[str, SourceTensor], ckpt: Path) -> dict[str, SourceTensor]:
+    """A Mamba2 in_proj or conv1d is stored as one tensor per section (megatron_sections.py): one tensor again,
+    in the place of its first section, each section's pieces moved down by the rows of the sections before it."""
+    parts: dict[str, dict[int, SourceTensor]] = {}
+    for name, tensor in tensors.items():
+        if found := section_of(name):
+            parts.setdefault(found[0], {})[found[1]] = tensor
+    joined = {}
+    for name, tensor in tensors.items():
+        found = section_of(name)
+        if found is None:
+            joined[name] = tensor
+            continue
+        base, _, count = found
+        if base in joined:
+            continue
+        if sorted(parts[base]) != list(range(count)):
+            raise MergerError(f"tensor {base} lacks sections: only {[t.name for t in parts[base].values()]} are "
+                              f"stored, {ckpt}")
+        start, pieces = 0, []
+        for section in (parts[base][j] for j in range(count)):
+            pieces += [ShardPiece((p.offsets[0] + start, *p.offsets[1:]), p.sizes, p.copies) for p in section.pieces]
+            start += section.shape[0]
+        joined[base] = SourceTensor(base, (start, *tensor.shape[1:]), tensor.dtype, tuple(pieces))
+    return joined
 
 
 class DistReader:

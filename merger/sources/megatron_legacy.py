@@ -7,7 +7,8 @@ global tensors: layers renumbered in (virtual stage, stage) order, experts as ep
 SequentialMLP's names whichever module saved them (GroupedMLP, TEGroupedMLP), TP shards placed as pieces
 (split along the dim megatron_tp.py gives, or whole as one piece with a copy in every file);
 experts are split by expert TP instead, which may differ from TP. A gated fc1 holds [gate_r; up_r] per TP
-rank, so each half is its own piece placed in cat(gate, up): the global fc1 then reads the same as
+rank (a Mamba2 in_proj [z_r; x_r; B_r; C_r; dt_r], its conv1d [x_r; B_r; C_r]: megatron_sections.py), so each
+section is its own piece placed in its whole section (cat(gate, up)): the global tensor then reads the same as
 torch_dist's. Entries that are not weights are left out by the named rules of megatron_skips.py.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .mapped_states import MappedStates
 from .piece_keys import split_expert, split_key, take, take_expert, with_expert, with_slice
 from .megatron_skips import NOT_A_TENSOR, skip_rule
 from .megatron_layout import checkpoint_dir
+from .megatron_sections import local_sections
 from .megatron_tp import tp_dim
 from .safe_load import torch_load
 
@@ -133,15 +135,11 @@ def _layout(files: dict[tuple[int, int, int], str], args, ckpt: Path) -> tuple[t
                                                      for pp in range(pp_size)}
 
 
-def _is_gated(local: dict[str, tuple[torch.Tensor, str]], name: str) -> bool:
-    """fc1 is [gate; up] when it has twice the rows fc2 has columns (Megatron does not record it)."""
-    fc2 = local.get(name.replace("linear_fc1.weight", "linear_fc2.weight"))
-    return name.endswith("linear_fc1.weight") and fc2 is not None and local[name][0].shape[0] == 2 * fc2[0].shape[1]
-
-
-def _pieces(local: torch.Tensor, dim: int | None, gated: bool, copies: dict[int, list[PieceCopy]], tp_size: int):
+def _pieces(local: torch.Tensor, dim: int | None, sections: tuple[int, ...] | None,
+            copies: dict[int, list[PieceCopy]], tp_size: int):
     """Global shape and pieces of one tensor from its rank-0 local shape and every rank's copies (`tp_size`
-    ranks: TP, or expert TP for experts)."""
+    ranks: TP, or expert TP for experts); a shard of several `sections` (megatron_sections.py) gives a piece per
+    section, placed in the whole section."""
     shape = list(local.shape)
     if dim is None:
         every = tuple(c for tp in sorted(copies) for c in copies[tp])
@@ -150,17 +148,17 @@ def _pieces(local: torch.Tensor, dim: int | None, gated: bool, copies: dict[int,
     shape[dim] *= tp_size
     pieces = []
     for tp in range(tp_size):
-        if not gated:
+        if sections is None:
             offsets = [0] * len(shape)
             offsets[dim] = tp * size
             pieces.append(ShardPiece(tuple(offsets), tuple(local.shape), tuple(copies[tp])))
             continue
-        half = size // 2
-        for j in range(2):  # j = 0: this rank's gate rows, j = 1: its up rows
-            sizes = (half, *local.shape[1:])
-            offsets = (j * half * tp_size + tp * half,) + (0,) * (len(shape) - 1)
-            keyed = tuple(PieceCopy(c.file, with_slice(c.key, j * half, (j + 1) * half)) for c in copies[tp])
-            pieces.append(ShardPiece(offsets, sizes, keyed))
+        start = 0  # in this rank's shard; the whole section j starts at start * tp_size
+        for rows in sections:
+            offsets = (start * tp_size + tp * rows,) + (0,) * (len(shape) - 1)
+            keyed = tuple(PieceCopy(c.file, with_slice(c.key, start, start + rows)) for c in copies[tp])
+            pieces.append(ShardPiece(offsets, (rows, *local.shape[1:]), keyed))
+            start += rows
     return tuple(shape), tuple(pieces)
 
 
@@ -227,12 +225,14 @@ def open_catalog(root: Path) -> Catalog:
             state = first[pp] if reference == files[(0, pp, 0)] else load_file(reference)
             for vp, key in enumerate(chunk_keys):
                 local, left_out = _local_weights(state[key], local_experts, reference)
+                shapes = {n: tuple(v.shape) for n, (v, _) in local.items()}
                 per_rank = len({int(m.group(2)) for n in local if (m := EXPERT.fullmatch(n))})
                 skipped.update({global_name(n, vp, pp, ep, per_rank): rule for n, rule in left_out.items()})
                 for name, (value, stored) in local.items():
                     g = global_name(name, vp, pp, ep, per_rank)
                     expert = EXPERT.fullmatch(name) is not None
-                    entry = entries.setdefault(g, {"value": value, "gated": _is_gated(local, name), "copies": {},
+                    entry = entries.setdefault(g, {"value": value, "copies": {},
+                                                   "sections": local_sections(name, shapes, reference),
                                                    "dim": tp_dim(name, tuple(value.shape), local),
                                                    "ranks": etp_size if expert else tp_size})
                     if tuple(entry["value"].shape) != tuple(value.shape):
@@ -244,7 +244,8 @@ def open_catalog(root: Path) -> Catalog:
                         entry["copies"].setdefault(rank, []).append(PieceCopy(file, f"{key}/{stored}"))
     tensors = {}
     for g, entry in entries.items():
-        shape, pieces = _pieces(entry["value"], entry["dim"], entry["gated"], entry["copies"], entry["ranks"])
+        shape, pieces = _pieces(entry["value"], entry["dim"], entry["sections"], entry["copies"],
+                                entry["ranks"])
         tensors[g] = SourceTensor(g, shape, entry["value"].dtype, pieces)
     ordered = [files[k] for k in sorted(files, key=lambda k: (k[1], k[2], k[0]))]
     return Catalog(
@@ -255,7 +256,7 @@ def open_catalog(root: Path) -> Catalog:
 
 
 class LegacyReader:
-    """Locates TP-local tensors (or a half of a gated fc1) in the rank files."""
+    """Locates TP-local tensors (or a section of one: a half of a gated fc1) in the rank files."""
 
     def __init__(self, catalog: Catalog):
         self.states = MappedStates(load_file)

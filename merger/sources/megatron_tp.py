@@ -14,7 +14,11 @@ from typing import Container
 COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
           "word_embeddings.weight", "output_layer.weight", "linear_q_proj.weight", "linear_q_up_proj.weight",
           "linear_kv_up_proj.weight", "eh_proj.weight")
-ROW = ("linear_proj.weight", "linear_fc2.weight")
+# A Mamba2 mixer splits its heads: in_proj and conv1d section by section (megatron_sections.py), the per-head
+# vectors, and its gated norm (ExtendedRMSNorm, split along dim 0 although a norm); out_proj is row-parallel.
+MAMBA = ("mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.A_log", "mixer.D", "mixer.dt_bias",
+         "mixer.norm.weight")
+ROW = ("linear_proj.weight", "linear_fc2.weight", "mixer.out_proj.weight")
 # MLA's down projections: column-parallel in the local spec, whole on every rank in TE's (a TELinear, with the
 # q/kv norms fused into the up projections, so `linear_kv_up_proj.layer_norm_weight` marks a TE layer).
 MLA_DOWN = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
@@ -22,7 +26,7 @@ WHOLE = ("norm.weight", "layer_norm_weight", "router.weight", "router.expert_bia
 
 
 def split_known(name: str) -> bool:
-    return name.endswith(COLUMN + ROW + MLA_DOWN + WHOLE)
+    return name.endswith(COLUMN + MAMBA + ROW + MLA_DOWN + WHOLE)
 
 
 def tp_dim(name: str, shape: tuple[int, ...], held: Container[str]) -> int | None:
@@ -33,4 +37,4 @@ def tp_dim(name: str, shape: tuple[int, ...], held: Container[str]) -> int | Non
     if name.endswith(MLA_DOWN):
         fused_norm = name.rsplit(".", 2)[0] + ".linear_kv_up_proj.layer_norm_weight"
         return None if fused_norm in held else 0
-    return 0 if name.endswith(COLUMN) else 1 if name.endswith(ROW) else None
+    return 0 if name.endswith(COLUMN + MAMBA) else 1 if name.endswith(ROW) else None
