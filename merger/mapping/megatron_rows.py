@@ -71,6 +71,21 @@ DEEPSEEK_MOE = EXPERTS + (  # a sigmoid router whose expert bias steers the choi
         ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")),
     Row("mlp.shared_experts.linear_fc2.weight", "rename", ("mlp.shared_experts.down_proj.weight",)),
 )
+GPT_OSS = (  # attention with biases and sinks, a router with a bias, experts with biases stacked as HF keeps them
+    Row("self_attention.linear_proj.bias", "rename", ("self_attn.o_proj.bias",)),
+    Row("self_attention.core_attention.softmax_offset", "rename", ("self_attn.sinks",)),
+    Row("mlp.router.weight", "rename", ("mlp.router.weight",)),
+    Row("mlp.router.bias", "rename", ("mlp.router.bias",)),
+    Row("mlp.experts.local_experts.{e}.linear_fc1.weight", "experts_gate_up_interleaved",
+        ("mlp.experts.gate_up_proj",), stacked=True),
+    Row("mlp.experts.local_experts.{e}.linear_fc1.bias", "gate_up_interleaved", ("mlp.experts.gate_up_proj_bias",),
+        stacked=True),
+    Row("mlp.experts.local_experts.{e}.linear_fc2.weight", "experts_fused", ("mlp.experts.down_proj",), stacked=True),
+    Row("mlp.experts.local_experts.{e}.linear_fc2.bias", "rename", ("mlp.experts.down_proj_bias",), stacked=True),
+)
+MINIMAX_M2_MOE = MIXTRAL_EXPERTS + (  # Mixtral's expert names, with DeepSeek-V3's expert bias steering the choice
+    Row("mlp.router.expert_bias", "rename", ("block_sparse_moe.e_score_correction_bias",)),
+)
 
 MEGATRON = Naming(
     "Megatron", "decoder.layers.",

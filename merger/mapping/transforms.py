@@ -79,6 +79,21 @@ def swap_last_dims(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [tensors[0].transpose(-2, -1)]
 
 
+def interleaved_shapes(shape: tuple[int, ...], swap: bool, name: str) -> list[tuple[int, ...]]:
+    if len(shape) < 2 or shape[1] % 2:
+        raise MergerError(f"stacked gated tensor {name} is {shape}: its dim 1 is not [gate; up] (an even count)")
+    return swapped_shapes(shape) if swap else [shape]
+
+
+def interleave_gate_up(tensors: list[torch.Tensor], swap: bool) -> list[torch.Tensor]:
+    """Stacked experts' fc1 [E, cat(gate, up), ...] -> [E, (gate_0, up_0, gate_1, up_1, ...), ...], as gpt-oss
+    keeps gate_up_proj (and its bias), then with `swap` its last two dims swapped ([E, in, out], as it is saved)."""
+    (w,) = tensors
+    gate, up = w.chunk(2, dim=1)
+    out = torch.stack([gate, up], dim=2).flatten(1, 2)
+    return swap_last_dims([out]) if swap else [out]
+
+
 def cat_shape(shapes: list[tuple[int, ...]], dim: int, names: tuple[str, ...]) -> tuple[int, ...]:
     rest = {tuple(s[:dim]) + tuple(s[dim + 1:]) for s in shapes}
     if len(rest) != 1 or any(len(s) <= dim for s in shapes):

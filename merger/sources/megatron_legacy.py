@@ -228,12 +228,13 @@ def open_catalog(root: Path) -> Catalog:
             for vp, key in enumerate(chunk_keys):
                 local, left_out = _local_weights(state[key], local_experts, reference)
                 per_rank = len({int(m.group(2)) for n in local if (m := EXPERT.fullmatch(n))})
+                shapes = {n: tuple(v.shape) for n, (v, _) in local.items()}
                 skipped.update({global_name(n, vp, pp, ep, per_rank): rule for n, rule in left_out.items()})
                 for name, (value, stored) in local.items():
                     g = global_name(name, vp, pp, ep, per_rank)
                     expert = EXPERT.fullmatch(name) is not None
                     entry = entries.setdefault(g, {"value": value, "gated": _is_gated(local, name), "copies": {},
-                                                   "dim": tp_dim(name, tuple(value.shape), local),
+                                                   "dim": tp_dim(name, tuple(value.shape), shapes),
                                                    "ranks": etp_size if expert else tp_size})
                     if tuple(entry["value"].shape) != tuple(value.shape):
                         raise MergerError(f"tensor {name} differs in shape between EP ranks, {reference}")
