@@ -1,0 +1,63 @@
+"""gpt-oss (HF gpt_oss) and MiniMax-M2 (HF minimax_m2) Megatron checkpoints merged to HF, checked against
+Megatron's own forward pass.
+
+megatron-core 0.16.1 writes each model at TP 2 and EP 2 (expert TP 1, as gpt-oss's expert biases need), legacy
+and torch_dist (tests/writers/megatron_gpt_oss_minimax.py, one torchrun launch of 2 gloo ranks):
+- gpt-oss: attention with biases and learnable sinks (Megatron's `softmax_offset`, split over TP with the heads
+  but not flagged as split), a 3-token sliding window on the first layer, a router with a bias, experts with
+  biases and the clamped GLU, which HF keeps stacked on disk (gate_up_proj [E, hidden, 2 x inter], gate and up
+  interleaved);
+- MiniMax-M2: q/k norms across all heads (heads x head_dim, split over TP with the heads, unflagged too; the
+  writer's own norm class sums the squares over the TP ranks as HF's one norm does), partial rotary, a sigmoid
+  router whose expert bias steers the choice, per-expert w1/w2/w3.
+The writer draws every TP half of the sinks and norms apart, so a merge taking one rank's half as the whole, or
+one rank's half twice, moves the logits by 0.03 to 0.1. Oracles: Megatron's CPU logits against transformers'
+forward of the merged folder (fp32, max abs diff < 1e-4, the same argmax); the names and shapes transformers'
+save_pretrained writes for the same config; legacy and torch_dist merge to the same bytes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.megatron_mtp_models import assert_megatron_logits, load, logits_of, merged_once, oracle, write_cases
+from tests.helpers.weights import assert_same_weights, load_safetensors_folder
+
+CASES = {
+    "gpt_oss_tp2_ep2": "arch=gpt_oss",
+    "minimax_m2_tp2_ep2": "arch=minimax_m2",
+}
+
+
+@pytest.fixture(scope="session")
+def frontier_root(tmp_path_factory) -> Path:
+    return write_cases(tmp_path_factory, "megatron_gpt_oss_minimax", CASES, writer="megatron_gpt_oss_minimax.py")
+
+
+@pytest.fixture(scope="session")
+def merged(frontier_root, tmp_path_factory):
+    return merged_once(frontier_root, tmp_path_factory)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_merge_reproduces_megatron_logits(case, frontier_root, merged):
+    expected = oracle(frontier_root, case)
+    model, unexpected = load(merged(case, "legacy"))
+    assert not unexpected
+    assert_megatron_logits(logits_of(model, expected["tokens"]), expected["logits"])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_torch_dist_merge_equals_legacy_merge(case, merged):
+    assert_same_weights(merged(case, "dist"), merged(case, "legacy"), None)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_names_and_shapes_are_those_save_pretrained_writes(case, frontier_root, merged, tmp_path):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(frontier_root / case / "hf")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "own")
+    own = {n: t.shape for n, t in load_safetensors_folder(tmp_path / "own").items()}
+    assert {n: t.shape for n, t in load_safetensors_folder(merged(case, "legacy")).items()} == own
