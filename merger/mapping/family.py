@@ -4,8 +4,9 @@ A `Row` maps one source tensor: its name (after the layer prefix for a layer row
 shape rule and transform that make it HF's) and the HF names it becomes (after `model.layers.{i}.` for a layer
 row; `{e}` is the expert number). A skip gives no names but the reason HF has no place for the tensor. A join
 (a kind with a `cat_dim`) writes its source and the tensors it names in `joined` as one HF tensor, where HF
-fuses what the framework keeps apart. Rows are checked when built, so a table with an unknown kind, a rename
-with several targets or a reasonless skip fails at import, naming the row.
+fuses what the framework keeps apart; a `stacked` Megatron row writes every expert's tensor as one [E, ...] HF
+tensor, where HF keeps the experts stacked (gpt-oss). Rows are checked when built, so a table with an unknown
+kind, a rename with several targets or a reasonless skip fails at import, naming the row.
 
 A `Family` holds what merger knows of one model family: the config.json model types it writes, its layer rows
 under each training framework's names (Megatron's, torchtitan's; none: that framework's checkpoints of it are

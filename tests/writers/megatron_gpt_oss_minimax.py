@@ -12,7 +12,7 @@ Tiny models as the two are built (local spec, every layer MoE over 4 experts, TP
   router whose expert bias steers the choice.
 Every vector and every expert is then drawn from a seed naming its global tensor (and the rank's slice taken),
 so TP halves and EP ranks' experts all differ: the sinks and the full-width norms, which Megatron does not flag
-as TP-split, differ between the TP ranks as they would after training. Saved as megatron_deepseek.py saves
+as TP-split, differ between the TP ranks as they would after training. Saved by megatron_deepseek.py's save_with_oracle
 (legacy/, dist/, hf/, logits.pt with Megatron's own forward logits), the legacy args naming expert TP.
 """
 from __future__ import annotations
@@ -27,9 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.writers.leave_group import leave_group
-from tests.writers.megatron_checkpoint import (cpu_patches, padded_vocab, parse, save_dist, save_legacy,
-                                               write_save_dirs)
-from tests.writers.megatron_deepseek import forward
+from tests.writers.megatron_checkpoint import cpu_patches, padded_vocab, parse
+from tests.writers.megatron_deepseek import save_with_oracle
 
 DEFAULTS = dict(arch="gpt_oss", tp=2, ep=2, layers=2, vocab=101, mtp=0)
 HIDDEN, HEADS, GROUPS, HEAD_DIM, MOE_FFN, EXPERTS = 64, 4, 2, 16, 32, 4
@@ -177,14 +176,7 @@ def write_case(a: Namespace, out: Path) -> None:
 
     ps.initialize_model_parallel(a.tp, expert_model_parallel_size=a.ep, expert_tensor_parallel_size=1)
     config = transformer_config(a)
-    model = build_model(a, config)
-    save_legacy(a, [model], out / "legacy")
-    save_dist(a, [model], out / "dist")
-    oracle = forward(a, model)
-    if dist.get_rank() == 0:
-        torch.save(oracle, out / "logits.pt")
-        write_save_dirs(out, hf_config(a))
-    dist.barrier()
+    save_with_oracle(a, build_model(a, config), out, hf_config(a))
     ps.destroy_model_parallel()
 
 
