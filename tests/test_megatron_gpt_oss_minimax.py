@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.megatron_mtp_models import assert_megatron_logits, load, logits_of, merged_once, oracle, write_cases
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
@@ -61,3 +62,25 @@ def test_names_and_shapes_are_those_save_pretrained_writes(case, frontier_root, 
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "own")
     own = {n: t.shape for n, t in load_safetensors_folder(tmp_path / "own").items()}
     assert {n: t.shape for n, t in load_safetensors_folder(merged(case, "legacy")).items()} == own
+
+
+def test_gpt_oss_experts_quantize_to_mxfp4_as_the_release_stores_them(frontier_root, merged, tmp_path):
+    """`--quantize mxfp4` on the Megatron checkpoint: each stacked expert tensor becomes the release's _blocks and
+    _scales, which transformers' own CPU dequantizer reads back within MXFP4's rounding of the float merge (at most
+    one block scale 2^(scale - 127) off); every other tensor is the float merge's."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tests.helpers.in_process import merge_in_process
+
+    case = "gpt_oss_tp2_ep2"
+    out = merge_in_process(frontier_root / case / "dist", tmp_path / "mx", "--hf_model_config_path",
+                           frontier_root / case / "hf", "--dtype", "float32", "--quantize", "mxfp4")
+    got, floats = load_safetensors_folder(out), load_safetensors_folder(merged(case, "legacy"))
+    quantized = sorted(n for n in floats if n.endswith(("experts.gate_up_proj", "experts.down_proj")))
+    assert len(quantized) == 4
+    assert set(got) == (set(floats) - set(quantized)) | {n + s for n in quantized for s in ("_blocks", "_scales")}
+    for name in quantized:
+        back = convert_moe_packed_tensors(got[name + "_blocks"], got[name + "_scales"], dtype=torch.float32)
+        scale = (2.0 ** (got[name + "_scales"].double() - 127)).float().repeat_interleave(32, -1).transpose(1, 2)
+        assert back.shape == floats[name].shape and ((back - floats[name]).abs() <= scale).all(), name
+    assert all(torch.equal(got[n], floats[n]) for n in set(floats) - set(quantized))
