@@ -13,7 +13,8 @@ and torch_dist (tests/writers/megatron_gpt_oss_minimax.py, one torchrun launch o
 The writer draws every TP half of the sinks and norms apart, so a merge taking one rank's half as the whole, or
 one rank's half twice, moves the logits by 0.03 to 0.1. Oracles: Megatron's CPU logits against transformers'
 forward of the merged folder (fp32, max abs diff < 1e-4, the same argmax); the names and shapes transformers'
-save_pretrained writes for the same config; legacy and torch_dist merge to the same bytes.
+save_pretrained writes for the same config; legacy and torch_dist merge to the same bytes, as do one and two
+merge ranks; transformers' MXFP4 dequantizer on `--quantize mxfp4`'s experts.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from tests.helpers.megatron_mtp_models import assert_megatron_logits, load, logits_of, merged_once, oracle, write_cases
+from tests.helpers.processes import run_merger
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
 CASES = {
@@ -62,6 +64,15 @@ def test_names_and_shapes_are_those_save_pretrained_writes(case, frontier_root, 
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "own")
     own = {n: t.shape for n, t in load_safetensors_folder(tmp_path / "own").items()}
     assert {n: t.shape for n, t in load_safetensors_folder(merged(case, "legacy")).items()} == own
+
+
+def test_two_merge_ranks_write_what_one_does(frontier_root, merged, tmp_path):
+    """A stacked expert tensor's inputs lie in both EP ranks' files, which the two merge ranks read apart: the
+    writer gathers them, and the files hold what one process writes."""
+    case = "gpt_oss_tp2_ep2"
+    run_merger("merge", "--local_dir", frontier_root / case / "legacy", "--target_dir", tmp_path / "hf",
+               "--hf_model_config_path", frontier_root / case / "hf", "--dtype", "float32", nproc=2)
+    assert_same_weights(tmp_path / "hf", merged(case, "legacy"), None)
 
 
 def test_gpt_oss_experts_quantize_to_mxfp4_as_the_release_stores_them(frontier_root, merged, tmp_path):
