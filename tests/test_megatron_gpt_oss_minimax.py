@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.in_process import merge_here
 from tests.helpers.megatron_mtp_models import assert_megatron_logits, load, logits_of, merged_once, oracle, write_cases
 from tests.helpers.processes import run_merger
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
@@ -31,11 +32,14 @@ CASES = {
     "gpt_oss_tp2_ep2": "arch=gpt_oss",
     "minimax_m2_tp2_ep2": "arch=minimax_m2",
 }
+# One query and one key-value head per TP rank: a legacy file's full-width norms are as wide as one head's would be
+MHA = "minimax_m2_mha_tp2"
 
 
 @pytest.fixture(scope="session")
 def frontier_root(tmp_path_factory) -> Path:
-    return write_cases(tmp_path_factory, "megatron_gpt_oss_minimax", CASES, writer="megatron_gpt_oss_minimax.py")
+    return write_cases(tmp_path_factory, "megatron_gpt_oss_minimax", {**CASES, MHA: "arch=minimax_m2,heads=2,groups=2"},
+                       writer="megatron_gpt_oss_minimax.py")
 
 
 @pytest.fixture(scope="session")
@@ -64,6 +68,20 @@ def test_names_and_shapes_are_those_save_pretrained_writes(case, frontier_root, 
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "own")
     own = {n: t.shape for n, t in load_safetensors_folder(tmp_path / "own").items()}
     assert {n: t.shape for n, t in load_safetensors_folder(merged(case, "legacy")).items()} == own
+
+
+def test_full_width_norms_a_legacy_file_cannot_tell_from_one_heads_are_refused(frontier_root, merged, tmp_path,
+                                                                                capsys):
+    """With one query and one key-value head per rank, a legacy file's norms fit both readings; read as one head's,
+    config.json's width refuses them, naming the tensor (nothing written). torch_dist records the split."""
+    code, errors = merge_here(capsys, "--local_dir", frontier_root / MHA / "legacy", "--target_dir", tmp_path / "hf",
+                              "--hf_model_config_path", frontier_root / MHA / "hf")
+    assert code != 0 and len(errors) == 1 and not (tmp_path / "hf").exists()
+    assert "q_layernorm.weight has 16 rows where config.json needs 32 for model.layers.0.self_attn.q_norm" in errors[0]
+    expected = oracle(frontier_root, MHA)
+    model, unexpected = load(merged(MHA, "dist"))
+    assert not unexpected
+    assert_megatron_logits(logits_of(model, expected["tokens"]), expected["logits"])
 
 
 def test_two_merge_ranks_write_what_one_does(frontier_root, merged, tmp_path):

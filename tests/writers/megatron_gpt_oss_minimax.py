@@ -30,8 +30,8 @@ from tests.writers.leave_group import leave_group
 from tests.writers.megatron_checkpoint import cpu_patches, padded_vocab, parse
 from tests.writers.megatron_deepseek import save_with_oracle
 
-DEFAULTS = dict(arch="gpt_oss", tp=2, ep=2, layers=2, vocab=101, mtp=0)
-HIDDEN, HEADS, GROUPS, HEAD_DIM, MOE_FFN, EXPERTS = 64, 4, 2, 16, 32, 4
+DEFAULTS = dict(arch="gpt_oss", tp=2, ep=2, layers=2, heads=4, groups=2, vocab=101, mtp=0)
+HIDDEN, HEAD_DIM, MOE_FFN, EXPERTS = 64, 16, 32, 4
 WINDOW, LIMIT = 3, 1.0  # HF's sliding_window (tokens seen, itself included); the GLU clamp, low enough to bite
 MINIMAX_ROTARY = 0.5
 SPLIT_UNFLAGGED = ("core_attention.softmax_offset", "q_layernorm.weight", "k_layernorm.weight")
@@ -84,7 +84,7 @@ def transformer_config(a: Namespace):
     from megatron.core.transformer import TransformerConfig
 
     kw = dict(
-        num_layers=a.layers, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+        num_layers=a.layers, hidden_size=HIDDEN, num_attention_heads=a.heads, num_query_groups=a.groups,
         kv_channels=HEAD_DIM, ffn_hidden_size=MOE_FFN, normalization="RMSNorm", layernorm_epsilon=1e-5,
         gated_linear_unit=True, tensor_model_parallel_size=a.tp, expert_model_parallel_size=a.ep,
         expert_tensor_parallel_size=1, use_cpu_initialization=True, params_dtype=torch.float32,
@@ -106,7 +106,7 @@ def hf_config(a: Namespace):
     import transformers
 
     common = dict(vocab_size=a.vocab, hidden_size=HIDDEN, intermediate_size=MOE_FFN, num_hidden_layers=a.layers,
-                  num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HEAD_DIM,
+                  num_attention_heads=a.heads, num_key_value_heads=a.groups, head_dim=HEAD_DIM,
                   num_local_experts=EXPERTS, num_experts_per_tok=2, rms_norm_eps=1e-5, max_position_embeddings=64,
                   tie_word_embeddings=False)
     if a.arch == "gpt_oss":
@@ -125,8 +125,8 @@ def layer_spec(a: Namespace):
                                     normalization="RMSNorm")
     if a.arch == "minimax_m2":
         attention = spec.submodules.self_attention.submodules
-        attention.q_layernorm = ModuleSpec(module=FullWidthRMSNorm, params={"heads": HEADS})
-        attention.k_layernorm = ModuleSpec(module=FullWidthRMSNorm, params={"heads": GROUPS})
+        attention.q_layernorm = ModuleSpec(module=FullWidthRMSNorm, params={"heads": a.heads})
+        attention.k_layernorm = ModuleSpec(module=FullWidthRMSNorm, params={"heads": a.groups})
     return spec
 
 
