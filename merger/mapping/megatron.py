@@ -5,6 +5,7 @@ layers, or left out with --drop-mtp)."""
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import torch
 
@@ -12,6 +13,7 @@ from ..catalog import Catalog
 from ..errors import MergerError
 from ..options import MergeOptions
 from . import kinds, mtp
+from . import transforms as tf
 from .families import MEGATRON_FAMILIES as FAMILIES
 from .families import megatron_family
 from .family import Family, Row
@@ -120,12 +122,8 @@ def _stacked_step(target: str, experts: dict[int, str], row: Row, catalog: Catal
         raise MergerError(f"the experts written as {target} differ in shape ({sorted(shapes)}), {catalog.root}")
     shape, dtype = (len(names), *shapes.pop()), catalog.tensors[names[0]].dtype
     out_shapes, fn = kinds.KINDS[row.kind].plan(names[0], shape, config)
-
-    def stack_then(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        stacked = [torch.stack(tensors)]
-        return stacked if fn is None else fn(stacked)
-
-    return Step(tuple(names), (OutputSpec(target, out_shapes[0], dtype),), stack_then)
+    return Step(tuple(names), (OutputSpec(target, out_shapes[0], dtype),),
+                partial(tf.stack_experts, each=fn, shape=out_shapes[0]))
 
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:

@@ -8,6 +8,8 @@ head (row 2i goes to row i and row 2i+1 to row i + head_dim/2).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..errors import MergerError
@@ -92,6 +94,16 @@ def interleave_gate_up(tensors: list[torch.Tensor], swap: bool) -> list[torch.Te
     gate, up = w.chunk(2, dim=1)
     out = torch.stack([gate, up], dim=2).flatten(1, 2)
     return swap_last_dims([out]) if swap else [out]
+
+
+def stack_experts(tensors: list[torch.Tensor], each: Callable | None, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Every expert's tensor, in expert order, as one [E, ...] tensor of `shape`, with `each` (a kind's transform of
+    an [E, ...] stack, expert by expert alike) applied one expert at a time: beside the experts and the output, one
+    expert's intermediates, never a second whole stack."""
+    out = torch.empty(shape, dtype=tensors[0].dtype)
+    for e, t in enumerate(tensors):
+        out[e] = t if each is None else each([t.unsqueeze(0)])[0][0]
+    return [out]
 
 
 def cat_shape(shapes: list[tuple[int, ...]], dim: int, names: tuple[str, ...]) -> tuple[int, ...]:

@@ -144,6 +144,17 @@ def test_stacked_megatron_fc1_is_interleaved_as_gpt_oss_keeps_gate_up(kind):
         _plan(kind, (3, 7, 5), {})
 
 
+@pytest.mark.parametrize("kind", ["experts_gate_up_interleaved", "gate_up_interleaved", "experts_fused", "rename"])
+def test_experts_stacked_one_at_a_time_equal_the_kind_on_the_whole_stack(kind):
+    from merger.mapping.transforms import stack_experts
+
+    experts = [torch.randn(6, 5) for _ in range(3)]
+    stack = torch.stack(experts)
+    shapes, fn = _plan(kind, tuple(stack.shape), {})
+    want = stack if fn is None else fn([stack])[0]
+    assert torch.equal(stack_experts(experts, each=fn, shape=shapes[0])[0], want)
+
+
 def test_a_stacked_row_is_a_row_of_one_expert():
     with pytest.raises(ValueError, match="only a row of one expert"):
         Row("mlp.router.weight", "rename", ("mlp.router.weight",), stacked=True)
