@@ -18,6 +18,9 @@ merge ranks; transformers' MXFP4 dequantizer on `--quantize mxfp4`'s experts.
 """
 from __future__ import annotations
 
+import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -82,6 +85,20 @@ def test_full_width_norms_a_legacy_file_cannot_tell_from_one_heads_are_refused(f
     model, unexpected = load(merged(MHA, "dist"))
     assert not unexpected
     assert_megatron_logits(logits_of(model, expected["tokens"]), expected["logits"])
+
+
+def test_a_config_with_other_experts_than_the_checkpoint_is_one_error_line(frontier_root, tmp_path, capsys):
+    case = "gpt_oss_tp2_ep2"
+    hf = tmp_path / "config"
+    shutil.copytree(frontier_root / case / "hf", hf)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(dict(config, num_local_experts=8)))
+    code, errors = merge_here(capsys, "--local_dir", frontier_root / case / "dist", "--target_dir", tmp_path / "hf",
+                              "--hf_model_config_path", hf)
+    assert code != 0 and not (tmp_path / "hf").exists()
+    assert len(errors) == 1 and re.fullmatch(
+        r"merger: error: model\.layers\.0\.mlp\.experts\.\w+ stacks config\.json's 8 experts \(num_local_experts\), "
+        r"but the checkpoint holds experts \[0, 1, 2, 3\], " + re.escape(str(frontier_root / case / "dist")), errors[0])
 
 
 def test_two_merge_ranks_write_what_one_does(frontier_root, merged, tmp_path):

@@ -114,9 +114,10 @@ def hf_names(table: list[Entry], name: str, first_mtp: int, family: Family, cata
 def _stacked_step(target: str, experts: dict[int, str], row: Row, catalog: Catalog, config: dict) -> Step:
     """One HF tensor from every expert's `row` tensor, stacked [E, ...] in expert order, then the row's kind."""
     names = [experts[e] for e in sorted(experts)]
-    if sorted(experts) != list(range(len(experts))):
-        raise MergerError(f"{target} stacks experts 0-{max(experts)}, but the checkpoint holds experts "
-                          f"{sorted(experts)} only, {catalog.root}")
+    count = config.get("num_local_experts", len(experts))
+    if sorted(experts) != list(range(count)):
+        raise MergerError(f"{target} stacks config.json's {count} experts (num_local_experts), but the checkpoint "
+                          f"holds experts {sorted(experts)}, {catalog.root}")
     shapes = {catalog.tensors[n].shape for n in names}
     if len(shapes) != 1:
         raise MergerError(f"the experts written as {target} differ in shape ({sorted(shapes)}), {catalog.root}")
