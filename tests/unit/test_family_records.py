@@ -163,6 +163,23 @@ def test_a_stacked_row_is_a_row_of_one_expert():
             stacked=True)
 
 
+def test_an_adapter_on_a_stacked_expert_is_refused_not_folded_into_one_expert():
+    """A LoRA's base linear is written on its own (megatron_shards.py): a gpt-oss expert is only ever part of the
+    stack, so an adapter on it is one error naming the tensor."""
+    from types import SimpleNamespace
+
+    from merger.mapping.families import megatron_family
+    from merger.mapping.megatron import family_table, hf_names
+
+    family = megatron_family("gpt_oss")
+    name = "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"
+    with pytest.raises(MergerError, match=r"local_experts\.1\.linear_fc1\.weight is written stacked with the other "
+                                          r"experts' as model\.layers\.0\.mlp\.experts\.gate_up_proj"):
+        hf_names(family_table(family), name, 2, family, SimpleNamespace(root="/ckpt"))
+    assert hf_names(family_table(family), "decoder.layers.0.self_attention.linear_proj.weight", 2, family,
+                    SimpleNamespace(root="/ckpt")) == ("rename", ("model.layers.0.self_attn.o_proj.weight",))
+
+
 def test_tp_splits_sinks_and_full_width_qk_norms_megatron_does_not_flag():
     """One TP rank's file: 2 query heads and 1 key-value head of 16 (qkv rows (2 + 1 + 1) x 16). MiniMax-M2's norms
     hold the rank's heads (32 and 16), split with them; one head's norms (16 each) are whole on every rank."""
