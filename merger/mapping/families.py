@@ -12,6 +12,7 @@ from ..sources.megatron_tp import split_known
 from . import megatron_rows as mr
 from . import torchtitan_rows as tr
 from .family import Family, Row
+from .kinds import head_counts
 
 FAMILIES = (
     Family("llama", ("llama",), megatron=mr.ATTENTION + mr.DENSE_MLP,
@@ -54,8 +55,12 @@ FAMILIES = (
     Family("nemotron_h", ("nemotron_h",), megatron=mr.NEMOTRON_H,
            hf_prefixes=(("model.embed_tokens.", "backbone.embeddings."), ("model.norm.", "backbone.norm_f."),
                         ("model.layers.", "backbone.layers."))),
-    Family("gpt_oss", ("gpt_oss",), torchtitan=tr.NORMS + tr.GPT_OSS,
+    Family("gpt_oss", ("gpt_oss",), megatron=mr.ATTENTION + mr.GPT_OSS, torchtitan=tr.NORMS + tr.GPT_OSS,
            torchtitan_marks=("moe.routed_experts.inner_experts.mlp1_weight_EGD",)),
+    # MiniMax-M2: q/k norms across all heads (heads x head_dim, split over TP with the heads: sources/megatron_tp.py)
+    Family("minimax_m2", ("minimax_m2",), megatron=mr.ATTENTION + mr.QK_NORM + mr.MINIMAX_M2_MOE,
+           config_rows={"self_attn.q_norm.weight": lambda c: head_counts(c)[0] * head_counts(c)[2],
+                        "self_attn.k_norm.weight": lambda c: head_counts(c)[1] * head_counts(c)[2]}),
 )
 MEGATRON_FAMILIES = tuple(f for f in FAMILIES if f.megatron)
 TORCHTITAN_FAMILIES = tuple(f for f in FAMILIES if f.torchtitan)

@@ -4,8 +4,9 @@ A `Row` maps one source tensor: its name (after the layer prefix for a layer row
 shape rule and transform that make it HF's) and the HF names it becomes (after `model.layers.{i}.` for a layer
 row; `{e}` is the expert number). A skip gives no names but the reason HF has no place for the tensor. A join
 (a kind with a `cat_dim`) writes its source and the tensors it names in `joined` as one HF tensor, where HF
-fuses what the framework keeps apart. Rows are checked when built, so a table with an unknown kind, a rename
-with several targets or a reasonless skip fails at import, naming the row.
+fuses what the framework keeps apart; a `stacked` Megatron row writes every expert's tensor as one [E, ...] HF
+tensor, where HF keeps the experts stacked (gpt-oss). Rows are checked when built, so a table with an unknown
+kind, a rename with several targets or a reasonless skip fails at import, naming the row.
 
 A `Family` holds what merger knows of one model family: the config.json model types it writes, its layer rows
 under each training framework's names (Megatron's, torchtitan's; none: that framework's checkpoints of it are
@@ -35,6 +36,9 @@ class Row:
     # Tensors of the same layer (named as `source` is) a join writes after `source`, in this order, in its one HF
     # tensor: torchtitan's in_proj_k and in_proj_v after in_proj_q in HF's in_proj_qkv.
     joined: tuple[str, ...] = ()
+    # Megatron's experts (`{e}` in `source`, none in the targets) written as one [E, ...] tensor, expert 0 first,
+    # the kind's plan applied to that stack: transformers keeps gpt-oss's experts stacked on disk.
+    stacked: bool = False
 
     def __post_init__(self):
         kind = KINDS.get(self.kind)
@@ -49,8 +53,10 @@ class Row:
         if (kind.targets == 0 or self.only_with) and not self.reason:
             raise ValueError(f"row {self.source!r}: a {self.kind} row{' with only_with' if self.only_with else ''} "
                              f"needs the reason the tensor has no HF name")
+        if self.stacked and ("{e}" not in self.source or kind.per_expert):
+            raise ValueError(f"row {self.source!r}: only a row of one expert ({{e}}) stacks the experts")
         # `{e}` comes from the source's name (Megatron's local_experts.{e}) or from a per-expert stack
-        numbered = "{e}" in self.source or kind.per_expert
+        numbered = ("{e}" in self.source and not self.stacked) or kind.per_expert
         if any(("{e}" in t) != numbered for t in self.targets):
             raise ValueError(f"row {self.source!r}: its HF names {self.targets!r} "
                              f"{'lack' if numbered else 'hold'} the expert number {{e}}")

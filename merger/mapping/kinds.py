@@ -77,6 +77,10 @@ def _swapped(name: str, shape: tuple[int, ...], config: dict):
     return tf.swapped_shapes(shape), tf.swap_last_dims
 
 
+def _interleaved(swap: bool, name: str, shape: tuple[int, ...], config: dict):
+    return tf.interleaved_shapes(shape, swap, name), partial(tf.interleave_gate_up, swap=swap)
+
+
 def _patch_conv3d(name: str, shape: tuple[int, ...], config: dict):
     # transformers' Qwen3.5 vision config defaults, where config.json leaves them out
     vision = config.get("vision_config") or {}
@@ -106,6 +110,10 @@ register(
     # a stacked expert tensor transformers also keeps stacked on disk (gpt-oss), written whole with its last two
     # dims swapped, gate and up still interleaved as both interleave them
     Kind("experts_fused", 1, _swapped),
+    # Megatron's experts' fc1 stacked (a `stacked` row), cat(gate, up) per expert, as gpt-oss's gate_up_proj_bias
+    # (gate and up interleaved) and its gate_up_proj (interleaved, then [E, in, out] as experts_fused writes it)
+    Kind("gate_up_interleaved", 1, partial(_interleaved, False)),
+    Kind("experts_gate_up_interleaved", 1, partial(_interleaved, True)),
     Kind("skip", 0, None),  # no HF equivalent: left out, for the reason its row gives
     # torchtitan's Qwen3.5 Gated DeltaNet keeps q, k and v apart (projections, conv channels) where HF fuses them
     # (in_proj_qkv, conv1d): rows [q; k; v]

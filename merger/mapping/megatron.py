@@ -4,20 +4,27 @@ by config.json's model_type) under Megatron's naming (megatron_rows.py), with th
 layers, or left out with --drop-mtp)."""
 from __future__ import annotations
 
+import re
+from functools import partial
+
 import torch
 
 from ..catalog import Catalog
 from ..errors import MergerError
 from ..options import MergeOptions
 from . import kinds, mtp
+from . import transforms as tf
 from .families import MEGATRON_FAMILIES as FAMILIES
 from .families import megatron_family
-from .family import Family
+from .family import Family, Row
 from .hf import model_config
 from .megatron_rows import MEGATRON
 from .naming import Entry, compile_table, lookup
 from .policy import ties
 from .steps import Mapping, OutputSpec, Step, Transform, cast
+
+
+EXPERT = re.compile(r"\.local_experts\.(\d+)\.")  # the catalog's name of every expert, whichever module saved it
 
 
 def family_of(config: dict) -> Family:
@@ -85,15 +92,40 @@ def family_table(family: Family) -> list[Entry]:
     return compile_table(MEGATRON, family.megatron)
 
 
-def hf_names(table: list[Entry], name: str, first_mtp: int, family: Family, catalog: Catalog
-             ) -> tuple[str, tuple[str, ...]]:
-    """The kind of Megatron tensor `name`'s row and the HF names it becomes (MTP layer j is HF layer
-    first_mtp + j)."""
+def row_of(table: list[Entry], name: str, first_mtp: int, family: Family, catalog: Catalog
+           ) -> tuple[Row, tuple[str, ...]]:
+    """The row of Megatron tensor `name` and the HF names it becomes (MTP layer j is HF layer first_mtp + j)."""
     found = lookup(table, name, first_mtp)
     if found is None:
         raise MergerError(f"no HF name for Megatron tensor {name} in the {family.name} table, {catalog.root}")
     row, targets = found
-    return row.kind, tuple(family.hf_name(t) for t in targets)
+    return row, tuple(family.hf_name(t) for t in targets)
+
+
+def hf_names(table: list[Entry], name: str, first_mtp: int, family: Family, catalog: Catalog
+             ) -> tuple[str, tuple[str, ...]]:
+    """The kind of the row of a Megatron linear `name` written on its own (a LoRA's base), and its HF names."""
+    row, targets = row_of(table, name, first_mtp, family, catalog)
+    if row.stacked:
+        raise MergerError(f"Megatron tensor {name} is written stacked with the other experts' as {targets[0]}: "
+                          f"an adapter on it is not folded, {catalog.root}")
+    return row.kind, targets
+
+
+def _stacked_step(target: str, experts: dict[int, str], row: Row, catalog: Catalog, config: dict) -> Step:
+    """One HF tensor from every expert's `row` tensor, stacked [E, ...] in expert order, then the row's kind."""
+    names = [experts[e] for e in sorted(experts)]
+    count = config.get("num_local_experts", len(experts))
+    if sorted(experts) != list(range(count)):
+        raise MergerError(f"{target} stacks config.json's {count} experts (num_local_experts), but the checkpoint "
+                          f"holds experts {sorted(experts)}, {catalog.root}")
+    shapes = {catalog.tensors[n].shape for n in names}
+    if len(shapes) != 1:
+        raise MergerError(f"the experts written as {target} differ in shape ({sorted(shapes)}), {catalog.root}")
+    shape, dtype = (len(names), *shapes.pop()), catalog.tensors[names[0]].dtype
+    out_shapes, fn = kinds.KINDS[row.kind].plan(names[0], shape, config)
+    return Step(tuple(names), (OutputSpec(target, out_shapes[0], dtype),),
+                partial(tf.stack_experts, each=fn, shape=out_shapes[0]))
 
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
@@ -103,13 +135,19 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     layers = mtp.mtp_layers(catalog, MEGATRON, family, config, options)
     first_mtp = config.get("num_hidden_layers", 0)
     steps = _value_head(catalog, options) if options.is_value_model else []
+    stacks: dict[str, tuple[Row, dict[int, str]]] = {}  # HF name -> a stacked row and its experts' tensors
     for name, tensor in catalog.tensors.items():
         if name == "output_layer.weight" and options.is_value_model:
             continue  # the value head, above
         if name.startswith(MEGATRON.mtp.prefix) and not layers:
             continue  # --drop-mtp
-        kind, names = hf_names(table, name, first_mtp, family, catalog)
-        steps.append(_step(name, tensor.shape, kind, names, config, tensor.dtype, family))
+        row, names = row_of(table, name, first_mtp, family, catalog)
+        if row.stacked:
+            stacks.setdefault(names[0], (row, {}))[1][int(EXPERT.search(name).group(1))] = name
+            continue
+        steps.append(_step(name, tensor.shape, row.kind, names, config, tensor.dtype, family))
+    steps += [_stacked_step(target, experts, row, catalog, config)
+              for target, (row, experts) in stacks.items()]
     steps += mtp.shared_steps(catalog, MEGATRON, config, layers)
     # Tied: HF re-creates lm_head from the embedding, and the policy drops PP's last-stage copy.
     if not ties(config, options) and not options.is_value_model and "output_layer.weight" not in catalog.tensors:

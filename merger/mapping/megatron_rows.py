@@ -93,6 +93,21 @@ NEMOTRON_H = tuple(Row(source, "rename", (target,)) for source, target in (
     ("mlp.shared_experts.linear_fc1.weight", "mixer.shared_experts.up_proj.weight"),
     ("mlp.shared_experts.linear_fc2.weight", "mixer.shared_experts.down_proj.weight"),
 )) + (Row("self_attention.linear_qkv.weight", "qkv", tuple(f"mixer.{p.split('.')[1]}.weight" for p in QKV)),)
+GPT_OSS = (  # attention with biases and sinks, a router with a bias, experts with biases stacked as HF keeps them
+    Row("self_attention.linear_proj.bias", "rename", ("self_attn.o_proj.bias",)),
+    Row("self_attention.core_attention.softmax_offset", "rename", ("self_attn.sinks",)),
+    Row("mlp.router.weight", "rename", ("mlp.router.weight",)),
+    Row("mlp.router.bias", "rename", ("mlp.router.bias",)),
+    Row("mlp.experts.local_experts.{e}.linear_fc1.weight", "experts_gate_up_interleaved",
+        ("mlp.experts.gate_up_proj",), stacked=True),
+    Row("mlp.experts.local_experts.{e}.linear_fc1.bias", "gate_up_interleaved", ("mlp.experts.gate_up_proj_bias",),
+        stacked=True),
+    Row("mlp.experts.local_experts.{e}.linear_fc2.weight", "experts_fused", ("mlp.experts.down_proj",), stacked=True),
+    Row("mlp.experts.local_experts.{e}.linear_fc2.bias", "rename", ("mlp.experts.down_proj_bias",), stacked=True),
+)
+MINIMAX_M2_MOE = MIXTRAL_EXPERTS + (  # Mixtral's expert names, with DeepSeek-V3's expert bias steering the choice
+    Row("mlp.router.expert_bias", "rename", ("block_sparse_moe.e_score_correction_bias",)),
+)
 
 MEGATRON = Naming(
     "Megatron", "decoder.layers.",

@@ -8,6 +8,8 @@ head (row 2i goes to row i and row 2i+1 to row i + head_dim/2).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..errors import MergerError
@@ -77,6 +79,31 @@ def swapped_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
 def swap_last_dims(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """[E, out, in] -> [E, in, out]: a stacked expert tensor as transformers keeps it on disk (gpt-oss)."""
     return [tensors[0].transpose(-2, -1)]
+
+
+def interleaved_shapes(shape: tuple[int, ...], swap: bool, name: str) -> list[tuple[int, ...]]:
+    if len(shape) < 2 or shape[1] % 2:
+        raise MergerError(f"stacked gated tensor {name} is {shape}: its dim 1 is not [gate; up] (an even count)")
+    return swapped_shapes(shape) if swap else [shape]
+
+
+def interleave_gate_up(tensors: list[torch.Tensor], swap: bool) -> list[torch.Tensor]:
+    """Stacked experts' fc1 [E, cat(gate, up), ...] -> [E, (gate_0, up_0, gate_1, up_1, ...), ...], as gpt-oss
+    keeps gate_up_proj (and its bias), then with `swap` its last two dims swapped ([E, in, out], as it is saved)."""
+    (w,) = tensors
+    gate, up = w.chunk(2, dim=1)
+    out = torch.stack([gate, up], dim=2).flatten(1, 2)
+    return swap_last_dims([out]) if swap else [out]
+
+
+def stack_experts(tensors: list[torch.Tensor], each: Callable | None, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Every expert's tensor, in expert order, as one [E, ...] tensor of `shape`, with `each` (a kind's transform of
+    an [E, ...] stack, expert by expert alike) applied one expert at a time: beside the experts and the output, one
+    expert's intermediates, never a second whole stack."""
+    out = torch.empty(shape, dtype=tensors[0].dtype)
+    for e, t in enumerate(tensors):
+        out[e] = t if each is None else each([t.unsqueeze(0)])[0][0]
+    return [out]
 
 
 def cat_shape(shapes: list[tuple[int, ...]], dim: int, names: tuple[str, ...]) -> tuple[int, ...]:

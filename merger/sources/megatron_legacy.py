@@ -233,7 +233,7 @@ def open_catalog(root: Path) -> Catalog:
                     expert = EXPERT.fullmatch(name) is not None
                     entry = entries.setdefault(g, {"value": value, "copies": {},
                                                    "sections": local_sections(name, shapes, reference),
-                                                   "dim": tp_dim(name, tuple(value.shape), local),
+                                                   "dim": tp_dim(name, tuple(value.shape), shapes),
                                                    "ranks": etp_size if expert else tp_size})
                     if tuple(entry["value"].shape) != tuple(value.shape):
                         raise MergerError(f"tensor {name} differs in shape between EP ranks, {reference}")

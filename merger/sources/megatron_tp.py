@@ -1,19 +1,24 @@
 """Which Megatron tensors tensor parallelism splits, and along which dim, known by the ends of their names.
 
 The split belongs to megatron-core's module classes, the same in every model family: ColumnParallelLinear and
-VocabParallelEmbedding split dim 0, RowParallelLinear dim 1, norms, routers and gates are whole on every rank.
-A legacy checkpoint's catalog needs it before config.json says which family the model is, so it lives here, below
-the mapping, rather than in the family records; the records (mapping/families.py) are checked against it when
-imported, so a family row naming a tensor whose split is not known here fails then, instead of one rank's shard
-being read as the whole tensor.
+VocabParallelEmbedding split dim 0, RowParallelLinear dim 1 (its bias is whole), norms, routers and gates are
+whole on every rank. A legacy checkpoint's catalog needs it before config.json says which family the model is, so
+it lives here, below the mapping, rather than in the family records; the records (mapping/families.py) are
+checked against it when imported, so a family row naming a tensor whose split is not known here fails then,
+instead of one rank's shard being read as the whole tensor.
+
+Two splits carry no `tensor_model_parallel` flag, so the name alone says them: attention sinks
+(`core_attention.softmax_offset`, gpt-oss's learnable softmax offset: one per query head, the rank's heads), and
+a q/k norm as wide as all the rank's heads (MiniMax-M2 normalises q and k across every head, so its norms hold
+heads x head_dim, split as the heads are) rather than one head's (Qwen3's, GLM-4.5's: whole on every rank).
 """
 from __future__ import annotations
 
-from typing import Container
+from typing import Mapping
 
 COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
           "word_embeddings.weight", "output_layer.weight", "linear_q_proj.weight", "linear_q_up_proj.weight",
-          "linear_kv_up_proj.weight", "eh_proj.weight")
+          "linear_kv_up_proj.weight", "eh_proj.weight", "core_attention.softmax_offset")
 # A Mamba2 mixer splits its heads: in_proj and conv1d section by section (megatron_sections.py), the per-head
 # vectors, and its gated norm (ExtendedRMSNorm, split along dim 0 although a norm); out_proj is row-parallel.
 MAMBA = ("mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.A_log", "mixer.D", "mixer.dt_bias",
@@ -22,19 +27,33 @@ ROW = ("linear_proj.weight", "linear_fc2.weight", "mixer.out_proj.weight")
 # MLA's down projections: column-parallel in the local spec, whole on every rank in TE's (a TELinear, with the
 # q/kv norms fused into the up projections, so `linear_kv_up_proj.layer_norm_weight` marks a TE layer).
 MLA_DOWN = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
-WHOLE = ("norm.weight", "layer_norm_weight", "router.weight", "router.expert_bias", "gate_weight")
+QK_NORMS = ("q_layernorm.weight", "k_layernorm.weight")
+WHOLE = ("norm.weight", "layer_norm_weight", "router.weight", "router.bias", "router.expert_bias", "gate_weight",
+         "linear_proj.bias", "linear_fc2.bias")
 
 
 def split_known(name: str) -> bool:
     return name.endswith(COLUMN + MAMBA + ROW + MLA_DOWN + WHOLE)
 
 
-def tp_dim(name: str, shape: tuple[int, ...], held: Container[str]) -> int | None:
+def _full_width_qk_norm(name: str, held: Mapping[str, tuple[int, ...]]) -> bool:
+    """True where the attention's q and k norms together are as wide as its fused qkv rows (q + 2 k: the rank's
+    query heads, its key heads and its value heads, as wide as each other). One head's norms (q = k = head_dim)
+    fit that only where the rank holds one query and one key-value head; with q = k both readings fit, and the
+    norm is read as one head's (a full-width one then fails the mapping's row count check against config.json)."""
+    attention = name.rsplit(".", 2)[0]
+    q, k, qkv = (held.get(f"{attention}.{n}") for n in (*QK_NORMS, "linear_qkv.weight"))
+    return bool(q and k and qkv) and q[0] != k[0] and q[0] + 2 * k[0] == qkv[0]
+
+
+def tp_dim(name: str, shape: tuple[int, ...], held: Mapping[str, tuple[int, ...]]) -> int | None:
     """The dim tensor `name` (of `shape` on one rank) is split along over TP (or expert TP) ranks, None: whole on
-    every rank; `held` are the names its rank file holds beside it."""
+    every rank; `held` are the names its rank file holds beside it, with their shapes on that rank."""
     if name == "output_layer.weight" and shape[:1] == (1,):
         return None  # a critic's value head: a replicated Linear(hidden, 1), not a vocab-parallel layer
     if name.endswith(MLA_DOWN):
         fused_norm = name.rsplit(".", 2)[0] + ".linear_kv_up_proj.layer_norm_weight"
         return None if fused_norm in held else 0
+    if name.endswith(QK_NORMS):
+        return 0 if _full_width_qk_norm(name, held) else None
     return 0 if name.endswith(COLUMN + MAMBA) else 1 if name.endswith(ROW) else None

@@ -126,6 +126,76 @@ def test_fused_experts_are_written_in_to_out_and_stacked_experts_one_at_a_time()
     assert _plan("experts", (3, 4, 5), {}) == ([(4, 5)], None) and KINDS["experts"].per_expert
 
 
+@pytest.mark.parametrize("kind", ["experts_gate_up_interleaved", "gate_up_interleaved"])
+def test_stacked_megatron_fc1_is_interleaved_as_gpt_oss_keeps_gate_up(kind):
+    """gpt-oss's forward takes gate = gate_up[..., ::2] and up = gate_up[..., 1::2] of x @ gate_up_proj[e] (+ the
+    bias); Megatron's fc1 (and its bias) is [gate; up] per expert, stacked here [E, 2F, ...]."""
+    experts, inter, hidden = 3, 4, 5
+    gate, up = torch.randn(experts, inter, hidden), torch.randn(experts, inter, hidden)
+    weight = kind == "experts_gate_up_interleaved"
+    fc1 = torch.cat([gate, up], dim=1) if weight else torch.cat([gate[..., 0], up[..., 0]], dim=1)
+    shapes, fn = _plan(kind, tuple(fc1.shape), {})
+    (out,) = fn([fc1])
+    assert shapes == [tuple(out.shape)] == [(experts, hidden, 2 * inter) if weight else (experts, 2 * inter)]
+    halves = (out[..., ::2], out[..., 1::2])
+    want = (gate.transpose(1, 2), up.transpose(1, 2)) if weight else (gate[..., 0], up[..., 0])
+    assert all(torch.equal(h, w) for h, w in zip(halves, want))
+    with pytest.raises(MergerError, match="is not \\[gate; up\\]"):
+        _plan(kind, (3, 7, 5), {})
+
+
+@pytest.mark.parametrize("kind", ["experts_gate_up_interleaved", "gate_up_interleaved", "experts_fused", "rename"])
+def test_experts_stacked_one_at_a_time_equal_the_kind_on_the_whole_stack(kind):
+    from merger.mapping.transforms import stack_experts
+
+    experts = [torch.randn(6, 5) for _ in range(3)]
+    stack = torch.stack(experts)
+    shapes, fn = _plan(kind, tuple(stack.shape), {})
+    want = stack if fn is None else fn([stack])[0]
+    assert torch.equal(stack_experts(experts, each=fn, shape=shapes[0])[0], want)
+
+
+def test_a_stacked_row_is_a_row_of_one_expert():
+    with pytest.raises(ValueError, match="only a row of one expert"):
+        Row("mlp.router.weight", "rename", ("mlp.router.weight",), stacked=True)
+    with pytest.raises(ValueError, match="hold the expert number"):
+        Row("mlp.experts.local_experts.{e}.linear_fc2.bias", "rename", ("mlp.experts.{e}.down_proj_bias",),
+            stacked=True)
+
+
+def test_an_adapter_on_a_stacked_expert_is_refused_not_folded_into_one_expert():
+    """A LoRA's base linear is written on its own (megatron_shards.py): a gpt-oss expert is only ever part of the
+    stack, so an adapter on it is one error naming the tensor."""
+    from types import SimpleNamespace
+
+    from merger.mapping.families import megatron_family
+    from merger.mapping.megatron import family_table, hf_names
+
+    family = megatron_family("gpt_oss")
+    name = "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"
+    with pytest.raises(MergerError, match=r"local_experts\.1\.linear_fc1\.weight is written stacked with the other "
+                                          r"experts' as model\.layers\.0\.mlp\.experts\.gate_up_proj"):
+        hf_names(family_table(family), name, 2, family, SimpleNamespace(root="/ckpt"))
+    assert hf_names(family_table(family), "decoder.layers.0.self_attention.linear_proj.weight", 2, family,
+                    SimpleNamespace(root="/ckpt")) == ("rename", ("model.layers.0.self_attn.o_proj.weight",))
+
+
+def test_tp_splits_sinks_and_full_width_qk_norms_megatron_does_not_flag():
+    """One TP rank's file: 2 query heads and 1 key-value head of 16 (qkv rows (2 + 1 + 1) x 16). MiniMax-M2's norms
+    hold the rank's heads (32 and 16), split with them; one head's norms (16 each) are whole on every rank."""
+    from merger.sources.megatron_tp import tp_dim
+
+    attention = "decoder.layers.0.self_attention."
+    qkv = {attention + "linear_qkv.weight": (64, 64)}
+    full = {**qkv, attention + "q_layernorm.weight": (32,), attention + "k_layernorm.weight": (16,)}
+    per_head = {**qkv, attention + "q_layernorm.weight": (16,), attention + "k_layernorm.weight": (16,)}
+    for norm in ("q_layernorm.weight", "k_layernorm.weight"):
+        assert tp_dim(attention + norm, full[attention + norm], full) == 0
+        assert tp_dim(attention + norm, (16,), per_head) is None
+    assert tp_dim(attention + "core_attention.softmax_offset", (2,), qkv) == 0
+    assert tp_dim(attention + "linear_proj.bias", (64,), qkv) is None
+
+
 def test_cat_joins_torchtitans_separate_gated_deltanet_parts_as_hf_fuses_them():
     """HF's in_proj_qkv is [q; k; v] (its forward splits the projection at key_dim, key_dim, value_dim), conv1d's
     channels too: the join writes a row's source then its joined tensors, in the row's order."""
@@ -172,9 +242,10 @@ def test_a_join_names_its_parts_and_they_are_rows_of_no_one_else():
 
 def _megatron_cases() -> set[str]:
     """The model types the Megatron logits tests write (test_megatron.py, test_megatron_deepseek.py,
-    test_megatron_glm45.py, test_megatron_nemotron_h.py)."""
-    from tests import test_megatron, test_megatron_deepseek, test_megatron_glm45, test_megatron_nemotron_h
-    from tests.writers import megatron_checkpoint, megatron_deepseek, megatron_nemotron_h
+    test_megatron_glm45.py, test_megatron_nemotron_h.py, test_megatron_gpt_oss_minimax.py)."""
+    from tests import (test_megatron, test_megatron_deepseek, test_megatron_glm45, test_megatron_gpt_oss_minimax,
+                       test_megatron_nemotron_h)
+    from tests.writers import megatron_checkpoint, megatron_deepseek, megatron_gpt_oss_minimax, megatron_nemotron_h
 
     found = set()
     for cases, names, defaults in ((test_megatron.CASES, test_megatron.MODELS, megatron_checkpoint.DEFAULTS),
@@ -183,7 +254,9 @@ def _megatron_cases() -> set[str]:
                                    (test_megatron_glm45.CASES, test_megatron_glm45.CASES,
                                     megatron_deepseek.DEFAULTS),
                                    (test_megatron_nemotron_h.CASES, test_megatron_nemotron_h.CASES,
-                                    megatron_nemotron_h.DEFAULTS)):
+                                    megatron_nemotron_h.DEFAULTS),
+                                   (test_megatron_gpt_oss_minimax.CASES, test_megatron_gpt_oss_minimax.CASES,
+                                    megatron_gpt_oss_minimax.DEFAULTS)):
         for name in names:
             spec = dict(pair.split("=") for pair in cases[name].split(",") if pair)
             found.add(spec.get("arch", defaults["arch"]))

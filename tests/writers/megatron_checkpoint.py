@@ -200,6 +200,7 @@ def save_legacy(a: Namespace, chunks: list, root: Path) -> None:
         return
     state = {"args": Namespace(tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
                                virtual_pipeline_model_parallel_size=a.vpp, expert_model_parallel_size=a.ep,
+                               expert_tensor_parallel_size=getattr(a, "etp", None),  # None: as TP
                                num_layers=a.layers, padded_vocab_size=padded_vocab(a.vocab, a.tp),
                                untie_embeddings_and_output_weights=not a.tied),
              "checkpoint_version": 3.0, "iteration": 1}

@@ -163,12 +163,9 @@ def mtp_params(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_case(a: Namespace, out: Path) -> None:
-    from megatron.core import parallel_state as ps
-
-    ps.initialize_model_parallel(a.tp, expert_model_parallel_size=a.ep)
-    config = transformer_config(a)
-    model = build_model(a, config)
+def save_with_oracle(a: Namespace, model, out: Path, hf) -> None:
+    """legacy/ and dist/, the oracle logits.pt (with MTP, its layers' logits and own tensors) and hf/ (the
+    transformers config `hf`) into OUT."""
     save_legacy(a, [model], out / "legacy")
     save_dist(a, [model], out / "dist")
     oracle = forward(a, model)
@@ -176,8 +173,16 @@ def write_case(a: Namespace, out: Path) -> None:
         oracle["mtp_params"] = mtp_params(model)
     if dist.get_rank() == 0:
         torch.save(oracle, out / "logits.pt")
-        write_save_dirs(out, hf_config(a))
+        write_save_dirs(out, hf)
     dist.barrier()
+
+
+def write_case(a: Namespace, out: Path) -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(a.tp, expert_model_parallel_size=a.ep)
+    config = transformer_config(a)
+    save_with_oracle(a, build_model(a, config), out, hf_config(a))
     ps.destroy_model_parallel()
 
 

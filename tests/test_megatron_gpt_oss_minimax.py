@@ -1,0 +1,132 @@
+"""gpt-oss (HF gpt_oss) and MiniMax-M2 (HF minimax_m2) Megatron checkpoints merged to HF, checked against
+Megatron's own forward pass.
+
+megatron-core 0.16.1 writes each model at TP 2 and EP 2 (expert TP 1, as gpt-oss's expert biases need), legacy
+and torch_dist (tests/writers/megatron_gpt_oss_minimax.py, one torchrun launch of 2 gloo ranks):
+- gpt-oss: attention with biases and learnable sinks (Megatron's `softmax_offset`, split over TP with the heads
+  but not flagged as split), a 3-token sliding window on the first layer, a router with a bias, experts with
+  biases and the clamped GLU, which HF keeps stacked on disk (gate_up_proj [E, hidden, 2 x inter], gate and up
+  interleaved);
+- MiniMax-M2: q/k norms across all heads (heads x head_dim, split over TP with the heads, unflagged too; the
+  writer's own norm class sums the squares over the TP ranks as HF's one norm does), partial rotary, a sigmoid
+  router whose expert bias steers the choice, per-expert w1/w2/w3.
+The writer draws every TP half of the sinks and norms apart, so a merge taking one rank's half as the whole, or
+one rank's half twice, moves the logits by 0.03 to 0.1. Oracles: Megatron's CPU logits against transformers'
+forward of the merged folder (fp32, max abs diff < 1e-4, the same argmax); the names and shapes transformers'
+save_pretrained writes for the same config; legacy and torch_dist merge to the same bytes, as do one and two
+merge ranks; transformers' MXFP4 dequantizer on `--quantize mxfp4`'s experts.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.in_process import merge_here
+from tests.helpers.megatron_mtp_models import assert_megatron_logits, load, logits_of, merged_once, oracle, write_cases
+from tests.helpers.processes import run_merger
+from tests.helpers.weights import assert_same_weights, load_safetensors_folder
+
+CASES = {
+    "gpt_oss_tp2_ep2": "arch=gpt_oss",
+    "minimax_m2_tp2_ep2": "arch=minimax_m2",
+}
+# One query and one key-value head per TP rank: a legacy file's full-width norms are as wide as one head's would be
+MHA = "minimax_m2_mha_tp2"
+
+
+@pytest.fixture(scope="session")
+def frontier_root(tmp_path_factory) -> Path:
+    return write_cases(tmp_path_factory, "megatron_gpt_oss_minimax", {**CASES, MHA: "arch=minimax_m2,heads=2,groups=2"},
+                       writer="megatron_gpt_oss_minimax.py")
+
+
+@pytest.fixture(scope="session")
+def merged(frontier_root, tmp_path_factory):
+    return merged_once(frontier_root, tmp_path_factory)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_merge_reproduces_megatron_logits(case, frontier_root, merged):
+    expected = oracle(frontier_root, case)
+    model, unexpected = load(merged(case, "legacy"))
+    assert not unexpected
+    assert_megatron_logits(logits_of(model, expected["tokens"]), expected["logits"])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_torch_dist_merge_equals_legacy_merge(case, merged):
+    assert_same_weights(merged(case, "dist"), merged(case, "legacy"), None)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_names_and_shapes_are_those_save_pretrained_writes(case, frontier_root, merged, tmp_path):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(frontier_root / case / "hf")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "own")
+    own = {n: t.shape for n, t in load_safetensors_folder(tmp_path / "own").items()}
+    assert {n: t.shape for n, t in load_safetensors_folder(merged(case, "legacy")).items()} == own
+
+
+def test_full_width_norms_a_legacy_file_cannot_tell_from_one_heads_are_refused(frontier_root, merged, tmp_path,
+                                                                                capsys):
+    """With one query and one key-value head per rank, a legacy file's norms fit both readings; read as one head's,
+    config.json's width refuses them, naming the tensor (nothing written). torch_dist records the split."""
+    code, errors = merge_here(capsys, "--local_dir", frontier_root / MHA / "legacy", "--target_dir", tmp_path / "hf",
+                              "--hf_model_config_path", frontier_root / MHA / "hf")
+    assert code != 0 and len(errors) == 1 and not (tmp_path / "hf").exists()
+    assert "q_layernorm.weight has 16 rows where config.json needs 32 for model.layers.0.self_attn.q_norm" in errors[0]
+    expected = oracle(frontier_root, MHA)
+    model, unexpected = load(merged(MHA, "dist"))
+    assert not unexpected
+    assert_megatron_logits(logits_of(model, expected["tokens"]), expected["logits"])
+
+
+def test_a_config_with_other_experts_than_the_checkpoint_is_one_error_line(frontier_root, tmp_path, capsys):
+    case = "gpt_oss_tp2_ep2"
+    hf = tmp_path / "config"
+    shutil.copytree(frontier_root / case / "hf", hf)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(dict(config, num_local_experts=8)))
+    code, errors = merge_here(capsys, "--local_dir", frontier_root / case / "dist", "--target_dir", tmp_path / "hf",
+                              "--hf_model_config_path", hf)
+    assert code != 0 and not (tmp_path / "hf").exists()
+    assert len(errors) == 1 and re.fullmatch(
+        r"merger: error: model\.layers\.0\.mlp\.experts\.\w+ stacks config\.json's 8 experts \(num_local_experts\), "
+        r"but the checkpoint holds experts \[0, 1, 2, 3\], " + re.escape(str(frontier_root / case / "dist")), errors[0])
+
+
+def test_two_merge_ranks_write_what_one_does(frontier_root, merged, tmp_path):
+    """A stacked expert tensor's inputs lie in both EP ranks' files, which the two merge ranks read apart: the
+    writer gathers them, and the files hold what one process writes."""
+    case = "gpt_oss_tp2_ep2"
+    run_merger("merge", "--local_dir", frontier_root / case / "legacy", "--target_dir", tmp_path / "hf",
+               "--hf_model_config_path", frontier_root / case / "hf", "--dtype", "float32", nproc=2)
+    assert_same_weights(tmp_path / "hf", merged(case, "legacy"), None)
+
+
+def test_gpt_oss_experts_quantize_to_mxfp4_as_the_release_stores_them(frontier_root, merged, tmp_path):
+    """`--quantize mxfp4` on the Megatron checkpoint: each stacked expert tensor becomes the release's _blocks and
+    _scales, which transformers' own CPU dequantizer reads back within MXFP4's rounding of the float merge (at most
+    one block scale 2^(scale - 127) off); every other tensor is the float merge's."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tests.helpers.in_process import merge_in_process
+
+    case = "gpt_oss_tp2_ep2"
+    out = merge_in_process(frontier_root / case / "dist", tmp_path / "mx", "--hf_model_config_path",
+                           frontier_root / case / "hf", "--dtype", "float32", "--quantize", "mxfp4")
+    got, floats = load_safetensors_folder(out), load_safetensors_folder(merged(case, "legacy"))
+    quantized = sorted(n for n in floats if n.endswith(("experts.gate_up_proj", "experts.down_proj")))
+    assert len(quantized) == 4
+    assert set(got) == (set(floats) - set(quantized)) | {n + s for n in quantized for s in ("_blocks", "_scales")}
+    for name in quantized:
+        back = convert_moe_packed_tensors(got[name + "_blocks"], got[name + "_scales"], dtype=torch.float32)
+        scale = (2.0 ** (got[name + "_scales"].double() - 127)).float().repeat_interleave(32, -1).transpose(1, 2)
+        assert back.shape == floats[name].shape and ((back - floats[name]).abs() <= scale).all(), name
+    assert all(torch.equal(got[n], floats[n]) for n in set(floats) - set(quantized))
