@@ -31,7 +31,8 @@ TP = 2
 
 @pytest.fixture(scope="session")
 def nemotron_root(tmp_path_factory, pytestconfig) -> Path:
-    cache = pytestconfig.cache.mkdir("mamba_ssm") if pytestconfig.cache else tmp_path_factory.mktemp("mamba_ssm")
+    cached = getattr(pytestconfig, "cache", None)  # None under `-p no:cacheprovider`: a download per session
+    cache = cached.mkdir("mamba_ssm") if cached else tmp_path_factory.mktemp("mamba_ssm")
     source = mamba_ssm_source(Path(cache))
     root = tmp_path_factory.mktemp("megatron_nemotron_h")
     run_writer("megatron_nemotron_h.py", "--out", root,
