@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from merger.output.bucket_target import MAX_PARTS, PART, parts_of, shares
+from tests.helpers.files import assert_same_files
 from tests.helpers.in_process import single_error_line
 from tests.helpers.object_store import KEY_ID, SECRET, moto_server
 from tests.helpers.processes import run_merger
@@ -66,15 +67,6 @@ def open_uploads(store) -> list[str]:
     return [u["Key"] for u in store.client().list_multipart_uploads(Bucket="models").get("Uploads", [])]
 
 
-def same_files(local: Path, remote: Path) -> None:
-    """The same files with the same bytes; the manifests differ only in where the output went."""
-    names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
-    assert names == sorted(p.relative_to(remote).as_posix() for p in remote.rglob("*") if p.is_file())
-    for name in names:
-        if name != "merge_manifest.json":
-            assert (local / name).read_bytes() == (remote / name).read_bytes(), name
-
-
 def no_secret(proc: subprocess.CompletedProcess, folder: Path) -> None:
     said = proc.stdout + proc.stderr
     assert SECRET not in said and KEY_ID not in said
@@ -93,7 +85,7 @@ def test_a_merge_into_a_bucket_writes_what_a_local_merge_writes(store, hf_model,
                       "--summary_json", tmp_path / "summary.json", nproc=nproc, env=store.env)
     names = download(store, f"llama-x{nproc}", remote)
     assert ".merger-lock" not in names and open_uploads(store) == []
-    same_files(local, remote)
+    assert_same_files(local, remote)
     assert_same_weights(remote, hf_model, None)  # float32 as save_pretrained wrote them
     assert json.loads((tmp_path / "summary.json").read_text())["target_dir"] == url
     assert f"to {url}" in proc.stderr and "uploaded 4 files" in proc.stderr, proc.stderr
@@ -107,7 +99,7 @@ def test_a_dcp_checkpoint_from_one_bucket_into_another_under_torchrun(store, dcp
     run_merger("merge", "--local_dir", f"{source}/plain", "--target_dir", "s3://models/dcp", nproc=2,
                env=store.env)
     download(store, "dcp", remote)
-    same_files(local, remote)
+    assert_same_files(local, remote)
     assert_same_weights(remote, dcp_root / "reference", torch.bfloat16)
 
 
@@ -118,7 +110,7 @@ def test_peft_adapters_folded_into_a_base_model_in_a_bucket(store, adapter_cases
     run_merger("lora", "--base", root / "base", "--adapter", root / "patterns", "--target_dir", "s3://models/lora",
                env=store.env)
     download(store, "lora", tmp_path / "remote")
-    same_files(tmp_path / "local", tmp_path / "remote")
+    assert_same_files(tmp_path / "local", tmp_path / "remote")
 
 
 def test_an_earlier_merge_is_replaced_only_with_overwrite(store, hf_model, tmp_path):
@@ -132,7 +124,7 @@ def test_an_earlier_merge_is_replaced_only_with_overwrite(store, hf_model, tmp_p
     run_merger("merge", "--local_dir", hf_model, "--target_dir", tmp_path / "local")
     remote = tmp_path / "remote"
     download(store, "again", remote)  # the earlier merge's two shards and index are gone: one file now
-    same_files(tmp_path / "local", remote)
+    assert_same_files(tmp_path / "local", remote)
 
 
 def test_a_prefix_holding_other_objects_is_left_alone(store, hf_model):
@@ -185,7 +177,7 @@ def test_a_killed_merge_leaves_no_model_and_the_next_one_cleans_up(store, hf_mod
     assert open_uploads(store) == []
     run_merger("merge", "--local_dir", hf_model, "--target_dir", tmp_path / "local", "--dtype", "float32")
     download(store, "killed", tmp_path / "remote")
-    same_files(tmp_path / "local", tmp_path / "remote")
+    assert_same_files(tmp_path / "local", tmp_path / "remote")
 
 
 def test_a_missing_bucket_is_one_line(store, hf_model, tmp_path):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from merger.catalog import Catalog
+from tests.helpers.files import assert_same_files
 from tests.helpers.in_process import single_error_line
 from tests.helpers.object_store import KEY_ID, SECRET, ObjectStore, moto_server
 from tests.helpers.processes import free_port, run_merger, subprocess_env
@@ -37,22 +38,13 @@ def dcp_in_bucket(store, dcp_root) -> str:
     return store.upload(dcp_root, "ckpt", "runs/dcp")
 
 
-def _same_files(a: Path, b: Path) -> None:
-    """Every file of the two merges holds the same bytes; the manifests differ only in where the source was."""
-    names = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
-    assert names == sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
-    for name in names:
-        if name != "merge_manifest.json":
-            assert (a / name).read_bytes() == (b / name).read_bytes(), name
-
-
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_dcp_from_a_bucket_writes_what_the_local_merge_writes(store, dcp_root, dcp_in_bucket, nproc, tmp_path):
     local, remote = tmp_path / "local", tmp_path / "remote"
     run_merger("merge", "--local_dir", dcp_root / "plain", "--target_dir", local, nproc=nproc)
     proc = run_merger("merge", "--local_dir", f"{dcp_in_bucket}/plain", "--target_dir", remote,
                       "--summary_json", tmp_path / "summary.json", nproc=nproc, env=store.env)
-    _same_files(local, remote)
+    assert_same_files(local, remote)
     assert_same_weights(remote, dcp_root / "reference", torch.bfloat16)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["source_dir"] == f"{dcp_in_bucket}/plain"
@@ -88,7 +80,7 @@ def test_hf_folder_from_a_bucket(store, dcp_root, tmp_path):
     local, remote = tmp_path / "local", tmp_path / "remote"
     run_merger("merge", "--local_dir", dcp_root / "reference", "--target_dir", local)
     run_merger("merge", "--local_dir", url, "--target_dir", remote, env=store.env)
-    _same_files(local, remote)
+    assert_same_files(local, remote)
 
 
 def test_wrong_credentials_are_one_line_and_never_shown(tmp_path):
@@ -147,7 +139,7 @@ def test_verl_fsdp_rank_files_from_a_bucket(store, fsdp_checkpoint, nproc, tmp_p
     run_merger("merge", "--local_dir", actor, "--target_dir", local)
     run_merger("merge", "--local_dir", url, "--target_dir", remote, "--summary_json", tmp_path / "summary.json",
                nproc=nproc, env=store.env)
-    _same_files(local, remote)
+    assert_same_files(local, remote)
     assert_same_weights(remote, reference, torch.bfloat16)
     rank_bytes = sum(p.stat().st_size for p in actor.glob("model_world_size_*.pt"))
     fetched = sum(json.loads((tmp_path / "summary.json").read_text())["fetched_bytes_per_rank"])
@@ -164,7 +156,7 @@ def test_megatron_from_a_bucket(store, megatron_root, fmt, tmp_path):
     run_merger("merge", "--local_dir", case / fmt, "--target_dir", local, "--hf_model_config_path", case / "hf")
     run_merger("merge", "--local_dir", f"{url}/{fmt}", "--target_dir", remote, "--hf_model_config_path",
                f"{url}/hf", nproc=2, env=store.env)
-    _same_files(local, remote)
+    assert_same_files(local, remote)
 
 
 def test_deepspeed_zero3_from_a_bucket(store, ds_root, tmp_path):
@@ -175,7 +167,7 @@ def test_deepspeed_zero3_from_a_bucket(store, ds_root, tmp_path):
     run_merger("merge", "--local_dir", case / "out", "--target_dir", local, "--hf_model_config_path", case / "hf")
     run_merger("merge", "--local_dir", f"{url}/out", "--target_dir", remote, "--hf_model_config_path", f"{url}/hf",
                env=store.env)
-    _same_files(local, remote)
+    assert_same_files(local, remote)
 
 
 def test_peft_adapters_into_a_base_model_from_a_bucket(store, adapter_cases, tmp_path):
@@ -187,7 +179,7 @@ def test_peft_adapters_into_a_base_model_from_a_bucket(store, adapter_cases, tmp
                "--target_dir", local)
     run_merger("lora", "--base", f"{url}/base", "--adapter", f"{url}/patterns", "--adapter", f"{url}/dora",
                "--target_dir", remote, env=store.env)
-    _same_files(local, remote)
+    assert_same_files(local, remote)
 
 
 def test_an_adapter_config_in_a_bucket(store, peft_lora_checkpoint, tmp_path):
@@ -198,7 +190,7 @@ def test_an_adapter_config_in_a_bucket(store, peft_lora_checkpoint, tmp_path):
     local, remote = tmp_path / "local", tmp_path / "remote"
     run_merger("merge", "--local_dir", actor, "--target_dir", local, "--adapter_config", adapter)
     run_merger("merge", "--local_dir", actor, "--target_dir", remote, "--adapter_config", url, env=store.env)
-    _same_files(local, remote)
+    assert_same_files(local, remote)
 
 
 def test_quantize_like_a_release_in_a_bucket(store, tmp_path):
@@ -212,7 +204,7 @@ def test_quantize_like_a_release_in_a_bucket(store, tmp_path):
     run_merger("merge", "--local_dir", tmp_path / "ref", "--target_dir", local, "--quantize_like", release)
     run_merger("merge", "--local_dir", tmp_path / "ref", "--target_dir", remote, "--quantize_like", url,
                env=store.env)
-    _same_files(local, remote)
+    assert_same_files(local, remote)
     assert any(name.endswith("_scale_inv") for name in json.loads((remote / "model.safetensors").read_bytes()[
         8:8 + int.from_bytes((remote / "model.safetensors").read_bytes()[:8], "little")]))
 

@@ -41,7 +41,7 @@ class ObjectWriter:
     def names(self) -> list[str]:
         """Every object below the prefix, by its name relative to it."""
         try:
-            found = self.fs.find(self.prefix, refresh=True) if self.key_prefix else self.fs.find(self.bucket)
+            found = self.fs.find(self.prefix, refresh=True)  # afresh: a listing cached before the lock is stale
         except FileNotFoundError:
             return []
         except Exception as e:  # noqa: BLE001

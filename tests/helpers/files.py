@@ -48,3 +48,13 @@ def block_sha256(path: Path, block: int) -> list[str]:
     """hashlib's sha256 of each `block` bytes of the file, the last piece shorter: the manifest's oracle."""
     data = path.read_bytes()
     return [hashlib.sha256(data[start:start + block]).hexdigest() for start in range(0, len(data), block)]
+
+
+def assert_same_files(a: Path, b: Path) -> None:
+    """Two merges wrote the same files with the same bytes; their manifests differ only in where the source was
+    or the output went."""
+    names = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    for name in names:
+        if name != "merge_manifest.json":
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name

@@ -305,13 +305,18 @@ def write_save_dirs(out: Path, hf) -> None:
     build_tokenizer().save_pretrained(out / "hf")
 
 
+def write_cases(out: Path, cases, write) -> None:
+    """`write(args, folder)` for every case, in one gloo group: imports and startup are paid once."""
+    dist.init_process_group("gloo")
+    for name, a in cases:
+        write(a, out / name)
+    leave_group()
+
+
 def main() -> None:
     out, cases = parse()
     cpu_patches()
-    dist.init_process_group("gloo")
-    for name, a in cases:  # one process group for every case: imports and startup are paid once
-        write_case(a, out / name)
-    leave_group()
+    write_cases(out, cases, write_case)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.writers.leave_group import leave_group
 from tests.writers.megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, parse, randomise_vectors, save_dist,
-                                 save_legacy, write_save_dirs)
+                                               save_legacy, write_cases, write_save_dirs)
 
 DEFAULTS = dict(arch="deepseek_v3", tp=1, ep=1, layers=2, dense=1, q_lora=1, qk_norm=0, mtp=1, vocab=101)
 HIDDEN, HEADS, FFN, MOE_FFN, EXPERTS = 32, 4, 40, 24, 4
@@ -194,10 +193,7 @@ def main() -> None:
                        fixed=dict(pp=1, vpp=None, tied=False))
     cpu_patches()
     mla_patches()
-    dist.init_process_group("gloo")
-    for name, a in cases:
-        write_case(a, out / name)
-    leave_group()
+    write_cases(out, cases, write_case)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.writers.leave_group import leave_group
-from tests.writers.megatron_checkpoint import cpu_patches, padded_vocab, parse
+from tests.writers.megatron_checkpoint import cpu_patches, padded_vocab, parse, write_cases
 from tests.writers.megatron_deepseek import save_with_oracle
 
 DEFAULTS = dict(arch="gpt_oss", tp=2, ep=2, layers=2, heads=4, groups=2, vocab=101, mtp=0)
@@ -185,10 +184,7 @@ def main() -> None:
                        fixed=dict(pp=1, vpp=None, tied=False, etp=1))
     cpu_patches()
     sliding_window_on_cpu()
-    dist.init_process_group("gloo")
-    for name, a in cases:
-        write_case(a, out / name)
-    leave_group()
+    write_cases(out, cases, write_case)
 
 
 if __name__ == "__main__":

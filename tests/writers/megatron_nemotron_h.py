@@ -26,10 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.writers.leave_group import leave_group
 from tests.writers.megatron_deepseek import EXPERTS, MOE_FFN, moe_config
 from tests.writers.megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, parse, randomise_vectors, save_dist,
-                                               save_legacy, write_save_dirs)
+                                               save_legacy, write_cases, write_save_dirs)
 
 DEFAULTS = dict(arch="nemotron_h", tp=1, vocab=101)  # the one model type it writes
 # Megatron's hybrid pattern: M a Mamba2 layer, * attention, - an MLP, E a MoE (relu2 experts and a shared expert
@@ -178,10 +177,7 @@ def main() -> None:
                                                                         tied=False))
     cpu_patches()
     mamba_patches()
-    dist.init_process_group("gloo")
-    for name, a in cases:
-        write_case(a, out / name)
-    leave_group()
+    write_cases(out, cases, write_case)
 
 
 if __name__ == "__main__":
