@@ -29,15 +29,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.writers.leave_group import leave_group
-from tests.writers.megatron_checkpoint import (cpu_patches, padded_vocab, parse, randomise_vectors, save_dist,
-                                               write_save_dirs)
-from tests.writers.megatron_deepseek import EXPERTS, MOE_FFN, moe_config, mtp_params
+from tests.writers.megatron_checkpoint import cpu_patches, padded_vocab, parse, save_dist, write_save_dirs
+from tests.writers.megatron_deepseek import EXPERTS, MOE_FFN, forward, moe_config, mtp_params, randomise
 
 DEFAULTS = dict(arch="deepseek_v32", tp=1, ep=1, layers=2, dense=1, mtp=1, vocab=101)
 HIDDEN, HEADS, FFN = 64, 4, 80  # the MoE is megatron_deepseek.moe_config's
 Q_LORA, KV_LORA, NOPE, ROPE, V_DIM = 32, 32, 16, 8, 16
 INDEX_HEADS, INDEX_HEAD_DIM, TOPK = 4, 16, 4  # top 4 of 8 tokens: the indexer decides what later queries see
-TOKENS = [3, 17, 42, 5, 99, 64, 8, 71]
+TOKENS = (3, 17, 42, 5, 99, 64, 8, 71)  # a multiple of TP: sequence parallelism splits it
 
 
 class TorchNorm:
@@ -137,29 +136,8 @@ def build_model(a: Namespace, config):
                      max_sequence_length=64, pre_process=True, post_process=True,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      rotary_base=10000, parallel_output=False, mtp_block_spec=mtp).eval()
-    randomise_vectors([model])
-    with torch.no_grad():  # the expert bias starts at 0 and is a buffer: the same on every rank
-        for name, buf in model.named_buffers():
-            if name.endswith("router.expert_bias"):
-                buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+    randomise(model)
     return model
-
-
-def forward(a: Namespace, model) -> dict:
-    """Megatron's logits, read off the output layer (with MTP the forward needs labels and calls the output layer
-    on each MTP layer's output first, on the main output last)."""
-    tokens = torch.tensor([TOKENS])
-    seq = tokens.shape[1]
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
-    calls = []  # copies: the loss then works on the logits in place
-    hook = model.output_layer.register_forward_hook(lambda m, i, out: calls.append(out[0].transpose(0, 1).clone()))
-    with torch.no_grad():
-        model(tokens, torch.arange(seq)[None], mask, labels=tokens if a.mtp else None)
-    hook.remove()
-    out = {"tokens": tokens, "logits": calls[-1][..., :a.vocab]}
-    if a.mtp:
-        out["mtp_logits"] = [c[..., :a.vocab] for c in calls[:-1]]
-    return out
 
 
 def write_case(a: Namespace, out: Path) -> None:
@@ -168,7 +146,7 @@ def write_case(a: Namespace, out: Path) -> None:
     ps.initialize_model_parallel(a.tp, expert_model_parallel_size=a.ep)
     model = build_model(a, transformer_config(a))
     save_dist(a, [model], out / "dist")
-    oracle = forward(a, model)
+    oracle = forward(a, model, TOKENS)
     if a.mtp:
         oracle["mtp_params"] = mtp_params(model)
     if dist.get_rank() == 0:
