@@ -83,3 +83,21 @@ def test_mtp_tensors_are_the_megatron_mtp_module(case, dsa_root, merged):
 @pytest.mark.parametrize("case", CASES)
 def test_drop_mtp_leaves_the_mtp_layer_out(case, dsa_root, merged):
     assert_mtp_dropped(merged(case, "dist", "--drop-mtp"), merged(case, "dist"), oracle(dsa_root, case))
+
+
+def test_bfloat16_dtypes_are_those_save_pretrained_writes(dsa_root, merged, tmp_path):
+    """--dtype bfloat16 gives each tensor the dtype save_pretrained writes for DeepseekV32ForCausalLM loaded at
+    bfloat16 (the router and its expert bias stay float32, with Megatron's values; the indexer's weights_proj, kept
+    in float32 only at float16, does not)."""
+    import transformers
+
+    case = "dsv32_tp2"
+    bf16 = merged(case, "dist", "--drop-mtp", "--dtype", "bfloat16")
+    transformers.AutoModelForCausalLM.from_pretrained(merged(case, "dist", "--drop-mtp"),
+                                                      dtype=torch.bfloat16).save_pretrained(tmp_path / "saved")
+    want = {n: t.dtype for n, t in load_safetensors_folder(tmp_path / "saved").items()}
+    got, fp32 = load_safetensors_folder(bf16), load_safetensors_folder(merged(case, "dist", "--drop-mtp"))
+    assert {n: t.dtype for n, t in got.items()} == want
+    kept = [n for n, d in want.items() if d == torch.float32]
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in kept
+    assert all(torch.equal(got[n], fp32[n]) for n in kept)
