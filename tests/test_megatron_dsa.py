@@ -26,7 +26,10 @@ from tests.helpers.writers312 import writers312_python
 CASES = {
     "dsv32_tp2": "tp=2",  # layers [dense, MoE], routing groups, one MTP layer; half-split RoPE in the indexer
     "glm5_tp2": "arch=glm_moe_dsa,tp=2",  # the same with GLM-5's interleaved RoPE in the indexer, one group
+    # GLM-5's shared indexer layers: layers 0 and 2 run theirs, layer 1 reuses layer 0's choice; no MTP layer
+    "glm5_shared_tp2": "arch=glm_moe_dsa,tp=2,layers=3,share=2,mtp=0",
 }
+MTP = ["dsv32_tp2", "glm5_tp2"]
 
 
 @pytest.fixture(scope="session")
@@ -75,12 +78,12 @@ def test_names_and_shapes_are_those_save_pretrained_writes(case, dsa_root, merge
     assert got == want
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", MTP)
 def test_mtp_tensors_are_the_megatron_mtp_module(case, dsa_root, merged):
     assert_mtp_layer_tensors(merged(case, "dist"), oracle(dsa_root, case)["mtp_params"], 2)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", MTP)
 def test_drop_mtp_leaves_the_mtp_layer_out(case, dsa_root, merged):
     assert_mtp_dropped(merged(case, "dist", "--drop-mtp"), merged(case, "dist"), oracle(dsa_root, case))
 

@@ -8,7 +8,8 @@ The model is DeepSeek-V3's (tests/writers/megatron_deepseek.py: MLA with q-LoRA,
 with a sigmoid router, expert bias and shared experts, `mtp` multi-token-prediction layers) with megatron-core's
 DSA attention: AbsorbedMLASelfAttention whose core attention holds the lightning indexer (`linear_wq_b`,
 `linear_wk`, `k_norm`, `linear_weights_proj`), which keeps the top `TOPK` keys of each query. `arch=glm_moe_dsa`
-is GLM-5's variant: interleaved RoPE in the indexer, one routing group. Every rank builds its slice from one seed
+is GLM-5's variant: interleaved RoPE in the indexer, one routing group, and with `share=N` the indexer on every
+N-th layer only (the others reuse its top-k and hold no indexer). Every rank builds its slice from one seed
 and saves it as torch_dist into ROOT/NAME/dist/ (a Megatron-LM save dir), beside hf/ (the transformers config and a
 tokenizer) and logits.pt: "tokens", "logits" (Megatron's own fp32 forward, sliced to the HF vocab size) and, with
 MTP, "mtp_logits" (as tests/writers/megatron_deepseek.py records them).
@@ -32,7 +33,7 @@ from tests.writers.leave_group import leave_group
 from tests.writers.megatron_checkpoint import cpu_patches, padded_vocab, parse, save_dist, write_save_dirs
 from tests.writers.megatron_deepseek import EXPERTS, MOE_FFN, forward, moe_config, mtp_params, randomise
 
-DEFAULTS = dict(arch="deepseek_v32", tp=1, ep=1, layers=2, dense=1, mtp=1, vocab=101)
+DEFAULTS = dict(arch="deepseek_v32", tp=1, ep=1, layers=2, dense=1, mtp=1, vocab=101, share=1)
 HIDDEN, HEADS, FFN = 64, 4, 80  # the MoE is megatron_deepseek.moe_config's
 Q_LORA, KV_LORA, NOPE, ROPE, V_DIM = 32, 32, 16, 8, 16
 INDEX_HEADS, INDEX_HEAD_DIM, TOPK = 4, 16, 4  # top 4 of 8 tokens: the indexer decides what later queries see
@@ -92,7 +93,7 @@ def transformer_config(a: Namespace):
         qk_pos_emb_head_dim=ROPE, v_head_dim=V_DIM, qk_layernorm=True, rope_type="rope", rotary_base=10000,
         rotary_scaling_factor=1.0,
         experimental_attention_variant="dsa", dsa_indexer_n_heads=INDEX_HEADS, dsa_indexer_head_dim=INDEX_HEAD_DIM,
-        dsa_indexer_topk=TOPK, dsa_indexer_rotate_activation=False,
+        dsa_indexer_topk=TOPK, dsa_indexer_topk_freq=a.share, dsa_indexer_rotate_activation=False,
         dsa_indexer_rope_interleaved=a.arch == "glm_moe_dsa",
         # DeepSeek-V3.2 limits routing to groups (scored by their top 2 experts, as HF does: topk 2 / 1 group);
         # GLM-5 routes over one group
@@ -112,8 +113,17 @@ def hf_config(a: Namespace):
               index_head_dim=INDEX_HEAD_DIM, index_n_heads=INDEX_HEADS,
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if a.arch == "glm_moe_dsa":
-        return transformers.GlmMoeDsaConfig(n_group=1, topk_group=1, **kw)
+        return transformers.GlmMoeDsaConfig(n_group=1, topk_group=1, indexer_types=indexer_types(a), **kw)
     return transformers.DeepseekV32Config(n_group=2, topk_group=1, **kw)
+
+
+def indexer_types(a: Namespace) -> list[str]:
+    """GLM-5's per-layer indexers as megatron-core places them: with `share` > 1, "shared" layers reuse the top-k
+    of the last layer whose indexer ran, and hold no indexer."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import is_dsa_skip_topk_layer
+
+    return ["shared" if a.share > 1 and is_dsa_skip_topk_layer(i + 1, 0, a.share) else "full"
+            for i in range(a.layers)]
 
 
 def build_model(a: Namespace, config):
@@ -158,7 +168,8 @@ def write_case(a: Namespace, out: Path) -> None:
 
 def main() -> None:
     out, cases = parse(DEFAULTS, "arch: deepseek_v32 or glm_moe_dsa; ep: expert-parallel size; "
-                       "dense: how many first layers have a dense MLP", fixed=dict(pp=1, vpp=None, tied=False))
+                       "dense: how many first layers have a dense MLP; share: glm_moe_dsa's indexer runs on every "
+                       "share-th layer, the others reuse its choice", fixed=dict(pp=1, vpp=None, tied=False))
     cpu_patches()
     dist.init_process_group("gloo")
     for name, a in cases:
