@@ -19,8 +19,9 @@ import torch
 
 from tests.helpers.in_process import merge_here, single_error_line
 from tests.helpers.in_process import merge_in_process as merge
-from tests.helpers.megatron_mtp_models import (assert_megatron_logits, assert_mtp_dropped, load, load_beside_mtp,
-                                               logits_of, merged_once, mtp_logits, oracle, write_cases)
+from tests.helpers.megatron_mtp_models import (assert_megatron_logits, assert_mtp_dropped, assert_mtp_layer_tensors,
+                                               load, load_beside_mtp, logits_of, merged_once, mtp_logits, oracle,
+                                               write_cases)
 from tests.helpers.processes import run_merger
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
@@ -64,17 +65,8 @@ def test_mtp_layer_reproduces_megatron_mtp_logits(deepseek_root, merged):
 
 
 def test_mtp_tensors_are_the_megatron_mtp_module(deepseek_root, merged):
-    """The MTP layer's own tensors, gathered over TP from the Megatron module, under DeepSeek-V3's names; its
-    embed_tokens and shared_head.head are the model's embedding and output layer."""
-    expected = oracle(deepseek_root, "dsv3_tp2")["mtp_params"]
-    weights = load_safetensors_folder(merged("dsv3_tp2", "legacy"))
-    hf_names = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-                "final_layernorm.weight": "shared_head.norm.weight"}
-    assert sorted(expected) == sorted(f"mtp.layers.0.{n}" for n in hf_names)
-    for megatron, hf in hf_names.items():
-        assert torch.equal(weights[f"model.layers.2.{hf}"], expected[f"mtp.layers.0.{megatron}"]), hf
-    assert torch.equal(weights["model.layers.2.embed_tokens.weight"], weights["model.embed_tokens.weight"])
-    assert torch.equal(weights["model.layers.2.shared_head.head.weight"], weights["lm_head.weight"])
+    """The MTP layer's own tensors, gathered over TP from the Megatron module, under DeepSeek-V3's names."""
+    assert_mtp_layer_tensors(merged("dsv3_tp2", "legacy"), oracle(deepseek_root, "dsv3_tp2")["mtp_params"], 2)
 
 
 def test_drop_mtp_leaves_the_mtp_layer_out(deepseek_root, merged, tmp_path, caplog):

@@ -14,6 +14,10 @@ from . import torchtitan_rows as tr
 from .family import Family, Row
 from .kinds import head_counts
 
+# TE keeps MLA's down projections whole on every rank, the local spec splits them
+MLA_CONFIG_ROWS = {"self_attn.q_a_proj.weight": lambda c: c["q_lora_rank"],
+                   "self_attn.kv_a_proj_with_mqa.weight": lambda c: c["kv_lora_rank"] + c["qk_rope_head_dim"]}
+
 FAMILIES = (
     Family("llama", ("llama",), megatron=mr.ATTENTION + mr.DENSE_MLP,
            torchtitan=tr.NORMS + tr.gqa("rotary_q", "rotary_kv") + tr.DENSE_FFN, torchtitan_any_config=True),
@@ -36,10 +40,12 @@ FAMILIES = (
            # torchtitan's kimi_k2_7 (Kimi-K2.5 / K2.7) is this model with a vision tower: its text model is written,
            # as deepseek_v3; transformers' kimi_k25 wraps it with the vision tower
            torchtitan_left_out=tr.VISION_TOWER, text_model_of=("kimi_k25",),
-           mtp_count_key="num_nextn_predict_layers",
-           # TE keeps MLA's down projections whole on every rank, the local spec splits them
-           config_rows={"self_attn.q_a_proj.weight": lambda c: c["q_lora_rank"],
-                        "self_attn.kv_a_proj_with_mqa.weight": lambda c: c["kv_lora_rank"] + c["qk_rope_head_dim"]}),
+           mtp_count_key="num_nextn_predict_layers", config_rows=MLA_CONFIG_ROWS),
+    # DeepSeek-V3.2 and GLM-5: DeepSeek-V3 with DeepSeek Sparse Attention's indexer in each attention layer (GLM-5's
+    # "shared" layers reuse an earlier layer's choice and hold none)
+    Family("deepseek_v32", ("deepseek_v32", "glm_moe_dsa"),
+           megatron=mr.MLA + mr.DSA_INDEXER + mr.DENSE_MLP + mr.DEEPSEEK_MOE,
+           mtp_count_key="num_nextn_predict_layers", config_rows=MLA_CONFIG_ROWS),
     # GLM-4.5 / 4.6: GQA attention (qkv bias, q/k norms when use_qk_norm) before DeepSeek-V3's MoE; its MTP
     # layers are HF's model.layers.{L+k}, as DeepSeek-V3's are
     Family("glm4_moe", ("glm4_moe",), megatron=mr.ATTENTION + mr.QK_NORM + mr.DENSE_MLP + mr.DEEPSEEK_MOE,

@@ -65,6 +65,12 @@ MLA = (  # multi-latent attention, with q-LoRA (q_down/q_up) or without (q_proj)
     Row("pre_mlp_layernorm.weight", "rename", ("post_attention_layernorm.weight",)),
     Row("mlp.linear_fc1.layer_norm_weight", "rename", ("post_attention_layernorm.weight",)),
 )
+INDEXER = "self_attention.core_attention.indexer."
+DSA_INDEXER = tuple(  # DeepSeek Sparse Attention's lightning indexer, beside MLA (DeepSeek-V3.2, GLM-5)
+    Row(f"{INDEXER}{megatron}", "rename", (f"self_attn.indexer.{hf}",))
+    for megatron, hf in (("linear_wq_b.weight", "wq_b.weight"), ("linear_wk.weight", "wk.weight"),
+                         ("k_norm.weight", "k_norm.weight"), ("k_norm.bias", "k_norm.bias"),
+                         ("linear_weights_proj.weight", "weights_proj.weight")))
 DEEPSEEK_MOE = EXPERTS + (  # a sigmoid router whose expert bias steers the choice, and shared experts
     Row("mlp.router.expert_bias", "rename", ("mlp.gate.e_score_correction_bias",)),
     Row("mlp.shared_experts.linear_fc1.weight", "gate_up",

@@ -28,8 +28,11 @@ ROW = ("linear_proj.weight", "linear_fc2.weight", "mixer.out_proj.weight")
 # q/kv norms fused into the up projections, so `linear_kv_up_proj.layer_norm_weight` marks a TE layer).
 MLA_DOWN = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
 QK_NORMS = ("q_layernorm.weight", "k_layernorm.weight")
+# DeepSeek Sparse Attention's indexer (core_attention.indexer.*): replicated Linears and a LayerNorm on every rank
+DSA_INDEXER = ("indexer.linear_wq_b.weight", "indexer.linear_wk.weight", "indexer.linear_weights_proj.weight",
+               "indexer.k_norm.bias")
 WHOLE = ("norm.weight", "layer_norm_weight", "router.weight", "router.bias", "router.expert_bias", "gate_weight",
-         "linear_proj.bias", "linear_fc2.bias")
+         "linear_proj.bias", "linear_fc2.bias") + DSA_INDEXER
 
 
 def split_known(name: str) -> bool:

@@ -98,3 +98,19 @@ def mtp_logits(model, tokens: torch.Tensor) -> torch.Tensor:
         hidden = model.model(tokens).last_hidden_state
         out = mtp.forward_layer(0, hidden, torch.arange(tokens.shape[1])[None], None, input_ids=shifted)
         return mtp._project_to_logits(out)
+
+
+MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+           "final_layernorm.weight": "shared_head.norm.weight"}  # Megatron's name -> DeepSeek-V3's
+
+
+def assert_mtp_layer_tensors(folder: Path, expected: dict[str, torch.Tensor], layer: int) -> None:
+    """The first MTP layer's own tensors as the writer gathered them from the Megatron module (`mtp_params`) are
+    the merged `model.layers.{layer}.*` under DeepSeek-V3's names; its embed_tokens and shared_head.head are the
+    model's embedding and output layer."""
+    weights = load_safetensors_folder(folder)
+    assert sorted(expected) == sorted(f"mtp.layers.0.{n}" for n in MTP_OWN)
+    for megatron, hf in MTP_OWN.items():
+        assert torch.equal(weights[f"model.layers.{layer}.{hf}"], expected[f"mtp.layers.0.{megatron}"]), hf
+    assert torch.equal(weights[f"model.layers.{layer}.embed_tokens.weight"], weights["model.embed_tokens.weight"])
+    assert torch.equal(weights[f"model.layers.{layer}.shared_head.head.weight"], weights["lm_head.weight"])

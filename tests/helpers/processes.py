@@ -38,8 +38,8 @@ def merger_entry(env: dict | None) -> list[str]:
     return [str(PAUSED_MERGER)] if env and "MERGER_TEST_PAUSE_AFTER_BATCH" in env else ["-m", "merger"]
 
 
-def torchrun_cmd(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+def torchrun_cmd(nproc: int, python: str = sys.executable) -> list[str]:
+    return [python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
 
 
@@ -103,7 +103,9 @@ def writer_module(script: str) -> list[str]:
     return ["-m", f"tests.writers.{Path(script).stem}"]
 
 
-def run_writer(script: str, *args, nproc: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
-    """The test writer tests/writers/SCRIPT as one process, or under torchrun with `nproc` gloo ranks."""
-    prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
+def run_writer(script: str, *args, nproc: int = 1, env: dict | None = None,
+               python: str = sys.executable) -> subprocess.CompletedProcess:
+    """The test writer tests/writers/SCRIPT as one process, or under torchrun with `nproc` gloo ranks, run by
+    `python` (another venv's, for the writers tests/helpers/writers312.py runs)."""
+    prefix = [python] if nproc == 1 else torchrun_cmd(nproc, python)
     return run(prefix + [*writer_module(script), *map(str, args)], env=env)

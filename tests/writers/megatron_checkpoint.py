@@ -296,9 +296,10 @@ def write_case(a: Namespace, out: Path) -> None:
     ps.destroy_model_parallel()
 
 
-def write_save_dirs(out: Path, hf) -> None:
-    """Rank 0: the tracker file that makes legacy/ and dist/ Megatron-LM save dirs, and the HF config folder."""
-    for fmt in ("legacy", "dist"):
+def write_save_dirs(out: Path, hf, formats: tuple[str, ...] = ("legacy", "dist")) -> None:
+    """Rank 0: the tracker file that makes each of `formats` (legacy/, dist/) a Megatron-LM save dir, and the HF
+    config folder."""
+    for fmt in formats:
         (out / fmt / "latest_checkpointed_iteration.txt").write_text("1")
     hf.architectures = [type(hf).__name__.replace("Config", "ForCausalLM")]
     hf.save_pretrained(out / "hf")

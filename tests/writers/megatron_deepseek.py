@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.writers.megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, parse, randomise_vectors, save_dist,
+from tests.writers.megatron_checkpoint import (cpu_patches, padded_vocab, parse, randomise_vectors, save_dist,
                                                save_legacy, write_cases, write_save_dirs)
 
 DEFAULTS = dict(arch="deepseek_v3", tp=1, ep=1, layers=2, dense=1, q_lora=1, qk_norm=0, mtp=1, vocab=101)
@@ -121,20 +121,27 @@ def build_model(a: Namespace, config):
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      rotary_base=10000, rotary_percent=GLM_ROTARY if a.arch == "glm4_moe" else 1.0,
                      parallel_output=False, mtp_block_spec=mtp).eval()
-    randomise_vectors([model])
-    with torch.no_grad():  # the expert bias starts at 0 and is a buffer: the same on every rank
-        for name, buf in model.named_buffers():
-            if name.endswith("router.expert_bias"):
-                buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+    randomise(model)
     return model
 
 
-def forward(a: Namespace, model) -> dict:
-    """Megatron's logits, read off the output layer: with MTP the forward needs labels and returns the loss,
-    calling the shared output layer on each MTP layer's output first and on the main output last."""
-    tokens = torch.tensor([[3, 17, 42, 5, 99, 64, 8]])
-    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
-    positions = torch.arange(SEQ)[None]
+def randomise(model) -> None:
+    """Norms and biases randomised (megatron_checkpoint.randomise_vectors), and the routers' expert bias, which
+    starts at 0 and is a buffer: the same on every rank."""
+    randomise_vectors([model])
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("router.expert_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+
+
+def forward(a: Namespace, model, tokens: tuple[int, ...] = (3, 17, 42, 5, 99, 64, 8)) -> dict:
+    """Megatron's logits for `tokens`, read off the output layer: with MTP the forward needs labels and returns the
+    loss, calling the shared output layer on each MTP layer's output first and on the main output last."""
+    tokens = torch.tensor([tokens])
+    seq = tokens.shape[1]
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    positions = torch.arange(seq)[None]
     calls = []  # copies: the loss then works on the logits in place
     hook = model.output_layer.register_forward_hook(lambda m, i, out: calls.append(out[0].transpose(0, 1).clone()))
     with torch.no_grad():
@@ -152,7 +159,7 @@ def mtp_params(model) -> dict[str, torch.Tensor]:
 
     out = {}
     for name, param in model.mtp.named_parameters():
-        if ".transformer_layer." in name:
+        if ".transformer_layer." in name or ".mtp_model_layer." in name:  # megatron-core 0.16 / 0.19's name
             continue
         if getattr(param, "tensor_model_parallel", False):
             parts = [torch.empty_like(param) for _ in range(ps.get_tensor_model_parallel_world_size())]
