@@ -6,8 +6,9 @@ layer; other models save per-layer keys. The catalog exposes one source tensor p
 each stored chunk that covers layer l gives a piece `name[l - chunk offset]` (the chunk's box without
 axis 0). The reader loads the chunk (a `torch.save` blob inside the .distcp file) and slices the layer out;
 megatron-core writes one chunk per layer, so this reads no extra bytes there.
-Entries that are not weights (`optimizer.*`, `_extra_state`, stored objects) are left out by the named rules
-of megatron_skips.py.
+Gated DeltaNet's sections (`in_proj.weight.query`, ...) are presented as the one tensor they make up
+(megatron_sections.py). Entries that are not weights (`optimizer.*`, `_extra_state`, stored objects) are left
+out by the named rules of megatron_skips.py.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from .dcp_metadata import load_compact
 from .file_reads import SourceFiles
 from .piece_keys import split_key, take, with_index
 from .megatron_layout import checkpoint_dir
+from .megatron_sections import joined_sections
 from .megatron_skips import NOT_A_TENSOR, skip_rule
 
 STACKED = "decoder.layers."
@@ -90,6 +92,7 @@ def open_catalog(root: Path) -> Catalog:
                 copy = PieceCopy(files[file], with_index(key, local), (offset, length))
                 pieces.setdefault(name, []).append(ShardPiece(offsets[axes:], sizes[axes:], (copy,)))
                 shapes[name], dtypes[name] = tuple(md.size[axes:]), md.properties.dtype
+    joined_sections(pieces, shapes, dtypes, str(ckpt))
     if not any(n.startswith(MODEL_PREFIXES) for n in pieces):
         raise MergerError(f"torch_dist checkpoint holds no model weights (decoder.*, embedding.*), {ckpt}")
     tensors = {n: SourceTensor(n, shapes[n], dtypes[n], tuple(p)) for n, p in pieces.items()}

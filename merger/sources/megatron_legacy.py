@@ -8,7 +8,8 @@ SequentialMLP's names whichever module saved them (GroupedMLP, TEGroupedMLP), TP
 (split along the dim megatron_tp.py gives, or whole as one piece with a copy in every file);
 experts are split by expert TP instead, which may differ from TP. A gated fc1 holds [gate_r; up_r] per TP
 rank, so each half is its own piece placed in cat(gate, up): the global fc1 then reads the same as
-torch_dist's. Entries that are not weights are left out by the named rules of megatron_skips.py.
+torch_dist's; Gated DeltaNet's fused in_proj and conv1d are placed section by section the same way
+(megatron_sections.py). Entries that are not weights are left out by the named rules of megatron_skips.py.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from .mapped_states import MappedStates
 from .piece_keys import split_expert, split_key, take, take_expert, with_expert, with_slice
 from .megatron_skips import NOT_A_TENSOR, skip_rule
 from .megatron_layout import checkpoint_dir
+from .megatron_sections import local_sections
 from .megatron_tp import tp_dim
 from .safe_load import torch_load
 
@@ -133,15 +135,19 @@ def _layout(files: dict[tuple[int, int, int], str], args, ckpt: Path) -> tuple[t
                                                      for pp in range(pp_size)}
 
 
-def _is_gated(local: dict[str, tuple[torch.Tensor, str]], name: str) -> bool:
-    """fc1 is [gate; up] when it has twice the rows fc2 has columns (Megatron does not record it)."""
+def _sections(local: dict[str, tuple[torch.Tensor, str]], name: str, file: str) -> tuple[int, ...] | None:
+    """The row counts of the sections a rank's tensor fuses one after another, None: one whole. fc1 is
+    [gate; up] when it has twice the rows fc2 has columns (Megatron does not record it)."""
     fc2 = local.get(name.replace("linear_fc1.weight", "linear_fc2.weight"))
-    return name.endswith("linear_fc1.weight") and fc2 is not None and local[name][0].shape[0] == 2 * fc2[0].shape[1]
+    if name.endswith("linear_fc1.weight") and fc2 is not None and local[name][0].shape[0] == 2 * fc2[0].shape[1]:
+        return (fc2[0].shape[1],) * 2
+    return local_sections(name, lambda n: tuple(local[n][0].shape) if n in local else None, file)
 
 
-def _pieces(local: torch.Tensor, dim: int | None, gated: bool, copies: dict[int, list[PieceCopy]], tp_size: int):
+def _pieces(local: torch.Tensor, dim: int | None, sections: tuple[int, ...] | None,
+            copies: dict[int, list[PieceCopy]], tp_size: int):
     """Global shape and pieces of one tensor from its rank-0 local shape and every rank's copies (`tp_size`
-    ranks: TP, or expert TP for experts)."""
+    ranks: TP, or expert TP for experts); a fused tensor's sections (rows per rank) are each placed whole."""
     shape = list(local.shape)
     if dim is None:
         every = tuple(c for tp in sorted(copies) for c in copies[tp])
@@ -150,17 +156,17 @@ def _pieces(local: torch.Tensor, dim: int | None, gated: bool, copies: dict[int,
     shape[dim] *= tp_size
     pieces = []
     for tp in range(tp_size):
-        if not gated:
+        if not sections:
             offsets = [0] * len(shape)
             offsets[dim] = tp * size
             pieces.append(ShardPiece(tuple(offsets), tuple(local.shape), tuple(copies[tp])))
             continue
-        half = size // 2
-        for j in range(2):  # j = 0: this rank's gate rows, j = 1: its up rows
-            sizes = (half, *local.shape[1:])
-            offsets = (j * half * tp_size + tp * half,) + (0,) * (len(shape) - 1)
-            keyed = tuple(PieceCopy(c.file, with_slice(c.key, j * half, (j + 1) * half)) for c in copies[tp])
-            pieces.append(ShardPiece(offsets, sizes, keyed))
+        start = 0
+        for rows in sections:  # this rank's rows of each section (fc1: gate, up), at the section's place
+            offsets = (start * tp_size + tp * rows,) + (0,) * (len(shape) - 1)
+            keyed = tuple(PieceCopy(c.file, with_slice(c.key, start, start + rows)) for c in copies[tp])
+            pieces.append(ShardPiece(offsets, (rows, *local.shape[1:]), keyed))
+            start += rows
     return tuple(shape), tuple(pieces)
 
 
@@ -232,7 +238,8 @@ def open_catalog(root: Path) -> Catalog:
                 for name, (value, stored) in local.items():
                     g = global_name(name, vp, pp, ep, per_rank)
                     expert = EXPERT.fullmatch(name) is not None
-                    entry = entries.setdefault(g, {"value": value, "gated": _is_gated(local, name), "copies": {},
+                    entry = entries.setdefault(g, {"value": value, "sections": _sections(local, name, reference),
+                                                   "copies": {},
                                                    "dim": tp_dim(name, tuple(value.shape), local),
                                                    "ranks": etp_size if expert else tp_size})
                     if tuple(entry["value"].shape) != tuple(value.shape):
@@ -244,7 +251,7 @@ def open_catalog(root: Path) -> Catalog:
                         entry["copies"].setdefault(rank, []).append(PieceCopy(file, f"{key}/{stored}"))
     tensors = {}
     for g, entry in entries.items():
-        shape, pieces = _pieces(entry["value"], entry["dim"], entry["gated"], entry["copies"], entry["ranks"])
+        shape, pieces = _pieces(entry["value"], entry["dim"], entry["sections"], entry["copies"], entry["ranks"])
         tensors[g] = SourceTensor(g, shape, entry["value"].dtype, pieces)
     ordered = [files[k] for k in sorted(files, key=lambda k: (k[1], k[2], k[0]))]
     return Catalog(

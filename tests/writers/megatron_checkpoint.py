@@ -55,7 +55,7 @@ def parse(defaults: dict = DEFAULTS, about: str = "arch: llama, mistral, qwen2, 
           "value: a critic with a 1-output head; lora=R,alpha=A: LoRA adapters of rank R on every layer's linears, "
           "saved alone as Megatron-Bridge does into lora_dist/, the logits with them live", fixed: dict | None = None
           ) -> tuple[Path, list[tuple[str, Namespace]]]:
-    """--out and the --case NAME:key=value,... specs over `defaults` (arch a name, booleans 0/1, the rest ints),
+    """--out and the --case NAME:key=value,... specs over `defaults` (strings as given, booleans 0/1, the rest ints),
     each with `fixed` added."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -69,7 +69,7 @@ def parse(defaults: dict = DEFAULTS, about: str = "arch: llama, mistral, qwen2, 
         for pair in filter(None, pairs.split(",")):
             key, _, value = pair.partition("=")
             flag = isinstance(defaults.get(key), bool)
-            values[key] = value if key == "arch" else value == "1" if flag else int(value)
+            values[key] = value if isinstance(defaults.get(key), str) else value == "1" if flag else int(value)
         cases.append((name, Namespace(**values, **(fixed or {}))))
     return args.out, cases
 
