@@ -172,16 +172,17 @@ def test_a_join_names_its_parts_and_they_are_rows_of_no_one_else():
 
 def _megatron_cases() -> set[str]:
     """The model types the Megatron logits tests write (test_megatron.py, test_megatron_deepseek.py,
-    test_megatron_glm45.py)."""
-    from tests import test_megatron, test_megatron_deepseek, test_megatron_glm45
-    from tests.writers import megatron_checkpoint, megatron_deepseek
+    test_megatron_glm45.py, test_megatron_gdn.py)."""
+    from tests import test_megatron, test_megatron_deepseek, test_megatron_gdn, test_megatron_glm45
+    from tests.writers import megatron_checkpoint, megatron_deepseek, megatron_gdn
 
     found = set()
     for cases, names, defaults in ((test_megatron.CASES, test_megatron.MODELS, megatron_checkpoint.DEFAULTS),
                                    (test_megatron_deepseek.CASES, test_megatron_deepseek.CASES,
                                     megatron_deepseek.DEFAULTS),
                                    (test_megatron_glm45.CASES, test_megatron_glm45.CASES,
-                                    megatron_deepseek.DEFAULTS)):
+                                    megatron_deepseek.DEFAULTS),
+                                   (test_megatron_gdn.CASES, test_megatron_gdn.CASES, megatron_gdn.DEFAULTS)):
         for name in names:
             spec = dict(pair.split("=") for pair in cases[name].split(",") if pair)
             found.add(spec.get("arch", defaults["arch"]))
