@@ -124,7 +124,8 @@ def test_a_config_of_other_deltanet_sizes_is_an_error(gdn_root, tmp_path, capsys
     case = "qwen3_next_tp2"
     hf = Path(shutil.copytree(gdn_root / case / "hf", tmp_path / "hf"))
     config = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**config, "linear_value_head_dim": 2 * config["linear_value_head_dim"]}))
+    config["linear_value_head_dim"] *= 2
+    (hf / "config.json").write_text(json.dumps(config))
     code, errors = merge_here(capsys, "--local_dir", gdn_root / case / "dist", "--target_dir", tmp_path / "out",
                               "--hf_model_config_path", hf)
     assert code == 1 and len(errors) == 1, errors

@@ -22,6 +22,7 @@ import contextlib
 import zlib
 from argparse import Namespace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -223,6 +224,18 @@ def save_dist(a: Namespace, chunks: list, root: Path) -> None:
     path = root / "iter_0000001"
     path.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(state, str(path))
+
+
+def write_model(a: Namespace, model, out: Path, oracle: Callable[[], dict], hf: Callable[[], object]) -> None:
+    """One model chunk saved as legacy/ and dist/, then its oracle (every rank computes it: a forward is
+    collective) into logits.pt and the HF config folder, by rank 0."""
+    save_legacy(a, [model], out / "legacy")
+    save_dist(a, [model], out / "dist")
+    result = oracle()
+    if dist.get_rank() == 0:
+        torch.save(result, out / "logits.pt")
+        write_save_dirs(out, hf())
+    dist.barrier()
 
 
 def forward_logits(a: Namespace, chunks: list, tokens: torch.Tensor):

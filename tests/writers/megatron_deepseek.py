@@ -25,8 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.writers.leave_group import leave_group
-from tests.writers.megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, parse, randomise_vectors, save_dist,
-                                 save_legacy, write_save_dirs)
+from tests.writers.megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, parse, randomise_vectors,
+                                               write_model)
 
 DEFAULTS = dict(arch="deepseek_v3", tp=1, ep=1, layers=2, dense=1, q_lora=1, qk_norm=0, mtp=1, vocab=101)
 HIDDEN, HEADS, FFN, MOE_FFN, EXPERTS = 32, 4, 40, 24, 4
@@ -169,15 +169,8 @@ def write_case(a: Namespace, out: Path) -> None:
     ps.initialize_model_parallel(a.tp, expert_model_parallel_size=a.ep)
     config = transformer_config(a)
     model = build_model(a, config)
-    save_legacy(a, [model], out / "legacy")
-    save_dist(a, [model], out / "dist")
-    oracle = forward(a, model)
-    if a.mtp:
-        oracle["mtp_params"] = mtp_params(model)
-    if dist.get_rank() == 0:
-        torch.save(oracle, out / "logits.pt")
-        write_save_dirs(out, hf_config(a))
-    dist.barrier()
+    write_model(a, model, out, lambda: {**forward(a, model), **({"mtp_params": mtp_params(model)} if a.mtp else {})},
+                lambda: hf_config(a))
     ps.destroy_model_parallel()
 
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.writers.leave_group import leave_group
-from tests.writers.megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, parse, randomise_vectors, save_dist,
-                                               save_legacy, write_save_dirs)
+from tests.writers.megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, parse, randomise_vectors,
+                                               write_model)
 
 DEFAULTS = dict(arch="qwen3_5_text", tp=1, moe=0, pattern="lfl", vocab=101)
 HIDDEN, HEADS, GROUPS, HEAD_DIM, ROTARY, FFN = 64, 4, 2, 16, 0.25, 48
@@ -145,13 +145,7 @@ def write_case(a: Namespace, out: Path) -> None:
                      share_embeddings_and_output_weights=False, position_embedding_type="rope", rotary_base=10000,
                      rotary_percent=ROTARY, parallel_output=False).eval()
     randomise_vectors([model])
-    save_legacy(a, [model], out / "legacy")
-    save_dist(a, [model], out / "dist")
-    oracle = forward(a, model)
-    if dist.get_rank() == 0:
-        torch.save(oracle, out / "logits.pt")
-        write_save_dirs(out, hf_config(a))
-    dist.barrier()
+    write_model(a, model, out, lambda: forward(a, model), lambda: hf_config(a))
     ps.destroy_model_parallel()
 
 
