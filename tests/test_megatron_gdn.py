@@ -131,3 +131,21 @@ def test_a_config_of_other_deltanet_sizes_is_an_error(gdn_root, tmp_path, capsys
     assert code == 1 and len(errors) == 1, errors
     assert "self_attention.in_proj.weight has" in errors[0] and "Gated DeltaNet" in errors[0], errors[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "dist"])
+def test_layer_types_the_checkpoint_does_not_have_are_an_error(fmt, gdn_root, tmp_path, capsys):
+    """config.json's layer_types decide which HF module each layer is: a pattern other than the checkpoint's
+    stops the merge, naming the layer, instead of writing weights the model would not load."""
+    case = "qwen3_5_tp2"
+    hf = Path(shutil.copytree(gdn_root / case / "hf", tmp_path / "hf"))
+    config = json.loads((hf / "config.json").read_text())
+    assert config["layer_types"] == ["linear_attention", "full_attention", "linear_attention"]
+    config["layer_types"] = ["linear_attention", "linear_attention", "full_attention"]
+    (hf / "config.json").write_text(json.dumps(config))
+    code, errors = merge_here(capsys, "--local_dir", gdn_root / case / fmt, "--target_dir", tmp_path / "out",
+                              "--hf_model_config_path", hf)
+    assert code == 1 and len(errors) == 1, errors
+    assert "layer 1 of the checkpoint is full_attention but config.json's layer_types[1] is 'linear_attention'" in \
+        errors[0], errors[0]
+    assert not (tmp_path / "out").exists()

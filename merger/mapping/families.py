@@ -48,7 +48,7 @@ FAMILIES = (
     Family("qwen3_5", ("qwen3_5_text", "qwen3_5_moe_text"),
            megatron=mr.GATED_ATTENTION + mr.gated_deltanet("deltanet_in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b",
                                                                                   "in_proj_a"))
-           + mr.DENSE_MLP + mr.EXPERTS + mr.SHARED_EXPERT,
+           + mr.DENSE_MLP + mr.EXPERTS + mr.SHARED_EXPERT, layer_types=mr.DELTANET_LAYER_TYPES,
            torchtitan=tr.NORMS + tr.QWEN3_5_ATTENTION + tr.GATED_DELTANET + tr.DENSE_FFN + tr.QWEN3_5_MOE,
            torchtitan_marks=("attn.wq.weight", "attn.in_proj_q.weight"), torchtitan_left_out=tr.VISION_TOWER,
            torchtitan_vision=tr.QWEN3_5_VISION),
@@ -56,7 +56,7 @@ FAMILIES = (
     # expert (dense rows for mlp_only_layers)
     Family("qwen3_next", ("qwen3_next",),
            megatron=mr.GATED_ATTENTION + mr.gated_deltanet("deltanet_in_proj_grouped", ("in_proj_qkvz", "in_proj_ba"))
-           + mr.DENSE_MLP + mr.EXPERTS + mr.SHARED_EXPERT),
+           + mr.DENSE_MLP + mr.EXPERTS + mr.SHARED_EXPERT, layer_types=mr.DELTANET_LAYER_TYPES),
     Family("gpt_oss", ("gpt_oss",), torchtitan=tr.NORMS + tr.GPT_OSS,
            torchtitan_marks=("moe.routed_experts.inner_experts.mlp1_weight_EGD",)),
 )

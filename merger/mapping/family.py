@@ -113,6 +113,9 @@ class Family:
     mtp_count_key: str | None = None  # config.json's count of MTP layers; None: HF has no MTP layers for it
     # HF layer-row name -> the row count config.json fixes for it, for tensors a TP layout could leave ambiguous
     config_rows: dict[str, Callable[[dict], int]] = field(default_factory=dict)
+    # A hybrid's layer types: config.json's `layer_types` value -> the Megatron row only a layer of that type
+    # holds. Each checkpoint layer is checked against config.json's pattern, which decides HF's modules.
+    layer_types: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         for naming, rows in (("Megatron", self.megatron), ("torchtitan", self.torchtitan)):
@@ -129,6 +132,10 @@ class Family:
         for mark in self.torchtitan_marks:
             if mark not in sources:
                 raise ValueError(f"family {self.name}: mark {mark!r} is none of its torchtitan rows")
+        for layer_type, source in self.layer_types.items():
+            if not any(row.source == source for row in self.megatron):
+                raise ValueError(f"family {self.name}: layer type {layer_type!r} is told by {source!r}, which is none "
+                                 f"of its Megatron rows")
         targets = {t for row in self.megatron for t in row.targets}
         for name in self.config_rows:
             if name not in targets:

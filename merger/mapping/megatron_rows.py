@@ -91,6 +91,10 @@ def gated_deltanet(in_proj_kind: str, in_proj: tuple[str, ...]) -> tuple[Row, ..
     )
 
 
+# what tells a Gated DeltaNet hybrid's layers apart, by config.json's layer_types names
+DELTANET_LAYER_TYPES = {"linear_attention": "self_attention.in_proj.weight",
+                        "full_attention": "self_attention.linear_qkv.weight"}
+
 MEGATRON = Naming(
     "Megatron", "decoder.layers.",
     globals=(

@@ -57,6 +57,9 @@ def test_a_family_is_refused_for_a_mark_or_row_count_it_has_no_row_for():
         Family("toy", ("toy",), megatron=rows, config_rows={"self_attn.q_a_proj.weight": lambda c: 1})
     with pytest.raises(ValueError, match=r"row 'attention.wq.weight' appears twice in the toy family's Megatron rows"):
         Family("toy", ("toy",), megatron=rows + rows)
+    with pytest.raises(ValueError, match=r"family toy: layer type 'linear_attention' is told by "
+                                         r"'self_attention.in_proj.weight', which is none of its Megatron rows"):
+        Family("toy", ("toy",), megatron=rows, layer_types={"linear_attention": "self_attention.in_proj.weight"})
 
 
 def test_a_kind_is_registered_once():
