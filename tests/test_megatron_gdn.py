@@ -5,9 +5,9 @@ megatron-core writes every case at TP2, legacy and torch_dist (tests/writers/meg
 2 gloo ranks): Gated DeltaNet layers and gated full attention in the order config.json's layer_types gives,
 zero-centred norms, a dense MLP or routed experts with a shared expert behind its gate. Oracles: Megatron's CPU logits
 against transformers' forward of the merged folder (fp32, max abs diff < 1e-4, the same argmax); the names and
-shapes transformers' save_pretrained writes for the same config; legacy and torch_dist merge to the same bytes. The
-mutation checks show the logits check catches the mistakes a Gated DeltaNet mapping can make: two in_proj sections
-swapped, the gated norm's +1 left out, a query head's gate taken for its query.
+shapes transformers' save_pretrained writes for the same config; legacy and torch_dist merge to the same bytes, as
+2 merge ranks and one do. The mutation checks show the logits check catches the mistakes a Gated DeltaNet mapping
+can make: two in_proj sections swapped, the gated norm's +1 left out, a query head's gate taken for its query.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 
 from tests.helpers.in_process import merge_here
 from tests.helpers.megatron_mtp_models import assert_megatron_logits, load, logits_of, merged_once, oracle, write_cases
+from tests.helpers.processes import run_merger
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
 CASES = {
@@ -62,6 +63,17 @@ def test_names_and_shapes_are_those_save_pretrained_writes(case, gdn_root, merge
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "own")
     own = {n: t.shape for n, t in load_safetensors_folder(tmp_path / "own").items()}
     assert {n: t.shape for n, t in load_safetensors_folder(merged(case, "legacy")).items()} == own
+
+
+def test_two_merge_ranks_write_the_one_process_bytes(gdn_root, merged, tmp_path):
+    """Under torchrun x2 each rank writes its share of the transformed tensors, in several files: the tensors one
+    process writes, bit for bit."""
+    case = "qwen3_next_tp2"
+    run_merger("merge", "--local_dir", gdn_root / case / "dist", "--target_dir", tmp_path / "out",
+               "--hf_model_config_path", gdn_root / case / "hf", "--dtype", "float32", "--max_shard_size", "100KB",
+               nproc=2)
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1
+    assert_same_weights(tmp_path / "out", merged(case, "dist"), None)
 
 
 def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
