@@ -1,7 +1,7 @@
 """Qwen3.5 and Qwen3-Next (HF qwen3_5_text, qwen3_5_moe_text, qwen3_next) Megatron checkpoints merged to HF, checked
 against Megatron's own forward pass.
 
-megatron-core writes every case at TP2, legacy and torch_dist (tests/writers/megatron_gdn.py, one torchrun launch of
+megatron-core writes every case at TP2, PP2 or EP2, legacy and torch_dist (tests/writers/megatron_gdn.py, one torchrun launch of
 2 gloo ranks): Gated DeltaNet layers and gated full attention in the order config.json's layer_types gives,
 zero-centred norms, a dense MLP or routed experts with a shared expert behind its gate. Oracles: Megatron's CPU logits
 against transformers' forward of the merged folder (fp32, max abs diff < 1e-4, the same argmax); the names and
@@ -26,7 +26,9 @@ from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 CASES = {
     "qwen3_5_tp2": "arch=qwen3_5_text,tp=2,pattern=lfl",  # flat in_proj_qkv / _z / _b / _a, a dense MLP
     "qwen3_5_moe_tp2": "arch=qwen3_5_moe_text,tp=2,moe=1,pattern=lf",  # routed experts and a gated shared expert
+    "qwen3_5_moe_ep2": "arch=qwen3_5_moe_text,ep=2,moe=1,pattern=lf",  # 2 experts on each EP rank
     "qwen3_next_tp2": "arch=qwen3_next,tp=2,moe=1,pattern=lfl",  # in_proj_qkvz / in_proj_ba grouped per key head
+    "qwen3_next_pp2": "arch=qwen3_next,pp=2,moe=1,pattern=lffl",  # layers renumbered over 2 pipeline stages
 }
 
 

@@ -226,14 +226,18 @@ def save_dist(a: Namespace, chunks: list, root: Path) -> None:
     dist_checkpointing.save(state, str(path))
 
 
-def write_model(a: Namespace, model, out: Path, oracle: Callable[[], dict], hf: Callable[[], object]) -> None:
-    """One model chunk saved as legacy/ and dist/, then its oracle (every rank computes it: a forward is
-    collective) into logits.pt and the HF config folder, by rank 0."""
+def write_model(a: Namespace, model, out: Path, oracle: Callable[[], dict | None], hf: Callable[[], object]) -> None:
+    """This rank's model chunk saved as legacy/ and dist/, then its oracle (every rank computes it: a forward is
+    collective; None on the stages without the logits) into logits.pt by the first rank holding it, and the HF
+    config folder by rank 0."""
+    from megatron.core import parallel_state as ps
+
     save_legacy(a, [model], out / "legacy")
     save_dist(a, [model], out / "dist")
     result = oracle()
-    if dist.get_rank() == 0:
+    if result is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
         torch.save(result, out / "logits.pt")
+    if dist.get_rank() == 0:
         write_save_dirs(out, hf())
     dist.barrier()
 
@@ -245,7 +249,7 @@ def forward_logits(a: Namespace, chunks: list, tokens: torch.Tensor):
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
     positions = torch.arange(SEQ)[None]
     pp_rank, pp = ps.get_pipeline_model_parallel_rank(), a.pp
-    hidden_shape = (SEQ, 1, 32)
+    hidden_shape = (SEQ, 1, chunks[0].config.hidden_size)
     out = None
     with torch.no_grad():
         for vp, chunk in enumerate(chunks):

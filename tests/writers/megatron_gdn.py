@@ -23,10 +23,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.writers.leave_group import leave_group
-from tests.writers.megatron_checkpoint import (SEQ, cpu_patches, padded_vocab, parse, randomise_vectors,
+from tests.writers.megatron_checkpoint import (cpu_patches, forward_logits, padded_vocab, parse, randomise_vectors,
                                                write_model)
 
-DEFAULTS = dict(arch="qwen3_5_text", tp=1, moe=0, pattern="lfl", vocab=101)
+DEFAULTS = dict(arch="qwen3_5_text", tp=1, pp=1, ep=1, moe=0, pattern="lfl", vocab=101)
 HIDDEN, HEADS, GROUPS, HEAD_DIM, ROTARY, FFN = 64, 4, 2, 16, 0.25, 48
 KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, CONV = 2, 4, 8, 8, 4
 EXPERTS, TOPK, MOE_FFN, SHARED_FFN = 4, 2, 24, 32
@@ -66,8 +66,10 @@ def transformer_config(a: Namespace):
         linear_value_head_dim=VALUE_DIM, linear_num_key_heads=KEY_HEADS, linear_num_value_heads=VALUE_HEADS,
         # the pattern as Megatron-LM gives it (1: a Gated DeltaNet): torch_dist then keys each layer by number
         linear_attention_freq=[int(c == "l") for c in a.pattern],
-        deterministic_mode=True, tensor_model_parallel_size=a.tp, use_cpu_initialization=True,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        deterministic_mode=True, tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
+        expert_model_parallel_size=a.ep,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0,
+        attention_dropout=0.0,
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, init_method_std=0.05)
     if a.moe:  # softmax over all experts, the top k renormalised (norm_topk_prob)
@@ -78,18 +80,21 @@ def transformer_config(a: Namespace):
     return TransformerConfig(**kw)
 
 
-def block_spec(a: Namespace):
-    """One layer spec per letter of the pattern, from the local spec with zero-centred norms."""
+def block_spec(a: Namespace, config):
+    """One layer spec per letter of the pattern this pipeline stage builds, from the local spec with zero-centred
+    norms."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     base = get_gpt_layer_local_spec(num_experts=EXPERTS if a.moe else None, qk_layernorm=True,
                                     normalization="RMSNorm")
     layers = []
-    for letter in a.pattern:
+    first = get_transformer_layer_offset(config)
+    for letter in a.pattern[first:first + get_num_layers_to_build(config)]:
         spec = copy.deepcopy(base)
         sub = spec.submodules
         sub.input_layernorm = sub.pre_mlp_layernorm = ZeroCentredRMSNorm
@@ -125,23 +130,23 @@ def hf_config(a: Namespace):
     return transformers.Qwen3_5TextConfig(**kw)
 
 
-def forward(a: Namespace, model) -> dict:
+def forward(a: Namespace, model) -> dict | None:
+    """Megatron's logits over the whole pipeline (on its last stage; None elsewhere)."""
     tokens = torch.tensor([[3, 17, 42, 5, 99, 64, 8]])
-    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
-    with torch.no_grad():
-        logits = model(tokens, torch.arange(SEQ)[None], mask)
-    return {"tokens": tokens, "logits": logits[..., :a.vocab]}
+    logits = forward_logits(a, [model], tokens)
+    return None if logits is None else {"tokens": tokens, "logits": logits}
 
 
 def write_case(a: Namespace, out: Path) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    ps.initialize_model_parallel(a.tp)
+    ps.initialize_model_parallel(a.tp, a.pp, expert_model_parallel_size=a.ep)
     config = transformer_config(a)
     torch.manual_seed(1234)  # CPU init draws each full weight from this seed, then keeps this rank's slice
-    model = GPTModel(config=config, transformer_layer_spec=block_spec(a), vocab_size=padded_vocab(a.vocab, a.tp),
-                     max_sequence_length=64, pre_process=True, post_process=True,
+    model = GPTModel(config=config, transformer_layer_spec=block_spec(a, config),
+                     vocab_size=padded_vocab(a.vocab, a.tp), max_sequence_length=64,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=False, position_embedding_type="rope", rotary_base=10000,
                      rotary_percent=ROTARY, parallel_output=False).eval()
     randomise_vectors([model])
@@ -151,8 +156,9 @@ def write_case(a: Namespace, out: Path) -> None:
 
 def main() -> None:
     out, cases = parse(DEFAULTS, "arch: qwen3_5_text, qwen3_5_moe_text or qwen3_next; pattern: the layers, l a Gated "
-                       "DeltaNet, f full attention; moe: routed experts and a shared expert",
-                       fixed=dict(pp=1, vpp=None, ep=1, tied=False))
+                       "DeltaNet, f full attention; moe: routed experts and a shared expert; pp, ep: pipeline and "
+                       "expert-parallel sizes",
+                       fixed=dict(vpp=None, tied=False))
     cpu_patches()
     gdn_patches()
     dist.init_process_group("gloo")
