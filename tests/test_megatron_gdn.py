@@ -163,3 +163,18 @@ def test_layer_types_the_checkpoint_does_not_have_are_an_error(fmt, gdn_root, tm
     assert "layer 1 of the checkpoint is full_attention but config.json's layer_types[1] is 'linear_attention'" in \
         errors[0], errors[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_qwen3_5_vlm_config_is_refused_naming_the_text_config(gdn_root, tmp_path, capsys):
+    """Qwen3.5's HF release is the VLM (model_type qwen3_5, the text model's config under text_config): a Megatron
+    text model needs that text_config, and the error says so."""
+    case = "qwen3_5_tp2"
+    hf = Path(shutil.copytree(gdn_root / case / "hf", tmp_path / "hf"))
+    text = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
+    code, errors = merge_here(capsys, "--local_dir", gdn_root / case / "legacy", "--target_dir", tmp_path / "out",
+                              "--hf_model_config_path", hf)
+    assert code == 1 and len(errors) == 1, errors
+    assert "written as the text model of HF qwen3_5: pass a folder whose config.json is this config's text_config " \
+        "(model_type qwen3_5_text or qwen3_5_moe_text)" in errors[0], errors[0]
+    assert not (tmp_path / "out").exists()

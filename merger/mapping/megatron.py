@@ -20,9 +20,19 @@ from .policy import ties
 from .steps import Mapping, OutputSpec, Step, Transform, cast
 
 
+def _vlm_of(model_type: str) -> Family | None:
+    """The family whose text model HF VLM `model_type` wraps (Qwen3.5's qwen3_5, Kimi-K2.5's kimi_k25)."""
+    return next((f for f in FAMILIES if model_type in f.text_model_of + (
+        f.torchtitan_vision.model_types if f.torchtitan_vision else ())), None)
+
+
 def family_of(config: dict) -> Family:
     model_type = config.get("model_type")
     family = megatron_family(model_type)
+    if family is None and (text := _vlm_of(model_type)):
+        raise MergerError(f"Megatron checkpoints of {text.name} are written as the text model of HF {model_type}: "
+                          f"pass a folder whose config.json is this config's text_config (model_type "
+                          f"{' or '.join(text.model_types)}) with --hf_model_config_path, config.json")
     if family is None:
         known = ", ".join(t for f in FAMILIES for t in f.model_types)
         raise MergerError(f"no Megatron mapping for model_type {model_type!r} (known: {known}), config.json")
