@@ -1,9 +1,9 @@
 """Qwen3.5 and Qwen3-Next (HF qwen3_5_text, qwen3_5_moe_text, qwen3_next) Megatron checkpoints merged to HF, checked
 against Megatron's own forward pass.
 
-megatron-core writes every case at TP2, PP2 or EP2, legacy and torch_dist (tests/writers/megatron_gdn.py, one torchrun launch of
-2 gloo ranks): Gated DeltaNet layers and gated full attention in the order config.json's layer_types gives,
-zero-centred norms, a dense MLP or routed experts with a shared expert behind its gate. Oracles: Megatron's CPU logits
+megatron-core writes every case at TP2, PP2 or EP2, legacy and torch_dist (tests/writers/megatron_gdn.py, one
+torchrun launch of 2 gloo ranks): Gated DeltaNet layers and gated full attention in the order config.json's
+layer_types gives, zero-centred norms, a dense MLP or routed experts with a shared expert behind its gate. Oracles: Megatron's CPU logits
 against transformers' forward of the merged folder (fp32, max abs diff < 1e-4, the same argmax); the names and
 shapes transformers' save_pretrained writes for the same config; legacy and torch_dist merge to the same bytes, as
 2 merge ranks and one do. The mutation checks show the logits check catches the mistakes a Gated DeltaNet mapping

@@ -51,9 +51,10 @@ class DeltaNetDims:
 
 def _check_in_proj(shape: tuple[int, ...], dims: DeltaNetDims, name: str) -> tuple[int, ...]:
     if shape[0] != sum(dims.sections):
-        raise MergerError(f"tensor {name} has {shape[0]} rows; the Gated DeltaNet config.json gives ({dims.key_heads} "
-                          f"key heads of {dims.key_dim}, {dims.value_heads} value heads of {dims.value_dim}) needs "
-                          f"{sum(dims.sections)}")
+        raise MergerError(f"tensor {name} has {shape[0]} rows where config.json's Gated DeltaNet ({dims.key_heads} "
+                          f"key heads of dim {dims.key_dim}, {dims.value_heads} value heads of dim {dims.value_dim}) "
+                          f"needs {sum(dims.sections)} (pass the HF config of this model with "
+                          f"--hf_model_config_path), config.json")
     return tuple(shape[1:])
 
 

@@ -129,5 +129,5 @@ def test_in_proj_rows_config_json_does_not_give_are_refused():
     from merger.errors import MergerError
 
     config = _config("qwen3_next").to_dict()
-    with pytest.raises(MergerError, match=r"tensor w has \d+ rows; the Gated DeltaNet config.json gives"):
+    with pytest.raises(MergerError, match=r"tensor w has \d+ rows where config.json's Gated DeltaNet \(2 key heads"):
         KINDS["deltanet_in_proj_grouped"].plan("w", (_in_proj_weight().shape[0] + 2, HIDDEN), config)
