@@ -11,7 +11,8 @@ A `Family` holds what merger knows of one model family: the config.json model ty
 under each training framework's names (Megatron's, torchtitan's; none: that framework's checkpoints of it are
 not mapped), what tells its torchtitan checkpoints apart and what of them it leaves out (a vision tower its text
 model has no place for), the VLMs whose text model it is, the vision tower it writes for a VLM's config.json,
-whether HF has multi-token-prediction layers for it, and the row counts config.json fixes. The records are in
+whether HF has multi-token-prediction layers for it, the row counts config.json fixes, and what tells a hybrid's
+layer types apart (checked against config.json's `layer_types`). The records are in
 families.py; adding a family is adding a record.
 """
 from __future__ import annotations
