@@ -53,9 +53,17 @@ FAMILIES = (
     # Qwen3.5 / 3.6 dense and MoE (a Gated DeltaNet and gated full attention hybrid, layer_types in config.json):
     # the VLM with its vision tower (qwen3_5, qwen3_5_moe), or the text model alone, the tower left out
     Family("qwen3_5", ("qwen3_5_text", "qwen3_5_moe_text"),
+           megatron=mr.GATED_ATTENTION + mr.gated_deltanet("deltanet_in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                                                                  "in_proj_a"))
+           + mr.DENSE_MLP + mr.EXPERTS + mr.SHARED_EXPERT, layer_types=mr.DELTANET_LAYER_TYPES,
            torchtitan=tr.NORMS + tr.QWEN3_5_ATTENTION + tr.GATED_DELTANET + tr.DENSE_FFN + tr.QWEN3_5_MOE,
            torchtitan_marks=("attn.wq.weight", "attn.in_proj_q.weight"), torchtitan_left_out=tr.VISION_TOWER,
            torchtitan_vision=tr.QWEN3_5_VISION),
+    # Qwen3-Next: the same hybrid, its Gated DeltaNet's input projection grouped per key head; MoE with a shared
+    # expert (dense rows for mlp_only_layers)
+    Family("qwen3_next", ("qwen3_next",),
+           megatron=mr.GATED_ATTENTION + mr.gated_deltanet("deltanet_in_proj_grouped", ("in_proj_qkvz", "in_proj_ba"))
+           + mr.DENSE_MLP + mr.EXPERTS + mr.SHARED_EXPERT, layer_types=mr.DELTANET_LAYER_TYPES),
     # Nemotron-H: Mamba2, attention and MLP layers by the hybrid pattern (layers_block_type in config.json), which
     # transformers saves under `backbone.` (its module names are `model.`)
     Family("nemotron_h", ("nemotron_h",), megatron=mr.NEMOTRON_H,

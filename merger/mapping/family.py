@@ -12,7 +12,8 @@ A `Family` holds what merger knows of one model family: the config.json model ty
 under each training framework's names (Megatron's, torchtitan's; none: that framework's checkpoints of it are
 not mapped), what tells its torchtitan checkpoints apart and what of them it leaves out (a vision tower its text
 model has no place for), the VLMs whose text model it is, the vision tower it writes for a VLM's config.json,
-whether HF has multi-token-prediction layers for it, and the row counts config.json fixes. The records are in
+whether HF has multi-token-prediction layers for it, the row counts config.json fixes, and what tells a hybrid's
+layer types apart (checked against config.json's `layer_types`). The records are in
 families.py; adding a family is adding a record.
 """
 from __future__ import annotations
@@ -122,6 +123,9 @@ class Family:
     # (prefix, replacement) of the HF names, where HF keeps the model elsewhere than `model.embed_tokens`,
     # `model.layers`, `model.norm` (the names the rows give): the names save_pretrained writes
     hf_prefixes: tuple[tuple[str, str], ...] = ()
+    # A hybrid's layer types: config.json's `layer_types` value -> the Megatron row only a layer of that type
+    # holds. Each checkpoint layer is checked against config.json's pattern, which decides HF's modules.
+    layer_types: dict[str, str] = field(default_factory=dict)
 
     def hf_name(self, name: str) -> str:
         return next((new + name[len(old):] for old, new in self.hf_prefixes if name.startswith(old)), name)
@@ -141,6 +145,10 @@ class Family:
         for mark in self.torchtitan_marks:
             if mark not in sources:
                 raise ValueError(f"family {self.name}: mark {mark!r} is none of its torchtitan rows")
+        for layer_type, source in self.layer_types.items():
+            if not any(row.source == source for row in self.megatron):
+                raise ValueError(f"family {self.name}: layer type {layer_type!r} is told by {source!r}, which is none "
+                                 f"of its Megatron rows")
         targets = {t for row in self.megatron for t in row.targets}
         for name in self.config_rows:
             if name not in targets:

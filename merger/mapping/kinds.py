@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from ..errors import MergerError
+from . import gdn_transforms as gdn
 from . import transforms as tf
 from .steps import OutputSpec, Step, Transform, cast
 
@@ -89,6 +90,23 @@ def _patch_conv3d(name: str, shape: tuple[int, ...], config: dict):
     return shapes, partial(tf.reshape, shape=shapes[0])
 
 
+def _gated_qkv(name: str, shape: tuple[int, ...], config: dict):
+    heads, groups, head_dim = head_counts(config)
+    return gdn.gated_qkv_shapes(shape, heads, groups, head_dim, name), partial(
+        gdn.split_gated_qkv, heads=heads, groups=groups, head_dim=head_dim)
+
+
+def _deltanet_in_proj(grouped: bool, name: str, shape: tuple[int, ...], config: dict):
+    dims = gdn.DeltaNetDims.of(config)
+    if grouped:
+        return gdn.grouped_in_proj_shapes(shape, dims, name), partial(gdn.split_grouped_in_proj, dims=dims)
+    return gdn.flat_in_proj_shapes(shape, dims, name), partial(gdn.split_flat_in_proj, dims=dims)
+
+
+def _plus_one(name: str, shape: tuple[int, ...], config: dict):
+    return [shape], gdn.plus_one
+
+
 KINDS: dict[str, Kind] = {}
 
 
@@ -122,6 +140,13 @@ register(
     # a ViT's patch embedding as a Linear over flattened patches [D, C*T*P*P] (torchtitan's Qwen3.5), as HF's Conv3d
     # [D, C, T, P, P] (the same numbers: the Conv3d's stride is its kernel)
     Kind("patch_conv3d", 1, _patch_conv3d),
+    # megatron-core's Gated DeltaNet hybrids (gdn_transforms.py): gated attention's fused QKV (q_proj, k_proj,
+    # v_proj), the Gated DeltaNet's input projection flat (qwen3_5: in_proj_qkv, _z, _b, _a) or grouped per key
+    # head (qwen3_next: in_proj_qkvz, in_proj_ba), and a zero-centred norm weight as a plain one (+1)
+    Kind("gated_qkv", 3, _gated_qkv),
+    Kind("deltanet_in_proj", 4, partial(_deltanet_in_proj, False)),
+    Kind("deltanet_in_proj_grouped", 2, partial(_deltanet_in_proj, True)),
+    Kind("zero_centred_norm", 1, _plus_one),
 )
 
 

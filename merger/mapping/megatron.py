@@ -27,9 +27,19 @@ from .steps import Mapping, OutputSpec, Step, Transform, cast
 EXPERT = re.compile(r"\.local_experts\.(\d+)\.")  # the catalog's name of every expert, whichever module saved it
 
 
+def _vlm_of(model_type: str) -> Family | None:
+    """The family whose text model HF VLM `model_type` wraps (Qwen3.5's qwen3_5, Kimi-K2.5's kimi_k25)."""
+    return next((f for f in FAMILIES if model_type in f.text_model_of + (
+        f.torchtitan_vision.model_types if f.torchtitan_vision else ())), None)
+
+
 def family_of(config: dict) -> Family:
     model_type = config.get("model_type")
     family = megatron_family(model_type)
+    if family is None and (text := _vlm_of(model_type)):
+        raise MergerError(f"Megatron checkpoints of {text.name} are written as the text model of HF {model_type}: "
+                          f"pass a folder whose config.json is this config's text_config (model_type "
+                          f"{' or '.join(text.model_types)}) with --hf_model_config_path, config.json")
     if family is None:
         known = ", ".join(t for f in FAMILIES for t in f.model_types)
         raise MergerError(f"no Megatron mapping for model_type {model_type!r} (known: {known}), config.json")
@@ -56,6 +66,21 @@ def _step(name: str, shape: tuple[int, ...], kind: str, targets: tuple[str, ...]
           family: Family) -> Step:
     _check_config_rows(name, shape, targets, config, family)
     return kinds.step(name, shape, dtype, kind, targets, config)
+
+
+def _check_layer_types(catalog: Catalog, config: dict, family: Family) -> None:
+    """A hybrid's layers are of the types config.json's `layer_types` gives, which decide HF's modules."""
+    if not family.layer_types:
+        return
+    types = config.get("layer_types")
+    if not isinstance(types, list):
+        raise MergerError(f"config.json has no layer_types, which a {family.name} model needs (the HF config of the "
+                          f"model, --hf_model_config_path), {catalog.root}")
+    for i, wanted in enumerate(types):
+        held = [t for t, row in family.layer_types.items() if f"{MEGATRON.decoder}{i}.{row}" in catalog.tensors]
+        if held != [wanted]:
+            raise MergerError(f"layer {i} of the checkpoint is {' and '.join(held) or 'of no known type'} but "
+                              f"config.json's layer_types[{i}] is {wanted!r}, {catalog.root}")
 
 
 def _zero_bias(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -131,6 +156,7 @@ def _stacked_step(target: str, experts: dict[int, str], row: Row, catalog: Catal
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
     family = family_of(config)
+    _check_layer_types(catalog, config, family)
     table = family_table(family)
     layers = mtp.mtp_layers(catalog, MEGATRON, family, config, options)
     first_mtp = config.get("num_hidden_layers", 0)

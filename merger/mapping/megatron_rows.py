@@ -115,6 +115,29 @@ MINIMAX_M2_MOE = MIXTRAL_EXPERTS + (  # Mixtral's expert names, with DeepSeek-V3
     Row("mlp.router.expert_bias", "rename", ("block_sparse_moe.e_score_correction_bias",)),
 )
 
+# Qwen3-Next / Qwen3.5 full attention: an output gate per query head fused into linear_qkv, q/k norms
+GATED_ATTENTION = tuple(r for r in ATTENTION if r.kind != "qkv") + QK_NORM + (
+    Row("self_attention.linear_qkv.weight", "gated_qkv", tuple(f"{p}.weight" for p in QKV)),)
+
+
+def gated_deltanet(in_proj_kind: str, in_proj: tuple[str, ...]) -> tuple[Row, ...]:
+    """A Gated DeltaNet layer (megatron-core GatedDeltaNet as `self_attention`), its input projection written as
+    `in_proj_kind` into HF's `in_proj` tensors (after `linear_attn.`); TE fuses the input norm into in_proj."""
+    return (
+        Row("self_attention.in_proj.layer_norm_weight", "rename", ("input_layernorm.weight",)),
+        Row("self_attention.in_proj.weight", in_proj_kind, tuple(f"linear_attn.{t}.weight" for t in in_proj)),
+        Row("self_attention.conv1d.weight", "rename", ("linear_attn.conv1d.weight",)),
+        Row("self_attention.A_log", "rename", ("linear_attn.A_log",)),
+        Row("self_attention.dt_bias", "rename", ("linear_attn.dt_bias",)),
+        Row("self_attention.out_norm.weight", "zero_centred_norm", ("linear_attn.norm.weight",)),
+        Row("self_attention.out_proj.weight", "rename", ("linear_attn.out_proj.weight",)),
+    )
+
+
+# what tells a Gated DeltaNet hybrid's layers apart, by config.json's layer_types names
+DELTANET_LAYER_TYPES = {"linear_attention": "self_attention.in_proj.weight",
+                        "full_attention": "self_attention.linear_qkv.weight"}
+
 MEGATRON = Naming(
     "Megatron", "decoder.layers.",
     globals=(

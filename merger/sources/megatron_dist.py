@@ -6,7 +6,8 @@ layer; other models save per-layer keys. The catalog exposes one source tensor p
 each stored chunk that covers layer l gives a piece `name[l - chunk offset]` (the chunk's box without
 axis 0). The reader loads the chunk (a `torch.save` blob inside the .distcp file) and slices the layer out;
 megatron-core writes one chunk per layer, so this reads no extra bytes there.
-A tensor stored as one key per section (a Mamba2 in_proj or conv1d: megatron_sections.py) is presented whole.
+A tensor stored as one key per section (a Mamba2 or Gated DeltaNet in_proj or conv1d: megatron_sections.py) is
+presented whole.
 Entries that are not weights (`optimizer.*`, `_extra_state`, stored objects) are left out by the named rules
 of megatron_skips.py.
 """
@@ -102,8 +103,9 @@ def open_catalog(root: Path) -> Catalog:
 
 
 def join_sections(tensors: dict[str, SourceTensor], ckpt: Path) -> dict[str, SourceTensor]:
-    """A Mamba2 in_proj or conv1d is stored as one tensor per section (megatron_sections.py): one tensor again,
-    in the place of its first section, each section's pieces moved down by the rows of the sections before it."""
+    """A Mamba2 or Gated DeltaNet in_proj or conv1d is stored as one tensor per section (megatron_sections.py):
+    one tensor again, in the place of its first section, each section's pieces moved down by the rows of the
+    sections before it."""
     parts: dict[str, dict[int, SourceTensor]] = {}
     for name, tensor in tensors.items():
         if found := section_of(name):

@@ -7,7 +7,8 @@ global tensors: layers renumbered in (virtual stage, stage) order, experts as ep
 SequentialMLP's names whichever module saved them (GroupedMLP, TEGroupedMLP), TP shards placed as pieces
 (split along the dim megatron_tp.py gives, or whole as one piece with a copy in every file);
 experts are split by expert TP instead, which may differ from TP. A gated fc1 holds [gate_r; up_r] per TP
-rank (a Mamba2 in_proj [z_r; x_r; B_r; C_r; dt_r], its conv1d [x_r; B_r; C_r]: megatron_sections.py), so each
+rank (a Mamba2 in_proj [z_r; x_r; B_r; C_r; dt_r], a Gated DeltaNet's [q_r; k_r; v_r; z_r; b_r; a_r]:
+megatron_sections.py), so each
 section is its own piece placed in its whole section (cat(gate, up)): the global tensor then reads the same as
 torch_dist's. Entries that are not weights are left out by the named rules of megatron_skips.py.
 """

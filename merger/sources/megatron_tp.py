@@ -23,7 +23,11 @@ COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_f
 # vectors, and its gated norm (ExtendedRMSNorm, split along dim 0 although a norm); out_proj is row-parallel.
 MAMBA = ("mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.A_log", "mixer.D", "mixer.dt_bias",
          "mixer.norm.weight")
-ROW = ("linear_proj.weight", "linear_fc2.weight", "mixer.out_proj.weight")
+# Gated DeltaNet (megatron-core ssm/gated_delta_net.py) splits its value heads the same way: in_proj and conv1d
+# section by section, A_log and dt_bias with the heads; out_proj is row-parallel.
+GATED_DELTANET = ("self_attention.in_proj.weight", "self_attention.conv1d.weight", "self_attention.conv1d.bias",
+                  "self_attention.A_log", "self_attention.dt_bias")
+ROW = ("linear_proj.weight", "linear_fc2.weight", "mixer.out_proj.weight", "self_attention.out_proj.weight")
 # MLA's down projections: column-parallel in the local spec, whole on every rank in TE's (a TELinear, with the
 # q/kv norms fused into the up projections, so `linear_kv_up_proj.layer_norm_weight` marks a TE layer).
 MLA_DOWN = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
@@ -36,7 +40,7 @@ WHOLE = ("norm.weight", "layer_norm_weight", "router.weight", "router.bias", "ro
 
 
 def split_known(name: str) -> bool:
-    return name.endswith(COLUMN + MAMBA + ROW + MLA_DOWN + WHOLE)
+    return name.endswith(COLUMN + MAMBA + GATED_DELTANET + ROW + MLA_DOWN + WHOLE)
 
 
 def _full_width_qk_norm(name: str, held: Mapping[str, tuple[int, ...]]) -> bool:
@@ -59,4 +63,4 @@ def tp_dim(name: str, shape: tuple[int, ...], held: Mapping[str, tuple[int, ...]
         return None if fused_norm in held else 0
     if name.endswith(QK_NORMS):
         return 0 if _full_width_qk_norm(name, held) else None
-    return 0 if name.endswith(COLUMN + MAMBA) else 1 if name.endswith(ROW) else None
+    return 0 if name.endswith(COLUMN + MAMBA + GATED_DELTANET) else 1 if name.endswith(ROW) else None

@@ -15,8 +15,8 @@ from tests.helpers.weights import load_safetensors_folder
 
 
 def write_cases(tmp_path_factory, name: str, cases: dict[str, str], writer: str = "megatron_deepseek.py") -> Path:
-    """The folder holding ROOT/case/{legacy,dist,hf,logits.pt} for each NAME: spec of `cases`, which tests/writers'
-    `writer` (megatron_deepseek.py, or one that saves as it does) writes."""
+    """The folder holding ROOT/case/{legacy,dist,hf,logits.pt} for each NAME: spec of `cases`, written by
+    tests/writers/`writer` (one that writes that layout: megatron_deepseek.py, megatron_gdn.py)."""
     root = tmp_path_factory.mktemp(name)
     run_writer(writer, "--out", root,
                *[arg for case, spec in cases.items() for arg in ("--case", f"{case}:{spec}")], nproc=2)

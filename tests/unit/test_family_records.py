@@ -57,6 +57,9 @@ def test_a_family_is_refused_for_a_mark_or_row_count_it_has_no_row_for():
         Family("toy", ("toy",), megatron=rows, config_rows={"self_attn.q_a_proj.weight": lambda c: 1})
     with pytest.raises(ValueError, match=r"row 'attention.wq.weight' appears twice in the toy family's Megatron rows"):
         Family("toy", ("toy",), megatron=rows + rows)
+    with pytest.raises(ValueError, match=r"family toy: layer type 'linear_attention' is told by "
+                                         r"'self_attention.in_proj.weight', which is none of its Megatron rows"):
+        Family("toy", ("toy",), megatron=rows, layer_types={"linear_attention": "self_attention.in_proj.weight"})
 
 
 def test_a_kind_is_registered_once():
@@ -242,11 +245,12 @@ def test_a_join_names_its_parts_and_they_are_rows_of_no_one_else():
 
 def _megatron_cases() -> set[str]:
     """The model types the Megatron logits tests write (test_megatron.py, test_megatron_deepseek.py,
-    test_megatron_glm45.py, test_megatron_nemotron_h.py, test_megatron_gpt_oss_minimax.py, test_megatron_dsa.py)."""
-    from tests import (test_megatron, test_megatron_deepseek, test_megatron_dsa, test_megatron_glm45,
+    test_megatron_glm45.py, test_megatron_nemotron_h.py, test_megatron_gpt_oss_minimax.py, test_megatron_dsa.py,
+    test_megatron_gdn.py)."""
+    from tests import (test_megatron, test_megatron_deepseek, test_megatron_dsa, test_megatron_gdn, test_megatron_glm45,
                        test_megatron_gpt_oss_minimax, test_megatron_nemotron_h)
-    from tests.writers import (megatron_checkpoint, megatron_deepseek, megatron_dsa, megatron_gpt_oss_minimax,
-                               megatron_nemotron_h)
+    from tests.writers import (megatron_checkpoint, megatron_deepseek, megatron_dsa, megatron_gdn,
+                               megatron_gpt_oss_minimax, megatron_nemotron_h)
 
     found = set()
     for cases, names, defaults in ((test_megatron.CASES, test_megatron.MODELS, megatron_checkpoint.DEFAULTS),
@@ -258,7 +262,8 @@ def _megatron_cases() -> set[str]:
                                     megatron_nemotron_h.DEFAULTS),
                                    (test_megatron_gpt_oss_minimax.CASES, test_megatron_gpt_oss_minimax.CASES,
                                     megatron_gpt_oss_minimax.DEFAULTS),
-                                   (test_megatron_dsa.CASES, test_megatron_dsa.CASES, megatron_dsa.DEFAULTS)):
+                                   (test_megatron_dsa.CASES, test_megatron_dsa.CASES, megatron_dsa.DEFAULTS),
+                                   (test_megatron_gdn.CASES, test_megatron_gdn.CASES, megatron_gdn.DEFAULTS)):
         for name in names:
             spec = dict(pair.split("=") for pair in cases[name].split(",") if pair)
             found.add(spec.get("arch", defaults["arch"]))

@@ -22,6 +22,7 @@ import contextlib
 import zlib
 from argparse import Namespace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ def parse(defaults: dict = DEFAULTS, about: str = "arch: llama, mistral, qwen2, 
           "value: a critic with a 1-output head; lora=R,alpha=A: LoRA adapters of rank R on every layer's linears, "
           "saved alone as Megatron-Bridge does into lora_dist/, the logits with them live", fixed: dict | None = None
           ) -> tuple[Path, list[tuple[str, Namespace]]]:
-    """--out and the --case NAME:key=value,... specs over `defaults` (arch a name, booleans 0/1, the rest ints),
+    """--out and the --case NAME:key=value,... specs over `defaults` (strings as given, booleans 0/1, the rest ints),
     each with `fixed` added."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -69,7 +70,7 @@ def parse(defaults: dict = DEFAULTS, about: str = "arch: llama, mistral, qwen2, 
         for pair in filter(None, pairs.split(",")):
             key, _, value = pair.partition("=")
             flag = isinstance(defaults.get(key), bool)
-            values[key] = value if key == "arch" else value == "1" if flag else int(value)
+            values[key] = value if isinstance(defaults.get(key), str) else value == "1" if flag else int(value)
         cases.append((name, Namespace(**values, **(fixed or {}))))
     return args.out, cases
 
@@ -226,6 +227,22 @@ def save_dist(a: Namespace, chunks: list, root: Path) -> None:
     dist_checkpointing.save(state, str(path))
 
 
+def write_model(a: Namespace, model, out: Path, oracle: Callable[[], dict | None], hf: Callable[[], object]) -> None:
+    """This rank's model chunk saved as legacy/ and dist/, then its oracle (every rank computes it: a forward is
+    collective; None on the stages without the logits) into logits.pt by the first rank holding it, and the HF
+    config folder by rank 0."""
+    from megatron.core import parallel_state as ps
+
+    save_legacy(a, [model], out / "legacy")
+    save_dist(a, [model], out / "dist")
+    result = oracle()
+    if result is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+        torch.save(result, out / "logits.pt")
+    if dist.get_rank() == 0:
+        write_save_dirs(out, hf())
+    dist.barrier()
+
+
 def forward_logits(a: Namespace, chunks: list, tokens: torch.Tensor):
     """Megatron's own forward over the whole pipeline: stage by stage, hidden states sent over gloo."""
     from megatron.core import parallel_state as ps
@@ -233,7 +250,7 @@ def forward_logits(a: Namespace, chunks: list, tokens: torch.Tensor):
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
     positions = torch.arange(SEQ)[None]
     pp_rank, pp = ps.get_pipeline_model_parallel_rank(), a.pp
-    hidden_shape = (SEQ, 1, 32)
+    hidden_shape = (SEQ, 1, chunks[0].config.hidden_size)
     out = None
     with torch.no_grad():
         for vp, chunk in enumerate(chunks):

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.writers.megatron_checkpoint import (cpu_patches, padded_vocab, parse, randomise_vectors, save_dist,
-                                               save_legacy, write_cases, write_save_dirs)
+from tests.writers.megatron_checkpoint import (cpu_patches, padded_vocab, parse, randomise_vectors, write_cases,
+                                               write_model)
 
 DEFAULTS = dict(arch="deepseek_v3", tp=1, ep=1, layers=2, dense=1, q_lora=1, qk_norm=0, mtp=1, vocab=101)
 HIDDEN, HEADS, FFN, MOE_FFN, EXPERTS = 32, 4, 40, 24, 4
@@ -169,18 +169,9 @@ def mtp_params(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_with_oracle(a: Namespace, model, out: Path, hf) -> None:
-    """legacy/ and dist/, the oracle logits.pt (with MTP, its layers' logits and own tensors) and hf/ (the
-    transformers config `hf`) into OUT."""
-    save_legacy(a, [model], out / "legacy")
-    save_dist(a, [model], out / "dist")
-    oracle = forward(a, model)
-    if a.mtp:
-        oracle["mtp_params"] = mtp_params(model)
-    if dist.get_rank() == 0:
-        torch.save(oracle, out / "logits.pt")
-        write_save_dirs(out, hf)
-    dist.barrier()
+def oracle(a: Namespace, model) -> dict:
+    """What logits.pt holds: Megatron's logits and, with MTP, its layers' logits and own tensors."""
+    return {**forward(a, model), **({"mtp_params": mtp_params(model)} if a.mtp else {})}
 
 
 def write_case(a: Namespace, out: Path) -> None:
@@ -188,7 +179,8 @@ def write_case(a: Namespace, out: Path) -> None:
 
     ps.initialize_model_parallel(a.tp, expert_model_parallel_size=a.ep)
     config = transformer_config(a)
-    save_with_oracle(a, build_model(a, config), out, hf_config(a))
+    model = build_model(a, config)
+    write_model(a, model, out, lambda: oracle(a, model), lambda: hf_config(a))
     ps.destroy_model_parallel()
 
 

@@ -12,8 +12,9 @@ Tiny models as the two are built (local spec, every layer MoE over 4 experts, TP
   router whose expert bias steers the choice.
 Every vector and every expert is then drawn from a seed naming its global tensor (and the rank's slice taken),
 so TP halves and EP ranks' experts all differ: the sinks and the full-width norms, which Megatron does not flag
-as TP-split, differ between the TP ranks as they would after training. Saved by megatron_deepseek.py's save_with_oracle
-(legacy/, dist/, hf/, logits.pt with Megatron's own forward logits), the legacy args naming expert TP.
+as TP-split, differ between the TP ranks as they would after training. Saved by megatron_checkpoint.py's write_model
+(legacy/, dist/, hf/, logits.pt with Megatron's own forward logits: megatron_deepseek.py's oracle), the legacy args
+naming expert TP.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.writers.megatron_checkpoint import cpu_patches, padded_vocab, parse, write_cases
-from tests.writers.megatron_deepseek import save_with_oracle
+from tests.writers.megatron_checkpoint import cpu_patches, padded_vocab, parse, write_cases, write_model
+from tests.writers.megatron_deepseek import oracle
 
 DEFAULTS = dict(arch="gpt_oss", tp=2, ep=2, layers=2, heads=4, groups=2, vocab=101, mtp=0)
 HIDDEN, HEAD_DIM, MOE_FFN, EXPERTS = 64, 16, 32, 4
@@ -175,7 +176,8 @@ def write_case(a: Namespace, out: Path) -> None:
 
     ps.initialize_model_parallel(a.tp, expert_model_parallel_size=a.ep, expert_tensor_parallel_size=1)
     config = transformer_config(a)
-    save_with_oracle(a, build_model(a, config), out, hf_config(a))
+    model = build_model(a, config)
+    write_model(a, model, out, lambda: oracle(a, model), lambda: hf_config(a))
     ps.destroy_model_parallel()
 
 
