@@ -205,6 +205,38 @@ def test_unknown_family_is_reported(megatron_root, tmp_path, capsys):
     assert "no Megatron mapping for model_type 'gpt2'" in capsys.readouterr().err
 
 
+def _as_vlm(state: dict) -> dict:
+    """A language model's tensors as a Megatron VLM holds them (mbridge / Megatron-Bridge: `language_model.`),
+    beside a vision tower's tensor."""
+    return {**{f"language_model.{k}": v for k, v in state.items()}, "vision_model.patch_embed.proj.weight":
+            torch.zeros(8, 12)}
+
+
+def test_a_vision_language_checkpoint_is_refused_in_one_line(megatron_root, tmp_path):
+    """A Megatron VLM (legacy rank files, or a torch_dist save made by torch's own DCP writer) stops with one line
+    saying what it is, in place of its first tensor without an HF name, and writes nothing."""
+    import torch.distributed.checkpoint as dcp
+
+    legacy = tmp_path / "legacy"
+    shutil.copytree(megatron_root / "tp2_gqa_bias" / "legacy", legacy)
+    for rank_file in legacy.glob("iter_0000001/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(rank_file, weights_only=False)  # our own test file
+        state["model"] = _as_vlm(state["model"])
+        torch.save(state, rank_file)
+    dist = tmp_path / "dist"
+    dcp.save(_as_vlm({"decoder.final_layernorm.weight": torch.ones(8)}), checkpoint_id=str(dist), no_dist=True)
+    (dist / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                    "common_backend": "torch", "common_backend_version": 1}))
+    for src in (legacy, dist):
+        proc = run_merger("merge", "--local_dir", src, "--target_dir", tmp_path / f"out_{src.name}",
+                          "--hf_model_config_path", megatron_root / "tp2_gqa_bias" / "hf", check=False)
+        assert proc.returncode == 1
+        error = single_error_line(proc.stderr)
+        assert "a Megatron vision-language checkpoint (language_model.*, vision_model.* tensors)" in error, error
+        assert str(src) in error, error
+        assert not (tmp_path / f"out_{src.name}").exists()
+
+
 class _RunsCode:
     """A pickle that would run a shell command when loaded by plain pickle.load."""
 

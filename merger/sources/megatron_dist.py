@@ -36,6 +36,16 @@ from .megatron_skips import NOT_A_TENSOR, skip_rule
 STACKED = "decoder.layers."
 EXPERTS = "mlp.experts.experts."  # SequentialMLP experts, stacked on an expert axis
 MODEL_PREFIXES = ("decoder.", "embedding.", "output_layer.")
+# A vision-language model as verl's Megatron engine builds it (mbridge / Megatron-Bridge: a GPTModel as
+# `language_model`, a ViT as `vision_model`), which no family record maps (docs/megatron.md says why)
+VLM_PREFIXES = ("language_model.", "vision_model.")
+
+
+def refuse_vlm(names, where: object) -> None:
+    """One line for a Megatron VLM checkpoint, instead of its first tensor without an HF name."""
+    if any(n.startswith(VLM_PREFIXES) for n in names):
+        raise MergerError(f"a Megatron vision-language checkpoint (language_model.*, vision_model.* tensors): merger "
+                          f"merges Megatron language models only (docs/megatron.md), {where}")
 
 
 def detect(root: Path) -> bool:
@@ -93,6 +103,7 @@ def open_catalog(root: Path) -> Catalog:
                 copy = PieceCopy(files[file], with_index(key, local), (offset, length))
                 pieces.setdefault(name, []).append(ShardPiece(offsets[axes:], sizes[axes:], (copy,)))
                 shapes[name], dtypes[name] = tuple(md.size[axes:]), md.properties.dtype
+    refuse_vlm(pieces, ckpt)
     if not any(n.startswith(MODEL_PREFIXES) for n in pieces):
         raise MergerError(f"torch_dist checkpoint holds no model weights (decoder.*, embedding.*), {ckpt}")
     tensors = join_sections({n: SourceTensor(n, shapes[n], dtypes[n], tuple(p)) for n, p in pieces.items()}, ckpt)

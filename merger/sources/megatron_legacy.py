@@ -27,6 +27,7 @@ from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
 from ..errors import MergerError
 from .mapped_states import MappedStates
 from .piece_keys import split_expert, split_key, take, take_expert, with_expert, with_slice
+from .megatron_dist import refuse_vlm
 from .megatron_skips import NOT_A_TENSOR, skip_rule
 from .megatron_layout import checkpoint_dir
 from .megatron_sections import local_sections
@@ -243,6 +244,7 @@ def open_catalog(root: Path) -> Catalog:
                     for tp, file in slice_files:
                         rank = etp_of[file] if expert else tp
                         entry["copies"].setdefault(rank, []).append(PieceCopy(file, f"{key}/{stored}"))
+    refuse_vlm(entries, ckpt)
     tensors = {}
     for g, entry in entries.items():
         shape, pieces = _pieces(entry["value"], entry["dim"], entry["sections"], entry["copies"],
