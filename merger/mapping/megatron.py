@@ -22,6 +22,7 @@ from .megatron_rows import MEGATRON
 from .naming import Entry, compile_table, lookup
 from .policy import ties
 from .steps import Mapping, OutputSpec, Step, Transform, cast
+from .transformers_release import require_model_type
 
 
 EXPERT = re.compile(r"\.local_experts\.(\d+)\.")  # the catalog's name of every expert, whichever module saved it
@@ -43,6 +44,7 @@ def family_of(config: dict) -> Family:
     if family is None:
         known = ", ".join(t for f in FAMILIES for t in f.model_types)
         raise MergerError(f"no Megatron mapping for model_type {model_type!r} (known: {known}), config.json")
+    require_model_type(model_type, "config.json")
     return family
 
 

@@ -28,6 +28,7 @@ from .hf import model_config
 from .naming import Naming, compile_table, lookup
 from .steps import Mapping, cast
 from .torchtitan_rows import DROPPED_BUFFERS, TORCHTITAN
+from .transformers_release import require_model_type
 
 MODELS = {f"torchtitan-{f.name.replace('_', '-')}": f for f in FAMILIES}  # the --model values
 _LAYER_ROW = re.compile(r"layers\.\d+\.(.*)")
@@ -89,6 +90,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     family = MODELS.get(options.model) or family_of(catalog.tensors, catalog.root)
     hf_dir, config = model_config(catalog, options)
     _checked_config(family, config, hf_dir)
+    require_model_type(config.get("model_type"), hf_dir / "config.json")
     table = compile_table(TORCHTITAN, family.torchtitan)
     vision = _vision(family, config)
     vision_table = compile_table(Naming("torchtitan vision", vision.blocks, vision.globals, None, vision.hf_blocks),
