@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import BinaryIO
 
 from .locations import is_remote, storage_of
 from .range_file import RangeFile
@@ -65,3 +66,9 @@ def zip_shadow(file: str) -> str:
                 os.pwrite(f.fileno(), data, start)
         _SHADOWS[file] = shadow
     return _SHADOWS[file]
+
+
+def open_shadow(file: str) -> BinaryIO:
+    """`zip_shadow(file)` opened for reading: what a zip-record reader or a format sniff reads of `file`, wherever it
+    lies."""
+    return open(zip_shadow(file), "rb")

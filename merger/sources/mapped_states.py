@@ -18,7 +18,7 @@ import torch
 
 from ..catalog import Stored, ZipRecord
 from ..errors import MergerError
-from ..io.zip_shadow import zip_shadow
+from ..io.zip_shadow import open_shadow
 from .zip_records import ZipRecordError, open_archive, storage_record
 
 
@@ -38,7 +38,7 @@ def _tensors(state) -> Iterator[torch.Tensor]:
 def _records(file: str) -> list[ZipRecord] | None:
     """The storage records of a torch.save file; None for a pre-zip file (torch < 1.6, loaded whole)."""
     try:
-        with open(zip_shadow(file), "rb") as f:  # a bucket's object: its local shadow holds all but the data
+        with open_shadow(file) as f:  # a bucket's object: its local shadow holds all but the data
             archive, entries = open_archive(f)
             records = [storage_record(f, info) for name, info in entries.items() if name.startswith("data/")]
             size = os.fstat(f.fileno()).st_size

@@ -13,7 +13,7 @@ import zipfile
 import torch
 
 from ..errors import MergerError
-from ..io.zip_shadow import zip_shadow
+from ..io.zip_shadow import open_shadow, zip_shadow
 from .pickled_enums import member_lookup
 
 _ZIP = b"PK\x03\x04"  # torch.save since torch 1.6: a zip archive
@@ -31,7 +31,7 @@ def torch_load(path: str, what: str, mmap: bool = True, safe_globals: tuple = ()
     getattr_enum_member = member_lookup(g[0] if isinstance(g, tuple) else g for g in safe_globals)
     try:
         local = zip_shadow(path)  # an object in a bucket: all but its tensors' bytes, in a local file
-        with open(local, "rb") as f:
+        with open_shadow(path) as f:
             head = f.read(32)
         if not head:
             raise MergerError(f"cannot load {what}: the file is empty, {path}")
@@ -58,7 +58,7 @@ def torch_load(path: str, what: str, mmap: bool = True, safe_globals: tuple = ()
         found = re.search(r"refusing to call getattr\(.*", text)
         if found:
             raise MergerError(f"refusing to load {what}: {found.group(0)}, {path}") from e
-        if _cut_short_zip(zip_shadow(path)):
+        if _cut_short_zip(path):
             raise MergerError(f"cannot load {what}: a zip archive whose end (the directory of its records) is "
                               f"missing or damaged (truncated?), {path}") from e
         first_line = text.strip().splitlines()[0] if text.strip() else type(e).__name__
@@ -69,7 +69,7 @@ def _cut_short_zip(path: str) -> bool:
     """A torch.save zip whose directory, at the end of the file, cannot be found: what a copy cut short or an
     interrupted save leaves (torch.load then says only "Invalid argument" or the like)."""
     try:
-        with open(path, "rb") as f:
+        with open_shadow(path) as f:
             return f.read(4) == _ZIP and not zipfile.is_zipfile(f)
     except OSError:
         return False
