@@ -29,9 +29,10 @@ def mtp_layers(catalog: Catalog, naming: Naming, family: Family, config: dict, o
                           f"{catalog.root}")
     layers = sorted({int(_number(n, naming.mtp.prefix)) for n in names})
     if family.mtp.own and len(layers) > 1:
+        own = ", ".join(family.mtp.own.values())
         raise MergerError(f"the checkpoint has {len(layers)} multi-token-prediction layers, each with its own "
-                          f"projection and norms, but HF's {family.name} holds one ({', '.join(family.mtp.own.values())}"
-                          f"; pass --drop-mtp to leave MTP layers out), {catalog.root}")
+                          f"projection and norms, but HF's {family.name} holds one ({own}; pass --drop-mtp to leave "
+                          f"MTP layers out), {catalog.root}")
     decoder = {_number(n, naming.decoder) for n in catalog.tensors if n.startswith(naming.decoder)}
     if not family.mtp.layer and len(decoder) != config.get("num_hidden_layers"):
         raise MergerError(f"the checkpoint has {len(decoder)} decoder layers but config.json's num_hidden_layers is "
