@@ -47,6 +47,7 @@ CASES = {
     "qwen3_5_moe_mtp_ep2": "arch=qwen3_5_moe_text,ep=2,moe=1,pattern=lf,mtp=1",
 }
 MTP_CASES = [case for case, spec in CASES.items() if "mtp=1" in spec]
+TWO_MTP = {"qwen3_5_mtp2": "arch=qwen3_5_text,pattern=lf,mtp=2"}  # more MTP layers than HF's layout holds
 # Megatron's MTP layer's own tensors -> the released checkpoints' names
 MTP_OWN = {"eh_proj.weight": "mtp.fc.weight", "enorm.weight": "mtp.pre_fc_norm_embedding.weight",
            "hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "final_layernorm.weight": "mtp.norm.weight"}
@@ -56,7 +57,7 @@ MTP_COUNT = {"qwen3_next": "num_nextn_predict_layers", "qwen3_5_text": "mtp_num_
 
 @pytest.fixture(scope="session")
 def gdn_root(tmp_path_factory) -> Path:
-    return write_cases(tmp_path_factory, "megatron_gdn", CASES, writer="megatron_gdn.py")
+    return write_cases(tmp_path_factory, "megatron_gdn", {**CASES, **TWO_MTP}, writer="megatron_gdn.py")
 
 
 @pytest.fixture(scope="session")
@@ -191,6 +192,22 @@ def test_drop_mtp_leaves_the_mtp_layer_out(case, gdn_root, merged):
     assert config[MTP_COUNT[config["model_type"]]] == 0
     expected = oracle(gdn_root, case)
     assert_megatron_logits(logits_of(load(out)[0], expected["tokens"]), expected["logits"])
+
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "dist"])
+def test_two_mtp_layers_are_an_error_and_drop_mtp_merges_the_model(fmt, gdn_root, merged, tmp_path, capsys):
+    """HF keeps one mtp.fc and one set of MTP norms; Megatron's 2 MTP layers have one each: the merge stops, naming
+    why and --drop-mtp, which then writes the model without them."""
+    case = "qwen3_5_mtp2"
+    code, errors = merge_here(capsys, "--local_dir", gdn_root / case / fmt, "--target_dir", tmp_path / "out",
+                              "--hf_model_config_path", gdn_root / case / "hf")
+    assert code == 1 and len(errors) == 1, errors
+    assert "the checkpoint has 2 multi-token-prediction layers" in errors[0] and "--drop-mtp" in errors[0], errors[0]
+    assert not (tmp_path / "out").exists()
+    expected = oracle(gdn_root, case)
+    model, _ = load(merged(case, fmt, "--drop-mtp"))
+    assert_megatron_logits(logits_of(model, expected["tokens"]), expected["logits"])
 
 
 def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
