@@ -14,7 +14,6 @@ from . import torchtitan_rows as tr
 from .family import Family, MtpLayout, Row
 from .kinds import head_counts
 
-# TE keeps MLA's down projections whole on every rank, the local spec splits them
 # DeepSeek-V3's MTP layers: HF layers after the decoder layers, with the embedding and output layer again
 NEXTN = MtpLayout("num_nextn_predict_layers")
 # Qwen3-Next's and Qwen3.5's MTP layer (vLLM's qwen3_next_mtp.py / qwen3_5_mtp.py, Megatron-Bridge's Qwen3-Next
@@ -30,6 +29,7 @@ def qwen_mtp(count_key: str) -> MtpLayout:
     return MtpLayout(count_key, layer="mtp.layers.{j}.", own=QWEN_MTP_OWN, shared=False)
 
 
+# TE keeps MLA's down projections whole on every rank, the local spec splits them
 MLA_CONFIG_ROWS = {"self_attn.q_a_proj.weight": lambda c: c["q_lora_rank"],
                    "self_attn.kv_a_proj_with_mqa.weight": lambda c: c["kv_lora_rank"] + c["qk_rope_head_dim"]}
 
