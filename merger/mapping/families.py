@@ -11,8 +11,23 @@ from __future__ import annotations
 from ..sources.megatron_tp import split_known
 from . import megatron_rows as mr
 from . import torchtitan_rows as tr
-from .family import Family, Row
+from .family import Family, MtpLayout, Row
 from .kinds import head_counts
+
+# DeepSeek-V3's MTP layers: HF layers after the decoder layers, with the embedding and output layer again
+NEXTN = MtpLayout("num_nextn_predict_layers")
+# Qwen3-Next's and Qwen3.5's MTP layer (vLLM's qwen3_next_mtp.py / qwen3_5_mtp.py, Megatron-Bridge's Qwen3-Next
+# mapping): its transformer layer `mtp.layers.{j}.` under the decoder layer's names, its projection and norms once
+# as `mtp.*` (fc: Megatron's eh_proj, the same [embedding; hidden] order; the norms zero-centred in both), the
+# embedding and output layer the model's. Qwen3.5's config.json counts it as mtp_num_hidden_layers; Qwen3-Next's
+# release counts it nowhere, and vLLM reads num_nextn_predict_layers.
+QWEN_MTP_OWN = {"eh_proj.weight": "mtp.fc.weight", "enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+                "hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "shared_head.norm.weight": "mtp.norm.weight"}
+
+
+def qwen_mtp(count_key: str) -> MtpLayout:
+    return MtpLayout(count_key, layer="mtp.layers.{j}.", own=QWEN_MTP_OWN, shared=False)
+
 
 # TE keeps MLA's down projections whole on every rank, the local spec splits them
 MLA_CONFIG_ROWS = {"self_attn.q_a_proj.weight": lambda c: c["q_lora_rank"],
@@ -40,22 +55,23 @@ FAMILIES = (
            # torchtitan's kimi_k2_7 (Kimi-K2.5 / K2.7) is this model with a vision tower: its text model is written,
            # as deepseek_v3; transformers' kimi_k25 wraps it with the vision tower
            torchtitan_left_out=tr.VISION_TOWER, text_model_of=("kimi_k25",),
-           mtp_count_key="num_nextn_predict_layers", config_rows=MLA_CONFIG_ROWS),
+           mtp=NEXTN, config_rows=MLA_CONFIG_ROWS),
     # DeepSeek-V3.2 and GLM-5: DeepSeek-V3 with DeepSeek Sparse Attention's indexer in each attention layer (GLM-5's
     # "shared" layers reuse an earlier layer's choice and hold none)
     Family("deepseek_v32", ("deepseek_v32", "glm_moe_dsa"),
            megatron=mr.MLA + mr.DSA_INDEXER + mr.DENSE_MLP + mr.DEEPSEEK_MOE,
-           mtp_count_key="num_nextn_predict_layers", config_rows=MLA_CONFIG_ROWS),
+           mtp=NEXTN, config_rows=MLA_CONFIG_ROWS),
     # GLM-4.5 / 4.6: GQA attention (qkv bias, q/k norms when use_qk_norm) before DeepSeek-V3's MoE; its MTP
     # layers are HF's model.layers.{L+k}, as DeepSeek-V3's are
     Family("glm4_moe", ("glm4_moe",), megatron=mr.ATTENTION + mr.QK_NORM + mr.DENSE_MLP + mr.DEEPSEEK_MOE,
-           mtp_count_key="num_nextn_predict_layers"),
+           mtp=NEXTN),
     # Qwen3.5 / 3.6 dense and MoE (a Gated DeltaNet and gated full attention hybrid, layer_types in config.json):
     # the VLM with its vision tower (qwen3_5, qwen3_5_moe), or the text model alone, the tower left out
     Family("qwen3_5", ("qwen3_5_text", "qwen3_5_moe_text"),
            megatron=mr.GATED_ATTENTION + mr.gated_deltanet("deltanet_in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b",
                                                                                   "in_proj_a"))
            + mr.DENSE_MLP + mr.EXPERTS + mr.SHARED_EXPERT, layer_types=mr.DELTANET_LAYER_TYPES,
+           mtp=qwen_mtp("mtp_num_hidden_layers"),
            torchtitan=tr.NORMS + tr.QWEN3_5_ATTENTION + tr.GATED_DELTANET + tr.DENSE_FFN + tr.QWEN3_5_MOE,
            torchtitan_marks=("attn.wq.weight", "attn.in_proj_q.weight"), torchtitan_left_out=tr.VISION_TOWER,
            torchtitan_vision=tr.QWEN3_5_VISION),
@@ -63,7 +79,8 @@ FAMILIES = (
     # expert (dense rows for mlp_only_layers)
     Family("qwen3_next", ("qwen3_next",),
            megatron=mr.GATED_ATTENTION + mr.gated_deltanet("deltanet_in_proj_grouped", ("in_proj_qkvz", "in_proj_ba"))
-           + mr.DENSE_MLP + mr.EXPERTS + mr.SHARED_EXPERT, layer_types=mr.DELTANET_LAYER_TYPES),
+           + mr.DENSE_MLP + mr.EXPERTS + mr.SHARED_EXPERT, layer_types=mr.DELTANET_LAYER_TYPES,
+           mtp=qwen_mtp("num_nextn_predict_layers")),
     # Nemotron-H: Mamba2, attention and MLP layers by the hybrid pattern (layers_block_type in config.json), which
     # transformers saves under `backbone.` (its module names are `model.`)
     Family("nemotron_h", ("nemotron_h",), megatron=mr.NEMOTRON_H,
@@ -98,6 +115,18 @@ def _tp_split_known(families: tuple[Family, ...]) -> None:
                 raise ValueError(f"row {row.source!r} of {where}: sources/megatron_tp.py does not say how TP splits it")
 
 
+def _mtp_own_names_known(families: tuple[Family, ...]) -> None:
+    """A layout that names an MTP layer's own tensors names every one each naming gives (none is left to fall under
+    the layer) and no other."""
+    for family in families:
+        if family.mtp and family.mtp.own:
+            for naming in (mr.MEGATRON, tr.TORCHTITAN):
+                given = {t for row in naming.mtp.rows for t in row.targets}
+                if given != set(family.mtp.own):
+                    raise ValueError(f"family {family.name}: its MTP layout names {sorted(family.mtp.own)}, "
+                                     f"{naming.name}'s MTP rows give {sorted(given)}")
+
+
 def _unmarked_torchtitan_family(families: tuple[Family, ...]) -> Family:
     torchtitan = [f for f in families if f.torchtitan]
     for family in torchtitan:
@@ -115,6 +144,7 @@ def checked_together(families: tuple[Family, ...]) -> Family:
     """Raises where the records disagree with one another; returns the torchtitan family without marks."""
     _one_family_per_model_type(families)
     _tp_split_known(families)
+    _mtp_own_names_known(families)
     return _unmarked_torchtitan_family(families)
 
 

@@ -12,8 +12,8 @@ A `Family` holds what merger knows of one model family: the config.json model ty
 under each training framework's names (Megatron's, torchtitan's; none: that framework's checkpoints of it are
 not mapped), what tells its torchtitan checkpoints apart and what of them it leaves out (a vision tower its text
 model has no place for), the VLMs whose text model it is, the vision tower it writes for a VLM's config.json,
-whether HF has multi-token-prediction layers for it, the row counts config.json fixes, and what tells a hybrid's
-layer types apart (checked against config.json's `layer_types`). The records are in
+where HF keeps its multi-token-prediction layers (none: HF has none for it), the row counts config.json fixes, and
+what tells a hybrid's layer types apart (checked against config.json's `layer_types`). The records are in
 families.py; adding a family is adding a record.
 """
 from __future__ import annotations
@@ -99,6 +99,27 @@ class VisionTower:
 
 
 @dataclass(frozen=True)
+class MtpLayout:
+    """Where HF keeps a family's multi-token-prediction layers, and which config.json key counts them.
+
+    DeepSeek-V3's (the defaults): MTP layer j is HF layer `model.layers.{L + j}.` after the L decoder layers, with
+    its own tensors under it (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, the names the namings give) and the
+    embedding and output layer again (`shared`). Qwen3-Next's and Qwen3.5's: MTP layer j's transformer layer is
+    `mtp.layers.{j}.`, its own tensors have names of their own outside it (`mtp.fc`), once for the model, so HF
+    holds one MTP layer, and the embedding and output layer are the model's."""
+    count_key: str  # config.json's count of MTP layers
+    layer: str = ""  # where HF keeps MTP layer {j}'s transformer layer; "": as decoder layer L + j
+    # The namings' HF names of an MTP layer's own tensors -> this family's full names, where HF keeps them outside
+    # the layer (once: such a family holds one MTP layer)
+    own: dict[str, str] = field(default_factory=dict)
+    shared: bool = True  # HF holds the embedding and output layer again in each MTP layer
+
+    def __post_init__(self):
+        if self.own and not self.layer:
+            raise ValueError(f"MTP layout {self.count_key}: its own tensors' names need the layer's name too")
+
+
+@dataclass(frozen=True)
 class Family:
     name: str  # in messages, and torchtitan's --model torchtitan-<name>
     model_types: tuple[str, ...]  # config.json model types it writes
@@ -117,7 +138,7 @@ class Family:
     # Its torchtitan checkpoints' vision tower, written whole (with the text model under the VLM's names) where
     # config.json is one of the HF VLMs it names
     torchtitan_vision: VisionTower | None = None
-    mtp_count_key: str | None = None  # config.json's count of MTP layers; None: HF has no MTP layers for it
+    mtp: MtpLayout | None = None  # where HF keeps its MTP layers; None: HF has no MTP layers for it
     # HF layer-row name -> the row count config.json fixes for it, for tensors a TP layout could leave ambiguous
     config_rows: dict[str, Callable[[dict], int]] = field(default_factory=dict)
     # (prefix, replacement) of the HF names, where HF keeps the model elsewhere than `model.embed_tokens`,

@@ -106,17 +106,17 @@ def claims(catalog: Catalog, options: MergeOptions) -> bool:
     return catalog.naming == "megatron"
 
 
-def _mtp_note(catalog: Catalog, layers: list[int], first: int) -> tuple[str, ...]:
+def _mtp_note(catalog: Catalog, family: Family, layers: list[int], first: int) -> tuple[str, ...]:
     """The log line saying what became of the checkpoint's MTP layers."""
     held = {n.split(".")[2] for n in catalog.tensors if n.startswith(MEGATRON.mtp.prefix)}
     if layers:
-        return (f"merger: {len(layers)} multi-token-prediction layer(s) written as model.layers.{first}"
-                f"{f'-{first + len(layers) - 1}' if len(layers) > 1 else ''} (--drop-mtp leaves them out)",)
+        return (f"merger: {len(layers)} multi-token-prediction layer(s) written as "
+                f"{mtp.where(family, layers, first)} (--drop-mtp leaves them out)",)
     return (f"merger: {len(held)} multi-token-prediction layer(s) left out (--drop-mtp)",) if held else ()
 
 
 def family_table(family: Family) -> list[Entry]:
-    return compile_table(MEGATRON, family.megatron)
+    return compile_table(MEGATRON, family.megatron, family.mtp)
 
 
 def row_of(table: list[Entry], name: str, first_mtp: int, family: Family, catalog: Catalog
@@ -176,10 +176,10 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
         steps.append(_step(name, tensor.shape, row.kind, names, config, tensor.dtype, family))
     steps += [_stacked_step(target, experts, row, catalog, config)
               for target, (row, experts) in stacks.items()]
-    steps += mtp.shared_steps(catalog, MEGATRON, config, layers)
+    steps += mtp.shared_steps(catalog, MEGATRON, family, config, layers)
     # Tied: HF re-creates lm_head from the embedding, and the policy drops PP's last-stage copy.
     if not ties(config, options) and not options.is_value_model and "output_layer.weight" not in catalog.tensors:
         raise MergerError(f"config.json has untied embeddings but the checkpoint has no output_layer.weight, "
                           f"{catalog.root}")
     return Mapping(steps, hf_dir, config, config_updates=mtp.count_update(family, layers),
-                   notes=_mtp_note(catalog, layers, first_mtp))
+                   notes=_mtp_note(catalog, family, layers, first_mtp))

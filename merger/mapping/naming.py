@@ -1,17 +1,17 @@
 """A training framework's naming, and the table a family's rows compile to under it.
 
 A naming says where its decoder layers are (`decoder.layers.{i}.`, `layers.{i}.`), which global rows every
-family shares, and where it keeps multi-token-prediction layers: MTP layer j after the L decoder layers becomes
-HF layer `model.layers.{L + j}.`, as DeepSeek-V3's checkpoints hold them, with the MTP layer's own rows, its
-transformer layer through the family's layer rows, and the shared embedding and output layer written again as
-that layer's own (`shared`).
+family shares, and where it keeps multi-token-prediction layers: the MTP layer's own rows, its transformer layer
+through the family's layer rows, and the shared embedding and output layer HF may hold again as that layer's own
+(`shared`). Where HF keeps them is the family's MtpLayout (family.py): by default MTP layer j after the L decoder
+layers is HF layer `model.layers.{L + j}.`, as DeepSeek-V3's checkpoints hold them.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-from .family import Row, joined_part, sources_once
+from .family import MtpLayout, Row, joined_part, sources_once
 
 
 @dataclass(frozen=True)
@@ -44,31 +44,34 @@ class Entry:
     targets: tuple[str, ...]  # the row's HF names, under `model.layers.{i}.` for a layer row
 
 
-def compile_table(naming: Naming, rows: tuple[Row, ...]) -> list[Entry]:
+def compile_table(naming: Naming, rows: tuple[Row, ...], mtp: MtpLayout | None = None) -> list[Entry]:
     """Global rows, then each layer row for decoder layers and for MTP layers (a join's parts as rows of their
-    own, kind joined), then the MTP layers' own rows."""
-    def in_layer(row: Row) -> tuple[str, ...]:
-        return tuple(naming.hf_layer + t for t in row.targets)
+    own, kind joined), then the MTP layers' own rows, written where the family's `mtp` layout keeps them."""
+    def in_layer(row: Row, layer: str = naming.hf_layer) -> tuple[str, ...]:
+        return tuple(layer + t for t in row.targets)
 
+    mtp_layer = (mtp and mtp.layer) or naming.hf_layer
+    own = mtp.own if mtp else {}
     table = [Entry(row.pattern(""), row, row.targets) for row in naming.globals]
     rows = (*rows, *(joined_part(row, part) for row in rows for part in row.joined))
     table += [Entry(row.pattern(re.escape(naming.decoder) + r"(?P<i>\d+)\."), row, in_layer(row)) for row in rows]
     if naming.mtp:
-        mtp = re.escape(naming.mtp.prefix) + r"(?P<j>\d+)\."
+        prefix = re.escape(naming.mtp.prefix) + r"(?P<j>\d+)\."
         inner = "(?:" + "|".join(map(re.escape, naming.mtp.layer)) + ")"
-        table += [Entry(row.pattern(mtp + inner), row, in_layer(row)) for row in rows]
-        table += [Entry(row.pattern(mtp), row, in_layer(row)) for row in naming.mtp.rows]
+        table += [Entry(row.pattern(prefix + inner), row, in_layer(row, mtp_layer)) for row in rows]
+        table += [Entry(row.pattern(prefix), row, tuple(own.get(t) or mtp_layer + t for t in row.targets))
+                  for row in naming.mtp.rows]
     return table
 
 
 def lookup(table: list[Entry], name: str, first_mtp: int) -> tuple[Row, tuple[str, ...]] | None:
-    """The row naming source tensor `name` and the HF names it becomes (MTP layer j is HF layer first_mtp + j;
-    a per-expert row's names keep `{e}`), or None."""
+    """The row naming source tensor `name` and the HF names it becomes (MTP layer j is HF layer first_mtp + j where
+    the layout numbers it after the decoder layers; a per-expert row's names keep `{e}`), or None."""
     for entry in table:
         m = entry.pattern.fullmatch(name)
         if m:
             groups = m.groupdict()
-            j = groups.pop("j", None)
+            j = groups.get("j")
             if j is not None:
                 groups["i"] = first_mtp + int(j)
             groups.setdefault("e", "{e}")

@@ -91,7 +91,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
     _checked_config(family, config, hf_dir)
     require_model_type(config.get("model_type"), hf_dir / "config.json")
-    table = compile_table(TORCHTITAN, family.torchtitan)
+    table = compile_table(TORCHTITAN, family.torchtitan, family.mtp)
     vision = _vision(family, config)
     vision_table = compile_table(Naming("torchtitan vision", vision.blocks, vision.globals, None, vision.hf_blocks),
                                  vision.rows) if vision else None
@@ -127,14 +127,14 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
             steps += [cast(stacks[name](e), targets[0].format(e=e), shape, t.dtype) for e in range(t.shape[0])]
         else:
             steps.append(kinds.step(name, t.shape, t.dtype, row.kind, targets, config))
-    steps += mtp.shared_steps(catalog, TORCHTITAN, config, layers)
+    steps += mtp.shared_steps(catalog, TORCHTITAN, family, config, layers)
     note = f"merger: torchtitan {family.name} names, written as HF {config.get('model_type')}"
     if vision:
         note += " with its vision tower"
     if stacks:
         note += f"; {len(stacks)} stacked expert tensors split per expert"
     if layers:
-        note += f"; {len(layers)} MTP layers written after the decoder layers"
+        note += f"; {len(layers)} MTP layers written as {mtp.where(family, layers, config.get('num_hidden_layers', 0))}"
     elif options.drop_mtp and any(n.startswith(TORCHTITAN.mtp.prefix) for n in catalog.tensors):
         note += "; MTP layers left out (--drop-mtp)"
     skipped += [f"{prefix}* ({count} tensors: {why})" for (prefix, why), count in left_out.items()]

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from merger.errors import MergerError
-from merger.mapping.families import FAMILIES, MEGATRON_FAMILIES, TORCHTITAN_FAMILIES
-from merger.mapping.family import Family, Row
+from merger.mapping.families import FAMILIES, MEGATRON_FAMILIES, TORCHTITAN_FAMILIES, checked_together
+from merger.mapping.family import Family, MtpLayout, Row
 from merger.mapping.kinds import KINDS, register, step
 
 pytestmark = pytest.mark.unit
@@ -61,6 +61,17 @@ def test_a_family_is_refused_for_a_mark_or_row_count_it_has_no_row_for():
                                          r"'self_attention.in_proj.weight', which is none of its Megatron rows"):
         Family("toy", ("toy",), megatron=rows, layer_types={"linear_attention": "self_attention.in_proj.weight"})
 
+
+
+def test_an_mtp_layout_naming_its_own_tensors_names_them_all_beside_its_layer():
+    """A layout that writes an MTP layer's own tensors under names of their own (Qwen3-Next's mtp.fc) names where
+    its layer goes, and every own tensor each naming gives: one left out would land under the layer unnoticed."""
+    with pytest.raises(ValueError, match=r"MTP layout k: its own tensors' names need the layer's name too"):
+        MtpLayout("k", own={"eh_proj.weight": "mtp.fc.weight"})
+    toy = Family("toy", ("toy",), mtp=MtpLayout("k", layer="mtp.layers.{j}.", own={"eh_proj.weight": "mtp.fc.weight"}))
+    with pytest.raises(ValueError, match=r"family toy: its MTP layout names \['eh_proj.weight'\], Megatron's MTP "
+                                         r"rows give \['eh_proj.weight', 'enorm.weight'"):
+        checked_together((toy,))
 
 def test_a_kind_is_registered_once():
     with pytest.raises(ValueError, match="kind 'rename' is registered twice"):

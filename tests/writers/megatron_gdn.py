@@ -5,26 +5,28 @@
 A tiny model as Qwen3-Next and Qwen3.5 are built: Gated DeltaNet layers (megatron-core's GatedDeltaNet with its
 torch paths, see shared/FORMATS.md) and gated full attention (`attention_output_gate`, q/k norms, partial
 rotary) in the order `pattern` gives (l: linear, f: full), zero-centred RMSNorms everywhere, then a dense MLP or
-(`moe=1`) routed experts with a shared expert behind its sigmoid gate. megatron-core's experimental block spec
+(`moe=1`) routed experts with a shared expert behind its sigmoid gate, and `mtp` multi-token-prediction layers
+(pp=1), each a full-attention layer, as Qwen3-Next's and Qwen3.5's is. megatron-core's experimental block spec
 needs Transformer Engine, so the layers are built by hand from the local spec; the GDN layer's input norm is
 saved under TE's name (`self_attention.in_proj.layer_norm_weight`) as the TE spec fuses it. Every rank builds
 its slice from one seed and saves it as megatron_checkpoint.py does, into ROOT/NAME/: legacy/ and dist/, hf/
 (the transformers config and a tokenizer) and logits.pt ("tokens", "logits": Megatron's own forward logits,
-sliced to the HF vocab size).
+sliced to the HF vocab size; with MTP also "mtp_logits" and "mtp_params" as tests/writers/megatron_deepseek.py
+saves them).
 """
 from __future__ import annotations
 
-import copy
 from argparse import Namespace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from tests.writers import megatron_deepseek
 from tests.writers.megatron_checkpoint import (cpu_patches, forward_logits, padded_vocab, parse, randomise_vectors,
                                                write_cases, write_model)
 
-DEFAULTS = dict(arch="qwen3_5_text", tp=1, pp=1, ep=1, moe=0, pattern="lfl", vocab=101)
+DEFAULTS = dict(arch="qwen3_5_text", tp=1, pp=1, ep=1, moe=0, pattern="lfl", mtp=0, vocab=101)
 HIDDEN, HEADS, GROUPS, HEAD_DIM, ROTARY, FFN = 64, 4, 2, 16, 0.25, 48
 KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, CONV = 2, 4, 8, 8, 4
 EXPERTS, TOPK, MOE_FFN, SHARED_FFN = 4, 2, 24, 32
@@ -69,7 +71,7 @@ def transformer_config(a: Namespace):
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0,
         attention_dropout=0.0,
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, init_method_std=0.05)
+        apply_rope_fusion=False, persist_layer_norm=False, init_method_std=0.05, mtp_num_layers=a.mtp or None)
     if a.moe:  # softmax over all experts, the top k renormalised (norm_topk_prob)
         kw.update(num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN,
                   moe_shared_expert_intermediate_size=SHARED_FFN, moe_shared_expert_gate=True,
@@ -78,34 +80,49 @@ def transformer_config(a: Namespace):
     return TransformerConfig(**kw)
 
 
-def block_spec(a: Namespace, config):
-    """One layer spec per letter of the pattern this pipeline stage builds, from the local spec with zero-centred
-    norms."""
+def layer_spec(a: Namespace, letter: str):
+    """A Gated DeltaNet (l) or full-attention (f) layer from the local spec with zero-centred norms."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
+
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS if a.moe else None, qk_layernorm=True,
+                                    normalization="RMSNorm")
+    sub = spec.submodules
+    sub.input_layernorm = sub.pre_mlp_layernorm = ZeroCentredRMSNorm
+    if letter == "l":
+        sub.self_attention = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=ZeroCentredRMSNorm, out_proj=RowParallelLinear))
+        sub.sharded_state_dict_keys_map = dict(sub.sharded_state_dict_keys_map,
+                                               **{"input_layernorm.": "self_attention.in_proj.layer_norm_"})
+    else:
+        sub.self_attention.submodules.q_layernorm = ZeroCentredRMSNorm
+        sub.self_attention.submodules.k_layernorm = ZeroCentredRMSNorm
+    return spec
+
+
+def block_spec(a: Namespace, config):
+    """One layer spec per letter of the pattern this pipeline stage builds."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    base = get_gpt_layer_local_spec(num_experts=EXPERTS if a.moe else None, qk_layernorm=True,
-                                    normalization="RMSNorm")
-    layers = []
     first = get_transformer_layer_offset(config)
-    for letter in a.pattern[first:first + get_num_layers_to_build(config)]:
-        spec = copy.deepcopy(base)
-        sub = spec.submodules
-        sub.input_layernorm = sub.pre_mlp_layernorm = ZeroCentredRMSNorm
-        if letter == "l":
-            sub.self_attention = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
-                in_proj=ColumnParallelLinear, out_norm=ZeroCentredRMSNorm, out_proj=RowParallelLinear))
-            sub.sharded_state_dict_keys_map = dict(sub.sharded_state_dict_keys_map,
-                                                   **{"input_layernorm.": "self_attention.in_proj.layer_norm_"})
-        else:
-            sub.self_attention.submodules.q_layernorm = ZeroCentredRMSNorm
-            sub.self_attention.submodules.k_layernorm = ZeroCentredRMSNorm
-        layers.append(spec)
+    layers = [layer_spec(a, letter) for letter in a.pattern[first:first + get_num_layers_to_build(config)]]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCentredRMSNorm)
+
+
+def mtp_block_spec(a: Namespace, config):
+    """The MTP layers (None without): megatron-core's MTP spec around a full-attention layer, its enorm, hnorm and
+    final norm zero-centred as every norm of these models is."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
+
+    class ZeroCentredNorms(LocalSpecProvider):
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+            return ZeroCentredRMSNorm
+
+    return get_gpt_mtp_block_spec_for_backend(config, layer_spec(a, "f"), ZeroCentredNorms()) if a.mtp else None
 
 
 def hf_config(a: Namespace):
@@ -129,7 +146,10 @@ def hf_config(a: Namespace):
 
 
 def forward(a: Namespace, model) -> dict | None:
-    """Megatron's logits over the whole pipeline (on its last stage; None elsewhere)."""
+    """Megatron's logits over the whole pipeline (on its last stage; None elsewhere); with MTP (one stage) its MTP
+    layers' logits and own tensors too."""
+    if a.mtp:
+        return megatron_deepseek.oracle(a, model)
     tokens = torch.tensor([[3, 17, 42, 5, 99, 64, 8]])
     logits = forward_logits(a, [model], tokens)
     return None if logits is None else {"tokens": tokens, "logits": logits}
@@ -146,7 +166,7 @@ def write_case(a: Namespace, out: Path) -> None:
                      vocab_size=padded_vocab(a.vocab, a.tp), max_sequence_length=64,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=False, position_embedding_type="rope", rotary_base=10000,
-                     rotary_percent=ROTARY, parallel_output=False).eval()
+                     rotary_percent=ROTARY, parallel_output=False, mtp_block_spec=mtp_block_spec(a, config)).eval()
     randomise_vectors([model])
     write_model(a, model, out, lambda: forward(a, model), lambda: hf_config(a))
     ps.destroy_model_parallel()
@@ -155,12 +175,14 @@ def write_case(a: Namespace, out: Path) -> None:
 def main() -> None:
     out, cases = parse(DEFAULTS, "arch: qwen3_5_text, qwen3_5_moe_text or qwen3_next; pattern: the layers, l a Gated "
                        "DeltaNet, f full attention; moe: routed experts and a shared expert; pp, ep: pipeline and "
-                       "expert-parallel sizes",
+                       "expert-parallel sizes; mtp: multi-token-prediction layers (pp=1)",
                        fixed=dict(vpp=None, tied=False))
     cpu_patches()
     gdn_patches()
-    for _, a in cases:
+    for name, a in cases:
         a.layers = len(a.pattern)  # what save_legacy records in the args
+        if a.mtp and a.pp > 1:
+            raise SystemExit(f"case {name}: MTP layers are written with one pipeline stage")
     write_cases(out, cases, write_case)
 
 
