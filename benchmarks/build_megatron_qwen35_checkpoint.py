@@ -26,9 +26,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.writers import megatron_checkpoint as mc
 from tests.writers import megatron_gdn as gdn
-from tests.writers.leave_group import leave_group
 
-from build_checkpoint import size_parser  # benchmarks/, the script's own folder
+from build_checkpoint import finish_megatron_save, size_parser  # benchmarks/, the script's own folder
 
 PATTERN = "lllf"  # Qwen3.5's full_attention_interval 4: three Gated DeltaNet layers, then full attention
 
@@ -60,14 +59,9 @@ def main() -> None:
     ps.initialize_model_parallel(a.tp, 1, expert_model_parallel_size=a.ep, expert_tensor_parallel_size=a.etp)
     config = dataclasses.replace(gdn.transformer_config(a), expert_tensor_parallel_size=a.etp)
     mc.save_legacy(a, [gdn.build(a, config)], args.out)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (args.out / "latest_checkpointed_iteration.txt").write_text("1")
-        hf = gdn.hf_config(a)
-        hf.architectures = ["Qwen3_5MoeForCausalLM"]
-        hf.save_pretrained(args.out / "huggingface")
-    ps.destroy_model_parallel()
-    leave_group()
+    hf = gdn.hf_config(a)
+    hf.architectures = ["Qwen3_5MoeForCausalLM"]
+    finish_megatron_save(args.out, hf)
 
 
 if __name__ == "__main__":
