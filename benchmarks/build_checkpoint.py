@@ -39,6 +39,22 @@ def size_parser() -> argparse.ArgumentParser:
     return p
 
 
+def finish_megatron_save(out: Path, hf: transformers.PretrainedConfig) -> None:
+    """The end of the Megatron builders, once every rank has saved its rank files: rank 0 makes `out` a
+    Megatron-LM save dir (its tracker file) and writes the HF config into out/huggingface/ last (run.py's sign of
+    a complete checkpoint), then every rank leaves the group."""
+    from megatron.core import parallel_state as ps
+
+    from tests.writers.leave_group import leave_group
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (out / "latest_checkpointed_iteration.txt").write_text("1")
+        hf.save_pretrained(out / "huggingface")
+    ps.destroy_model_parallel()
+    leave_group()
+
+
 def main() -> None:
     p = size_parser()
     p.add_argument("--format", choices=("fsdp", "dcp"), default="fsdp")

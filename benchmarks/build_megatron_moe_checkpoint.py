@@ -23,9 +23,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.writers import megatron_checkpoint as mc
 from tests.writers import megatron_moe_checkpoint as moe
-from tests.writers.leave_group import leave_group
 
-from build_checkpoint import size_parser  # benchmarks/, the script's own folder
+from build_checkpoint import finish_megatron_save, size_parser  # benchmarks/, the script's own folder
 
 EXPERTS = 16
 
@@ -54,15 +53,10 @@ def main() -> None:
                                  ffn_hidden_size=args.hidden * 11 // 4, moe_ffn_hidden_size=moe_ffn)
     (chunk,) = moe.build(a, config)
     moe.save_legacy(a, chunk, args.out)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (args.out / "latest_checkpointed_iteration.txt").write_text("1")
-        hf = mc.hf_config(a, config)
-        hf.moe_intermediate_size = moe_ffn
-        hf.architectures = ["Qwen3MoeForCausalLM"]
-        hf.save_pretrained(args.out / "huggingface")
-    ps.destroy_model_parallel()
-    leave_group()
+    hf = mc.hf_config(a, config)
+    hf.moe_intermediate_size = moe_ffn
+    hf.architectures = ["Qwen3MoeForCausalLM"]
+    finish_megatron_save(args.out, hf)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Speed and memory of `merger merge` side by side with the usual ways to merge and the copy floor, in one run.
 
-    python benchmarks/run.py [--formats fsdp,dcp,deepspeed,megatron_moe] [--sizes 7,19] [--repeats 3] [--cap 2GiB]
-                             [--hidden 2048] [--settle 5] [--keep] [--chart docs/benchmark.png]
+    python benchmarks/run.py [--formats fsdp,dcp,deepspeed,megatron_moe,megatron_qwen35_moe] [--sizes 7,19]
+                             [--repeats 3] [--cap 2GiB] [--hidden 2048] [--settle 5] [--keep]
+                             [--chart docs/benchmark.png]
                              [--ranks 1,2] [--torchrun 2] [--cuda] [--no_baselines] [--build_ranks 2]
 
 For each format and checkpoint size (fp32 FSDP2 on 2 ranks, built once under bench_out/ on the meta device
@@ -20,6 +21,10 @@ by `launcher local`, and those of --torchrun also by torchrun), and with --cuda 
 - megatron_moe (a Qwen3-MoE model with GroupedMLP experts, TP2 EP2, Megatron-LM's legacy format, written by
   megatron-core on 2 ranks: benchmarks/build_megatron_moe_checkpoint.py): baseline the naive merge in fp32
   (benchmarks/naive_megatron_merge.py); merger runs with `--dtype keep`.
+- megatron_qwen35_moe (a Qwen3.5-MoE model, Gated DeltaNet and gated attention with routed and shared experts,
+  TP2 EP2, legacy format, written by megatron-core on 2 ranks: benchmarks/build_megatron_qwen35_checkpoint.py):
+  baseline the hand-written naive merge in fp32 (benchmarks/naive_megatron_qwen35_merge.py); merger runs with
+  `--dtype keep`.
 Wall and CPU times (user + system, every process of the run) are medians; peak RSS is the largest resident set of
 any single process of the run (i.e. per rank); ratios are against the cp floor, cp + sync, dd, merger on 1 rank
 (`x 1 rank`: the scaling) and the format's first baseline; the same figures are drawn into
@@ -46,7 +51,7 @@ from merger.units import format_size, parse_size  # noqa: E402
 OUT = ROOT / "bench_out"
 PY = sys.executable
 CGROUP = Path("/sys/fs/cgroup/memory/merger_bench")
-FORMATS = ("fsdp", "dcp", "deepspeed", "megatron_moe")
+FORMATS = ("fsdp", "dcp", "deepspeed", "megatron_moe", "megatron_qwen35_moe")
 FLOOR = "cp (floor)"
 SYNCED_FLOOR = "cp + sync"
 USER_FLOOR = "dd + fsync"
@@ -56,9 +61,12 @@ VERIFIED = ONE_RANK  # the run that --cap also tries with --verify
 CUDA_ROW = "merger, 1 rank, cuda"
 # Written last by build_checkpoint.py: its presence means the checkpoint is complete.
 DONE = {"fsdp": "fsdp_config.json", "dcp": "huggingface/config.json", "deepspeed": "config.json",
-        "megatron_moe": "huggingface/config.json"}
+        "megatron_moe": "huggingface/config.json", "megatron_qwen35_moe": "huggingface/config.json"}
 BUILDERS = {"fsdp": "build_checkpoint.py", "dcp": "build_checkpoint.py", "deepspeed": "build_deepspeed_checkpoint.py",
-            "megatron_moe": "build_megatron_moe_checkpoint.py"}
+            "megatron_moe": "build_megatron_moe_checkpoint.py",
+            "megatron_qwen35_moe": "build_megatron_qwen35_checkpoint.py"}
+# The baseline of each Megatron format: the naive fp32 merge a user writes for that model
+NAIVE_MEGATRON = {"megatron_moe": "naive_megatron_merge.py", "megatron_qwen35_moe": "naive_megatron_qwen35_merge.py"}
 
 # Runs `cmd`, then prints wall seconds, the max RSS (KiB) over every descendant process, the exit code, and the
 # CPU seconds (user + system) of every descendant: the work done, which other load on the machine moves less than
@@ -108,7 +116,7 @@ def measure(cmd: list[str], cap: int | None = None, settle: float = 0.0,
 def build(fmt: str, layers: int, hidden: int, built: list[Path], ranks: int = 2) -> Path:
     """The checkpoint, written by `ranks` ranks (one rank file each, for fsdp and dcp), built unless a complete one is
     there; what is built here is appended to `built`."""
-    model = "qwen3moe" if fmt == "megatron_moe" else "llama"
+    model = {"megatron_moe": "qwen3moe", "megatron_qwen35_moe": "qwen35moe"}.get(fmt, "llama")
     ckpt = OUT / f"{model}_{hidden}h_{layers}l{f'_{ranks}r' if ranks != 2 else ''}" / {"fsdp": "actor"}.get(fmt, fmt)
     if not (ckpt / DONE[fmt]).exists():
         print(f"building the {layers}-layer {fmt} checkpoint on {ranks} ranks in {ckpt} ...", flush=True)
@@ -126,7 +134,8 @@ def build(fmt: str, layers: int, hidden: int, built: list[Path], ranks: int = 2)
 def data_files(fmt: str, ckpt: Path) -> list[Path]:
     return sorted(ckpt.glob({"fsdp": "model_world_size_*.pt", "dcp": "*.distcp",
                              "deepspeed": "global_step1/*_states.pt",
-                             "megatron_moe": "iter_*/mp_rank_*/model_optim_rng.pt"}[fmt]))
+                             "megatron_moe": "iter_*/mp_rank_*/model_optim_rng.pt",
+                             "megatron_qwen35_moe": "iter_*/mp_rank_*/model_optim_rng.pt"}[fmt]))
 
 
 def cuda_missing() -> str | None:
@@ -169,9 +178,9 @@ def commands(fmt: str, ckpt: Path, dst: Path, ranks: list[int] = (1, 2), torchru
     merge = ["merge", "--local_dir", str(ckpt), "--target_dir", str(dst), "--overwrite", "--log_level", "WARNING"]
     if fmt == "fsdp":
         baselines = {"naive merge": [PY, str(ROOT / "benchmarks" / "naive_merge.py"), str(ckpt), str(dst)]}
-    elif fmt == "megatron_moe":
-        merge += ["--dtype", "keep"]  # the naive Megatron merge keeps fp32: write the same bytes
-        baselines = {"naive merge": [PY, str(ROOT / "benchmarks" / "naive_megatron_merge.py"), str(ckpt), str(dst)]}
+    elif fmt in NAIVE_MEGATRON:
+        merge += ["--dtype", "keep"]  # the naive Megatron merges keep fp32: write the same bytes
+        baselines = {"naive merge": [PY, str(ROOT / "benchmarks" / NAIVE_MEGATRON[fmt]), str(ckpt), str(dst)]}
     elif fmt == "deepspeed":
         merge += ["--dtype", "keep"]  # zero_to_fp32 writes fp32: write the same bytes
         # DeepSpeed's own script, copied into the checkpoint by save_checkpoint (it imports deepspeed)
@@ -250,16 +259,17 @@ def rows_for(fmt: str, size: int, results: dict, capped: dict[str, str], skipped
 def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
     cap_col = f"under {format_size(cap)}" if cap else ""
     cols = [*RATIOS, "x base"]
+    width = max([12, *(len(row[0]) for row in rows)])  # the format column fits the longest name
 
     def cell(value: float | None, width: int, fmt: str = "6.2f") -> str:
         return f"{value:{fmt}}".rjust(width) if value is not None else " " * width
 
-    header = (f"{'format':<12} | {'checkpoint':>10} | {'run':<20} | {'wall s':>6} | {'CPU s':>6} | "
+    header = (f"{'format':<{width}} | {'checkpoint':>10} | {'run':<20} | {'wall s':>6} | {'CPU s':>6} | "
               + " | ".join(f"{c:>9}" for c in cols) + f" | {'peak RSS/rank':>13} | {'x base RSS':>10} | {cap_col}")
     print("\n" + header)
     print("-" * len(header))
     for fmt, size, name, wall, cpu, ratios, rss, vs_rss, note in rows:
-        print(f"{fmt:<12} | {format_size(size):>10} | {name:<20} | {cell(wall, 6)} | {cell(cpu, 6)} | "
+        print(f"{fmt:<{width}} | {format_size(size):>10} | {name:<20} | {cell(wall, 6)} | {cell(cpu, 6)} | "
               + " | ".join(cell(ratios.get(c), 9) for c in cols)
               + f" | {format_size(rss) if rss is not None else '':>13} | {cell(vs_rss, 10)} | {note}")
     print(f"\nmedians of {repeats} warm runs; {os.cpu_count()} cores; CPU s = user + system CPU of every process of "
@@ -267,16 +277,16 @@ def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
           "x cp+sync = against cp and a sync of the copies (the copy made durable); x dd = against dd with "
           "conv=fsync (the bytes through memory, durably); x 1 rank = against merger on 1 rank (the scaling); "
           "x base = against the naive merge (fsdp), dcp_to_torch_save + save_file (dcp), DeepSpeed's zero_to_fp32.py "
-          "--safe_serialization (deepspeed), the naive fp32 merge (megatron_moe). Targets (issue 34): merger on 2 "
-          "ranks <= 1.00 x 1 rank; merger on 1 rank <= 0.75 x cp+sync")
+          "--safe_serialization (deepspeed), the naive fp32 merge (megatron_moe, megatron_qwen35_moe). Targets "
+          "(issue 34): merger on 2 ranks <= 1.00 x 1 rank; merger on 1 rank <= 0.75 x cp+sync")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", default="fsdp,dcp", help=f"checkpoint formats to run, of {', '.join(FORMATS)} "
-                   "(deepspeed needs the test extra's deepspeed, megatron_moe its megatron-core)")
+                   "(deepspeed needs the test extra's deepspeed, the megatron ones its megatron-core)")
     p.add_argument("--sizes", default="7,19", help="layer counts of the checkpoints (7 ~ 2 GB, 19 ~ 4.5 GB fp32; "
-                   "megatron_moe: 6 ~ 2.6 GB)")
+                   "megatron_moe: 6 ~ 2.6 GB; megatron_qwen35_moe: 4 ~ 2.7 GB, 8 ~ 4.9 GB)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size of the model (smaller for quick checks)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--settle", type=float, default=5.0,

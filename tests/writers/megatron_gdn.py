@@ -155,12 +155,11 @@ def forward(a: Namespace, model) -> dict | None:
     return None if logits is None else {"tokens": tokens, "logits": logits}
 
 
-def write_case(a: Namespace, out: Path) -> None:
+def build(a: Namespace, config):
+    """This rank's slice of the model (parallel state initialised), its norms randomised."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    ps.initialize_model_parallel(a.tp, a.pp, expert_model_parallel_size=a.ep)
-    config = transformer_config(a)
     torch.manual_seed(1234)  # CPU init draws each full weight from this seed, then keeps this rank's slice
     model = GPTModel(config=config, transformer_layer_spec=block_spec(a, config),
                      vocab_size=padded_vocab(a.vocab, a.tp), max_sequence_length=64,
@@ -168,6 +167,14 @@ def write_case(a: Namespace, out: Path) -> None:
                      share_embeddings_and_output_weights=False, position_embedding_type="rope", rotary_base=10000,
                      rotary_percent=ROTARY, parallel_output=False, mtp_block_spec=mtp_block_spec(a, config)).eval()
     randomise_vectors([model])
+    return model
+
+
+def write_case(a: Namespace, out: Path) -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(a.tp, a.pp, expert_model_parallel_size=a.ep)
+    model = build(a, transformer_config(a))
     write_model(a, model, out, lambda: forward(a, model), lambda: hf_config(a))
     ps.destroy_model_parallel()
 
