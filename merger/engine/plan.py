@@ -12,44 +12,24 @@ import dataclasses
 import itertools
 import math
 import re
+from array import array
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ..catalog import Catalog, PieceCopy, ShardPiece, row_major_index
+from ..catalog import Catalog, ShardPiece, row_major_index
 from ..errors import MergerError
 from ..hf_folder import shard_name
 from ..mapping.steps import OutputSpec, Step, Tie
 from ..safetensors_io import TensorEntry, build_header
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """One piece of one step input, from the rank that reads it to the rank that writes it: the step's writer,
-    or the reader itself when the step is placed directly (`Plan.writers[step]` is None).
-
-    `dtype` is the dtype the piece travels and is assembled in: the output dtype for a pure cast (the reader
-    casts, so fp32 -> bf16 moves half the bytes), the source dtype when a transform needs the original values.
-    """
-
-    step: int
-    input: int
-    piece: ShardPiece
-    copy: PieceCopy
-    reader: int
-    writer: int
-    dtype: torch.dtype  # in flight and assembled
-    stored: torch.dtype  # in the source file
-
-    @property
-    def nbytes(self) -> int:
-        return self.piece.numel * self.dtype.itemsize
+from .routes import COLUMNS, Route, Routes, RouteTable  # noqa: F401 - Route: what a batch's routes yield
 
 
 @dataclass(frozen=True)
 class Batch:
     steps: tuple[int, ...]
-    routes: tuple[Route, ...]
+    routes: Routes
     out_bytes: int
 
 
@@ -223,24 +203,6 @@ def rerouted(plan: Plan, catalog: Catalog, world: int) -> Plan:
     return dataclasses.replace(plan, writers=writers, batches=batches, world=world)
 
 
-def traffic(plan: Plan) -> list[dict[str, int]]:
-    """Per rank, the bytes the plan has it read from the source, send to and receive from other ranks, and
-    write to the output."""
-    ranks = [dict(read_bytes=0, sent_bytes=0, received_bytes=0, written_bytes=0) for _ in range(plan.world)]
-    for batch in plan.batches:
-        for r in batch.routes:
-            ranks[r.reader]["read_bytes"] += r.piece.numel * r.stored.itemsize
-            if r.reader != r.writer:
-                ranks[r.reader]["sent_bytes"] += r.nbytes
-                ranks[r.writer]["received_bytes"] += r.nbytes
-            if plan.writers[r.step] is None:
-                ranks[r.writer]["written_bytes"] += r.nbytes
-        for si in batch.steps:
-            if plan.writers[si] is not None:
-                ranks[plan.writers[si]]["written_bytes"] += sum(o.nbytes for o in plan.steps[si].outputs)
-    return ranks
-
-
 def _route(catalog: Catalog, steps: list[Step], world: int, max_inflight: int,
            direct: bool) -> tuple[list[int | None], list[Batch]]:
     """Who writes each step, who reads each piece, and the batches."""
@@ -254,7 +216,9 @@ def _route(catalog: Catalog, steps: list[Step], world: int, max_inflight: int,
     load, read_load = [0] * world, [0] * world
     share = sum(o.nbytes for step in steps for o in step.outputs) / world
     writers: list[int | None] = []
-    step_routes: list[list[Route]] = []
+    columns: dict[str, array] = {name: array("q") for name in COLUMNS}  # one entry per route: no object each
+    step_rows = [0]  # step si's routes are rows step_rows[si]:step_rows[si + 1]
+    all_wires = []
     for si, step in enumerate(steps):
         wires = [step.outputs[0].dtype if step.is_cast and len(step.inputs) == 1 else catalog.tensors[n].dtype
                  for n in step.inputs]
@@ -270,42 +234,45 @@ def _route(catalog: Catalog, steps: list[Step], world: int, max_inflight: int,
             home = min(range(world), key=lambda r: (-held[r], load[r], r))
             writer = home if load[home] < share else min(range(world), key=lambda r: (load[r], r))
         writers.append(writer)
-        routes = []
-        for ii, (name, wire) in enumerate(zip(step.inputs, wires)):
-            tensor = catalog.tensors[name]
-            for piece in pieces[ii]:
-                local = [c for c in piece.copies if owner[c.file] == writer]
-                copy = local[0] if local else min(piece.copies, key=lambda c: (read_load[owner[c.file]], owner[c.file]))
-                reader = owner[copy.file]
-                route = Route(si, ii, piece, copy, reader, reader if writer is None else writer, wire, tensor.dtype)
-                read_load[reader] += route.nbytes
+        for ii, wire in enumerate(wires):
+            for k, piece in enumerate(pieces[ii]):
+                copies = piece.copies
+                local = [j for j, c in enumerate(copies) if owner[c.file] == writer]
+                j = local[0] if local else min(range(len(copies)),
+                                               key=lambda j: (read_load[owner[copies[j].file]], owner[copies[j].file]))
+                reader = owner[copies[j].file]
+                nbytes = piece.numel * wire.itemsize
+                for name, value in zip(COLUMNS, (si, ii, k, j, reader, reader if writer is None else writer, nbytes)):
+                    columns[name].append(value)
+                read_load[reader] += nbytes
                 if writer is None:
-                    load[reader] += route.nbytes
-                routes.append(route)
+                    load[reader] += nbytes
         if writer is not None:
             load[writer] += sum(s.nbytes for s in step.outputs)
-        step_routes.append(routes)
+        step_rows.append(len(columns["step"]))
+        all_wires.append(wires)
 
     # Two batches are in flight at once (stream.py reads one while it writes the other): each gets half.
-    return writers, _batches(steps, writers, step_routes, world, max_inflight // 2)
+    table = RouteTable(catalog, steps, all_wires, columns)
+    return writers, _batches(steps, writers, table, step_rows, world, max_inflight // 2)
 
 
-def _step_memory(step: Step, writer: int | None, routes: list[Route], world: int) -> list[int]:
-    """Bytes each rank holds at once for one step: read, sent and received pieces, assembled inputs, outputs."""
-    mem = [0] * world
+def _step_memory(step: Step, writer: int | None, table: RouteTable, rows: slice, world: int) -> np.ndarray:
+    """Bytes each rank holds at once for one step (its routes: `rows` of `table`): read, sent and received
+    pieces, assembled inputs, outputs."""
+    mem = np.zeros(world, dtype=np.int64)
+    reader, nbytes = table.reader[rows], table.nbytes[rows]
     if writer is None:  # each piece is read, cast and written where it is
-        for r in routes:
-            mem[r.reader] += r.nbytes
+        np.add.at(mem, reader, nbytes)
         return mem
-    mem[writer] += sum(r.nbytes for r in routes) + sum(s.nbytes for s in step.outputs)  # assembled inputs, outputs
-    for r in routes:
-        if r.reader != r.writer:
-            mem[r.reader] += r.nbytes
-            mem[r.writer] += r.nbytes
+    mem[writer] += int(nbytes.sum()) + sum(s.nbytes for s in step.outputs)  # assembled inputs, outputs
+    crossing = reader != writer
+    np.add.at(mem, reader[crossing], nbytes[crossing])
+    mem[writer] += int(nbytes[crossing].sum())
     return mem
 
 
-def _batches(steps: list[Step], writers: list[int | None], step_routes: list[list[Route]],
+def _batches(steps: list[Step], writers: list[int | None], table: RouteTable, step_rows: list[int],
              world: int, max_inflight: int) -> list[Batch]:
     """Consecutive steps grouped while no rank's memory for the group exceeds max_inflight.
 
@@ -313,20 +280,41 @@ def _batches(steps: list[Step], writers: list[int | None], step_routes: list[lis
     """
     batches: list[Batch] = []
     current: list[int] = []
-    mem = [0] * world
+    mem = np.zeros(world, dtype=np.int64)
 
     def close():
         if current:
-            routes = tuple(r for si in current for r in step_routes[si])
+            rows = np.arange(step_rows[current[0]], step_rows[current[-1] + 1], dtype=np.int64)
             out = sum(s.nbytes for si in current for s in steps[si].outputs)
-            batches.append(Batch(tuple(current), routes, out))
+            batches.append(Batch(tuple(current), Routes(table, rows), out))
 
     for si, step in enumerate(steps):
-        need = _step_memory(step, writers[si], step_routes[si], world)
-        if current and any(m + n > max_inflight for m, n in zip(mem, need)):
+        need = _step_memory(step, writers[si], table, slice(step_rows[si], step_rows[si + 1]), world)
+        if current and bool((mem + need > max_inflight).any()):
             close()
-            current, mem = [], [0] * world
+            current, mem = [], np.zeros(world, dtype=np.int64)
         current.append(si)
-        mem = [m + n for m, n in zip(mem, need)]
+        mem += need
     close()
     return batches
+
+
+def traffic(plan: Plan) -> list[dict[str, int]]:
+    """Per rank, the bytes the plan has it read from the source, send to and receive from other ranks, and
+    write to the output."""
+    read, sent, received, written = (np.zeros(plan.world, dtype=np.int64) for _ in range(4))
+    placed = np.array([w is None for w in plan.writers] or [False])  # by step: written where its pieces are read
+    for batch in plan.batches:
+        routes = batch.routes
+        reader, writer, nbytes = routes.reader, routes.writer, routes.nbytes
+        np.add.at(read, reader, routes.stored_nbytes())
+        crossing = reader != writer
+        np.add.at(sent, reader[crossing], nbytes[crossing])
+        np.add.at(received, writer[crossing], nbytes[crossing])
+        direct = placed[routes.step]
+        np.add.at(written, writer[direct], nbytes[direct])
+        for si in batch.steps:
+            if plan.writers[si] is not None:
+                written[plan.writers[si]] += sum(o.nbytes for o in plan.steps[si].outputs)
+    return [dict(read_bytes=int(r), sent_bytes=int(s), received_bytes=int(v), written_bytes=int(w))
+            for r, s, v, w in zip(read, sent, received, written)]
