@@ -235,18 +235,27 @@ def _route(catalog: Catalog, steps: list[Step], world: int, max_inflight: int,
             writer = home if load[home] < share else min(range(world), key=lambda r: (load[r], r))
         writers.append(writer)
         for ii, wire in enumerate(wires):
-            for k, piece in enumerate(pieces[ii]):
+            chosen, readers, sizes = [], [], []
+            for piece in pieces[ii]:
                 copies = piece.copies
-                local = [j for j, c in enumerate(copies) if owner[c.file] == writer]
-                j = local[0] if local else min(range(len(copies)),
-                                               key=lambda j: (read_load[owner[copies[j].file]], owner[copies[j].file]))
+                if len(copies) == 1:  # the common case: nothing to choose
+                    j = 0
+                else:
+                    local = [j for j, c in enumerate(copies) if owner[c.file] == writer]
+                    j = local[0] if local else min(
+                        range(len(copies)), key=lambda j: (read_load[owner[copies[j].file]], owner[copies[j].file]))
                 reader = owner[copies[j].file]
                 nbytes = piece.numel * wire.itemsize
-                for name, value in zip(COLUMNS, (si, ii, k, j, reader, reader if writer is None else writer, nbytes)):
-                    columns[name].append(value)
                 read_load[reader] += nbytes
                 if writer is None:
                     load[reader] += nbytes
+                chosen.append(j)
+                readers.append(reader)
+                sizes.append(nbytes)
+            n = len(chosen)
+            for name, values in zip(COLUMNS, ([si] * n, [ii] * n, range(n), chosen, readers,
+                                              readers if writer is None else [writer] * n, sizes)):
+                columns[name].extend(values)
         if writer is not None:
             load[writer] += sum(s.nbytes for s in step.outputs)
         step_rows.append(len(columns["step"]))
