@@ -67,17 +67,21 @@ class RouteTable:
         return self.nbytes[rows] // self.wire_size[at] * self.stored_size[at]
 
     def made(self, rows: np.ndarray) -> list[Route]:
-        """The Route of each of `rows`. A tensor's pieces are made once per call (a catalog may make them from
-        arrays of its own when asked: dcp_chunk_table.TablePieces)."""
-        pieces: dict[tuple[int, int], Sequence[ShardPiece]] = {}
+        """The Route of each of `rows`. Of each step input's pieces, only the span from the first to the last one
+        asked for is made, with one slice (a catalog may make pieces from arrays of its own when asked, as
+        dcp_chunk_table.TablePieces does: a rank of 64 asks for one piece of each tensor, not all 64)."""
+        listed = list(zip(*(getattr(self, n)[rows].tolist() for n in COLUMNS[:-1])))
+        span: dict[tuple[int, int], list[int]] = {}  # (step, input) -> [first, last] piece asked for
+        for si, ii, k, *_ in listed:
+            first_last = span.setdefault((si, ii), [k, k])
+            first_last[0], first_last[1] = min(first_last[0], k), max(first_last[1], k)
+        pieces = {key: self.catalog.tensors[self.steps[key[0]].inputs[key[1]]].pieces[first:last + 1]
+                  for key, (first, last) in span.items()}
         routes = []
-        for si, ii, k, c, reader, writer in zip(*(getattr(self, n)[rows].tolist() for n in COLUMNS[:-1])):
-            tensor = self.catalog.tensors[self.steps[si].inputs[ii]]
-            made = pieces.get((si, ii))
-            if made is None:
-                made = pieces[si, ii] = tuple(tensor.pieces)
-            piece = made[k]
-            routes.append(Route(si, ii, piece, piece.copies[c], reader, writer, self.wires[si][ii], tensor.dtype))
+        for si, ii, k, c, reader, writer in listed:
+            piece = pieces[si, ii][k - span[si, ii][0]]
+            stored = self.catalog.tensors[self.steps[si].inputs[ii]].dtype
+            routes.append(Route(si, ii, piece, piece.copies[c], reader, writer, self.wires[si][ii], stored))
         return routes
 
 
