@@ -216,7 +216,7 @@ def _route(catalog: Catalog, steps: list[Step], world: int, max_inflight: int,
     load, read_load = [0] * world, [0] * world
     share = sum(o.nbytes for step in steps for o in step.outputs) / world
     writers: list[int | None] = []
-    columns: dict[str, array] = {name: array("q") for name in COLUMNS}  # one entry per route: no object each
+    columns = {name: array(code) for name, code in COLUMNS.items()}  # one entry per route: no object each
     step_rows = [0]  # step si's routes are rows step_rows[si]:step_rows[si + 1]
     all_wires = []
     for si, step in enumerate(steps):

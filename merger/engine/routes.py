@@ -7,6 +7,7 @@ writer, bytes in flight); the Route objects are made only for the rows a rank as
 """
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,7 +41,8 @@ class Route:
         return self.piece.numel * self.dtype.itemsize
 
 
-COLUMNS = ("step", "input", "piece", "copy", "reader", "writer", "nbytes")
+# Each column's array typecode: 32-bit indices and ranks, 64-bit byte counts.
+COLUMNS = {"step": "i", "input": "i", "piece": "i", "copy": "i", "reader": "i", "writer": "i", "nbytes": "q"}
 
 
 class RouteTable:
@@ -51,10 +53,11 @@ class RouteTable:
     __slots__ = ("catalog", "steps", "wires", "first_input", "wire_size", "stored_size", *COLUMNS)
 
     def __init__(self, catalog: Catalog, steps: list[Step], wires: list[list[torch.dtype]],
-                 columns: dict[str, Sequence[int]]):
+                 columns: dict[str, array]):
+        """`columns`: an array of COLUMNS' typecode for each column, taken over as it is (no copy)."""
         self.catalog, self.steps, self.wires = catalog, steps, wires
-        for name in COLUMNS:
-            setattr(self, name, np.asarray(columns[name], dtype=np.int64))
+        for name, code in COLUMNS.items():
+            setattr(self, name, np.frombuffer(columns[name], dtype=np.dtype(code)))
         # each step input's itemsizes, in flight and stored, at first_input[step] + input
         self.first_input = np.cumsum([0] + [len(s.inputs) for s in steps], dtype=np.int64)
         self.wire_size = np.array([d.itemsize for per_step in wires for d in per_step], dtype=np.int64)
@@ -70,7 +73,7 @@ class RouteTable:
         """The Route of each of `rows`. Of each step input's pieces, only the span from the first to the last one
         asked for is made, with one slice (a catalog may make pieces from arrays of its own when asked, as
         dcp_chunk_table.TablePieces does: a rank of 64 asks for one piece of each tensor, not all 64)."""
-        listed = list(zip(*(getattr(self, n)[rows].tolist() for n in COLUMNS[:-1])))
+        listed = list(zip(*(getattr(self, n)[rows].tolist() for n in list(COLUMNS)[:-1])))
         span: dict[tuple[int, int], list[int]] = {}  # (step, input) -> [first, last] piece asked for
         for si, ii, k, *_ in listed:
             first_last = span.setdefault((si, ii), [k, k])
