@@ -203,6 +203,35 @@ def rerouted(plan: Plan, catalog: Catalog, world: int) -> Plan:
     return dataclasses.replace(plan, writers=writers, batches=batches, world=world)
 
 
+def _input_arrays(catalog: Catalog, step: Step, owner: dict[str, int],
+                  ranks_of: dict[tuple[str, ...], np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """Per input of `step`, its pieces' sizes (a row each) and the rank that opened each one's only copy, when
+    the catalog gives the pieces as arrays (dcp_chunk_table.TablePieces.one_copy_columns): no object per piece.
+    None: some input's pieces come only as objects. `ranks_of` caches each file list's owners."""
+    out = []
+    for name in step.inputs:
+        columns = getattr(catalog.tensors[name].pieces, "one_copy_columns", None)
+        if columns is None:
+            return None
+        sizes, file, files = columns()
+        ranks = ranks_of.get(key := tuple(files))
+        if ranks is None:
+            ranks = ranks_of[key] = np.array([owner.get(f, -1) for f in files] or [-1], dtype=np.int64)
+        out.append((sizes, ranks[file]))
+    return out
+
+
+def _rows_place_directly(catalog: Catalog, step: Step, sizes: np.ndarray) -> bool | None:
+    """places_directly for pieces given as their sizes: None when that takes the pieces' runs (a piece that is not
+    a block of whole rows), which the object path works out."""
+    if not step.is_cast or len(step.inputs) != 1 or len(step.outputs) != 1:
+        return False
+    tensor, spec = catalog.tensors[step.inputs[0]], step.outputs[0]
+    if tensor.shape != spec.shape or int(sizes.prod(axis=1).sum()) != math.prod(spec.shape):
+        return False
+    return True if (sizes[:, 1:] == np.array(spec.shape[1:], dtype=np.int64)).all() else None
+
+
 def _route(catalog: Catalog, steps: list[Step], world: int, max_inflight: int,
            direct: bool) -> tuple[list[int | None], list[Batch]]:
     """Who writes each step, who reads each piece, and the batches."""
@@ -212,50 +241,55 @@ def _route(catalog: Catalog, steps: list[Step], world: int, max_inflight: int,
     # the rank with the fewest bytes written so far, so writing spreads evenly however the inputs lie.
     # Readers: a piece is read from a copy the writer opened itself when there is one, else from the copy whose
     # owner has read the least so far.
+    # A catalog that gives its pieces as arrays (each with one copy, so nothing to choose) is routed on the arrays;
+    # any other, piece by piece. Both give the same plan.
     owner = catalog.file_owner(world)
     load, read_load = [0] * world, [0] * world
     share = sum(o.nbytes for step in steps for o in step.outputs) / world
     writers: list[int | None] = []
     columns = {name: array(code) for name, code in COLUMNS.items()}  # one entry per route: no object each
     step_rows = [0]  # step si's routes are rows step_rows[si]:step_rows[si + 1]
-    all_wires = []
+    all_wires, ranks_of = [], {}
     for si, step in enumerate(steps):
         wires = [step.outputs[0].dtype if step.is_cast and len(step.inputs) == 1 else catalog.tensors[n].dtype
                  for n in step.inputs]
-        pieces = [tuple(catalog.tensors[n].pieces) for n in step.inputs]  # made once: a catalog may make them lazily
-        if direct and places_directly(catalog, step, pieces[0] if pieces else ()):
+        arrays = _input_arrays(catalog, step, owner, ranks_of)
+        placed = _rows_place_directly(catalog, step, arrays[0][0]) if direct and arrays else False
+        pieces = None
+        if arrays is None or placed is None:
+            arrays = None
+            pieces = [tuple(catalog.tensors[n].pieces) for n in step.inputs]  # made once: a catalog may make them lazily
+            placed = direct and places_directly(catalog, step, pieces[0] if pieces else ())
+        if placed:
             writer = None
         else:
             held = [0] * world  # input bytes each rank opened a copy of
-            for input_pieces, wire in zip(pieces, wires):
-                for piece in input_pieces:
+            for ii, wire in enumerate(wires):
+                if arrays is not None:
+                    sizes, ranks = arrays[ii]
+                    for r, n in _per_rank(ranks, sizes.prod(axis=1) * wire.itemsize, world):
+                        held[r] += n
+                    continue
+                for piece in pieces[ii]:
                     for r in {owner[c.file] for c in piece.copies}:
                         held[r] += piece.numel * wire.itemsize
             home = min(range(world), key=lambda r: (-held[r], load[r], r))
             writer = home if load[home] < share else min(range(world), key=lambda r: (load[r], r))
         writers.append(writer)
         for ii, wire in enumerate(wires):
-            chosen, readers, sizes = [], [], []
-            for piece in pieces[ii]:
-                copies = piece.copies
-                if len(copies) == 1:  # the common case: nothing to choose
-                    j = 0
-                else:
-                    local = [j for j, c in enumerate(copies) if owner[c.file] == writer]
-                    j = local[0] if local else min(
-                        range(len(copies)), key=lambda j: (read_load[owner[copies[j].file]], owner[copies[j].file]))
-                reader = owner[copies[j].file]
-                nbytes = piece.numel * wire.itemsize
-                read_load[reader] += nbytes
-                if writer is None:
-                    load[reader] += nbytes
-                chosen.append(j)
-                readers.append(reader)
-                sizes.append(nbytes)
+            if arrays is not None:
+                sizes, readers = arrays[ii]
+                chosen, nbytes = np.zeros(len(readers), dtype=np.int64), sizes.prod(axis=1) * wire.itemsize
+                for r, n in _per_rank(readers, nbytes, world):
+                    read_load[r] += n
+                    if writer is None:
+                        load[r] += n
+            else:
+                chosen, readers, nbytes = _choose_copies(pieces[ii], wire, owner, writer, load, read_load)
             n = len(chosen)
-            for name, values in zip(COLUMNS, ([si] * n, [ii] * n, range(n), chosen, readers,
-                                              readers if writer is None else [writer] * n, sizes)):
-                columns[name].extend(values)
+            for name, values in zip(COLUMNS, (np.full(n, si), np.full(n, ii), np.arange(n), chosen, readers,
+                                              readers if writer is None else np.full(n, writer), nbytes)):
+                columns[name].frombytes(np.asarray(values, dtype=np.dtype(COLUMNS[name])).tobytes())
         if writer is not None:
             load[writer] += sum(s.nbytes for s in step.outputs)
         step_rows.append(len(columns["step"]))
@@ -264,6 +298,37 @@ def _route(catalog: Catalog, steps: list[Step], world: int, max_inflight: int,
     # Two batches are in flight at once (stream.py reads one while it writes the other): each gets half.
     table = RouteTable(catalog, steps, all_wires, columns)
     return writers, _batches(steps, writers, table, step_rows, world, max_inflight // 2)
+
+
+def _per_rank(ranks: np.ndarray, nbytes: np.ndarray, world: int):
+    """(rank, total of `nbytes` over the pieces at that rank) for each rank with any, as Python ints."""
+    total = np.zeros(world, dtype=np.int64)
+    np.add.at(total, ranks, nbytes)
+    return zip(np.flatnonzero(total).tolist(), total[total != 0].tolist())
+
+
+def _choose_copies(pieces: tuple[ShardPiece, ...], wire: torch.dtype, owner: dict[str, int], writer: int | None,
+                   load: list[int], read_load: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """For pieces as objects, in order: the copy each is read from, its reader, its bytes in flight; adds them
+    to `read_load` (and to `load` when the step is placed directly: `writer` None)."""
+    chosen, readers, sizes = [], [], []
+    for piece in pieces:
+        copies = piece.copies
+        if len(copies) == 1:  # the common case: nothing to choose
+            j = 0
+        else:
+            local = [j for j, c in enumerate(copies) if owner[c.file] == writer]
+            j = local[0] if local else min(
+                range(len(copies)), key=lambda j: (read_load[owner[copies[j].file]], owner[copies[j].file]))
+        reader = owner[copies[j].file]
+        nbytes = piece.numel * wire.itemsize
+        read_load[reader] += nbytes
+        if writer is None:
+            load[reader] += nbytes
+        chosen.append(j)
+        readers.append(reader)
+        sizes.append(nbytes)
+    return chosen, readers, sizes
 
 
 def _step_memory(step: Step, writer: int | None, table: RouteTable, rows: slice, world: int) -> np.ndarray:

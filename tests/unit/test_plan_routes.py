@@ -79,3 +79,32 @@ class _Made(Sequence):
 def test_pieces_made_when_asked_give_the_same_plan(syn, args, direct):
     lazy = replace(syn.catalog, tensors={n: replace(t, pieces=_Made(t.pieces)) for n, t in syn.catalog.tensors.items()})
     assert _plan(lazy, syn, args, direct) == _plan(syn.catalog, syn, args, direct)
+
+
+class _Columns(Sequence):
+    """A tensor's pieces, each with one copy, also given as arrays as the DCP catalog gives them
+    (one_copy_columns): the planner then routes them without an object per piece."""
+
+    def __init__(self, pieces, ndim, files):
+        self.pieces, self.ndim, self.files = pieces, ndim, files
+
+    def __len__(self):
+        return len(self.pieces)
+
+    def __getitem__(self, i):
+        return self.pieces[i]
+
+    def one_copy_columns(self):
+        sizes = np.array([p.sizes for p in self.pieces], dtype=np.int64).reshape(len(self.pieces), self.ndim)
+        file = np.array([self.files.index(p.copies[0].file) for p in self.pieces], dtype=np.int64)
+        return sizes, file, self.files
+
+
+@SETTINGS
+@given(synthetics(), plan_args(), st.booleans(), st.randoms(use_true_random=False))
+def test_pieces_given_as_arrays_give_the_same_plan(syn, args, direct, rnd):
+    files = rnd.sample(syn.catalog.files, len(syn.catalog.files))  # the arrays' own file order
+    tensors = {n: replace(t, pieces=_Columns(t.pieces, len(t.shape), files))
+               if all(len(p.copies) == 1 for p in t.pieces) else t for n, t in syn.catalog.tensors.items()}
+    arrays = replace(syn.catalog, tensors=tensors)
+    assert _plan(arrays, syn, args, direct) == _plan(syn.catalog, syn, args, direct)
