@@ -151,17 +151,17 @@ class BatchBuffers:
 
 def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceReads, buffers: BatchBuffers,
                 copy_part: Callable | None, overflows: set[int]
-                ) -> tuple[dict[int, torch.Tensor | None], torch.Tensor, list[int]]:
-    """This rank's pieces of the batch: those it writes itself by route index (None: copied into the output
-    already, see _copier), and the block it sends with the bytes for each peer. Steps whose pieces lost values in
-    the cast are added to `overflows`."""
+                ) -> tuple[dict[int, tuple[Route, torch.Tensor | None]], torch.Tensor, list[int]]:
+    """This rank's pieces of the batch: those it writes itself, with their routes, by route index (None: copied
+    into the output already, see _copier), and the block it sends with the bytes for each peer. Steps whose pieces
+    lost values in the cast are added to `overflows`."""
     me = group.rank
     read_here = np.flatnonzero(batch.routes.reader == me)
     writer = batch.routes.writer[read_here]
     order = read_here[np.lexsort((read_here, writer, writer == me))]  # by (written here, writer, route index)
     mine = zip(order.tolist(), batch.routes.at(order))
     buf = buffers.read
-    local: dict[int, torch.Tensor | None] = {}
+    local: dict[int, tuple[Route, torch.Tensor | None]] = {}
     send_split = [0] * group.world
     at = 0
     for i, route in mine:
@@ -172,7 +172,7 @@ def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceRea
                               f"the plan expects {route.piece.sizes} {route.stored}, {route.copy.file}")
         copier = _copier(plan, copy_part, route)
         if copier is not None and reads.copy_unchanged(stored, route.copy.key, copier):
-            local[i] = None  # written: the pieces a rank writes itself come last, so the send block is unchanged
+            local[i] = route, None  # written: the pieces a rank writes itself come last, so the send block is unchanged
             continue
         out = buf[at:at + route.nbytes].view(route.dtype).view(route.piece.sizes)
         at += _slot(route.nbytes)
@@ -183,15 +183,16 @@ def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceRea
             if overflowed(source, out):
                 overflows.add(route.step)
         if route.writer == me:
-            local[i] = out
+            local[i] = route, out
         else:
             send_split[route.writer] += _slot(route.nbytes)
     return local, buf[:sum(send_split)], send_split
 
 
-def _receive(batch: Batch, group: Group, local: dict[int, torch.Tensor | None], send: torch.Tensor,
+def _receive(batch: Batch, group: Group, local: dict[int, tuple[Route, torch.Tensor | None]], send: torch.Tensor,
              send_split: list[int], buffers: BatchBuffers) -> None:
-    """One all_to_all: every piece reaches its writer; received pieces are added to `local` by route index."""
+    """One all_to_all: every piece reaches its writer; received pieces are added to `local` (with their routes) by
+    route index."""
     me = group.rank
     positions = np.flatnonzero((batch.routes.writer == me) & (batch.routes.reader != me))
     incoming = list(zip(positions.tolist(), batch.routes.at(positions)))
@@ -203,7 +204,7 @@ def _receive(batch: Batch, group: Group, local: dict[int, torch.Tensor | None], 
     for i, route in incoming:
         start = cursor[route.reader]
         cursor[route.reader] += _slot(route.nbytes)
-        local[i] = received[start:start + route.nbytes].view(route.dtype).view(route.piece.sizes)
+        local[i] = route, received[start:start + route.nbytes].view(route.dtype).view(route.piece.sizes)
 
 
 class BatchObserver(Protocol):
@@ -219,14 +220,17 @@ class BatchObserver(Protocol):
         """A sync point has shown that every rank wrote batches [0, count) without error."""
 
 
-def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int, local: dict[int, torch.Tensor | None],
+def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int,
+                 local: dict[int, tuple[Route, torch.Tensor | None]],
                  sink: Sink, observer: BatchObserver | None, overflows: set[int]) -> None:
     by_step: dict[int, list[tuple[Route, torch.Tensor]]] = {}
     here = batch.routes.writer == me
     elsewhere = set(batch.routes.step[~here].tolist())  # directly placed steps that other ranks write part of
-    positions = np.flatnonzero(here)
-    for i, route in zip(positions.tolist(), batch.routes.at(positions)):
-        by_step.setdefault(route.step, []).append((route, local.pop(i)))
+    if len(local) != int(here.sum()):  # a piece neither read nor received here would leave its bytes unwritten
+        raise MergerError(f"rank {me} holds {len(local)} of the {int(here.sum())} pieces it writes in this batch")
+    for i in sorted(local):  # every piece this rank writes: read here or received, in route order
+        route, piece = local.pop(i)
+        by_step.setdefault(route.step, []).append((route, piece))
     for si in batch.steps:  # pop: pieces die with their step
         writer = plan.writers[si]
         if writer == me:
@@ -281,7 +285,7 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
         except Exception as e:  # noqa: BLE001 - every failure must reach the sync point, or peers would hang
             error = describe_error(e, group.rank, debug)
 
-    def write(index: int, batch: Batch, local: dict[int, torch.Tensor | None]) -> str | None:
+    def write(index: int, batch: Batch, local: dict[int, tuple[Route, torch.Tensor | None]]) -> str | None:
         try:
             _write_batch(plan, catalog, batch, group.rank, local, sink, observer, overflows)
             if observer:
