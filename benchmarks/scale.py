@@ -162,10 +162,11 @@ def merger_phases(folder: str, merge_ranks: list[int]) -> list:
 
 def _routes_made(plan, rank: int) -> int:
     """Make the Route objects that `rank` makes while it streams the plan: stream.py asks each batch for the
-    routes the rank reads, then for those it writes (the plan holds them as columns: engine/routes.py)."""
+    routes the rank reads, and for those it receives (the plan holds them as columns: engine/routes.py)."""
     import numpy as np
     return sum(len(b.routes.at(np.flatnonzero(b.routes.reader == rank))) +
-               len(b.routes.at(np.flatnonzero(b.routes.writer == rank))) for b in plan.batches)
+               len(b.routes.at(np.flatnonzero((b.routes.writer == rank) & (b.routes.reader != rank))))
+               for b in plan.batches)
 
 
 def _in_process(function: str, *args) -> list:
