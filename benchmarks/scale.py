@@ -11,7 +11,8 @@ disk). The fraction scales the MoE layers; 1/8 is a quick run. It then times, ea
   classes): the baseline, what any DCP reader pays;
 - merger, phase by phase in one process: load_compact (`.metadata` read as open_catalog reads it: the runs of
   chunks and storage entries as arrays, the rest by the restricted unpickler), open_catalog (again, the load
-  included), build_mapping, plan_layout (1 rank), the plan rerouted for each --merge_ranks;
+  included), build_mapping, plan_layout (1 rank), the plan rerouted for each --merge_ranks, and the Route
+  objects rank 0 makes from the plan's columns while streaming (1 rank, and the largest --merge_ranks);
 - `merger inspect --merge_ranks N --json` end to end, for the largest N (its output's sha256 printed: the same
   plan before and after a change has the same).
 Each row gives wall seconds, CPU seconds (steadier than wall time on a shared machine) and the process's
@@ -151,9 +152,21 @@ def merger_phases(folder: str, merge_ranks: list[int]) -> list:
     mapping = _timed(rows, "merger: build_mapping", lambda: build_mapping(catalog, options))
     plan = _timed(rows, "merger: plan_layout (1 rank)", lambda: plan_layout(
         mapping.catalog or catalog, mapping.steps, 1, options.max_shard_size, options.max_inflight, tie=mapping.tie))
+    routed = {1: plan}
     for n in merge_ranks:
-        _timed(rows, f"merger: rerouted, {n} ranks", lambda: rerouted(plan, mapping.catalog or catalog, n))
+        routed[n] = _timed(rows, f"merger: rerouted, {n} ranks", lambda: rerouted(plan, mapping.catalog or catalog, n))
+    for n in (1, max(merge_ranks)):
+        _timed(rows, f"merger: routes rank 0 of {n} makes while streaming", lambda: _routes_made(routed[n], 0))
     return rows
+
+
+def _routes_made(plan, rank: int) -> int:
+    """Make the Route objects that `rank` makes while it streams the plan: stream.py asks each batch for the
+    routes the rank reads, and for those it receives (the plan holds them as columns: engine/routes.py)."""
+    import numpy as np
+    return sum(len(b.routes.at(np.flatnonzero(b.routes.reader == rank))) +
+               len(b.routes.at(np.flatnonzero((b.routes.writer == rank) & (b.routes.reader != rank))))
+               for b in plan.batches)
 
 
 def _in_process(function: str, *args) -> list:

@@ -54,6 +54,10 @@ def assert_catalog_is_torchs(root: Path) -> None:
     assert all(c.key == prefix + name for name, t in catalog.tensors.items() for p in t.pieces for c in p.copies)
     assert sorted(catalog.files) == sorted({f for pieces in expected.values() for _, _, f, _ in pieces})
     assert all(tuple(t.pieces) == t.pieces and len(t.pieces) == len(tuple(t.pieces)) for t in catalog.tensors.values())
+    for t in catalog.tensors.values():  # the arrays the planner routes on (engine/plan.py) say what the pieces say
+        sizes, file, files = t.pieces.one_copy_columns()
+        assert [(tuple(s), [files[f]]) for s, f in zip(sizes.tolist(), file.tolist())] == \
+            [(p.sizes, [c.file for c in p.copies]) for p in t.pieces]
 
 
 @pytest.mark.parametrize("folder", ["plain", "checkpoint-1", "tp"])

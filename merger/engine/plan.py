@@ -12,44 +12,24 @@ import dataclasses
 import itertools
 import math
 import re
+from array import array
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ..catalog import Catalog, PieceCopy, ShardPiece, row_major_index
+from ..catalog import Catalog, ShardPiece, row_major_index
 from ..errors import MergerError
 from ..hf_folder import shard_name
 from ..mapping.steps import OutputSpec, Step, Tie
 from ..safetensors_io import TensorEntry, build_header
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """One piece of one step input, from the rank that reads it to the rank that writes it: the step's writer,
-    or the reader itself when the step is placed directly (`Plan.writers[step]` is None).
-
-    `dtype` is the dtype the piece travels and is assembled in: the output dtype for a pure cast (the reader
-    casts, so fp32 -> bf16 moves half the bytes), the source dtype when a transform needs the original values.
-    """
-
-    step: int
-    input: int
-    piece: ShardPiece
-    copy: PieceCopy
-    reader: int
-    writer: int
-    dtype: torch.dtype  # in flight and assembled
-    stored: torch.dtype  # in the source file
-
-    @property
-    def nbytes(self) -> int:
-        return self.piece.numel * self.dtype.itemsize
+from .routes import COLUMNS, Route, Routes, RouteTable  # noqa: F401 - Route: what a batch's routes yield
 
 
 @dataclass(frozen=True)
 class Batch:
     steps: tuple[int, ...]
-    routes: tuple[Route, ...]
+    routes: Routes
     out_bytes: int
 
 
@@ -223,22 +203,33 @@ def rerouted(plan: Plan, catalog: Catalog, world: int) -> Plan:
     return dataclasses.replace(plan, writers=writers, batches=batches, world=world)
 
 
-def traffic(plan: Plan) -> list[dict[str, int]]:
-    """Per rank, the bytes the plan has it read from the source, send to and receive from other ranks, and
-    write to the output."""
-    ranks = [dict(read_bytes=0, sent_bytes=0, received_bytes=0, written_bytes=0) for _ in range(plan.world)]
-    for batch in plan.batches:
-        for r in batch.routes:
-            ranks[r.reader]["read_bytes"] += r.piece.numel * r.stored.itemsize
-            if r.reader != r.writer:
-                ranks[r.reader]["sent_bytes"] += r.nbytes
-                ranks[r.writer]["received_bytes"] += r.nbytes
-            if plan.writers[r.step] is None:
-                ranks[r.writer]["written_bytes"] += r.nbytes
-        for si in batch.steps:
-            if plan.writers[si] is not None:
-                ranks[plan.writers[si]]["written_bytes"] += sum(o.nbytes for o in plan.steps[si].outputs)
-    return ranks
+def _input_arrays(catalog: Catalog, step: Step, owner: dict[str, int],
+                  ranks_of: dict[tuple[str, ...], np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """Per input of `step`, its pieces' sizes (a row each) and the rank that opened each one's only copy, when
+    the catalog gives the pieces as arrays (dcp_chunk_table.TablePieces.one_copy_columns): no object per piece.
+    None: some input's pieces come only as objects. `ranks_of` caches each file list's owners."""
+    out = []
+    for name in step.inputs:
+        columns = getattr(catalog.tensors[name].pieces, "one_copy_columns", None)
+        if columns is None:
+            return None
+        sizes, file, files = columns()
+        ranks = ranks_of.get(key := tuple(files))
+        if ranks is None:
+            ranks = ranks_of[key] = np.array([owner.get(f, -1) for f in files] or [-1], dtype=np.int64)
+        out.append((sizes, ranks[file]))
+    return out
+
+
+def _rows_place_directly(catalog: Catalog, step: Step, sizes: np.ndarray) -> bool | None:
+    """places_directly for pieces given as their sizes: None when that takes the pieces' runs (a piece that is not
+    a block of whole rows), which the object path works out."""
+    if not step.is_cast or len(step.inputs) != 1 or len(step.outputs) != 1:
+        return False
+    tensor, spec = catalog.tensors[step.inputs[0]], step.outputs[0]
+    if tensor.shape != spec.shape or int(sizes.prod(axis=1).sum()) != math.prod(spec.shape):
+        return False
+    return True if (sizes[:, 1:] == np.array(spec.shape[1:], dtype=np.int64)).all() else None
 
 
 def _route(catalog: Catalog, steps: list[Step], world: int, max_inflight: int,
@@ -250,62 +241,112 @@ def _route(catalog: Catalog, steps: list[Step], world: int, max_inflight: int,
     # the rank with the fewest bytes written so far, so writing spreads evenly however the inputs lie.
     # Readers: a piece is read from a copy the writer opened itself when there is one, else from the copy whose
     # owner has read the least so far.
+    # A catalog that gives its pieces as arrays (each with one copy, so nothing to choose) is routed on the arrays;
+    # any other, piece by piece. Both give the same plan.
     owner = catalog.file_owner(world)
     load, read_load = [0] * world, [0] * world
     share = sum(o.nbytes for step in steps for o in step.outputs) / world
     writers: list[int | None] = []
-    step_routes: list[list[Route]] = []
+    columns = {name: array(code) for name, code in COLUMNS.items()}  # one entry per route: no object each
+    step_rows = [0]  # step si's routes are rows step_rows[si]:step_rows[si + 1]
+    all_wires, ranks_of = [], {}
     for si, step in enumerate(steps):
         wires = [step.outputs[0].dtype if step.is_cast and len(step.inputs) == 1 else catalog.tensors[n].dtype
                  for n in step.inputs]
-        pieces = [tuple(catalog.tensors[n].pieces) for n in step.inputs]  # made once: a catalog may make them lazily
-        if direct and places_directly(catalog, step, pieces[0] if pieces else ()):
+        arrays = _input_arrays(catalog, step, owner, ranks_of)
+        placed = _rows_place_directly(catalog, step, arrays[0][0]) if direct and arrays else False
+        pieces = None
+        if arrays is None or placed is None:
+            arrays = None
+            pieces = [tuple(catalog.tensors[n].pieces) for n in step.inputs]  # made once: a catalog may make them lazily
+            placed = direct and places_directly(catalog, step, pieces[0] if pieces else ())
+        if placed:
             writer = None
         else:
             held = [0] * world  # input bytes each rank opened a copy of
-            for input_pieces, wire in zip(pieces, wires):
-                for piece in input_pieces:
+            for ii, wire in enumerate(wires):
+                if arrays is not None:
+                    sizes, ranks = arrays[ii]
+                    for r, n in _per_rank(ranks, sizes.prod(axis=1) * wire.itemsize, world):
+                        held[r] += n
+                    continue
+                for piece in pieces[ii]:
                     for r in {owner[c.file] for c in piece.copies}:
                         held[r] += piece.numel * wire.itemsize
             home = min(range(world), key=lambda r: (-held[r], load[r], r))
             writer = home if load[home] < share else min(range(world), key=lambda r: (load[r], r))
         writers.append(writer)
-        routes = []
-        for ii, (name, wire) in enumerate(zip(step.inputs, wires)):
-            tensor = catalog.tensors[name]
-            for piece in pieces[ii]:
-                local = [c for c in piece.copies if owner[c.file] == writer]
-                copy = local[0] if local else min(piece.copies, key=lambda c: (read_load[owner[c.file]], owner[c.file]))
-                reader = owner[copy.file]
-                route = Route(si, ii, piece, copy, reader, reader if writer is None else writer, wire, tensor.dtype)
-                read_load[reader] += route.nbytes
-                if writer is None:
-                    load[reader] += route.nbytes
-                routes.append(route)
+        for ii, wire in enumerate(wires):
+            if arrays is not None:
+                sizes, readers = arrays[ii]
+                chosen, nbytes = np.zeros(len(readers), dtype=np.int64), sizes.prod(axis=1) * wire.itemsize
+                for r, n in _per_rank(readers, nbytes, world):
+                    read_load[r] += n
+                    if writer is None:
+                        load[r] += n
+            else:
+                chosen, readers, nbytes = _choose_copies(pieces[ii], wire, owner, writer, load, read_load)
+            n = len(chosen)
+            for name, values in zip(COLUMNS, (np.full(n, si), np.full(n, ii), np.arange(n), chosen, readers,
+                                              readers if writer is None else np.full(n, writer), nbytes)):
+                columns[name].frombytes(np.asarray(values, dtype=np.dtype(COLUMNS[name])).tobytes())
         if writer is not None:
             load[writer] += sum(s.nbytes for s in step.outputs)
-        step_routes.append(routes)
+        step_rows.append(len(columns["step"]))
+        all_wires.append(wires)
 
     # Two batches are in flight at once (stream.py reads one while it writes the other): each gets half.
-    return writers, _batches(steps, writers, step_routes, world, max_inflight // 2)
+    table = RouteTable(catalog, steps, all_wires, columns)
+    return writers, _batches(steps, writers, table, step_rows, world, max_inflight // 2)
 
 
-def _step_memory(step: Step, writer: int | None, routes: list[Route], world: int) -> list[int]:
-    """Bytes each rank holds at once for one step: read, sent and received pieces, assembled inputs, outputs."""
-    mem = [0] * world
+def _per_rank(ranks: np.ndarray, nbytes: np.ndarray, world: int):
+    """(rank, total of `nbytes` over the pieces at that rank) for each rank with any, as Python ints."""
+    total = np.zeros(world, dtype=np.int64)
+    np.add.at(total, ranks, nbytes)
+    return zip(np.flatnonzero(total).tolist(), total[total != 0].tolist())
+
+
+def _choose_copies(pieces: tuple[ShardPiece, ...], wire: torch.dtype, owner: dict[str, int], writer: int | None,
+                   load: list[int], read_load: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """For pieces as objects, in order: the copy each is read from, its reader, its bytes in flight; adds them
+    to `read_load` (and to `load` when the step is placed directly: `writer` None)."""
+    chosen, readers, sizes = [], [], []
+    for piece in pieces:
+        copies = piece.copies
+        if len(copies) == 1:  # the common case: nothing to choose
+            j = 0
+        else:
+            local = [j for j, c in enumerate(copies) if owner[c.file] == writer]
+            j = local[0] if local else min(
+                range(len(copies)), key=lambda j: (read_load[owner[copies[j].file]], owner[copies[j].file]))
+        reader = owner[copies[j].file]
+        nbytes = piece.numel * wire.itemsize
+        read_load[reader] += nbytes
+        if writer is None:
+            load[reader] += nbytes
+        chosen.append(j)
+        readers.append(reader)
+        sizes.append(nbytes)
+    return chosen, readers, sizes
+
+
+def _step_memory(step: Step, writer: int | None, table: RouteTable, rows: slice, world: int) -> np.ndarray:
+    """Bytes each rank holds at once for one step (its routes: `rows` of `table`): read, sent and received
+    pieces, assembled inputs, outputs."""
+    mem = np.zeros(world, dtype=np.int64)
+    reader, nbytes = table.reader[rows], table.nbytes[rows]
     if writer is None:  # each piece is read, cast and written where it is
-        for r in routes:
-            mem[r.reader] += r.nbytes
+        np.add.at(mem, reader, nbytes)
         return mem
-    mem[writer] += sum(r.nbytes for r in routes) + sum(s.nbytes for s in step.outputs)  # assembled inputs, outputs
-    for r in routes:
-        if r.reader != r.writer:
-            mem[r.reader] += r.nbytes
-            mem[r.writer] += r.nbytes
+    mem[writer] += int(nbytes.sum()) + sum(s.nbytes for s in step.outputs)  # assembled inputs, outputs
+    crossing = reader != writer
+    np.add.at(mem, reader[crossing], nbytes[crossing])
+    mem[writer] += int(nbytes[crossing].sum())
     return mem
 
 
-def _batches(steps: list[Step], writers: list[int | None], step_routes: list[list[Route]],
+def _batches(steps: list[Step], writers: list[int | None], table: RouteTable, step_rows: list[int],
              world: int, max_inflight: int) -> list[Batch]:
     """Consecutive steps grouped while no rank's memory for the group exceeds max_inflight.
 
@@ -313,20 +354,41 @@ def _batches(steps: list[Step], writers: list[int | None], step_routes: list[lis
     """
     batches: list[Batch] = []
     current: list[int] = []
-    mem = [0] * world
+    mem = np.zeros(world, dtype=np.int64)
 
     def close():
         if current:
-            routes = tuple(r for si in current for r in step_routes[si])
+            rows = np.arange(step_rows[current[0]], step_rows[current[-1] + 1], dtype=np.int64)
             out = sum(s.nbytes for si in current for s in steps[si].outputs)
-            batches.append(Batch(tuple(current), routes, out))
+            batches.append(Batch(tuple(current), Routes(table, rows), out))
 
     for si, step in enumerate(steps):
-        need = _step_memory(step, writers[si], step_routes[si], world)
-        if current and any(m + n > max_inflight for m, n in zip(mem, need)):
+        need = _step_memory(step, writers[si], table, slice(step_rows[si], step_rows[si + 1]), world)
+        if current and bool((mem + need > max_inflight).any()):
             close()
-            current, mem = [], [0] * world
+            current, mem = [], np.zeros(world, dtype=np.int64)
         current.append(si)
-        mem = [m + n for m, n in zip(mem, need)]
+        mem += need
     close()
     return batches
+
+
+def traffic(plan: Plan) -> list[dict[str, int]]:
+    """Per rank, the bytes the plan has it read from the source, send to and receive from other ranks, and
+    write to the output."""
+    read, sent, received, written = (np.zeros(plan.world, dtype=np.int64) for _ in range(4))
+    placed = np.array([w is None for w in plan.writers] or [False])  # by step: written where its pieces are read
+    for batch in plan.batches:
+        routes = batch.routes
+        reader, writer, nbytes = routes.reader, routes.writer, routes.nbytes
+        np.add.at(read, reader, routes.stored_nbytes())
+        crossing = reader != writer
+        np.add.at(sent, reader[crossing], nbytes[crossing])
+        np.add.at(received, writer[crossing], nbytes[crossing])
+        direct = placed[routes.step]
+        np.add.at(written, writer[direct], nbytes[direct])
+        for si in batch.steps:
+            if plan.writers[si] is not None:
+                written[plan.writers[si]] += sum(o.nbytes for o in plan.steps[si].outputs)
+    return [dict(read_bytes=int(r), sent_bytes=int(s), received_bytes=int(v), written_bytes=int(w))
+            for r, s, v, w in zip(read, sent, received, written)]

@@ -13,6 +13,7 @@ import gc
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from ..catalog import Catalog
@@ -21,8 +22,9 @@ from ..mapping.steps import OutputSpec
 from ..sources.file_reads import CHUNK, Placed, SourceReads, pread_into, source_shrank
 from .dist import Group
 from .overflow import may_have_overflowed, overflow_message, overflowed
-from .plan import Batch, Plan, Route, Runs, block_runs
+from .plan import Batch, Plan, Runs, block_runs
 from .progress import Progress
+from .routes import Route, Routes
 
 
 @runtime_checkable
@@ -123,9 +125,10 @@ def _run_step(plan: Plan, catalog: Catalog, si: int, pieces: list[tuple[Route, t
 _ALIGN = 64
 
 
-def _slot(route: Route) -> int:
-    """Bytes a piece takes in a batch buffer: its size rounded up, so every piece starts aligned for any dtype."""
-    return -(-route.nbytes // _ALIGN) * _ALIGN
+def _slot(nbytes):
+    """Bytes a piece of `nbytes` (an int, or an array of them) takes in a batch buffer: its size rounded up, so
+    every piece starts aligned for any dtype."""
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 class BatchBuffers:
@@ -139,24 +142,26 @@ class BatchBuffers:
     """
 
     def __init__(self, batches: list[Batch], me: int):
-        def largest(counted) -> int:
-            return max((sum(_slot(r) for r in b.routes if counted(r)) for b in batches), default=0)
+        def largest(counted: Callable[[Routes], np.ndarray]) -> int:
+            return max((int(_slot(b.routes.nbytes[counted(b.routes)]).sum()) for b in batches), default=0)
 
         self.read = torch.empty(largest(lambda r: r.reader == me), dtype=torch.uint8)
-        self.recv = torch.empty(largest(lambda r: r.writer == me and r.reader != me), dtype=torch.uint8)
+        self.recv = torch.empty(largest(lambda r: (r.writer == me) & (r.reader != me)), dtype=torch.uint8)
 
 
 def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceReads, buffers: BatchBuffers,
                 copy_part: Callable | None, overflows: set[int]
-                ) -> tuple[dict[int, torch.Tensor | None], torch.Tensor, list[int]]:
-    """This rank's pieces of the batch: those it writes itself by route index (None: copied into the output
-    already, see _copier), and the block it sends with the bytes for each peer. Steps whose pieces lost values in
-    the cast are added to `overflows`."""
+                ) -> tuple[dict[int, tuple[Route, torch.Tensor | None]], torch.Tensor, list[int]]:
+    """This rank's pieces of the batch: those it writes itself, with their routes, by route index (None: copied
+    into the output already, see _copier), and the block it sends with the bytes for each peer. Steps whose pieces
+    lost values in the cast are added to `overflows`."""
     me = group.rank
-    mine = sorted(((i, r) for i, r in enumerate(batch.routes) if r.reader == me),
-                  key=lambda ir: (ir[1].writer == me, ir[1].writer, ir[0]))
+    read_here = np.flatnonzero(batch.routes.reader == me)
+    writer = batch.routes.writer[read_here]
+    order = read_here[np.lexsort((read_here, writer, writer == me))]  # by (written here, writer, route index)
+    mine = zip(order.tolist(), batch.routes.at(order))
     buf = buffers.read
-    local: dict[int, torch.Tensor | None] = {}
+    local: dict[int, tuple[Route, torch.Tensor | None]] = {}
     send_split = [0] * group.world
     at = 0
     for i, route in mine:
@@ -167,10 +172,10 @@ def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceRea
                               f"the plan expects {route.piece.sizes} {route.stored}, {route.copy.file}")
         copier = _copier(plan, copy_part, route)
         if copier is not None and reads.copy_unchanged(stored, route.copy.key, copier):
-            local[i] = None  # written: the pieces a rank writes itself come last, so the send block is unchanged
+            local[i] = route, None  # written: the pieces a rank writes itself come last, so the send block is unchanged
             continue
         out = buf[at:at + route.nbytes].view(route.dtype).view(route.piece.sizes)
-        at += _slot(route)
+        at += _slot(route.nbytes)
         reads.copy(stored, out, route.copy.key)
         if may_have_overflowed(out):  # rare: only then is the piece read again, as stored, to compare
             source = torch.empty(route.piece.sizes, dtype=route.stored)
@@ -178,26 +183,28 @@ def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceRea
             if overflowed(source, out):
                 overflows.add(route.step)
         if route.writer == me:
-            local[i] = out
+            local[i] = route, out
         else:
-            send_split[route.writer] += _slot(route)
+            send_split[route.writer] += _slot(route.nbytes)
     return local, buf[:sum(send_split)], send_split
 
 
-def _receive(batch: Batch, group: Group, local: dict[int, torch.Tensor | None], send: torch.Tensor,
+def _receive(batch: Batch, group: Group, local: dict[int, tuple[Route, torch.Tensor | None]], send: torch.Tensor,
              send_split: list[int], buffers: BatchBuffers) -> None:
-    """One all_to_all: every piece reaches its writer; received pieces are added to `local` by route index."""
+    """One all_to_all: every piece reaches its writer; received pieces are added to `local` (with their routes) by
+    route index."""
     me = group.rank
-    incoming = [(i, r) for i, r in enumerate(batch.routes) if r.writer == me and r.reader != me]
+    positions = np.flatnonzero((batch.routes.writer == me) & (batch.routes.reader != me))
+    incoming = list(zip(positions.tolist(), batch.routes.at(positions)))
     recv_split = [0] * group.world
     for _, r in incoming:
-        recv_split[r.reader] += _slot(r)
+        recv_split[r.reader] += _slot(r.nbytes)
     received = group.exchange(send, send_split, buffers.recv[:sum(recv_split)], recv_split)
     cursor = [sum(recv_split[:r]) for r in range(group.world)]  # each peer's block, pieces in route order
     for i, route in incoming:
         start = cursor[route.reader]
-        cursor[route.reader] += _slot(route)
-        local[i] = received[start:start + route.nbytes].view(route.dtype).view(route.piece.sizes)
+        cursor[route.reader] += _slot(route.nbytes)
+        local[i] = route, received[start:start + route.nbytes].view(route.dtype).view(route.piece.sizes)
 
 
 class BatchObserver(Protocol):
@@ -213,15 +220,17 @@ class BatchObserver(Protocol):
         """A sync point has shown that every rank wrote batches [0, count) without error."""
 
 
-def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int, local: dict[int, torch.Tensor | None],
+def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int,
+                 local: dict[int, tuple[Route, torch.Tensor | None]],
                  sink: Sink, observer: BatchObserver | None, overflows: set[int]) -> None:
     by_step: dict[int, list[tuple[Route, torch.Tensor]]] = {}
-    elsewhere: set[int] = set()  # directly placed steps that other ranks write part of
-    for i, route in enumerate(batch.routes):
-        if route.writer == me:
-            by_step.setdefault(route.step, []).append((route, local.pop(i)))
-        else:
-            elsewhere.add(route.step)
+    here = batch.routes.writer == me
+    elsewhere = set(batch.routes.step[~here].tolist())  # directly placed steps that other ranks write part of
+    if len(local) != int(here.sum()):  # a piece neither read nor received here would leave its bytes unwritten
+        raise MergerError(f"rank {me} holds {len(local)} of the {int(here.sum())} pieces it writes in this batch")
+    for i in sorted(local):  # every piece this rank writes: read here or received, in route order
+        route, piece = local.pop(i)
+        by_step.setdefault(route.step, []).append((route, piece))
     for si in batch.steps:  # pop: pieces die with their step
         writer = plan.writers[si]
         if writer == me:
@@ -276,7 +285,7 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
         except Exception as e:  # noqa: BLE001 - every failure must reach the sync point, or peers would hang
             error = describe_error(e, group.rank, debug)
 
-    def write(index: int, batch: Batch, local: dict[int, torch.Tensor | None]) -> str | None:
+    def write(index: int, batch: Batch, local: dict[int, tuple[Route, torch.Tensor | None]]) -> str | None:
         try:
             _write_batch(plan, catalog, batch, group.rank, local, sink, observer, overflows)
             if observer:

@@ -26,6 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Hashable, TypeVar
 
+import numpy as np
+
 from ..version import __version__
 from ..catalog import Catalog
 from ..engine.dist import Group
@@ -227,7 +229,7 @@ def skip_finished(plan: Plan, reused: set[str]) -> Plan:
         if steps:
             out = sum(o.nbytes for s in steps for o in plan.steps[s].outputs
                       if plan.location[o.name][0] not in done_files)
-            batches.append(Batch(steps, tuple(r for r in b.routes if r.step not in done), out))
+            batches.append(Batch(steps, b.routes.where(~np.isin(b.routes.step, list(done))), out))
     return dataclasses.replace(plan, batches=batches)
 
 

@@ -203,6 +203,11 @@ class TablePieces(Sequence):
         for offsets, sizes, file, byte_range in chunk_rows(self.table, rows, self.ndim):
             yield ShardPiece(offsets, sizes, (PieceCopy(self.files[file], self.fqn, byte_range),))
 
+    def one_copy_columns(self) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """The pieces as arrays, for a planner that needs no object per piece (engine/plan.py): their sizes (a row
+        of `ndim` each), and the index in the file list (the third item) of each one's only copy."""
+        return self.table.sizes[self.rows, :self.ndim], self.table.file[self.rows], self.files
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return tuple(self._made(self.rows[i]))
