@@ -155,7 +155,7 @@ def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceRea
     me = group.rank
     mine = sorted(((i, r) for i, r in enumerate(batch.routes) if r.reader == me),
                   key=lambda ir: (ir[1].writer == me, ir[1].writer, ir[0]))
-    reads.will_read(reader, [(r.copy, r.piece, r.stored) for _, r in mine])  # a bucket's objects fetched in this order
+    reads.will_read(reader, ((r.copy, r.piece, r.stored) for _, r in mine))  # a bucket's objects fetched in this order
     buf = buffers.read
     local: dict[int, torch.Tensor | None] = {}
     send_split = [0] * group.world

@@ -4,15 +4,15 @@ Credentials, region and endpoint come from the client library's standard environ
 (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws/config...): merger takes none of its own and prints none.
 
 A merge rank reads each piece front to back, a megabyte at a time. One GET per megabyte would spend the merge
-on request latency, so reads are served from bytes fetched ahead, READ_AHEAD requests of at most BLOCK bytes in
+on request latency, so reads are served from bytes fetched ahead, FETCH bytes (GETs of at most BLOCK) in
 flight together, and at most HELD bytes are held per process.
 
 What to fetch ahead: the merge says which byte ranges it reads next, in its order (`will_read`, a batch's pieces).
 A read that misses fetches its planned range and those after it in the plan, whatever their files, and only
 them: one rank reading two files whose pieces the output order interleaves fetches each byte about once, where
 reading ahead block by block in each file fetched blocks that the other file's reads pushed out before they
-were used (1.25x the source on one rank). Reads outside the plan (zip directories, a check of a record's
-padding, `inspect --check`) keep the block rule: a read that goes on from where the file's last one was fetches
+were used (1.25x the source on one rank). Reads outside the plan (a record's padding read for its CRC-32,
+`inspect --check`) keep the block rule: a read that goes on from where the file's last one was fetches
 READ_AHEAD blocks, one that jumps elsewhere its own block only.
 """
 from __future__ import annotations

@@ -13,13 +13,13 @@ Safetensors files record no checksum.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
 from ..catalog import PieceCopy, PieceReader, ShardPiece, Stored, ZipRecord
 from ..errors import MergerError
-from ..io import storage_of
+from ..io import reads_objects, storage_of
 from ..io.local import LocalStorage, pread_into
 from ..io.range_file import RangeFile
 from .crc32 import crc32, crc32_combine
@@ -163,11 +163,13 @@ class SourceReads:
         self.scratch = torch.empty(CHUNK, dtype=torch.uint8)
         self.checks: dict[tuple[str, int], _Check | None] = {}  # None: verified
 
-    def will_read(self, reader: PieceReader, pieces: list[tuple[PieceCopy, ShardPiece, torch.dtype]]) -> None:
+    def will_read(self, reader: PieceReader, pieces: Iterable[tuple[PieceCopy, ShardPiece, torch.dtype]]) -> None:
         """Say which byte ranges the next copies read, in their order (`pieces` as `reader.locate` takes them), to
         the storages that fetch ahead: objects in a bucket are then fetched in the merge's order, each byte about
         once. A piece whose format knows its byte range (a DCP blob, a safetensors tensor) gives it; the others
-        are located."""
+        are located. A merge of local files only returns at once, `pieces` untouched (a batch may hold millions)."""
+        if not reads_objects():
+            return
         ranges = []
         for copy, piece, dtype in pieces:
             if "://" not in copy.file:
