@@ -78,7 +78,9 @@ class ObjectStorage:
     def __init__(self, scheme: str, url: str):
         self.scheme = scheme
         self.fs = _filesystem(scheme, url)
-        # Bytes fetched: (key, start) -> the bytes from there, least recently used first, HELD bytes at most.
+        # Bytes fetched: (key, start) -> the bytes from there, HELD bytes at most, the first fetched pushed out first:
+        # fetched in the plan's order, they are read in it. (Least recently used first pushed out bytes fetched ahead
+        # and not read yet before those read already.)
         self.held: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self.held_bytes = 0
         self.starts: dict[str, list[int]] = {}  # each key's held starts, sorted
@@ -191,7 +193,6 @@ class ObjectStorage:
         for start in reversed(starts[max(0, i - 4):i]):  # held spans may overlap: a few back suffice
             data = self.held[(key, start)]
             if at < start + len(data):
-                self.held.move_to_end((key, start))
                 return data, at - start
         return None
 
