@@ -279,3 +279,29 @@ def test_reads_along_the_plan_fetch_each_byte_once(store, monkeypatch):
             storage.read_into(key, memoryview(got)[at - start:at - start + (1 << 20)], at)
         assert got == bodies[key][start:end]
     assert storage.fetched == sum(len(b) for b in bodies.values())
+
+
+def test_a_blob_larger_than_a_fetch_read_from_its_end_first(store, monkeypatch):
+    """A DCP blob larger than one fetch (32 MiB) is read as zipfile and the merge read it: its last bytes (the zip
+    directory) first, then front to back. Its bytes are fetched about once (the directory's 64 KiB twice at most),
+    and what is read is the object's bytes: oracle, the bytes put."""
+    import os
+
+    from merger.io.object_store import FETCH, ObjectStorage
+
+    for key, value in store.env.items():
+        monkeypatch.setenv(key, value)
+    body = os.urandom(FETCH + (8 << 20))
+    client = store.client()
+    client.create_bucket(Bucket="blob")
+    client.put_object(Bucket="blob", Key="run/__0_0.distcp", Body=body)
+    storage = ObjectStorage("s3", "s3://blob/run")
+    key = "blob/run/__0_0.distcp"
+    storage.will_read([(key, 0, len(body))])
+    tail = bytearray(22)
+    assert storage.read_into(key, memoryview(tail), len(body) - 22) == 22 and tail == body[-22:]
+    got = bytearray(len(body))
+    for at in range(0, len(body), 1 << 20):
+        storage.read_into(key, memoryview(got)[at:at + (1 << 20)], at)
+    assert got == body
+    assert len(body) <= storage.fetched <= len(body) + (64 << 10) + 22

@@ -4,7 +4,7 @@ from __future__ import annotations
 import bisect
 
 BLOCK = 8 << 20  # bytes per ranged GET, at most
-FETCH = 4 * BLOCK  # bytes one miss fetches, at most: 4 GETs in flight
+FETCH = 4 * BLOCK  # bytes one miss fetches, at most (GAP more where ranges are joined): 4 GETs of a block
 SMALL = 64 << 10  # a read up to this size outside the plan fetches this much around it, not a block
 GAP = 4 << 10  # ranges of one file this close together are one GET, the bytes between included (zip headers)
 
@@ -44,17 +44,18 @@ class Plan:
             # FETCH read at its end first; its zip directory lies in the SMALL bytes before its end.
             start = at if at < done else max(done, at - SMALL)
             return _requests([(key, start, min(end, at + FETCH))])
-        spans, total = [], 0
+        spans, total = [], 0  # total: each span counted with the GAP bytes that may join it to another
         for i in range(first, len(self.ranges)):
             k, _, end = self.ranges[i]
             take = min(end - self.done[i], FETCH - total)
             if take > 0:
                 spans.append((k, self.done[i], self.done[i] + take))
                 self.done[i] += take
-                total += take
+                total += take + GAP
             if total >= FETCH:
                 break
         return _requests(spans)
+
 
 def _requests(spans: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
     """GETs of at most BLOCK bytes covering `spans`, those of one file GAP bytes apart or closer joined."""
