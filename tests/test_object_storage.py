@@ -247,3 +247,61 @@ def test_an_object_rewritten_after_planning_is_found(store, dcp_root, monkeypatc
     store.client().put_object(Bucket=bucket, Key=key, Body=bytes(body))
     with pytest.raises(MergerError, match=r"a source file changed while it was being merged \(its etag changed\)"):
         check_unchanged(catalog, before)
+
+
+def test_reads_along_the_plan_fetch_each_byte_once(store, monkeypatch):
+    """One rank reading two files whose pieces its output order interleaves, as a DCP merge of two ranks' files
+    does (each file's second half, then each file's first half; each range's last bytes first, as zipfile reads a
+    blob's directory, then front to back a megabyte at a time). With the ranges said first (what the engine does
+    for every batch), every byte is fetched once, and the reads hold the objects' bytes: oracle, the bytes put."""
+    import os
+
+    from merger.io.object_store import HELD, ObjectStorage
+
+    for key, value in store.env.items():
+        monkeypatch.setenv(key, value)
+    half = 20 << 20  # the two files together outgrow what a rank holds (HELD)
+    bodies = {f"plan/run/{name}": os.urandom(2 * half) for name in ("a.distcp", "b.distcp")}
+    assert sum(len(b) for b in bodies.values()) > HELD
+    client = store.client()
+    client.create_bucket(Bucket="plan")
+    for key, body in bodies.items():
+        client.put_object(Bucket="plan", Key=key.removeprefix("plan/"), Body=body)
+    ranges = [(key, start, start + half) for start in (half, 0) for key in bodies]
+    storage = ObjectStorage("s3", "s3://plan/run")
+    storage.will_read(ranges)
+    for key, start, end in ranges:
+        tail = bytearray(22)
+        assert storage.read_into(key, memoryview(tail), end - 22) == 22
+        assert tail == bodies[key][end - 22:end]
+        got = bytearray(end - start)
+        for at in range(start, end, 1 << 20):
+            storage.read_into(key, memoryview(got)[at - start:at - start + (1 << 20)], at)
+        assert got == bodies[key][start:end]
+    assert storage.fetched == sum(len(b) for b in bodies.values())
+
+
+def test_a_blob_larger_than_a_fetch_read_from_its_end_first(store, monkeypatch):
+    """A DCP blob larger than one fetch (32 MiB) is read as zipfile and the merge read it: its last bytes (the zip
+    directory) first, then front to back. Its bytes are fetched about once (the directory's 64 KiB twice at most),
+    and what is read is the object's bytes: oracle, the bytes put."""
+    import os
+
+    from merger.io.object_store import FETCH, ObjectStorage
+
+    for key, value in store.env.items():
+        monkeypatch.setenv(key, value)
+    body = os.urandom(FETCH + (8 << 20))
+    client = store.client()
+    client.create_bucket(Bucket="blob")
+    client.put_object(Bucket="blob", Key="run/__0_0.distcp", Body=body)
+    storage = ObjectStorage("s3", "s3://blob/run")
+    key = "blob/run/__0_0.distcp"
+    storage.will_read([(key, 0, len(body))])
+    tail = bytearray(22)
+    assert storage.read_into(key, memoryview(tail), len(body) - 22) == 22 and tail == body[-22:]
+    got = bytearray(len(body))
+    for at in range(0, len(body), 1 << 20):
+        storage.read_into(key, memoryview(got)[at:at + (1 << 20)], at)
+    assert got == body
+    assert len(body) <= storage.fetched <= len(body) + (64 << 10) + 22

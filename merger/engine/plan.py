@@ -23,7 +23,7 @@ from ..errors import MergerError
 from ..hf_folder import shard_name
 from ..mapping.steps import OutputSpec, Step, Tie
 from ..safetensors_io import TensorEntry, build_header
-from .routes import COLUMNS, Route, Routes, RouteTable  # noqa: F401 - Route: what a batch's routes yield
+from .routes import COLUMNS, Routes, RouteTable
 
 
 @dataclass(frozen=True)

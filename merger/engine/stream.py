@@ -159,7 +159,8 @@ def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceRea
     read_here = np.flatnonzero(batch.routes.reader == me)
     writer = batch.routes.writer[read_here]
     order = read_here[np.lexsort((read_here, writer, writer == me))]  # by (written here, writer, route index)
-    mine = zip(order.tolist(), batch.routes.at(order))
+    mine = list(zip(order.tolist(), batch.routes.at(order)))
+    reads.will_read(reader, ((r.copy, r.piece, r.stored) for _, r in mine))  # a bucket's objects fetched in this order
     buf = buffers.read
     local: dict[int, tuple[Route, torch.Tensor | None]] = {}
     send_split = [0] * group.world

@@ -7,8 +7,8 @@ that holds a file (`storage_of`), into the caller's buffer at the offsets the pl
 from __future__ import annotations
 
 from .files import exists, file_identity, file_size, is_file, read_range, read_whole
-from .locations import fetched_bytes, is_remote, location, relative_name, storage_of
+from .locations import fetched_bytes, is_remote, location, reads_objects, relative_name, storage_of
 from .storage import Storage
 
 __all__ = ["Storage", "exists", "file_identity", "file_size", "is_file", "fetched_bytes", "is_remote", "location", "read_range",
-           "read_whole", "relative_name", "storage_of"]
+           "read_whole", "reads_objects", "relative_name", "storage_of"]

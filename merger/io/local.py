@@ -63,6 +63,9 @@ class LocalStorage:
     def read_into(self, key: str, view: memoryview, offset: int) -> int:
         return pread_into(self.local_fd(key), view, offset)
 
+    def will_read(self, ranges: list[tuple[str, int, int]]) -> None:
+        pass  # the kernel reads ahead in each file itself
+
     def local_fd(self, key: str) -> int:
         f = self.opened.get(key)
         if f is None:

@@ -64,8 +64,13 @@ def _object_storage(scheme: str, url: str) -> Storage:
 LOCAL = LocalStorage()
 
 
+def reads_objects() -> bool:
+    """Whether this process has named any object in a bucket (a merge of local files never has)."""
+    return bool(_OBJECT_STORAGES)
+
+
 def fetched_bytes() -> int:
-    """Bytes this process has fetched from object storage so far (blocks read ahead included)."""
+    """Bytes this process has fetched from object storage so far (bytes read ahead included)."""
     return sum(storage.fetched for storage in _OBJECT_STORAGES.values())
 
 

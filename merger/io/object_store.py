@@ -4,26 +4,30 @@ Credentials, region and endpoint come from the client library's standard environ
 (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws/config...): merger takes none of its own and prints none.
 
 A merge rank reads each piece front to back, a megabyte at a time. One GET per megabyte would spend the merge
-on request latency, so reads are served from blocks of BLOCK bytes. A read that goes on from where the file's
-last one was (a piece longer than a block, or the next piece in the file) fetches READ_AHEAD blocks, their
-requests in flight together; one that jumps elsewhere (the next tensor in output order lies elsewhere in the
-file) fetches its own block only, so read-ahead is not wasted at every jump. Each byte of the source is then
-fetched about once.
+on request latency, so reads are served from bytes fetched ahead, FETCH bytes (GETs of at most BLOCK) in
+flight together, and at most HELD bytes are held per process.
+
+What to fetch ahead: the merge says which byte ranges it reads next, in its order (`will_read`, a batch's pieces).
+A read that misses fetches its planned range and those after it in the plan, whatever their files, and only
+them: one rank reading two files whose pieces the output order interleaves fetches each byte about once, where
+reading ahead block by block in each file fetched blocks that the other file's reads pushed out before they
+were used (1.25x the source on one rank). Reads outside the plan (a record's padding read for its CRC-32,
+`inspect --check`) keep the block rule: a read that goes on from where the file's last one was fetches
+READ_AHEAD blocks, one that jumps elsewhere its own block only.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections import OrderedDict
 
 from ..errors import MergerError
+from .read_plan import BLOCK, FETCH, SMALL, Plan
 from .storage import Entry
 
-BLOCK = 8 << 20
-READ_AHEAD = 4  # blocks fetched together on a miss: 32 MiB in flight
-KEEP = 2 * READ_AHEAD  # blocks kept: those just read and those fetched ahead
-SMALL = 64 << 10  # reads up to this size that find no large block cached are served from blocks of this size
-KEEP_SMALL = 64
+READ_AHEAD = FETCH // BLOCK  # blocks a read outside the plan that goes on from the last one fetches: 32 MiB
+HELD = 2 * FETCH  # bytes held per process, at most (64 MiB): what the last miss fetched, and the one before
 
 
 # The client libraries log at INFO where they found the credentials and the endpoint: not merger's progress.
@@ -74,11 +78,16 @@ class ObjectStorage:
     def __init__(self, scheme: str, url: str):
         self.scheme = scheme
         self.fs = _filesystem(scheme, url)
-        self.blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
-        self.small: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        # Bytes fetched: (key, start) -> the bytes from there, HELD bytes at most, the first fetched pushed out first:
+        # fetched in the plan's order, they are read in it. (Least recently used first pushed out bytes fetched ahead
+        # and not read yet before those read already.)
+        self.held: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self.held_bytes = 0
+        self.starts: dict[str, list[int]] = {}  # each key's held starts, sorted
+        self.plan = Plan([])  # the ranges the merge reads next (`will_read`)
         self.sizes: dict[str, int] = {}
         self.kinds: dict[str, str] = {}  # what listings showed: a folder's entries need no request each
-        self.last: dict[str, int] = {}  # each file's block read last: whether a read goes on from there
+        self.last: dict[str, int] = {}  # each file's block read last outside the plan: whether a read goes on
         self.fetched = 0  # bytes GET so far, read ahead included
         self.lock = threading.Lock()
 
@@ -145,64 +154,82 @@ class ObjectStorage:
         return data
 
     def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        if not ranges:
+        return self._get([(key, a, b) for a, b in ranges])
+
+    def _get(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
+        """Bytes [start, end) of each (key, start, end), the requests in flight together."""
+        if not requests:
             return []
-        got = self._call(key, self.fs.cat_ranges, [key] * len(ranges), [a for a, _ in ranges],
-                         [b for _, b in ranges], on_error="raise")
-        for data in got:
+        got = self._call(requests[0][0], self.fs.cat_ranges, [k for k, _, _ in requests],
+                         [a for _, a, _ in requests], [b for _, _, b in requests], on_error="raise")
+        for (key, _, _), data in zip(requests, got):
             if isinstance(data, Exception):
                 raise _refusal(data, self.url(key))
             self.fetched += len(data)
         return got
 
+    def will_read(self, ranges: list[tuple[str, int, int]]) -> None:
+        with self.lock:
+            self.plan = Plan(ranges)
+
     def read_into(self, key: str, view: memoryview, offset: int) -> int:
         size = self.size(key)
-        small = len(view) <= SMALL and (key, offset // BLOCK) not in self.blocks
-        unit = SMALL if small else BLOCK
-        done = 0
-        while done < len(view) and offset + done < size:
-            at = offset + done
-            block = self._small_block(key, at // SMALL, size) if small else self._block(key, at // BLOCK, size)
-            lo = at - (at // unit) * unit
-            n = min(len(view) - done, len(block) - lo)
-            if n <= 0:
-                break
-            view[done:done + n] = block[lo:lo + n]
-            done += n
-        return done
-
-    def _small_block(self, key: str, index: int, size: int) -> bytes:
-        """A block of SMALL bytes, for the small reads that find a piece (a DCP blob's zip directory and pickle, at
-        its two ends): they neither fetch nor push out the large blocks the data is read from."""
+        end = min(size, offset + len(view))
+        at = offset
         with self.lock:
-            block = self.small.get((key, index))
-            if block is None:
-                block = self.small[(key, index)] = self.read(key, index * SMALL, min(SMALL, size - index * SMALL))
-                while len(self.small) > KEEP_SMALL:
-                    self.small.popitem(last=False)
-            return block
+            while at < end:
+                data, lo = self._find(key, at) or self._fetch_for(key, at, len(view) <= SMALL, size)
+                n = min(end - at, len(data) - lo)
+                view[at - offset:at - offset + n] = memoryview(data)[lo:lo + n]
+                at += n
+            if at > offset:
+                self.last[key] = (at - 1) // BLOCK
+        return at - offset
 
-    def _block(self, key: str, index: int, size: int) -> bytes:
-        with self.lock:
-            block = self.blocks.get((key, index))
-            if block is not None:
-                self.blocks.move_to_end((key, index))
-                self.last[key] = index
-                return block
-            going_on = self.last.get(key) in (index - 1, index)
-            self.last[key] = index
-            wanted = [i for i in range(index, index + (READ_AHEAD if going_on else 1))
-                      if i * BLOCK < size and (key, i) not in self.blocks]
-            got = self.read_ranges(key, [(i * BLOCK, min(size, (i + 1) * BLOCK)) for i in wanted])
-            for i, data in zip(wanted, got):
-                self.blocks[(key, i)] = data
-            while len(self.blocks) > KEEP:
-                self.blocks.popitem(last=False)
-            return self.blocks[(key, index)]
+    def _find(self, key: str, at: int) -> tuple[bytes, int] | None:
+        """Held bytes of `key` holding byte `at`, and its place in them."""
+        starts = self.starts.get(key, [])
+        i = bisect.bisect_right(starts, at)
+        for start in reversed(starts[max(0, i - 4):i]):  # held spans may overlap: a few back suffice
+            data = self.held[(key, start)]
+            if at < start + len(data):
+                return data, at - start
+        return None
+
+    def _fetch_for(self, key: str, at: int, small: bool, size: int) -> tuple[bytes, int]:
+        """Fetch what a read that missed at byte `at` of `key` needs and what is read after it; the bytes holding
+        `at`, and its place in them."""
+        requests = self.plan.after(key, at)
+        if requests is None:  # outside the plan
+            if small:
+                start = at // SMALL * SMALL
+                requests = [(key, start, min(size, start + SMALL))]
+            else:
+                index = at // BLOCK
+                going_on = self.last.get(key) in (index - 1, index)
+                requests = [(key, i * BLOCK, min(size, (i + 1) * BLOCK))
+                            for i in range(index, index + (READ_AHEAD if going_on else 1)) if i * BLOCK < size]
+                requests = [r for i, r in enumerate(requests) if i == 0 or self._find(key, r[1]) is None]
+        got = self._get(requests)
+        while self.held and self.held_bytes + sum(map(len, got)) > HELD:
+            (gone, gone_at), data = self.held.popitem(last=False)
+            self.starts[gone].remove(gone_at)
+            self.held_bytes -= len(data)
+        for (k, start, _), data in zip(requests, got):
+            if (k, start) in self.held:
+                self.held_bytes -= len(self.held[(k, start)])
+            else:
+                bisect.insort(self.starts.setdefault(k, []), start)
+            self.held[(k, start)] = data
+            self.held_bytes += len(data)
+        return next((data, at - start) for (k, start, end), data in zip(requests, got)
+                    if k == key and start <= at < start + len(data))
 
     def local_fd(self, key: str) -> None:
         return None
 
     def close(self) -> None:
-        self.blocks.clear()
-        self.small.clear()
+        self.held.clear()
+        self.starts.clear()
+        self.held_bytes = 0
+        self.plan = Plan([])

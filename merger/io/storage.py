@@ -43,6 +43,10 @@ class Storage(Protocol):
     def read_into(self, key: str, view: memoryview, offset: int) -> int:
         """Fill `view` with the file's bytes from `offset`, as far as the file goes; the number of bytes read."""
 
+    def will_read(self, ranges: list[tuple[str, int, int]]) -> None:
+        """The (key, start, end) byte ranges the caller reads next, in its order, replacing those said before: a
+        storage that fetches ahead (a bucket's) fetches along them; one that does not (local files) ignores them."""
+
     def local_fd(self, key: str) -> int | None:
         """An open descriptor of a local file (the kernel's copy and mapping paths use it); None elsewhere."""
 

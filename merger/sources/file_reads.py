@@ -13,13 +13,13 @@ Safetensors files record no checksum.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
-from ..catalog import Stored, ZipRecord
+from ..catalog import PieceCopy, PieceReader, ShardPiece, Stored, ZipRecord
 from ..errors import MergerError
-from ..io import storage_of
+from ..io import reads_objects, storage_of
 from ..io.local import LocalStorage, pread_into
 from ..io.range_file import RangeFile
 from .crc32 import crc32, crc32_combine
@@ -72,6 +72,15 @@ class SourceFiles:
             raise MergerError(f"source file is missing, {file}") from e
         if got < len(view):
             raise source_shrank(file, offset + len(view))
+
+    def will_read(self, ranges: list[tuple[str, int, int]]) -> None:
+        """Tell the storages holding the files which (file, start, end) ranges are read next, in that order."""
+        planned: dict = {storage: [] for storage in self.used}  # those not named: nothing planned any more
+        for file, start, end in ranges:
+            storage, key = self._storage(file)
+            planned.setdefault(storage, []).append((key, start, end))
+        for storage, found in planned.items():
+            storage.will_read(found)
 
     def range_file(self, file: str, start: int, length: int) -> RangeFile:
         """Bytes [start, start + length) of the source file as a read-only file (zipfile reads a DCP blob)."""
@@ -153,6 +162,27 @@ class SourceReads:
         self.files = SourceFiles()
         self.scratch = torch.empty(CHUNK, dtype=torch.uint8)
         self.checks: dict[tuple[str, int], _Check | None] = {}  # None: verified
+
+    def will_read(self, reader: PieceReader, pieces: Iterable[tuple[PieceCopy, ShardPiece, torch.dtype]]) -> None:
+        """Say which byte ranges the next copies read, in their order (`pieces` as `reader.locate` takes them), to
+        the storages that fetch ahead: objects in a bucket are then fetched in the merge's order, each byte about
+        once. A piece whose format knows its byte range (a DCP blob, a safetensors tensor) gives it; the others
+        are located. A merge of local files only returns at once, `pieces` untouched (a batch may hold millions)."""
+        if not reads_objects():
+            return
+        ranges = []
+        for copy, piece, dtype in pieces:
+            if "://" not in copy.file:
+                continue  # a local path (storage_of's test): the kernel reads ahead in it, nothing to locate
+            if copy.byte_range is not None:
+                start, length = copy.byte_range
+                ranges.append((copy.file, start, start + length))
+                continue
+            stored = reader.locate(copy, piece, dtype)
+            if stored.start is not None and stored.view.numel() > 0:
+                first = stored.view.storage_offset() * stored.view.element_size()
+                ranges.append((copy.file, stored.start + first, stored.start + _span_end(stored.view)))
+        self.files.will_read(ranges)
 
     def copy(self, stored: Stored, out: torch.Tensor, name: str) -> None:
         """Copy (casting to `out`'s dtype) the piece into `out`, a contiguous tensor of its shape."""

@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from merger.engine.plan import MIN_RUN_BYTES, Plan, Route, plan_layout, rerouted, traffic
+from merger.engine.plan import MIN_RUN_BYTES, Plan, plan_layout, rerouted, traffic
+from merger.engine.routes import Route
 from tests.helpers.synthetic import plan_args, single_tensor_steps, synthetics
 
 pytestmark = pytest.mark.unit
