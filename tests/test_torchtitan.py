@@ -157,6 +157,21 @@ def test_deepseek_v3_drop_mtp_loads_with_no_stray_key(deepseek_v3_mtp_root, tmp_
     assert model.config.num_nextn_predict_layers == 0
 
 
+def test_mtp_layers_with_a_vlm_config_are_refused(deepseek_v3_mtp_root, tmp_path):
+    """MTP layers are numbered and counted in the text model's config.json: with transformers' kimi_k25 (the VLM)
+    as config.json they are refused, not written where the VLM's loader would not look, and nothing is written."""
+    text = json.loads((deepseek_v3_mtp_root / "hf" / "config.json").read_text())
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
+    proc = run_merger("merge", "--local_dir", deepseek_v3_mtp_root / "checkpoint" / "step-1", "--target_dir",
+                      tmp_path / "out", "--hf_model_config_path", tmp_path / "hf", check=False)
+    assert proc.returncode == 1 and not (tmp_path / "out").exists()
+    assert single_error_line(proc.stderr) == (
+        f"merger: error: the torchtitan checkpoint holds multi-token-prediction layers, which are written with the "
+        f"text model's config.json, not HF kimi_k25's (pass --drop-mtp to leave them out, or this config's "
+        f"text_config with --hf_model_config_path), {tmp_path / 'hf' / 'config.json'}")
+
+
 def test_qwen3_dense_logits_match_torchtitan(tmp_path_factory, tmp_path):
     root = written_by_torchtitan(tmp_path_factory, "qwen3")
     run_merger("merge", "--local_dir", root / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",

@@ -62,8 +62,12 @@ def _vision(family: Family, config: dict) -> VisionTower | None:
     return tower if tower and config.get("model_type") in tower.model_types else None
 
 
-def _checked_config(family: Family, config: dict, hf_dir, names) -> None:
+def _checked_config(family: Family, config: dict, hf_dir, names, options: MergeOptions) -> None:
     vision = _vision(family, config)
+    if vision and not options.drop_mtp and any(n.startswith(TORCHTITAN.mtp.prefix) for n in names):
+        raise MergerError(f"the torchtitan checkpoint holds multi-token-prediction layers, which are written with the "
+                          f"text model's config.json, not HF {config['model_type']}'s (pass --drop-mtp to leave them "
+                          f"out, or this config's text_config with --hf_model_config_path), {hf_dir / 'config.json'}")
     if vision and not any(n.startswith(vision.prefix) for n in names):
         raise MergerError(f"config.json is HF {config['model_type']}, a VLM, but the torchtitan checkpoint holds no "
                           f"vision tower ({vision.prefix}*): pass a folder whose config.json is this config's "
@@ -88,7 +92,7 @@ def _parts(catalog: Catalog, name: str, row: Row) -> tuple[tuple[str, tuple[int,
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     family = MODELS.get(options.model) or family_of(catalog.tensors, catalog.root)
     hf_dir, config = model_config(catalog, options)
-    _checked_config(family, config, hf_dir, catalog.tensors)
+    _checked_config(family, config, hf_dir, catalog.tensors, options)
     require_model_type(config.get("model_type"), hf_dir / "config.json")
     table = compile_table(TORCHTITAN, family.torchtitan, family.mtp)
     vision = _vision(family, config)
