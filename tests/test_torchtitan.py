@@ -15,7 +15,7 @@ import transformers
 
 from tests.helpers.in_process import single_error_line
 from tests.helpers.processes import run_merger, run_writer
-from tests.helpers.torchtitan_writes import TOKENS, written_by_torchtitan
+from tests.helpers.torchtitan_writes import TOKENS, refused_as_kimi_k25, written_by_torchtitan
 from tests.helpers.weights import load_safetensors_folder
 
 
@@ -160,13 +160,7 @@ def test_deepseek_v3_drop_mtp_loads_with_no_stray_key(deepseek_v3_mtp_root, tmp_
 def test_mtp_layers_with_a_vlm_config_are_refused(deepseek_v3_mtp_root, tmp_path):
     """MTP layers are numbered and counted in the text model's config.json: with transformers' kimi_k25 (the VLM)
     as config.json they are refused, not written where the VLM's loader would not look, and nothing is written."""
-    text = json.loads((deepseek_v3_mtp_root / "hf" / "config.json").read_text())
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
-    proc = run_merger("merge", "--local_dir", deepseek_v3_mtp_root / "checkpoint" / "step-1", "--target_dir",
-                      tmp_path / "out", "--hf_model_config_path", tmp_path / "hf", check=False)
-    assert proc.returncode == 1 and not (tmp_path / "out").exists()
-    assert single_error_line(proc.stderr) == (
+    assert refused_as_kimi_k25(deepseek_v3_mtp_root, tmp_path) == (
         f"merger: error: the torchtitan checkpoint holds multi-token-prediction layers, which are written with the "
         f"text model's config.json, not HF kimi_k25's (pass --drop-mtp to leave them out, or this config's "
         f"text_config with --hf_model_config_path), {tmp_path / 'hf' / 'config.json'}")

@@ -17,17 +17,15 @@ gated_deltanet_on_cpu).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from tests.helpers.in_process import single_error_line
 from tests.helpers.processes import run_merger
 from tests.helpers.skips import need_fla
-from tests.helpers.torchtitan_writes import TOKENS, written_by_torchtitan
+from tests.helpers.torchtitan_writes import TOKENS, refused_as_kimi_k25, written_by_torchtitan
 from tests.helpers.weights import load_safetensors_folder
 
 VLM = transformers.AutoModelForImageTextToText  # qwen3_5's and qwen3_5_moe's Auto class
@@ -188,13 +186,7 @@ def test_kimi_k2_7_vlm_gives_torchtitan_logits_and_vision_features(kimi_written,
 def test_a_kimi_k25_config_for_a_checkpoint_without_the_tower_is_refused(deepseek_v3_root, tmp_path):
     """A torchtitan DeepSeek-V3 has no vision tower: transformers' kimi_k25 (the VLM) as its config.json is refused,
     naming its text_config, and nothing is written."""
-    text = json.loads((deepseek_v3_root / "hf" / "config.json").read_text())
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
-    proc = run_merger("merge", "--local_dir", deepseek_v3_root / "checkpoint" / "step-1", "--target_dir",
-                      tmp_path / "out", "--hf_model_config_path", tmp_path / "hf", check=False)
-    assert proc.returncode == 1 and not (tmp_path / "out").exists()
-    assert single_error_line(proc.stderr) == (
+    assert refused_as_kimi_k25(deepseek_v3_root, tmp_path) == (
         f"merger: error: config.json is HF kimi_k25, a VLM, but the torchtitan checkpoint holds no vision tower "
         f"(vision_encoder.*): pass a folder whose config.json is this config's text_config (model_type deepseek_v3 "
         f"or kimi_k2) with --hf_model_config_path, {tmp_path / 'hf' / 'config.json'}")
