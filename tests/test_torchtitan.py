@@ -15,7 +15,7 @@ import transformers
 
 from tests.helpers.in_process import single_error_line
 from tests.helpers.processes import run_merger, run_writer
-from tests.helpers.torchtitan_writes import TOKENS, written_by_torchtitan
+from tests.helpers.torchtitan_writes import TOKENS, refused_as_kimi_k25, written_by_torchtitan
 from tests.helpers.weights import load_safetensors_folder
 
 
@@ -155,6 +155,15 @@ def test_deepseek_v3_drop_mtp_loads_with_no_stray_key(deepseek_v3_mtp_root, tmp_
     model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.values()), info
     assert model.config.num_nextn_predict_layers == 0
+
+
+def test_mtp_layers_with_a_vlm_config_are_refused(deepseek_v3_mtp_root, tmp_path):
+    """MTP layers are numbered and counted in the text model's config.json: with transformers' kimi_k25 (the VLM)
+    as config.json they are refused, not written where the VLM's loader would not look, and nothing is written."""
+    assert refused_as_kimi_k25(deepseek_v3_mtp_root, tmp_path) == (
+        f"merger: error: the torchtitan checkpoint holds multi-token-prediction layers, which are written with the "
+        f"text model's config.json, not HF kimi_k25's (pass --drop-mtp to leave them out, or this config's "
+        f"text_config with --hf_model_config_path), {tmp_path / 'hf' / 'config.json'}")
 
 
 def test_qwen3_dense_logits_match_torchtitan(tmp_path_factory, tmp_path):

@@ -5,26 +5,27 @@
   into in_proj_qkv and conv1d) and a gated full-attention layer; MoE with a gated shared expert. Its vision
   tower, which torchtitan always builds, is written too where config.json is the VLM's (qwen3_5, qwen3_5_moe),
   and left out, said so, where it is the text model's.
-- Kimi-K2.5 / K2.7: DeepSeek-V3 with a MoonViT vision tower, written as HF deepseek_v3 with the tower left out.
+- Kimi-K2.5 / K2.7: DeepSeek-V3 with a MoonViT vision tower, written whole where config.json is transformers'
+  kimi_k25 (the VLM), as HF deepseek_v3 with the tower left out where it is the text model's.
 
 Oracle: torchtitan's own forward logits of the unsharded model (and its vision tower's features) against
-transformers' forward of the merged folder, and the names and shapes save_pretrained writes for the same config.
+transformers' forward of the merged folder, and the names and shapes save_pretrained writes for the same config;
+for kimi_k25, whose save_pretrained in transformers 5.24 writes names of its own (docs/dcp.md), torchtitan's own
+to_hf: the names of Moonshot's release, which transformers converts on load.
 The torchtitan Gated DeltaNet runs through FLA's pure-torch reference of its kernel (the writer's
 gated_deltanet_on_cpu).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from tests.helpers.in_process import single_error_line
 from tests.helpers.processes import run_merger
 from tests.helpers.skips import need_fla
-from tests.helpers.torchtitan_writes import TOKENS, written_by_torchtitan
+from tests.helpers.torchtitan_writes import TOKENS, refused_as_kimi_k25, written_by_torchtitan
 from tests.helpers.weights import load_safetensors_folder
 
 VLM = transformers.AutoModelForImageTextToText  # qwen3_5's and qwen3_5_moe's Auto class
@@ -137,8 +138,18 @@ def test_qwen3_5_moe_experts_give_torchtitan_logits(qwen3_5_moe_written, tmp_pat
 
 
 @pytest.fixture(scope="session")
-def kimi_root(tmp_path_factory) -> Path:
-    return written_by_torchtitan(tmp_path_factory, "kimi_k2_7")
+def kimi_written(tmp_path_factory) -> tuple[Path, Path]:
+    """The checkpoint, and VLM: VLM/hf (transformers' kimi_k25 of the same model), VLM/vision.pt (torchtitan's
+    tower and projector on seeded patches), VLM/to_hf (torchtitan's own to_hf of the unsharded model)."""
+    vlm = tmp_path_factory.mktemp("kimi_k25_vlm")
+    root = written_by_torchtitan(tmp_path_factory, "kimi_k2_7", "--hf-vlm", vlm / "hf", "--vision",
+                                 vlm / "vision.pt", "--reference", vlm / "to_hf")
+    return root, vlm
+
+
+@pytest.fixture(scope="session")
+def kimi_root(kimi_written) -> Path:
+    return kimi_written[0]
 
 
 def test_kimi_k2_7_text_model_gives_torchtitan_logits(kimi_root, tmp_path):
@@ -150,16 +161,32 @@ def test_kimi_k2_7_text_model_gives_torchtitan_logits(kimi_root, tmp_path):
     assert "left out: vision_encoder.* (27 tensors: the vision tower" in proc.stderr
 
 
-def test_a_kimi_k25_config_is_refused_naming_its_text_config(kimi_root, tmp_path):
-    """transformers' kimi_k25 is the VLM: its text model is what is written, from its text_config (MoonViT's
-    tower is not mapped)."""
-    text = json.loads((kimi_root / "hf" / "config.json").read_text())
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
-    proc = run_merger("merge", "--local_dir", kimi_root / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",
-                      "--hf_model_config_path", tmp_path / "hf", check=False)
-    assert proc.returncode == 1 and not (tmp_path / "out").exists()
-    assert single_error_line(proc.stderr) == (
-        f"merger: error: torchtitan deepseek_v3 names are written as the text model of HF kimi_k25 (its vision tower "
-        f"is not mapped): pass a folder whose config.json is this config's text_config (model_type deepseek_v3 or "
-        f"kimi_k2) with --hf_model_config_path, {tmp_path / 'hf' / 'config.json'}")
+def test_kimi_k2_7_vlm_gives_torchtitan_logits_and_vision_features(kimi_written, tmp_path):
+    """With transformers' kimi_k25 as config.json, the MoonViT tower and projector are written too, under the
+    names of Moonshot's release (q, k, v fused as wqkv in torchtitan's rotary layout, which transformers permutes
+    for its own on load; the patch embedding as a Conv2d), the text model under language_model.: the text logits
+    and the tower's features on the same patches are torchtitan's, and the folder is torchtitan's own to_hf, tensor
+    for tensor. Merged on 2 ranks."""
+    root, vlm = kimi_written
+    proc = _merge(root, tmp_path / "out", hf=vlm / "hf", nproc=2)
+    assert "merger: torchtitan deepseek_v3 names, written as HF kimi_k25 with its vision tower;" in proc.stderr
+    model = _loaded(tmp_path / "out", "Kimi_K25ForConditionalGeneration", VLM)
+    vision = torch.load(vlm / "vision.pt", weights_only=True)
+    side = transformers.AutoConfig.from_pretrained(vlm / "hf").vision_config.patch_size
+    with torch.no_grad():
+        logits = model(torch.tensor(TOKENS)).logits
+        features = model.model.get_image_features(vision["patches"].unflatten(1, (3, side, side)),
+                                                  vision["grid"]).pooler_output[0]
+    assert (logits - torch.load(root / "logits.pt", weights_only=True)).abs().max().item() < 1e-4
+    assert (features - vision["features"]).abs().max().item() < 1e-5
+    merged, to_hf = load_safetensors_folder(tmp_path / "out"), load_safetensors_folder(vlm / "to_hf")
+    assert merged.keys() == to_hf.keys() and all(torch.equal(merged[n], to_hf[n]) for n in merged)
+
+
+def test_a_kimi_k25_config_for_a_checkpoint_without_the_tower_is_refused(deepseek_v3_root, tmp_path):
+    """A torchtitan DeepSeek-V3 has no vision tower: transformers' kimi_k25 (the VLM) as its config.json is refused,
+    naming its text_config, and nothing is written."""
+    assert refused_as_kimi_k25(deepseek_v3_root, tmp_path) == (
+        f"merger: error: config.json is HF kimi_k25, a VLM, but the torchtitan checkpoint holds no vision tower "
+        f"(vision_encoder.*): pass a folder whose config.json is this config's text_config (model_type deepseek_v3 "
+        f"or kimi_k2) with --hf_model_config_path, {tmp_path / 'hf' / 'config.json'}")

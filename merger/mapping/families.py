@@ -52,9 +52,10 @@ FAMILIES = (
            torchtitan=tr.NORMS + tr.MLA + tr.DENSE_FFN + tr.ROUTED_EXPERTS + tr.SHARED_EXPERTS + (
                Row("moe.expert_bias_E", "rename", ("mlp.gate.e_score_correction_bias",)),),
            torchtitan_marks=("attention.wkv_a.weight",),
-           # torchtitan's kimi_k2_7 (Kimi-K2.5 / K2.7) is this model with a vision tower: its text model is written,
-           # as deepseek_v3; transformers' kimi_k25 wraps it with the vision tower
-           torchtitan_left_out=tr.VISION_TOWER, text_model_of=("kimi_k25",),
+           # torchtitan's kimi_k2_7 (Kimi-K2.5 / K2.7) is this model with a vision tower: written whole where
+           # config.json is transformers' kimi_k25 (the VLM), as its text model (deepseek_v3) with the tower left
+           # out where it is the text_config; Megatron's is the text model only
+           torchtitan_left_out=tr.VISION_TOWER, text_model_of=("kimi_k25",), torchtitan_vision=tr.KIMI_K25_VISION,
            mtp=NEXTN, config_rows=MLA_CONFIG_ROWS),
     # DeepSeek-V3.2 and GLM-5: DeepSeek-V3 with DeepSeek Sparse Attention's indexer in each attention layer (GLM-5's
     # "shared" layers reuse an earlier layer's choice and hold none)

@@ -85,17 +85,17 @@ def sources_once(rows: tuple[Row, ...], where: str) -> None:
 class VisionTower:
     """A torchtitan VLM's vision tower, written whole where config.json is the HF VLM's: its tensors under their
     own naming (globals named in full, block rows after `blocks` and block i, written after `hf_blocks`), and the
-    text model's names moved under the VLM's (`model.` -> `text_prefix`)."""
+    text model's names moved under the VLM's (`text_prefixes`: each (text model's prefix, the VLM's))."""
     model_types: tuple[str, ...]  # the HF VLMs' config.json model types
     prefix: str  # the names of the tower's tensors start with it
     blocks: str  # then block i and a dot
     hf_blocks: str  # where HF keeps block i's rows
     globals: tuple[Row, ...]
     rows: tuple[Row, ...]
-    text_prefix: str  # where the VLM keeps what the text model keeps under `model.`
+    text_prefixes: tuple[tuple[str, str], ...]  # where the VLM keeps what the text model keeps under `model.`...
 
     def text_name(self, name: str) -> str:
-        return self.text_prefix + name[len("model."):] if name.startswith("model.") else name
+        return next((new + name[len(old):] for old, new in self.text_prefixes if name.startswith(old)), name)
 
 
 @dataclass(frozen=True)

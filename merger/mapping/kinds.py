@@ -86,7 +86,13 @@ def _patch_conv3d(name: str, shape: tuple[int, ...], config: dict):
     # transformers' Qwen3.5 vision config defaults, where config.json leaves them out
     vision = config.get("vision_config") or {}
     kernel = (vision.get("in_channels", 3), vision.get("temporal_patch_size", 2), vision.get("patch_size", 16))
-    shapes = tf.patch_conv3d_shapes(shape, kernel, name)
+    shapes = tf.patch_conv_shapes(shape, kernel, name)
+    return shapes, partial(tf.reshape, shape=shapes[0])
+
+
+def _patch_conv2d(name: str, shape: tuple[int, ...], config: dict):
+    # transformers' Kimi-K2.5 vision config default where config.json leaves it out; its Conv2d takes 3 channels
+    shapes = tf.patch_conv_shapes(shape, (3, (config.get("vision_config") or {}).get("patch_size", 14)), name)
     return shapes, partial(tf.reshape, shape=shapes[0])
 
 
@@ -140,6 +146,8 @@ register(
     # a ViT's patch embedding as a Linear over flattened patches [D, C*T*P*P] (torchtitan's Qwen3.5), as HF's Conv3d
     # [D, C, T, P, P] (the same numbers: the Conv3d's stride is its kernel)
     Kind("patch_conv3d", 1, _patch_conv3d),
+    # the same over one frame (torchtitan's Kimi-K2.5 MoonViT, [D, C*P*P]), as HF's Conv2d [D, C, P, P]
+    Kind("patch_conv2d", 1, _patch_conv2d),
     # megatron-core's Gated DeltaNet hybrids (gdn_transforms.py): gated attention's fused QKV (q_proj, k_proj,
     # v_proj), the Gated DeltaNet's input projection flat (qwen3_5: in_proj_qkv, _z, _b, _a) or grouped per key
     # head (qwen3_next: in_proj_qkvz, in_proj_ba), and a zero-centred norm weight as a plain one (+1)

@@ -6,9 +6,9 @@ the one family without marks (llama) when none does; or `--model torchtitan-<fam
 routed experts are stacked tensors ([E, F, D]); each expert's part is read on its own (sources/unstacked.py) and
 written under the per-expert names transformers saves. The head counts and the architecture come from the HF
 config, which a torchtitan checkpoint lacks: pass `--hf_model_config_path` with the config.json of the HF model
-to produce. A torchtitan VLM (Qwen3.5, Kimi-K2.5 / K2.7) is written whole where config.json is the HF VLM's and
-the family maps its vision tower (Qwen3.5); where it is the text model's, the tower is left out and counted in
-the note; a VLM config.json whose tower is not mapped (kimi_k25) is refused, naming its text_config.
+to produce. A torchtitan VLM (Qwen3.5, Kimi-K2.5 / K2.7) is written whole, its vision tower too, where config.json
+is the HF VLM's (qwen3_5, qwen3_5_moe, kimi_k25); where it is the text model's, the tower is left out and counted
+in the note. A VLM's config.json for a checkpoint without the tower is refused, naming its text_config.
 """
 from __future__ import annotations
 
@@ -62,15 +62,18 @@ def _vision(family: Family, config: dict) -> VisionTower | None:
     return tower if tower and config.get("model_type") in tower.model_types else None
 
 
-def _checked_config(family: Family, config: dict, hf_dir) -> None:
-    if _vision(family, config):
-        return
-    if config.get("model_type") in family.text_model_of:
-        raise MergerError(f"torchtitan {family.name} names are written as the text model of HF "
-                          f"{config['model_type']} (its vision tower is not mapped): pass a folder whose config.json "
-                          f"is this config's text_config (model_type {' or '.join(family.model_types)}) with "
-                          f"--hf_model_config_path, {hf_dir / 'config.json'}")
-    if not family.torchtitan_any_config and config.get("model_type") not in family.model_types:
+def _checked_config(family: Family, config: dict, hf_dir, names, options: MergeOptions) -> None:
+    vision = _vision(family, config)
+    if vision and not options.drop_mtp and any(n.startswith(TORCHTITAN.mtp.prefix) for n in names):
+        raise MergerError(f"the torchtitan checkpoint holds multi-token-prediction layers, which are written with the "
+                          f"text model's config.json, not HF {config['model_type']}'s (pass --drop-mtp to leave them "
+                          f"out, or this config's text_config with --hf_model_config_path), {hf_dir / 'config.json'}")
+    if vision and not any(n.startswith(vision.prefix) for n in names):
+        raise MergerError(f"config.json is HF {config['model_type']}, a VLM, but the torchtitan checkpoint holds no "
+                          f"vision tower ({vision.prefix}*): pass a folder whose config.json is this config's "
+                          f"text_config (model_type {' or '.join(family.model_types)}) with --hf_model_config_path, "
+                          f"{hf_dir / 'config.json'}")
+    if not vision and not family.torchtitan_any_config and config.get("model_type") not in family.model_types:
         raise MergerError(f"torchtitan {family.name} names, but config.json has model_type "
                           f"{config.get('model_type')!r} (expected {' or '.join(family.model_types)}): pass the HF "
                           f"config of this model with --hf_model_config_path, {hf_dir / 'config.json'}")
@@ -89,7 +92,7 @@ def _parts(catalog: Catalog, name: str, row: Row) -> tuple[tuple[str, tuple[int,
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     family = MODELS.get(options.model) or family_of(catalog.tensors, catalog.root)
     hf_dir, config = model_config(catalog, options)
-    _checked_config(family, config, hf_dir)
+    _checked_config(family, config, hf_dir, catalog.tensors, options)
     require_model_type(config.get("model_type"), hf_dir / "config.json")
     table = compile_table(TORCHTITAN, family.torchtitan, family.mtp)
     vision = _vision(family, config)

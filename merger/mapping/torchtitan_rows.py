@@ -112,7 +112,7 @@ QWEN3_5_MOE = ROUTED_EXPERTS + (  # and one shared expert behind a sigmoid gate
                                             "has no HF equivalent"),
 )
 # torchtitan's Qwen3.5 always builds its vision tower, and Kimi-K2.5 / K2.7 may hold one: the text model written
-# has no place for it
+# alone (config.json the text model's) has no place for it
 VISION_TOWER = (("vision_encoder.", "the vision tower, which the HF text model has no place for"),)
 # Qwen3.5's vision tower, where config.json is the VLM's (qwen3_5, qwen3_5_moe): blocks with separate q, k, v
 # (weights and biases) HF fuses as qkv, the patch embedding a Linear HF keeps as a Conv3d
@@ -130,7 +130,29 @@ QWEN3_5_VISION = VisionTower(
         *(Row(f"attn.wq.{p}", "cat", (f"attn.qkv.{p}",), joined=(f"attn.wk.{p}", f"attn.wv.{p}"))
           for p in ("weight", "bias")),
     ),
-    text_prefix="model.language_model.")
+    text_prefixes=(("model.", "model.language_model."),))
+# Kimi-K2.5 / K2.7's MoonViT tower and projector, where config.json is the VLM's (kimi_k25), under the names of
+# Moonshot's release, which torchtitan's own to_hf writes and transformers' kimi_k25 converts on load: q, k, v
+# (weights and biases) fused as wqkv in torchtitan's rotary layout (adjacent pairs; transformers permutes them for
+# its own on load), the patch embedding a Linear HF keeps as a Conv2d, the text model under `language_model.`
+KIMI_K25_VISION = VisionTower(
+    ("kimi_k25",), "vision_encoder.", "vision_encoder.layers.", "vision_tower.encoder.blocks.{i}.", globals=(
+        Row("vision_encoder.patch_embed.weight", "patch_conv2d", ("vision_tower.patch_embed.proj.weight",)),
+        Row("vision_encoder.patch_embed.bias", "rename", ("vision_tower.patch_embed.proj.bias",)),
+        Row("vision_encoder.pos_embed", "rename", ("vision_tower.patch_embed.pos_emb.weight",)),
+        *(Row(f"vision_encoder.{m}.{p}", "rename", (f"{hf}.{p}",)) for m, hf in (
+            ("final_norm", "vision_tower.encoder.final_layernorm"), ("projector.pre_norm", "mm_projector.pre_norm"),
+            ("projector.linear_1", "mm_projector.proj.0"), ("projector.linear_2", "mm_projector.proj.2"))
+          for p in ("weight", "bias")),
+    ),
+    rows=(
+        *(Row(f"{m}.{p}", "rename", (f"{hf}.{p}",)) for m, hf in (
+            ("norm1", "norm0"), ("norm2", "norm1"), ("attn.proj", "wo"), ("mlp.linear_fc1", "mlp.fc0"),
+            ("mlp.linear_fc2", "mlp.fc1")) for p in ("weight", "bias")),
+        *(Row(f"attn.wq.{p}", "cat", (f"wqkv.{p}",), joined=(f"attn.wk.{p}", f"attn.wv.{p}"))
+          for p in ("weight", "bias")),
+    ),
+    text_prefixes=(("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")))
 
 TORCHTITAN = Naming(
     "torchtitan", "layers.",

@@ -8,6 +8,7 @@ head (row 2i goes to row i and row 2i+1 to row i + head_dim/2).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -120,13 +121,15 @@ def cat(tensors: list[torch.Tensor], dim: int) -> list[torch.Tensor]:
     return [torch.cat(tensors, dim=dim)]
 
 
-def patch_conv3d_shapes(shape: tuple[int, ...], kernel: tuple[int, int, int], name: str) -> list[tuple[int, ...]]:
-    channels, frames, side = kernel
-    if len(shape) != 2 or shape[1] != channels * frames * side * side:
+def patch_conv_shapes(shape: tuple[int, ...], kernel: tuple[int, ...], name: str) -> list[tuple[int, ...]]:
+    """A patch embedding kept as a Linear [D, C*...] as HF's convolution [D, C, (T,) P, P]: `kernel` is
+    (channels, frames, side) for a Conv3d, (channels, side) for a Conv2d."""
+    channels, *frames, side = kernel
+    if len(shape) != 2 or shape[1] != channels * math.prod(frames) * side * side:
         raise MergerError(f"tensor {name} is {shape}, but config.json's vision_config gives patches of {channels} "
-                          f"channels x {frames} frames x {side} x {side} (pass the HF config of this model with "
-                          f"--hf_model_config_path)")
-    return [(shape[0], channels, frames, side, side)]
+                          f"channels x {''.join(f'{t} frames x ' for t in frames)}{side} x {side} (pass the HF config "
+                          f"of this model with --hf_model_config_path)")
+    return [(shape[0], channels, *frames, side, side)]
 
 
 def reshape(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> list[torch.Tensor]:

@@ -240,6 +240,27 @@ def test_patch_conv3d_is_the_linear_over_flattened_patches():
         _plan("patch_conv3d", (dim, 24), {})  # transformers' defaults where config.json says nothing
 
 
+def test_patch_conv2d_is_the_linear_over_flattened_patches():
+    """transformers' Kimi-K2.5 patch embedding (its Conv2d, stride = kernel), loaded with the kind's output, gives on
+    patches what torchtitan's Linear gives on them flattened (C x P x P, its to_hf's order)."""
+    from transformers import Kimi_K25VisionConfig
+    from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25VisionPatchEmbed
+
+    dim, side = 6, 2  # an even width: its temporal sinusoid needs one
+    linear = torch.randn(dim, 3 * side * side)
+    config = {"vision_config": {"patch_size": side}}
+    shapes, fn = _plan("patch_conv2d", tuple(linear.shape), config)
+    assert shapes == [(dim, 3, side, side)]
+    conv = Kimi_K25VisionPatchEmbed(Kimi_K25VisionConfig(hidden_size=dim, patch_size=side)).proj
+    with torch.no_grad():
+        conv.weight.copy_(fn([linear])[0])
+        conv.bias.zero_()
+        patches = torch.randn(7, 3, side, side)
+        assert torch.allclose(conv(patches).flatten(1), patches.flatten(1) @ linear.T, atol=1e-5)
+    with pytest.raises(MergerError, match="vision_config gives patches of 3 channels x 14 x 14"):
+        _plan("patch_conv2d", (dim, 12), {})  # transformers' default where config.json says nothing
+
+
 def test_a_join_names_its_parts_and_they_are_rows_of_no_one_else():
     with pytest.raises(ValueError, match=r"row 'attn.in_proj_q.weight': a cat row joins no tensors"):
         Row("attn.in_proj_q.weight", "cat", ("linear_attn.in_proj_qkv.weight",))

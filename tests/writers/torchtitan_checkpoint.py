@@ -15,7 +15,9 @@ config of the same shape to HF (torchtitan checkpoints carry none) and an oracle
 - qwen3_5_text / qwen3_5_moe_text (`Qwen35Model`: a Gated DeltaNet layer, then a gated full-attention one; the MoE
   variant with a gated shared expert; its vision tower) and kimi_k2_7 (`KimiK25Model`: the deepseek_v3 model above
   with a MoonViT vision tower): LOGITS on text TOKENS, with the HF config of the text model (Qwen3.5's needs FLA
-  importable; see gated_deltanet_on_cpu).
+  importable; see gated_deltanet_on_cpu); with --hf-vlm and --vision the HF VLM's config (qwen3_5, kimi_k25) and
+  the vision tower's features on seeded patches, and for kimi_k2_7 with --reference torchtitan's own to_hf (the
+  names of Moonshot's Kimi-K2.5 release).
 """
 from __future__ import annotations
 
@@ -219,6 +221,11 @@ def gated_deltanet_on_cpu() -> None:
     model._fla_chunk_gated_delta_rule = kernel
 
 
+KIMI_VISION = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, patch_size=2,
+                   pos_emb_height=4, pos_emb_width=4, merge_kernel_size=[2, 2],
+                   rope_parameters={"rope_type": "axial", "rope_theta": THETA})
+
+
 def kimi_k2_7_titan_config():
     """torchtitan's Kimi-K2.5 / K2.7 (`KimiK25Model`): the DeepSeek-V3 model above with a MoonViT vision tower."""
     import dataclasses
@@ -227,9 +234,38 @@ def kimi_k2_7_titan_config():
 
     text = deepseek_v3_titan_config()
     fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(text) if f.init}
+    v = KIMI_VISION
     return kimi_k2_7.KimiK25Model.Config(**fields, vision_encoder=kimi_k2_7._vision_encoder_config(
-        dim=16, ffn_dim=32, num_layers=1, num_heads=2, patch_size=2, init_pos_emb_height=4, init_pos_emb_width=4,
-        text_hidden_size=DIM))
+        dim=v["hidden_size"], ffn_dim=v["intermediate_size"], num_layers=v["num_hidden_layers"],
+        num_heads=v["num_attention_heads"], patch_size=v["patch_size"], init_pos_emb_height=v["pos_emb_height"],
+        init_pos_emb_width=v["pos_emb_width"], rope_theta=THETA, text_hidden_size=DIM))
+
+
+def kimi_k25_vlm_config():
+    """transformers' kimi_k25 (Kimi-K2.5 / K2.6, the VLM) of the same model: the deepseek_v3 text model, the
+    MoonViT tower torchtitan builds, its projector's norm over the tower's width."""
+    import transformers
+
+    return transformers.Kimi_K25Config(
+        text_config=deepseek_v3_hf_config().to_dict(), vision_config=KIMI_VISION,
+        projection_hidden_size=KIMI_VISION["hidden_size"], tie_word_embeddings=False,
+        architectures=["Kimi_K25ForConditionalGeneration"])
+
+
+def kimi_k2_7_vision_features(model) -> dict:
+    """torchtitan's vision tower and projector on seeded patches of VISION_GRID (its 4 x 4 position table as it
+    is), its block mask built eagerly (as its flex attention runs, eager_flex_attention)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models.kimi_k2_7 import vision_encoder
+
+    vision_encoder.compiled_create_block_mask = create_block_mask
+    grid = torch.tensor(VISION_GRID)
+    torch.manual_seed(1)
+    side = KIMI_VISION["patch_size"]
+    patches = torch.randn(int(grid.prod()), 3 * side * side)  # C x P x P per patch, raster order
+    with torch.no_grad():
+        features = model.vision_encoder(patches[None], grid_thw=grid)[0]
+    return {"patches": patches, "grid": grid, "features": features}
 
 
 def gpt_oss_titan_config():
@@ -292,16 +328,19 @@ def main() -> None:
     p.add_argument("--hf", type=Path, required=True)
     p.add_argument("--family", choices=["llama", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_5_text",
                                         "qwen3_5_moe_text", "kimi_k2_7"], default="llama")
-    p.add_argument("--reference", type=Path, help="llama: torchtitan's own to_hf output")
+    p.add_argument("--reference", type=Path, help="llama, kimi_k2_7: torchtitan's own to_hf output")
     p.add_argument("--logits", type=Path, help="torchtitan's own logits on TOKENS (with MTP: a list, main first)")
     p.add_argument("--mtp", type=int, default=0, help="deepseek_v3: multi-token-prediction layers")
-    p.add_argument("--hf-vlm", type=Path, help="qwen3_5: the HF VLM config of the same model, with its vision tower")
-    p.add_argument("--vision", type=Path, help="qwen3_5: torchtitan's vision tower output on seeded patches")
+    p.add_argument("--hf-vlm", type=Path, help="qwen3_5, kimi_k2_7: the HF VLM config of the same model, with its "
+                                               "vision tower")
+    p.add_argument("--vision", type=Path, help="qwen3_5, kimi_k2_7: torchtitan's vision tower output on seeded "
+                                               "patches")
     args = p.parse_args()
 
     from safetensors.torch import save_file
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torchtitan.models.kimi_k2_7.state_dict_adapter import KimiK25StateDictAdapter
     from torchtitan.models.llama3 import Llama3StateDictAdapter
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -319,8 +358,8 @@ def main() -> None:
     if args.family == "gpt_oss":  # its experts compute in bf16 (grouped mm): a bf16 model
         model = model.to(torch.bfloat16)
     with torch.no_grad():
-        if args.family.startswith("qwen3_5"):  # a sharp vision attention: with 0.1's its q and k could be swapped
-            for name, param in model.vision_encoder.named_parameters():  # unseen (nearly uniform scores)
+        if args.family in ("qwen3_5_text", "qwen3_5_moe_text", "kimi_k2_7"):  # a sharp vision attention: with
+            for name, param in model.vision_encoder.named_parameters():  # 0.1's its q and k could be swapped unseen
                 if ".attn.wq." in name or ".attn.wk." in name:
                     param.mul_(20)
         if args.family in ("deepseek_v3", "kimi_k2_7"):  # a routing bias that changes which experts are chosen
@@ -329,12 +368,15 @@ def main() -> None:
                     buffer.copy_(torch.randn_like(buffer) * 0.1)
     if rank == 0:
         hf().save_pretrained(args.hf)
+        kimi = args.family == "kimi_k2_7"
         if args.hf_vlm:
-            qwen3_5_vlm_config(moe=args.family == "qwen3_5_moe_text").save_pretrained(args.hf_vlm)
+            vlm = kimi_k25_vlm_config() if kimi else qwen3_5_vlm_config(moe=args.family == "qwen3_5_moe_text")
+            vlm.save_pretrained(args.hf_vlm)
         if args.vision:
-            torch.save(qwen3_5_vision_features(model.eval()), args.vision)
+            torch.save((kimi_k2_7_vision_features if kimi else qwen3_5_vision_features)(model.eval()), args.vision)
         if args.reference:
-            oracle = Llama3StateDictAdapter(config, None).to_hf(model.state_dict())
+            adapter = KimiK25StateDictAdapter if kimi else Llama3StateDictAdapter
+            oracle = adapter(config, None).to_hf(model.state_dict())
             args.reference.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in oracle.items()}, args.reference / "model.safetensors")
         if args.logits:
