@@ -18,10 +18,12 @@ import time
 
 from .paths import ROOT
 from .pending import never_starts
+from .rank_env import free_port
 
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
           "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "PREEMPTED"}
 TAIL_LINES = 20
+PORT_WAIT_S = 300  # how long the other tasks wait for rank 0 to say its port (it may start later on its node)
 SUBMITIT_FAILURE_MARK = "Submitted job triggered an exception"
 
 
@@ -29,11 +31,32 @@ class MergeFailed(Exception):
     """Raised in a task whose merge failed, so submitit records an error and the task exits non-zero."""
 
 
+def master_port(job) -> int:
+    """The port rank 0 hosts torch.distributed's store on: one free on rank 0's node when the job starts, which it
+    writes into the job's folder (every node reads it: submitit's pickles are there) for the other tasks to read.
+    submitit's own choice is drawn from the job id alone, so job 1 of every cluster takes the same port, whoever
+    holds it then."""
+    path = job.paths.folder / f"{job.job_id}_master_port"
+    if job.global_rank == 0:
+        port = free_port("0.0.0.0")
+        written = path.with_name(path.name + ".tmp")
+        written.write_text(str(port))
+        os.replace(written, path)  # whole or not there: a task never reads half a number
+        return port
+    deadline = time.monotonic() + PORT_WAIT_S
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise MergeFailed(f"rank 0 wrote no store port into {path} within {PORT_WAIT_S} s")
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
 def run_rank(merger_args: list[str], cwd: str) -> int:
     """Body of every Slurm task (pickled by submitit): join the group Slurm describes, run the merger."""
     import submitit
 
     os.chdir(cwd)  # relative paths in the merger's arguments mean what they meant where the user typed them
+    os.environ["MASTER_PORT"] = str(master_port(submitit.JobEnvironment()))
     # LOCAL_RANK picks the GPU (torchrun's convention), so every task keeps all of its node's devices visible.
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     from merger.cli import main
@@ -121,6 +144,8 @@ def make_executor(args: argparse.Namespace):
     params = dict(name="merger", nodes=args.nodes, tasks_per_node=args.tasks_per_node, gpus_per_node=gpus,
                   cpus_per_task=args.cpus_per_task, timeout_min=args.time, slurm_partition=args.partition,
                   slurm_account=args.account, slurm_mem=args.mem,
+                  # a task that fails ends the others at once, not when torch's store wait (10 minutes) runs out
+                  slurm_srun_args=["--kill-on-bad-exit=1"],
                   # The job imports the same merger and launcher as this process, checkout or install.
                   slurm_setup=[f"export PYTHONPATH={shlex.quote(str(ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}"])
     executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
