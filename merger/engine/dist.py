@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -147,8 +148,17 @@ def await_store(addr: str, port: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            socket.create_connection((addr, port), timeout=1.0).close()  # a host that drops it: torch's to wait on
-            return
+            probe = socket.create_connection((addr, port), timeout=1.0)  # a host that drops it: torch's to wait on
+            if probe.getsockname() != probe.getpeername():
+                probe.close()
+                return
+            # TCP's self-connect: a connection to a free port of this host's own ephemeral range may be given that
+            # port as its own end, and then holds the port rank 0's store is about to listen on (it fails with
+            # EADDRINUSE). Polled every 10 ms, the kernel's walk through the ports reaches it within seconds.
+            # Closed with a reset, the port is free at once.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            probe.close()
+            raise ConnectionRefusedError
         except ConnectionRefusedError:
             if time.monotonic() + STORE_POLL_S > deadline:
                 return

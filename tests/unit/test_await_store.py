@@ -48,3 +48,33 @@ def test_gives_up_at_its_timeout_when_nothing_listens():
     t = time.monotonic()
     await_store("127.0.0.1", port, timeout_s=0.3)
     assert 0.25 <= time.monotonic() - t < 2.0
+
+
+def test_a_connection_to_itself_is_not_the_store(monkeypatch):
+    """A poll that TCP connects to itself (the port free, taken as the poll's own end: the kernel's walk through
+    its ports reaches it) is no store: await_store waits on, and torch's store then listens on that port."""
+    port, started, stores, real = _free_port(), [], [], socket.create_connection
+
+    def first_to_itself(address, timeout=None):
+        if stores or started:
+            return real(address, timeout=timeout)
+        probe = socket.socket()
+        probe.bind(address)
+        probe.connect(address)  # a simultaneous open with itself, as the kernel's own choice of port gives it
+        started.append(None)
+        return probe
+
+    monkeypatch.setattr(socket, "create_connection", first_to_itself)
+
+    def start_store():
+        time.sleep(0.5)
+        stores.append(dist.TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=10), wait_for_workers=False))
+        started.append(time.monotonic())
+
+    rank0 = threading.Thread(target=start_store)
+    rank0.start()
+    await_store("127.0.0.1", port, timeout_s=20)
+    returned = time.monotonic()
+    rank0.join()
+    assert stores, "torch's store could not listen on the port"
+    assert returned >= started[-1] - 0.25
