@@ -22,9 +22,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_returns_once_the_store_listens_and_the_store_still_serves():
-    port, started, stores = _free_port(), [], []
-
+def _store_in_half_a_second(port: int, stores: list, started: list) -> threading.Thread:
+    """Rank 0, starting torch's store on `port` half a second from now; `started` gets the time it listened."""
     def start_store():
         time.sleep(0.5)
         stores.append(dist.TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=10), wait_for_workers=False))
@@ -32,6 +31,12 @@ def test_returns_once_the_store_listens_and_the_store_still_serves():
 
     rank0 = threading.Thread(target=start_store)
     rank0.start()
+    return rank0
+
+
+def test_returns_once_the_store_listens_and_the_store_still_serves():
+    port, started, stores = _free_port(), [], []
+    rank0 = _store_in_half_a_second(port, stores, started)
     await_store("127.0.0.1", port, timeout_s=20)
     returned = time.monotonic()
     rank0.join()
@@ -65,14 +70,7 @@ def test_a_connection_to_itself_is_not_the_store(monkeypatch):
         return probe
 
     monkeypatch.setattr(socket, "create_connection", first_to_itself)
-
-    def start_store():
-        time.sleep(0.5)
-        stores.append(dist.TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=10), wait_for_workers=False))
-        started.append(time.monotonic())
-
-    rank0 = threading.Thread(target=start_store)
-    rank0.start()
+    rank0 = _store_in_half_a_second(port, stores, started)
     await_store("127.0.0.1", port, timeout_s=20)
     returned = time.monotonic()
     rank0.join()
