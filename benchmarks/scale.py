@@ -1,12 +1,15 @@
 """How planning scales with a checkpoint's size, from metadata alone: no data is written or read.
 
-    python benchmarks/scale.py [--fractions 1/8,1/4] [--ranks 64] [--merge_ranks 8,32,64] [--tmp /tmp] [--keep]
+    python benchmarks/scale.py [--fractions 1/8,1/4] [--ranks 64] [--experts 256] [--merge_ranks 8,32,64] [--tmp /tmp]
+                               [--keep]
 
 For each fraction of a DeepSeek-V3-shaped model (671B parameters, bf16, 45k tensors at 1x) saved by FSDP2 on
 `--ranks` ranks (every tensor cut into one Shard(0) chunk per rank: 2.9 M chunks at 1x, 64 ranks), it writes
 a DCP folder whose `.metadata` is pickled from torch's own classes (torch.distributed.checkpoint.metadata,
 as FileSystemWriter does) and whose `__r_0.distcp` files are sparse (truncated to their size, nothing on
-disk). The fraction scales the MoE layers; 1/8 is a quick run. It then times, each in a fresh process:
+disk). The fraction scales the MoE layers; 1/8 is a quick run. `--experts 384` gives the 1T shape of Kimi-K2
+(the same layers with its 384 experts: 998B parameters, 67,667 tensors, 4.3 M chunks at 1x). The folder is
+synthesized in a child process, so that no measured process inherits its peak RSS. It then times, each in a fresh process:
 - torch: the `.metadata` loaded as torch's FileSystemReader loads it (a plain pickle.load with torch's
   classes): the baseline, what any DCP reader pays;
 - merger, phase by phase in one process: load_compact (`.metadata` read as open_catalog reads it: the runs of
@@ -40,9 +43,9 @@ V3 = dict(hidden=7168, vocab=129280, dense_layers=3, moe_layers=58, experts=256,
           q_lora=1536, kv_lora=512, heads=128, qk_nope=128, qk_rope=64, v_head=128)
 
 
-def _shapes(moe_layers: int) -> dict[str, tuple[int, ...]]:
+def _shapes(moe_layers: int, experts: int) -> dict[str, tuple[int, ...]]:
     """Every tensor of the HF state dict, name -> shape."""
-    c = V3
+    c = V3 | {"experts": experts}
     h, qk = c["hidden"], c["qk_nope"] + c["qk_rope"]
     out = {"model.embed_tokens.weight": (c["vocab"], h)}
     for i in range(c["dense_layers"] + moe_layers):
@@ -65,8 +68,8 @@ def _shapes(moe_layers: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _config(moe_layers: int) -> dict:
-    c = V3
+def _config(moe_layers: int, experts: int) -> dict:
+    c = V3 | {"experts": experts}
     return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": "bfloat16",
             "hidden_size": c["hidden"], "vocab_size": c["vocab"], "intermediate_size": c["inter"],
             "moe_intermediate_size": c["moe_inter"], "num_hidden_layers": c["dense_layers"] + moe_layers,
@@ -77,15 +80,16 @@ def _config(moe_layers: int) -> dict:
             "tie_word_embeddings": False, "rms_norm_eps": 1e-6}
 
 
-def synthesize(folder: Path, fraction: Fraction, ranks: int) -> dict:
-    """A DCP folder of the fraction of DeepSeek-V3, saved by FSDP2 on `ranks` ranks; returns its counts."""
+def synthesize(folder: Path, fraction: Fraction, ranks: int, experts: int) -> dict:
+    """A DCP folder of the fraction of DeepSeek-V3 with `experts` per MoE layer, saved by FSDP2 on `ranks` ranks;
+    returns its counts."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                        TensorProperties, TensorStorageMetadata)
 
     moe_layers = max(1, round(V3["moe_layers"] * fraction))
-    shapes = _shapes(moe_layers)
+    shapes = _shapes(moe_layers, experts)
     folder.mkdir(parents=True)
     ends = [0] * ranks
     state, storage, planner = {}, {}, {}
@@ -110,7 +114,7 @@ def synthesize(folder: Path, fraction: Fraction, ranks: int) -> dict:
         with open(folder / f"__{r}_0.distcp", "wb") as f:
             f.truncate(end)  # sparse: metadata is all that is real
     (folder / "huggingface").mkdir()
-    (folder / "huggingface" / "config.json").write_text(json.dumps(_config(moe_layers), indent=1))
+    (folder / "huggingface" / "config.json").write_text(json.dumps(_config(moe_layers, experts), indent=1))
     return {"params": params, "tensors": len(shapes), "chunks": len(storage),
             "metadata_bytes": (folder / ".metadata").stat().st_size}
 
@@ -199,12 +203,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--fractions", default="1/8", help="comma-separated fractions of the 671B shape, e.g. 1/8,1/4,1/2,1")
     p.add_argument("--ranks", type=int, default=64, help="FSDP2 ranks that saved the checkpoint")
+    p.add_argument("--experts", type=int, default=V3["experts"],
+                   help="routed experts per MoE layer: 256 is DeepSeek-V3 (671B); 384 is Kimi-K2's count (998B at 1x)")
     p.add_argument("--merge_ranks", default="8,32,64", help="comma-separated merge worlds to plan for")
     p.add_argument("--tmp", type=Path, default=Path("/tmp"), help="where the sparse checkpoints go")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints (reused by the next run)")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.phase == "synthesize":  # a child, so that no measured process inherits its peak RSS through fork
+        folder, fraction = Path(a.args[0]), Fraction(a.args[1])
+        print(json.dumps(synthesize(folder, fraction, a.ranks, a.experts)))
+        return
     if a.phase:  # a child: one measured process
         rows = torch_phases(*a.args) if a.phase == "torch" else merger_phases(a.args[0], [int(n) for n in a.args[1:]])
         print(json.dumps(rows))
@@ -212,14 +222,15 @@ def main() -> None:
     merge_ranks = [int(n) for n in a.merge_ranks.split(",")]
     for text in a.fractions.split(","):
         fraction = Fraction(text)
-        folder = a.tmp / f"merger_scale_{fraction.numerator}_{fraction.denominator}_{a.ranks}"
+        folder = a.tmp / f"merger_scale_{fraction.numerator}_{fraction.denominator}_{a.ranks}_{a.experts}"
         try:
             counts_file = folder / "counts.json"
             if not counts_file.is_file():
                 shutil.rmtree(folder, ignore_errors=True)
                 t = time.perf_counter()
-                counts = synthesize(folder, fraction, a.ranks)
-                counts_file.write_text(json.dumps(counts))
+                made = subprocess.run([PY, __file__, "--phase", "synthesize", "--ranks", str(a.ranks), "--experts",
+                                       str(a.experts), str(folder), text], check=True, capture_output=True, text=True)
+                counts_file.write_text(made.stdout.splitlines()[-1])
                 print(f"(synthesized in {time.perf_counter() - t:.0f} s)", file=sys.stderr)
             counts = json.loads(counts_file.read_text())
             rows = _in_process("torch", str(folder)) + _in_process("merger", str(folder), *map(str, merge_ranks))
@@ -227,7 +238,8 @@ def main() -> None:
         finally:
             if not a.keep:
                 shutil.rmtree(folder, ignore_errors=True)
-        print(f"\n### {text} of DeepSeek-V3 671B: {counts['params'] / 1e9:.0f}B params, {counts['tensors']} tensors, "
+        shape = "DeepSeek-V3 671B" if a.experts == V3["experts"] else f"DeepSeek-V3 with {a.experts} experts"
+        print(f"\n### {text} of {shape}: {counts['params'] / 1e9:.0f}B params, {counts['tensors']} tensors, "
               f"{counts['chunks']} chunks ({a.ranks} ranks), .metadata {counts['metadata_bytes'] / 2**20:.0f} MiB\n")
         print("| phase | wall s | CPU s | peak RSS (GiB) |\n|---|---|---|---|")
         for r in rows:

@@ -11,6 +11,7 @@ import pickle
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -130,3 +131,23 @@ def test_a_chunk_saved_with_storage_transforms_is_refused(tmp_path):
         pickle.dump(metadata, f)
     with pytest.raises(MergerError, match=r"tensor w1 was saved with storage transforms \['zstd'\] .*\.metadata$"):
         open_catalog(tmp_path)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), bits=st.sampled_from([3, 40]))
+def test_chunks_find_their_storage_entries_as_a_dict_would(data, bits):
+    """Chunks are joined to storage entries by equal (tensor, ndim, offsets) rows, later entries winning, as torch's
+    dict of MetadataIndex does: packed into one int where the columns fit 63 bits (3-bit values), compared as rows
+    where they do not (40-bit values in 4 columns)."""
+    from merger.sources.dcp_chunk_table import _storage_of
+    value = st.integers(0, 2**bits - 1)
+    rows = st.lists(st.tuples(value, value, value, value), min_size=1, max_size=30)
+    keys, chunks = data.draw(rows), data.draw(rows)
+    chunks += data.draw(st.lists(st.sampled_from(keys), max_size=10))  # some that have an entry
+    infos = np.asarray(data.draw(st.permutations(range(len(keys)))), dtype=np.int64)
+    expected = dict(zip(keys, infos.tolist()))
+
+    def columns(table):
+        return [np.asarray(c, dtype=np.int64) for c in zip(*table)]
+    got = _storage_of(columns(chunks), columns(keys), infos)
+    assert got.tolist() == [expected.get(c, -1) for c in chunks]

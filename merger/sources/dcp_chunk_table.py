@@ -51,19 +51,56 @@ def load_chunk_table(folder: Path):
         raise MergerError(f"damaged DCP metadata file ({type(e).__name__}: {e}), {folder / METADATA_FILE}") from e
 
 
-def _storage_of(chunks: np.ndarray, keys: np.ndarray, infos: np.ndarray) -> np.ndarray:
-    """For each chunk row (tensor, ndim, offsets...), the storage entry whose key row is the same, else -1: torch's
-    (fqn, offset) equality of MetadataIndex. Later keys win, as in the dict torch builds."""
-    where = np.full(len(chunks), -1, dtype=np.int64)
-    if len(keys) and len(chunks):
-        rows = np.ascontiguousarray(np.concatenate([keys, chunks]), dtype=np.int64)
-        # each row as one opaque value: equal rows are equal bytes, and sorting those is 2x np.unique(axis=0)
-        _, inverse = np.unique(rows.view(np.dtype((np.void, 8 * rows.shape[1]))).ravel(), return_inverse=True)
-        inverse = inverse.reshape(-1)
-        entry = np.full(int(inverse.max()) + 1, -1, dtype=np.int64)
-        entry[inverse[:len(keys)]] = infos
-        where = entry[inverse[len(keys):]]
+def _storage_of(chunks: list[np.ndarray], keys: list[np.ndarray], infos: np.ndarray) -> np.ndarray:
+    """For each chunk (columns: tensor, ndim, offsets...), the storage entry whose key (the same columns) is the
+    same, else -1: torch's (fqn, offset) equality of MetadataIndex. Later keys win, as in the dict torch builds."""
+    where = np.full(len(chunks[0]), -1, dtype=np.int64)
+    if not (len(keys[0]) and len(where)):
+        return where
+    codes = _packed(chunks, keys)
+    if codes is None:
+        return _storage_by_rows(chunks, keys, infos)
+    chunk_code, key_code = codes
+    order = np.argsort(key_code, kind="stable")  # equal keys keep their order: the last of a run is the latest
+    key_code = key_code[order]
+    at = np.searchsorted(key_code, chunk_code, side="right") - 1
+    hit = at >= 0
+    hit[hit] = key_code[at[hit]] == chunk_code[hit]
+    where[hit] = infos[order[at[hit]]]
     return where
+
+
+def _packed(chunks: list[np.ndarray], keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each row of both tables as one int64, column bits side by side: equal rows, equal codes, and no other
+    row the same code. At 2.9 M chunks one int a row is 23 MB; rows sorted as bytes take 10x that. None where the
+    columns need more than 63 bits, or hold a negative value."""
+    shift, bits = [], 0
+    for c, k in zip(chunks, keys):
+        low = min(int(c.min()), int(k.min()) if len(k) else 0)
+        if low < 0:
+            return None
+        shift.append(bits)
+        bits += max(int(c.max()), int(k.max()) if len(k) else 0).bit_length()
+    if bits > 63:
+        return None
+
+    def code(columns: list[np.ndarray]) -> np.ndarray:
+        out = np.zeros(len(columns[0]), dtype=np.int64)
+        for column, s in zip(columns, shift):
+            out |= column.astype(np.int64) << s
+        return out
+    return code(chunks), code(keys)
+
+
+def _storage_by_rows(chunks: list[np.ndarray], keys: list[np.ndarray], infos: np.ndarray) -> np.ndarray:
+    """_storage_of for columns too wide to pack: each row as one opaque value (equal rows are equal bytes, and
+    sorting those is 2x np.unique(axis=0))."""
+    rows = np.ascontiguousarray(np.concatenate([np.column_stack(keys), np.column_stack(chunks)]), dtype=np.int64)
+    _, inverse = np.unique(rows.view(np.dtype((np.void, 8 * rows.shape[1]))).ravel(), return_inverse=True)
+    inverse = inverse.reshape(-1)
+    entry = np.full(int(inverse.max()) + 1, -1, dtype=np.int64)
+    entry[inverse[:len(keys[0])]] = infos
+    return entry[inverse[len(keys[0]):]]
 
 
 def _flat(boxes: list, ndim: np.ndarray) -> np.ndarray:
@@ -119,15 +156,19 @@ def _tabled(metadata, records: CompactRecords, folder: Path) -> ChunkTable:
     sizes_ndim, extra_sizes = _boxes([c.sizes for c in order])
     if not np.array_equal(extra_ndim, sizes_ndim):
         raise ValueError("a chunk's offsets and sizes differ in length")
-    ndim = np.concatenate([records.chunk_nd, extra_ndim])[picks]
+    chunk_nd, chunk_offsets, chunk_sizes = records.take_chunks()  # one copy of each at a time, below
+    ndim = np.concatenate([chunk_nd, extra_ndim])[picks]
     width = int(ndim.max(initial=0))
-    offsets = np.concatenate([_widened(records.chunk_offsets, width), _widened(extra_offsets, width)])[picks]
-    sizes = np.concatenate([_widened(records.chunk_sizes, width), _widened(extra_sizes, width)])[picks]
+    offsets = np.concatenate([_widened(chunk_offsets, width), _widened(extra_offsets, width)])[picks]
+    del chunk_offsets
+    sizes = np.concatenate([_widened(chunk_sizes, width), _widened(extra_sizes, width)])[picks]
+    del chunk_nd, chunk_sizes
 
     storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
     metadata.storage_data = None
-    stored = records.storage
-    entries, objects = _in_order(storage, len(stored["fqn"]))
+    stored = records.take_storage()
+    stored_rows = len(stored["fqn"])
+    entries, objects = _in_order(storage, stored_rows)
     infos = [storage[k] for k in objects]
     index = {fqn: i for i, (fqn, _) in enumerate(tensors)}
     key_tensor = np.concatenate([np.asarray([index.get(f, -1) for f in records.strings], dtype=np.int64)[stored["fqn"]],
@@ -146,18 +187,20 @@ def _tabled(metadata, records: CompactRecords, folder: Path) -> ChunkTable:
     byte_offset = np.concatenate([stored["byte_offset"], np.fromiter((int(i.offset) for i in infos), np.int64,
                                                                      len(infos))])
     length = np.concatenate([stored["length"], np.fromiter((int(i.length) for i in infos), np.int64, len(infos))])
+    del stored
     key_tensor, key_ndim, key_offsets = key_tensor[entries], key_ndim[entries], key_offsets[entries]
     usable = (key_tensor >= 0) & (key_ndim <= width)  # a key of no tensor, or of more dims than any, matches none
-    where = _storage_of(np.column_stack([tensor_of, ndim, offsets]),
-                        np.column_stack([key_tensor[usable], key_ndim[usable], key_offsets[usable, :width]]),
+    key_offsets = key_offsets[usable, :width]
+    where = _storage_of([tensor_of, ndim, *offsets.T], [key_tensor[usable], key_ndim[usable], *key_offsets.T],
                         entries[usable])
+    del key_tensor, key_ndim, key_offsets, usable, entries
     found, pick = where >= 0, np.maximum(where, 0)
 
     def column(values: np.ndarray) -> np.ndarray:
         return np.where(found, values[pick], -1) if len(values) else np.full(len(where), -1, np.int64)
 
     # newer torch's compression..., only ever on entries the pickle held as objects
-    transformed = {len(stored["fqn"]) + j: info.transform_descriptors for j, info in enumerate(infos)
+    transformed = {stored_rows + j: info.transform_descriptors for j, info in enumerate(infos)
                    if info.transform_descriptors}
     transforms = {int(r): transformed[int(where[r])] for r in np.flatnonzero(np.isin(where, list(transformed)))} \
         if transformed else {}
@@ -176,6 +219,14 @@ def check_stored(table: ChunkTable, fqn: str, rows: np.ndarray, ndim: int, folde
         raise MergerError(f"tensor {fqn} chunk at {offsets} has no storage entry, {folder / METADATA_FILE}")
     raise MergerError(f"tensor {fqn} was saved with storage transforms {list(table.transforms[row])} "
                       f"(e.g. compression), which merger cannot read, {folder / METADATA_FILE}")
+
+
+def stored_ends(table: ChunkTable, rows: np.ndarray) -> dict[str, int]:
+    """Where the storage of chunk `rows` ends, per file that holds any: its name beside `.metadata` -> the byte
+    after the last chunk placed in it."""
+    ends = np.zeros(len(table.paths), dtype=np.int64)
+    np.maximum.at(ends, table.file[rows], table.byte_offset[rows] + table.length[rows])
+    return {table.paths[i]: int(ends[i]) for i in np.unique(table.file[rows]).tolist()}
 
 
 def chunk_rows(table: ChunkTable, rows: np.ndarray, ndim: int):
