@@ -45,6 +45,8 @@ CASES = {
     "qwen3_next_mtp_tp2": "arch=qwen3_next,tp=2,moe=1,pattern=lfl,mtp=1",
     "qwen3_5_mtp_tp2": "arch=qwen3_5_text,tp=2,pattern=lf,mtp=1",
     "qwen3_5_moe_mtp_ep2": "arch=qwen3_5_moe_text,ep=2,moe=1,pattern=lf,mtp=1",
+    # the MTP layer on the last pipeline stage, beside that stage's copy of the embedding
+    "qwen3_5_mtp_pp2": "arch=qwen3_5_text,pp=2,pattern=lf,mtp=1",
 }
 MTP_CASES = [case for case, spec in CASES.items() if "mtp=1" in spec]
 TWO_MTP = {"qwen3_5_mtp2": "arch=qwen3_5_text,pattern=lf,mtp=2"}  # more MTP layers than HF's layout holds
