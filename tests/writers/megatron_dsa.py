@@ -18,9 +18,9 @@ MTP, "mtp_logits" (as tests/writers/megatron_deepseek.py records them).
 
 On CPU (see shared/FORMATS.md): no Transformer Engine, so the layer specs are built with the local backend, whose
 `linear()` (the indexer's replicated projections, and with `down=linear` the q/kv down projections) is modelopt's
-Linear saving under the TP group; by default the q/kv down projections are ColumnParallel as in the local MLA spec; the Hadamard rotation is off (orthogonal: q.k is the same,
-and transformers leaves it out for that reason); TP > 1 runs DSA with sequence parallelism, so the sequence is a
-multiple of TP.
+Linear saving under the TP group; by default the q/kv down projections are ColumnParallel as in the local MLA
+spec; the Hadamard rotation is off (orthogonal: q.k is the same, and transformers leaves it out for that reason);
+TP > 1 runs DSA with sequence parallelism, so the sequence is a multiple of TP.
 """
 from __future__ import annotations
 
@@ -179,7 +179,8 @@ def main() -> None:
     out, cases = parse(DEFAULTS, "arch: deepseek_v32 or glm_moe_dsa; ep: expert-parallel size; "
                        "dense: how many first layers have a dense MLP; share: glm_moe_dsa's indexer runs on every "
                        "share-th layer, the others reuse its choice; down: column (column-parallel q/kv down "
-                       "projections) or linear (the DSA spec's own, whole on every rank)", fixed=dict(pp=1, vpp=None, tied=False))
+                       "projections) or linear (the DSA spec's own, whole on every rank)",
+                       fixed=dict(pp=1, vpp=None, tied=False))
     cpu_patches()
     write_cases(out, cases, write_case)
 
