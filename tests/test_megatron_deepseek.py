@@ -114,8 +114,8 @@ def test_drop_mtp_merges_a_family_without_mtp(deepseek_root, merged):
 
 
 def test_mla_ranks_that_disagree_with_config_are_an_error(deepseek_root, tmp_path, capsys):
-    """A down projection whose rows are not config.json's LoRA rank (as a TE checkpoint's whole copies read as
-    TP shards would be) stops the merge, naming the tensor, rather than writing a model that cannot load."""
+    """A down projection whose rows are not config.json's LoRA rank (another model's config, or a TP layout read
+    wrong) stops the merge, naming the tensor, rather than writing a model that cannot load."""
     case = "dsv3_tp2"
     hf = Path(shutil.copytree(deepseek_root / case / "hf", tmp_path / "hf"))
     config = json.loads((hf / "config.json").read_text())

@@ -1,8 +1,10 @@
 """DeepSeek-V3.2 and GLM-5 Megatron checkpoints (DeepSeek Sparse Attention: MLA with the lightning indexer, DeepSeek's
 MoE, multi-token prediction) merged to HF, checked against Megatron's own forward pass.
 
-megatron-core 0.19.2 writes both at TP2 as torch_dist (tests/writers/megatron_dsa.py, one torchrun launch of 2 gloo
-ranks from the Python 3.12 writer venv, tests/helpers/writers312.py). Oracles: Megatron's CPU logits against
+megatron-core 0.19.2 writes both at TP2 as torch_dist and legacy (tests/writers/megatron_dsa.py, one torchrun launch
+of 2 gloo ranks from the Python 3.12 writer venv, tests/helpers/writers312.py). GLM-5's MLA down projections are
+the DSA spec's own, whole on every TP rank (as TE's spec holds them), DeepSeek-V3.2's column-parallel: a legacy
+file does not say which, and both are merged from it. Oracles: Megatron's CPU logits against
 transformers' DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM on the merged folder (fp32, max abs diff < 1e-4, the
 same argmax), with an indexer that keeps 4 of the 8 tokens, so the logits depend on it; the names and shapes
 save_pretrained writes for the same config; the MTP layer's own tensors as the Megatron module holds them.
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from tests.helpers.megatron_mtp_models import (assert_megatron_logits, assert_mtp_dropped, assert_mtp_layer_tensors,
-                                               assert_two_ranks_write_one_process_tensors, load_beside_mtp, logits_of,
+                                               assert_ranks_write_one_process_files, load_beside_mtp, logits_of,
                                                merged_once, oracle)
 from tests.helpers.processes import run_writer
 from tests.helpers.weights import load_safetensors_folder
@@ -26,11 +28,13 @@ from tests.helpers.writers312 import writers312_python
 
 CASES = {
     "dsv32_tp2": "tp=2",  # layers [dense, MoE], routing groups, one MTP layer; half-split RoPE in the indexer
-    "glm5_tp2": "arch=glm_moe_dsa,tp=2",  # the same with GLM-5's interleaved RoPE in the indexer, one group
+    # the same with GLM-5's interleaved RoPE in the indexer, one group, and the q/kv down projections whole
+    "glm5_tp2": "arch=glm_moe_dsa,tp=2,down=linear",
     # GLM-5's shared indexer layers: layers 0 and 2 run theirs, layer 1 reuses layer 0's choice; no MTP layer
     "glm5_shared_tp2": "arch=glm_moe_dsa,tp=2,layers=3,share=2,mtp=0",
 }
 MTP = ["dsv32_tp2", "glm5_tp2"]
+LEGACY = ["dsv32_tp2", "glm5_tp2"]  # column-parallel and whole MLA down projections
 
 
 @pytest.fixture(scope="session")
@@ -47,10 +51,10 @@ def merged(dsa_root, tmp_path_factory):
     return merged_once(dsa_root, tmp_path_factory)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_merge_reproduces_megatron_logits(case, dsa_root, merged):
+@pytest.mark.parametrize("case, fmt", [(case, "dist") for case in CASES] + [(case, "legacy") for case in LEGACY])
+def test_merge_reproduces_megatron_logits(case, fmt, dsa_root, merged):
     expected = oracle(dsa_root, case)
-    model = load_beside_mtp(merged(case, "dist"), expected)
+    model = load_beside_mtp(merged(case, fmt), expected)
     assert_megatron_logits(logits_of(model, expected["tokens"]), expected["logits"])
 
 
@@ -107,9 +111,8 @@ def test_bfloat16_dtypes_are_those_save_pretrained_writes(dsa_root, merged, tmp_
     assert all(torch.equal(got[n], fp32[n]) for n in kept)
 
 
-def test_two_merge_ranks_write_the_one_process_bytes(dsa_root, merged, tmp_path):
+def test_two_merge_ranks_write_the_one_process_bytes(dsa_root, tmp_path):
     """Under torchrun x2 each rank writes its share (the indexer's rows, MLA, experts, the MTP layer), in several
-    files: the tensors one process writes, bit for bit."""
+    files: the files one process writes, byte for byte."""
     case = "glm5_tp2"
-    assert_two_ranks_write_one_process_tensors(dsa_root / case / "dist", dsa_root / case / "hf", merged(case, "dist"),
-                                               tmp_path / "out")
+    assert_ranks_write_one_process_files(dsa_root / case / "dist", dsa_root / case / "hf", tmp_path / "out", 2)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from tests.helpers.in_process import merge_here
-from tests.helpers.megatron_mtp_models import (assert_megatron_logits, assert_two_ranks_write_one_process_tensors, load,
+from tests.helpers.megatron_mtp_models import (assert_megatron_logits, assert_ranks_write_one_process_files, load,
                                                logits_of, merged_once, oracle, write_cases)
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
@@ -45,6 +45,8 @@ CASES = {
     "qwen3_next_mtp_tp2": "arch=qwen3_next,tp=2,moe=1,pattern=lfl,mtp=1",
     "qwen3_5_mtp_tp2": "arch=qwen3_5_text,tp=2,pattern=lf,mtp=1",
     "qwen3_5_moe_mtp_ep2": "arch=qwen3_5_moe_text,ep=2,moe=1,pattern=lf,mtp=1",
+    # the MTP layer on the last pipeline stage, beside that stage's copy of the embedding
+    "qwen3_5_mtp_pp2": "arch=qwen3_5_text,pp=2,pattern=lf,mtp=1",
 }
 MTP_CASES = [case for case, spec in CASES.items() if "mtp=1" in spec]
 TWO_MTP = {"qwen3_5_mtp2": "arch=qwen3_5_text,pattern=lf,mtp=2"}  # more MTP layers than HF's layout holds
@@ -96,12 +98,11 @@ def test_names_and_shapes_are_those_save_pretrained_writes(case, gdn_root, merge
         {n[len(full):]: s for n, s in own.items() if n.startswith(full)} if case in MTP_CASES else {})
 
 
-def test_two_merge_ranks_write_the_one_process_bytes(gdn_root, merged, tmp_path):
-    """Under torchrun x2 each rank writes its share of the transformed tensors, in several files: the tensors one
-    process writes, bit for bit, the MTP layer's too."""
-    case = "qwen3_next_mtp_tp2"
-    assert_two_ranks_write_one_process_tensors(gdn_root / case / "dist", gdn_root / case / "hf", merged(case, "dist"),
-                                               tmp_path / "out")
+@pytest.mark.parametrize("case, fmt, nproc", [("qwen3_next_mtp_tp2", "dist", 2), ("qwen3_5_moe_mtp_ep2", "legacy", 3)])
+def test_merge_ranks_write_the_one_process_bytes(case, fmt, nproc, gdn_root, tmp_path):
+    """Under torchrun x2 and x3 each rank writes its share of the transformed tensors (the MTP layer's too, and with
+    3 ranks the experts of both EP files), in several files: the files one process writes, byte for byte."""
+    assert_ranks_write_one_process_files(gdn_root / case / fmt, gdn_root / case / "hf", tmp_path / "out", nproc)
 
 
 def mtp_logits(folder: Path, tokens: torch.Tensor, tmp_path: Path) -> torch.Tensor:

@@ -28,8 +28,9 @@ MAMBA = ("mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias", "mi
 GATED_DELTANET = ("self_attention.in_proj.weight", "self_attention.conv1d.weight", "self_attention.conv1d.bias",
                   "self_attention.A_log", "self_attention.dt_bias")
 ROW = ("linear_proj.weight", "linear_fc2.weight", "mixer.out_proj.weight", "self_attention.out_proj.weight")
-# MLA's down projections: column-parallel in the local spec, whole on every rank in TE's (a TELinear, with the
-# q/kv norms fused into the up projections, so `linear_kv_up_proj.layer_norm_weight` marks a TE layer).
+# MLA's down projections: column-parallel in the local MLA spec, whole on every rank in TE's (a duplicated
+# TELinear) and in DeepSeek Sparse Attention's (TE's TELinear or the local backend's replicated Linear, with the
+# q/kv norms unfused): _mla_down_dim tells them apart.
 MLA_DOWN = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
 QK_NORMS = ("q_layernorm.weight", "k_layernorm.weight")
 # DeepSeek Sparse Attention's indexer (core_attention.indexer.*): replicated Linears and a LayerNorm on every rank
@@ -53,14 +54,27 @@ def _full_width_qk_norm(name: str, held: Mapping[str, tuple[int, ...]]) -> bool:
     return bool(q and k and qkv) and q[0] != k[0] and q[0] + 2 * k[0] == qkv[0]
 
 
+def _mla_down_dim(name: str, held: Mapping[str, tuple[int, ...]]) -> int | None:
+    """0 where the rank holds its share of MLA's down projections' rows, None where it holds them whole. The q down
+    projection is whole where its rows are as many as the q up projection's input columns (the q-LoRA rank: a
+    column-parallel layer never splits its input), a share of them where split (fewer, by TP; at TP 1 both read the
+    same). Every megatron-core spec builds both down projections from one kind of linear, so the kv one follows
+    the q one. Without q-LoRA (no q down projection; DSA's indexer needs one) TE's fused kv norm
+    (`linear_kv_up_proj.layer_norm_weight`) marks the whole kv down projection of TE's MLA spec."""
+    attention = name.rsplit(".", 2)[0]
+    q_down, q_up = (held.get(f"{attention}.linear_q_{n}_proj.weight") for n in ("down", "up"))
+    if q_down and q_up:
+        return None if q_down[0] == q_up[1] else 0
+    return None if f"{attention}.linear_kv_up_proj.layer_norm_weight" in held else 0
+
+
 def tp_dim(name: str, shape: tuple[int, ...], held: Mapping[str, tuple[int, ...]]) -> int | None:
     """The dim tensor `name` (of `shape` on one rank) is split along over TP (or expert TP) ranks, None: whole on
     every rank; `held` are the names its rank file holds beside it, with their shapes on that rank."""
     if name == "output_layer.weight" and shape[:1] == (1,):
         return None  # a critic's value head: a replicated Linear(hidden, 1), not a vocab-parallel layer
     if name.endswith(MLA_DOWN):
-        fused_norm = name.rsplit(".", 2)[0] + ".linear_kv_up_proj.layer_norm_weight"
-        return None if fused_norm in held else 0
+        return _mla_down_dim(name, held)
     if name.endswith(QK_NORMS):
         return 0 if _full_width_qk_norm(name, held) else None
     return 0 if name.endswith(COLUMN + MAMBA + GATED_DELTANET) else 1 if name.endswith(ROW) else None

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers.files import assert_same_files
 from tests.helpers.in_process import merge_in_process
 from tests.helpers.processes import run_merger, run_writer
-from tests.helpers.weights import assert_same_weights, load_safetensors_folder
+from tests.helpers.weights import load_safetensors_folder
 
 
 def write_cases(tmp_path_factory, name: str, cases: dict[str, str], writer: str = "megatron_deepseek.py") -> Path:
@@ -37,13 +38,14 @@ def merged_once(root: Path, tmp_path_factory):
     return make
 
 
-def assert_two_ranks_write_one_process_tensors(src: Path, hf: Path, one_process: Path, out: Path) -> None:
-    """torchrun x2 merges SRC (config HF) into OUT, over several files so both ranks write: the tensors the
-    one-process merge ONE_PROCESS wrote, bit for bit."""
-    run_merger("merge", "--local_dir", src, "--target_dir", out, "--hf_model_config_path", hf, "--dtype", "float32",
-               "--max_shard_size", "100KB", nproc=2)
-    assert len(list(out.glob("*.safetensors"))) > 1
-    assert_same_weights(out, one_process, None)
+def assert_ranks_write_one_process_files(src: Path, hf: Path, out: Path, nproc: int) -> None:
+    """torchrun x`nproc` merges SRC (config HF) into OUT/ranks, over at least as many files as ranks, and one process
+    into OUT/one with the same flags: the same files, byte for byte."""
+    flags = ("--hf_model_config_path", hf, "--dtype", "float32", "--max_shard_size", "100KB")
+    run_merger("merge", "--local_dir", src, "--target_dir", out / "ranks", *flags, nproc=nproc)
+    merge_in_process(src, out / "one", *flags)
+    assert len(list((out / "one").glob("*.safetensors"))) >= nproc
+    assert_same_files(out / "ranks", out / "one")
 
 
 def oracle(root: Path, case: str) -> dict:

@@ -217,11 +217,16 @@ def save_legacy(a: Namespace, chunks: list, root: Path) -> None:
 
 def save_dist(a: Namespace, chunks: list, root: Path) -> None:
     from megatron.core import dist_checkpointing
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    # the metadata Megatron-LM passes: GPTModel reads it itself on an MTP stage without the embedding's
+    def own(chunk):
+        return chunk.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
 
     if len(chunks) == 1:
-        state = {"model": chunks[0].sharded_state_dict()}
+        state = {"model": own(chunks[0])}
     else:
-        state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        state = {f"model{i}": own(chunk) for i, chunk in enumerate(chunks)}
     path = root / "iter_0000001"
     path.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(state, str(path))

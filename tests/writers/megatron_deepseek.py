@@ -135,13 +135,25 @@ def randomise(model) -> None:
                 buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
 
 
-def forward(a: Namespace, model, tokens: tuple[int, ...] = (3, 17, 42, 5, 99, 64, 8)) -> dict:
+def forward(a: Namespace, model, tokens: tuple[int, ...] = (3, 17, 42, 5, 99, 64, 8)) -> dict | None:
     """Megatron's logits for `tokens`, read off the output layer: with MTP the forward needs labels and returns the
-    loss, calling the shared output layer on each MTP layer's output first and on the main output last."""
+    loss, calling the shared output layer on each MTP layer's output first and on the main output last. Over
+    pipeline stages each stage runs on the hidden states the one before sends it, and the last one (which holds the
+    output layer and the MTP layers) gives the logits; None on the others."""
+    from megatron.core import parallel_state as ps
+
     tokens = torch.tensor([tokens])
     seq = tokens.shape[1]
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
     positions = torch.arange(seq)[None]
+    if not ps.is_pipeline_first_stage():
+        hidden = torch.empty(seq, 1, model.config.hidden_size)
+        dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(hidden)
+    if not ps.is_pipeline_last_stage():
+        with torch.no_grad():
+            dist.send(model(tokens, positions, mask).contiguous(), ps.get_pipeline_model_parallel_next_rank())
+        return None
     calls = []  # copies: the loss then works on the logits in place
     hook = model.output_layer.register_forward_hook(lambda m, i, out: calls.append(out[0].transpose(0, 1).clone()))
     with torch.no_grad():
@@ -169,9 +181,13 @@ def mtp_params(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def oracle(a: Namespace, model) -> dict:
-    """What logits.pt holds: Megatron's logits and, with MTP, its layers' logits and own tensors."""
-    return {**forward(a, model), **({"mtp_params": mtp_params(model)} if a.mtp else {})}
+def oracle(a: Namespace, model) -> dict | None:
+    """What logits.pt holds: Megatron's logits and, with MTP, its layers' logits and own tensors (on the last
+    pipeline stage; None on the others)."""
+    out = forward(a, model)
+    if out is not None and a.mtp:
+        out["mtp_params"] = mtp_params(model)
+    return out
 
 
 def write_case(a: Namespace, out: Path) -> None:

@@ -9,16 +9,18 @@ with a sigmoid router, expert bias and shared experts, `mtp` multi-token-predict
 DSA attention: AbsorbedMLASelfAttention whose core attention holds the lightning indexer (`linear_wq_b`,
 `linear_wk`, `k_norm`, `linear_weights_proj`), which keeps the top `TOPK` keys of each query. `arch=glm_moe_dsa`
 is GLM-5's variant: interleaved RoPE in the indexer, one routing group, and with `share=N` the indexer on every
-N-th layer only (the others reuse its top-k and hold no indexer). Every rank builds its slice from one seed
-and saves it as torch_dist into ROOT/NAME/dist/ (a Megatron-LM save dir), beside hf/ (the transformers config and a
+N-th layer only (the others reuse its top-k and hold no indexer). `down=linear` keeps the DSA spec's own q/kv down
+projections, whole on every rank (its `linear()`, as TE's spec holds them, a duplicated TELinear) instead of
+column-parallel ones. Every rank builds its slice from one seed and saves it as legacy and torch_dist into
+ROOT/NAME/legacy/ and dist/ (Megatron-LM save dirs), beside hf/ (the transformers config and a
 tokenizer) and logits.pt: "tokens", "logits" (Megatron's own fp32 forward, sliced to the HF vocab size) and, with
 MTP, "mtp_logits" (as tests/writers/megatron_deepseek.py records them).
 
 On CPU (see shared/FORMATS.md): no Transformer Engine, so the layer specs are built with the local backend, whose
-`linear()` (the indexer's replicated projections) is modelopt's Linear saving under the TP group; the q/kv down
-projections are ColumnParallel as in the local MLA spec; the Hadamard rotation is off (orthogonal: q.k is the same,
-and transformers leaves it out for that reason); TP > 1 runs DSA with sequence parallelism, so the sequence is a
-multiple of TP.
+`linear()` (the indexer's replicated projections, and with `down=linear` the q/kv down projections) is modelopt's
+Linear saving under the TP group; by default the q/kv down projections are ColumnParallel as in the local MLA
+spec; the Hadamard rotation is off (orthogonal: q.k is the same, and transformers leaves it out for that reason);
+TP > 1 runs DSA with sequence parallelism, so the sequence is a multiple of TP.
 """
 from __future__ import annotations
 
@@ -29,10 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.writers.megatron_checkpoint import cpu_patches, padded_vocab, parse, save_dist, write_cases, write_save_dirs
+from tests.writers.megatron_checkpoint import (cpu_patches, padded_vocab, parse, save_dist, save_legacy, write_cases,
+                                               write_save_dirs)
 from tests.writers.megatron_deepseek import EXPERTS, MOE_FFN, forward, moe_config, mtp_params, randomise
 
-DEFAULTS = dict(arch="deepseek_v32", tp=1, ep=1, layers=2, dense=1, mtp=1, vocab=101, share=1)
+DEFAULTS = dict(arch="deepseek_v32", tp=1, ep=1, layers=2, dense=1, mtp=1, vocab=101, share=1, down="column")
 HIDDEN, HEADS, FFN = 64, 4, 80  # the MoE is megatron_deepseek.moe_config's
 Q_LORA, KV_LORA, NOPE, ROPE, V_DIM = 32, 32, 16, 8, 16
 INDEX_HEADS, INDEX_HEAD_DIM, TOPK = 4, 16, 4  # top 4 of 8 tokens: the indexer decides what later queries see
@@ -59,6 +62,7 @@ def local_backend():
     from megatron.core import parallel_state as ps
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.post_training.modelopt.layers import Linear
+    from megatron.core.transformer.experimental_attention_variant import absorbed_mla
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
     class ReplicatedLinear(Linear):
@@ -66,6 +70,10 @@ def local_backend():
             return make_sharded_tensors_for_checkpoint(
                 self.state_dict(prefix="", keep_vars=True), prefix, sharded_offsets=sharded_offsets,
                 tp_group=ps.get_tensor_model_parallel_group(), dp_cp_group=metadata["dp_cp_group"])
+
+    # AbsorbedMLASelfAttention accepts as down projections the linear classes it names, modelopt's Linear among
+    # them, but not a subclass: its name there is this one
+    absorbed_mla.Linear = ReplicatedLinear
 
     class Backend(LocalSpecProvider):
         def linear(self):
@@ -137,7 +145,8 @@ def build_model(a: Namespace, config):
     layers = get_transformer_layer_with_experimental_attention_variant_spec(config, backend=backend)
     for layer in layers:
         attention = layer.submodules.self_attention.submodules
-        attention.linear_q_down_proj = attention.linear_kv_down_proj = ColumnParallelLinear
+        if a.down == "column":
+            attention.linear_q_down_proj = attention.linear_kv_down_proj = ColumnParallelLinear
     block = TransformerBlockSubmodules(layer_specs=layers, layer_norm=TorchNorm)
     mtp = get_gpt_mtp_block_spec_for_backend(config, block, backend) if a.mtp else None
     torch.manual_seed(1234)  # CPU init draws each full weight from this seed, then keeps this rank's slice
@@ -154,13 +163,14 @@ def write_case(a: Namespace, out: Path) -> None:
 
     ps.initialize_model_parallel(a.tp, expert_model_parallel_size=a.ep)
     model = build_model(a, transformer_config(a))
+    save_legacy(a, [model], out / "legacy")
     save_dist(a, [model], out / "dist")
     oracle = forward(a, model, TOKENS)
     if a.mtp:
         oracle["mtp_params"] = mtp_params(model)
     if dist.get_rank() == 0:
         torch.save(oracle, out / "logits.pt")
-        write_save_dirs(out, hf_config(a), formats=("dist",))
+        write_save_dirs(out, hf_config(a))
     dist.barrier()
     ps.destroy_model_parallel()
 
@@ -168,7 +178,9 @@ def write_case(a: Namespace, out: Path) -> None:
 def main() -> None:
     out, cases = parse(DEFAULTS, "arch: deepseek_v32 or glm_moe_dsa; ep: expert-parallel size; "
                        "dense: how many first layers have a dense MLP; share: glm_moe_dsa's indexer runs on every "
-                       "share-th layer, the others reuse its choice", fixed=dict(pp=1, vpp=None, tied=False))
+                       "share-th layer, the others reuse its choice; down: column (column-parallel q/kv down "
+                       "projections) or linear (the DSA spec's own, whole on every rank)",
+                       fixed=dict(pp=1, vpp=None, tied=False))
     cpu_patches()
     write_cases(out, cases, write_case)
 

@@ -5,8 +5,9 @@
 A tiny model as Qwen3-Next and Qwen3.5 are built: Gated DeltaNet layers (megatron-core's GatedDeltaNet with its
 torch paths, see shared/FORMATS.md) and gated full attention (`attention_output_gate`, q/k norms, partial
 rotary) in the order `pattern` gives (l: linear, f: full), zero-centred RMSNorms everywhere, then a dense MLP or
-(`moe=1`) routed experts with a shared expert behind its sigmoid gate, and `mtp` multi-token-prediction layers
-(pp=1), each a full-attention layer, as Qwen3-Next's and Qwen3.5's is. megatron-core's experimental block spec
+(`moe=1`) routed experts with a shared expert behind its sigmoid gate, and `mtp` multi-token-prediction layers,
+each a full-attention layer, as Qwen3-Next's and Qwen3.5's is (on the last pipeline stage, where megatron-core
+places them, beside its own copy of the embedding). megatron-core's experimental block spec
 needs Transformer Engine, so the layers are built by hand from the local spec; the GDN layer's input norm is
 saved under TE's name (`self_attention.in_proj.layer_norm_weight`) as the TE spec fuses it. Every rank builds
 its slice from one seed and saves it as megatron_checkpoint.py does, into ROOT/NAME/: legacy/ and dist/, hf/
@@ -113,16 +114,19 @@ def block_spec(a: Namespace, config):
 
 
 def mtp_block_spec(a: Namespace, config):
-    """The MTP layers (None without): megatron-core's MTP spec around a full-attention layer, its enorm, hnorm and
-    final norm zero-centred as every norm of these models is."""
+    """The MTP layers (None without, and on the pipeline stages before the last): megatron-core's MTP spec around a
+    full-attention layer, its enorm, hnorm and final norm zero-centred as every norm of these models is."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
+    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
 
     class ZeroCentredNorms(LocalSpecProvider):
         def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
             return ZeroCentredRMSNorm
 
-    return get_gpt_mtp_block_spec_for_backend(config, layer_spec(a, "f"), ZeroCentredNorms()) if a.mtp else None
+    if not a.mtp or not mtp_on_this_rank(config):
+        return None
+    return get_gpt_mtp_block_spec_for_backend(config, layer_spec(a, "f"), ZeroCentredNorms())
 
 
 def hf_config(a: Namespace):
@@ -146,8 +150,8 @@ def hf_config(a: Namespace):
 
 
 def forward(a: Namespace, model) -> dict | None:
-    """Megatron's logits over the whole pipeline (on its last stage; None elsewhere); with MTP (one stage) its MTP
-    layers' logits and own tensors too."""
+    """Megatron's logits over the whole pipeline (on its last stage; None elsewhere); with MTP its MTP layers'
+    logits and own tensors too."""
     if a.mtp:
         return megatron_deepseek.oracle(a, model)
     tokens = torch.tensor([[3, 17, 42, 5, 99, 64, 8]])
@@ -182,14 +186,12 @@ def write_case(a: Namespace, out: Path) -> None:
 def main() -> None:
     out, cases = parse(DEFAULTS, "arch: qwen3_5_text, qwen3_5_moe_text or qwen3_next; pattern: the layers, l a Gated "
                        "DeltaNet, f full attention; moe: routed experts and a shared expert; pp, ep: pipeline and "
-                       "expert-parallel sizes; mtp: multi-token-prediction layers (pp=1)",
+                       "expert-parallel sizes; mtp: multi-token-prediction layers",
                        fixed=dict(vpp=None, tied=False))
     cpu_patches()
     gdn_patches()
-    for name, a in cases:
+    for _, a in cases:
         a.layers = len(a.pattern)  # what save_legacy records in the args
-        if a.mtp and a.pp > 1:
-            raise SystemExit(f"case {name}: MTP layers are written with one pipeline stage")
     write_cases(out, cases, write_case)
 
 
