@@ -139,8 +139,9 @@ def hf_names(table: list[Entry], name: str, first_mtp: int, family: Family, cata
     return row.kind, targets
 
 
-def _stacked_step(target: str, experts: dict[int, str], row: Row, catalog: Catalog, config: dict) -> Step:
-    """One HF tensor from every expert's `row` tensor, stacked [E, ...] in expert order, then the row's kind."""
+def _stacked_steps(target: str, experts: dict[int, str], row: Row, catalog: Catalog, config: dict) -> list[Step]:
+    """One HF tensor [E, ...] from every expert's `row` tensor in expert order, under the row's kind: a step per
+    expert, writing that expert's slab (its row of the stack), so no rank holds the whole stack."""
     names = [experts[e] for e in sorted(experts)]
     count = config.get("num_local_experts", len(experts))
     if sorted(experts) != list(range(count)):
@@ -151,8 +152,9 @@ def _stacked_step(target: str, experts: dict[int, str], row: Row, catalog: Catal
         raise MergerError(f"the experts written as {target} differ in shape ({sorted(shapes)}), {catalog.root}")
     shape, dtype = (len(names), *shapes.pop()), catalog.tensors[names[0]].dtype
     out_shapes, fn = kinds.KINDS[row.kind].plan(names[0], shape, config)
-    return Step(tuple(names), (OutputSpec(target, out_shapes[0], dtype),),
-                partial(tf.stack_experts, each=fn, shape=out_shapes[0]))
+    each = partial(tf.stack_slab, each=fn)
+    return [Step((name,), (OutputSpec(target, out_shapes[0], dtype, rows=(e, e + 1)),), each)
+            for e, name in enumerate(names)]
 
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
@@ -174,8 +176,8 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
             stacks.setdefault(names[0], (row, {}))[1][int(EXPERT.search(name).group(1))] = name
             continue
         steps.append(_step(name, tensor.shape, row.kind, names, config, tensor.dtype, family))
-    steps += [_stacked_step(target, experts, row, catalog, config)
-              for target, (row, experts) in stacks.items()]
+    steps += [step for target, (row, experts) in stacks.items()
+              for step in _stacked_steps(target, experts, row, catalog, config)]
     steps += mtp.shared_steps(catalog, MEGATRON, family, config, layers)
     # Tied: HF re-creates lm_head from the embedding, and the policy drops PP's last-stage copy.
     if not ties(config, options) and not options.is_value_model and "output_layer.weight" not in catalog.tensors:
