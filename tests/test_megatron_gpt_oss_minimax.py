@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.expert_slabs import assert_stacks_written_by_expert
 from tests.helpers.in_process import merge_here
 from tests.helpers.megatron_mtp_models import assert_megatron_logits, load, logits_of, merged_once, oracle, write_cases
 from tests.helpers.processes import run_merger
@@ -112,27 +113,10 @@ def test_two_merge_ranks_write_what_one_does(frontier_root, merged, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["legacy", "dist"])
 def test_no_step_holds_a_whole_expert_stack(frontier_root, fmt):
-    """HF keeps gpt-oss's experts stacked [E, ...] in one tensor: each is one entry of the files, written an expert
-    a step (its slab, rows [e, e + 1)), so the writer of a step holds one expert's input and output, never the
-    stack. Read from the plan two merge ranks run."""
-    from merger.api.pipeline import prepare
-    from merger.engine.dist import Group
-    from merger.options import MergeOptions
-
+    """HF keeps gpt-oss's experts stacked [E, ...] in one tensor: each is written an expert a step (its slab, rows
+    [e, e + 1)), so the writer of a step holds one expert's input and output, never the stack."""
     case = "gpt_oss_tp2_ep2"
-    config = json.loads((frontier_root / case / "hf" / "config.json").read_text())
-    experts = config["num_local_experts"]
-    plan = prepare(MergeOptions(local_dir=frontier_root / case / fmt, hf_model_config_path=frontier_root / case / "hf",
-                                dtype="float32"), Group(), 2).plan
-    stacks = {n: e.end - e.begin for n, (_, e) in plan.location.items() if ".mlp.experts." in n}
-    assert len(stacks) == 4 * config["num_hidden_layers"]  # gate_up_proj, down_proj and their biases
-    writing = {}
-    for step in plan.steps:
-        for spec in (o for o in step.outputs if o.name in stacks):
-            assert len(step.inputs) == 1 and spec.nbytes * experts == stacks[spec.name], spec
-            writing[spec.name] = writing.get(spec.name, 0) + spec.nbytes
-    assert writing == stacks  # every stack written whole, by its slabs
-    assert len({w for step, w in zip(plan.steps, plan.writers) if ".mlp.experts." in step.outputs[0].name}) == 2
+    assert_stacks_written_by_expert(frontier_root / case / fmt, frontier_root / case / "hf")
 
 
 def test_gpt_oss_experts_quantize_to_mxfp4_as_the_release_stores_them(frontier_root, merged, tmp_path):

@@ -5,7 +5,6 @@ layers, or left out with --drop-mtp)."""
 from __future__ import annotations
 
 import re
-from functools import partial
 
 import torch
 
@@ -13,7 +12,6 @@ from ..catalog import Catalog
 from ..errors import MergerError
 from ..options import MergeOptions
 from . import kinds, mtp
-from . import transforms as tf
 from .families import MEGATRON_FAMILIES as FAMILIES
 from .families import megatron_family
 from .family import Family, Row
@@ -140,8 +138,8 @@ def hf_names(table: list[Entry], name: str, first_mtp: int, family: Family, cata
 
 
 def _stacked_steps(target: str, experts: dict[int, str], row: Row, catalog: Catalog, config: dict) -> list[Step]:
-    """One HF tensor [E, ...] from every expert's `row` tensor in expert order, under the row's kind: a step per
-    expert, writing that expert's slab (its row of the stack), so no rank holds the whole stack."""
+    """One HF tensor [E, ...] from every expert's `row` tensor in expert order, under the row's kind, a step per
+    expert (kinds.stacked_steps)."""
     names = [experts[e] for e in sorted(experts)]
     count = config.get("num_local_experts", len(experts))
     if sorted(experts) != list(range(count)):
@@ -150,11 +148,8 @@ def _stacked_steps(target: str, experts: dict[int, str], row: Row, catalog: Cata
     shapes = {catalog.tensors[n].shape for n in names}
     if len(shapes) != 1:
         raise MergerError(f"the experts written as {target} differ in shape ({sorted(shapes)}), {catalog.root}")
-    shape, dtype = (len(names), *shapes.pop()), catalog.tensors[names[0]].dtype
-    out_shapes, fn = kinds.KINDS[row.kind].plan(names[0], shape, config)
-    each = partial(tf.stack_slab, each=fn)
-    return [Step((name,), (OutputSpec(target, out_shapes[0], dtype, rows=(e, e + 1)),), each)
-            for e, name in enumerate(names)]
+    stack = (len(names), *shapes.pop())
+    return kinds.stacked_steps(names, stack, catalog.tensors[names[0]].dtype, row.kind, target, config)
 
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
