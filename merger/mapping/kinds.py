@@ -134,8 +134,8 @@ register(
     Kind("rotary_q", 1, partial(_rotary, False)),  # torchtitan Llama's wq, permuted by query head
     Kind("rotary_kv", 1, partial(_rotary, True)),  # its wk, permuted by key-value head
     Kind("experts", 1, _one_expert, per_expert=True),
-    # a stacked expert tensor transformers also keeps stacked on disk (gpt-oss), written whole with its last two
-    # dims swapped, gate and up still interleaved as both interleave them
+    # a stacked expert tensor transformers also keeps stacked on disk (gpt-oss), written with its last two dims
+    # swapped (an expert's slab at a time), gate and up still interleaved as both interleave them
     Kind("experts_fused", 1, _swapped, expertwise=True),
     # Megatron's experts' fc1 stacked (a `stacked` row), cat(gate, up) per expert, as gpt-oss's gate_up_proj_bias
     # (gate and up interleaved) and its gate_up_proj (interleaved, then [E, in, out] as experts_fused writes it)

@@ -4,9 +4,9 @@ A `Step` is either a cast (one source tensor written under a name, in the output
 its pieces straight from the reading rank into the file) or a transform (a pure function of whole source
 tensors, run where the step is written). A step may write a slab of an output, rows [lo, hi) of its first dim
 (`OutputSpec.rows`), which other steps write the rest of: HF's experts stacked [E, ...] in one tensor (gpt-oss)
-are written an expert a step, so no rank ever holds the whole stack. Mappers declare each output in its natural dtype, the dtype of the
-source it comes from; the tie and dtype policy (policy.py) then decides once what is written and in which
-dtype.
+are written an expert a step, so no rank ever holds the whole stack. Mappers declare each output in its natural
+dtype, the dtype of the source it comes from; the tie and dtype policy (policy.py) then decides once what is
+written and in which dtype.
 """
 from __future__ import annotations
 
@@ -48,8 +48,9 @@ class OutputSpec:
 
 @dataclass(frozen=True)
 class Step:
-    """Whole source tensors in, output tensors out. `transform` is pure; None makes the step a cast of its one
-    input. The writer casts every result to its spec's dtype."""
+    """Whole source tensors in, output tensors out (each of its spec's written_shape: a slab's, for a slab).
+    `transform` is pure; None makes the step a cast of its one input. The writer casts every result to its spec's
+    dtype."""
 
     inputs: tuple[str, ...]
     outputs: tuple[OutputSpec, ...]

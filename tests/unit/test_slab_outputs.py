@@ -54,7 +54,8 @@ def _checkpoint():
             tensors[name] = SourceTensor(name, shape, torch.float32, (piece,))
             steps.append(Step((name,), (OutputSpec(*out, torch.bfloat16, rows=(e, e + 1)),), fn))
     store[FILES[0]]["norm"] = norm = torch.randn(4, generator=gen)
-    tensors["norm"] = SourceTensor("norm", (4,), torch.float32, (ShardPiece((0,), (4,), (PieceCopy(FILES[0], "norm"),)),))
+    norm_piece = ShardPiece((0,), (4,), (PieceCopy(FILES[0], "norm"),))
+    tensors["norm"] = SourceTensor("norm", (4,), torch.float32, (norm_piece,))
     steps.append(Step(("norm",), (OutputSpec(NORM, (4,), torch.bfloat16),)))
     catalog = Catalog("synthetic", Path("/synthetic"), tensors, FILES, partial(MemoryReader, store=store))
     expected = {WEIGHT: torch.stack(weights).transpose(1, 2).contiguous().to(torch.bfloat16),
