@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.expert_slabs import assert_stacks_written_by_expert
 from tests.helpers.in_process import merge_here
 from tests.helpers.megatron_mtp_models import assert_megatron_logits, load, logits_of, merged_once, oracle, write_cases
 from tests.helpers.processes import run_merger
@@ -108,6 +109,14 @@ def test_two_merge_ranks_write_what_one_does(frontier_root, merged, tmp_path):
     run_merger("merge", "--local_dir", frontier_root / case / "legacy", "--target_dir", tmp_path / "hf",
                "--hf_model_config_path", frontier_root / case / "hf", "--dtype", "float32", nproc=2)
     assert_same_weights(tmp_path / "hf", merged(case, "legacy"), None)
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "dist"])
+def test_no_step_holds_a_whole_expert_stack(frontier_root, fmt):
+    """HF keeps gpt-oss's experts stacked [E, ...] in one tensor: each is written an expert a step (its slab, rows
+    [e, e + 1)), so the writer of a step holds one expert's input and output, never the stack."""
+    case = "gpt_oss_tp2_ep2"
+    assert_stacks_written_by_expert(frontier_root / case / fmt, frontier_root / case / "hf")
 
 
 def test_gpt_oss_experts_quantize_to_mxfp4_as_the_release_stores_them(frontier_root, merged, tmp_path):

@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from tests.helpers.expert_slabs import assert_stacks_written_by_expert
 from tests.helpers.in_process import single_error_line
 from tests.helpers.processes import run_merger, run_writer
 from tests.helpers.torchtitan_writes import TOKENS, refused_as_kimi_k25, written_by_torchtitan
@@ -193,3 +194,17 @@ def test_gpt_oss_fused_experts_give_torchtitan_logits(tmp_path_factory, tmp_path
         logits = model.eval()(torch.tensor(TOKENS)).logits.float()
     titan = torch.load(root / "logits.pt", weights_only=True).float()
     assert (logits - titan).abs().max().item() < 0.02 * titan.abs().max().item()
+
+
+def test_gpt_oss_stacked_experts_are_written_an_expert_at_a_time(tmp_path_factory, tmp_path):
+    """torchtitan keeps gpt-oss's experts stacked [E, ...] as HF does: each is read and written an expert's slab at
+    a time, so no rank holds a whole stack; two merge ranks, several files, write what one process does."""
+    root = written_by_torchtitan(tmp_path_factory, "gpt_oss")
+    src = root / "checkpoint" / "step-1"
+    assert_stacks_written_by_expert(src, root / "hf")
+    for nproc in (1, 2):
+        run_merger("merge", "--local_dir", src, "--target_dir", tmp_path / f"x{nproc}", "--hf_model_config_path",
+                   root / "hf", "--max_shard_size", "100KB", nproc=nproc)
+    assert len(list((tmp_path / "x1").glob("*.safetensors"))) > 1
+    assert all(f.read_bytes() == (tmp_path / "x2" / f.name).read_bytes() for f in (tmp_path / "x1").iterdir()
+               if f.suffix == ".safetensors")

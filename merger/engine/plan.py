@@ -62,6 +62,11 @@ class Plan:
         return any(w is None for w in self.writers)
 
     @property
+    def in_parts(self) -> bool:
+        """Some output is written in parts (placed directly, or in slabs): the sink must take parts (put_part)."""
+        return self.direct or any(o.rows is not None for step in self.steps for o in step.outputs)
+
+    @property
     def total_bytes(self) -> int:
         return sum(e.end - e.begin for _, e in self.location.values())
 
@@ -93,15 +98,31 @@ def _layout_files(outputs: list[OutputSpec], max_shard_size: int) -> list[list[O
 
 
 def _check_steps(catalog: Catalog, steps: list[Step]) -> None:
-    seen: set[str] = set()
+    slabs: dict[str, list[OutputSpec]] = {}
     for step in steps:
         for name in step.inputs:
             if name not in catalog.tensors:
                 raise MergerError(f"plan needs source tensor {name}, which the checkpoint lacks, {catalog.root}")
         for spec in step.outputs:
-            if spec.name in seen:
-                raise MergerError(f"two source tensors map to output {spec.name}, {catalog.root}")
-            seen.add(spec.name)
+            slabs.setdefault(spec.name, []).append(spec)
+    for name, specs in slabs.items():
+        if len(specs) == 1 and specs[0].rows is None:
+            continue
+        whole = {dataclasses.replace(s, rows=None) for s in specs}
+        rows = sorted(s.rows for s in specs if s.rows is not None)
+        if len(rows) < len(specs) or len(whole) != 1:
+            raise MergerError(f"two source tensors map to output {name}, {catalog.root}")
+        if [lo for lo, _ in rows] != [0, *(hi for _, hi in rows[:-1])] or rows[-1][1] != specs[0].shape[0]:
+            raise MergerError(f"the slabs of output {name} (rows {rows}) do not tile its {specs[0].shape[0]} rows, "
+                              f"{catalog.root}")
+
+
+def _tensors(outputs: list[OutputSpec]) -> list[OutputSpec]:
+    """Each output tensor once, whole, where its first spec is: a tensor written in slabs is one entry."""
+    seen: dict[str, OutputSpec] = {}
+    for spec in outputs:
+        seen.setdefault(spec.name, dataclasses.replace(spec, rows=None))
+    return list(seen.values())
 
 
 # A run shorter than this costs more as its own write (a syscall each: about 2 us, so 1 KiB runs land at 0.5 GB/s)
@@ -133,6 +154,13 @@ class Runs:
                 for index in itertools.product(*map(range, self.outer)))
 
 
+def slab_runs(spec: OutputSpec) -> Runs:
+    """The one run of elements a slab of output `spec` (spec.rows) fills: its rows are consecutive in row-major
+    order."""
+    row = math.prod(spec.shape[1:])
+    return Runs(spec.rows[0] * row, (spec.rows[1] - spec.rows[0]) * row)
+
+
 def block_runs(shape: tuple[int, ...], piece: ShardPiece) -> Runs:
     """The runs of `piece` in a tensor of `shape`: the dims after the last one the piece cuts are whole, so each
     run spans them and the cut dim's part; the dims before it form the box of runs."""
@@ -153,7 +181,7 @@ def places_directly(catalog: Catalog, step: Step, pieces: tuple[ShardPiece, ...]
     run each; Megatron's row-parallel weights and DTensor Shard(1) blocks one run per row): the rank that reads a
     piece casts it and writes each run at its offset, and nothing crosses ranks. Pieces that do not cover the
     tensor exactly, or runs under MIN_RUN_BYTES, go the assembling way."""
-    if not step.is_cast or len(step.inputs) != 1 or len(step.outputs) != 1:
+    if not step.is_cast or len(step.inputs) != 1 or len(step.outputs) != 1 or step.outputs[0].rows is not None:
         return False
     tensor, spec = catalog.tensors[step.inputs[0]], step.outputs[0]
     if tensor.shape != spec.shape or sum(p.numel for p in pieces) != math.prod(spec.shape):
@@ -172,8 +200,9 @@ def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size:
     """`direct`: place pure casts directly (the sink writes parts of a tensor at their offsets, as the file
     writer does); False assembles every output whole at one rank. `tie`: the mapping's left-out lm_head."""
     _check_steps(catalog, steps)
-    steps = sorted(steps, key=lambda s: natural_key(s.outputs[0].name) if s.outputs else ())
-    outputs = [spec for step in steps for spec in step.outputs]
+    steps = sorted(steps, key=lambda s: (natural_key(s.outputs[0].name), s.outputs[0].rows or (0, 0))
+                   if s.outputs else ())
+    outputs = _tensors([spec for step in steps for spec in step.outputs])
 
     # no model file at all when every output goes to a side file (an adapter folder as the whole target)
     groups = [g for g in _layout_files([s for s in outputs if s.file is None], max_shard_size) if g]
@@ -224,7 +253,7 @@ def _input_arrays(catalog: Catalog, step: Step, owner: dict[str, int],
 def _rows_place_directly(catalog: Catalog, step: Step, sizes: np.ndarray) -> bool | None:
     """places_directly for pieces given as their sizes: None when that takes the pieces' runs (a piece that is not
     a block of whole rows), which the object path works out."""
-    if not step.is_cast or len(step.inputs) != 1 or len(step.outputs) != 1:
+    if not step.is_cast or len(step.inputs) != 1 or len(step.outputs) != 1 or step.outputs[0].rows is not None:
         return False
     tensor, spec = catalog.tensors[step.inputs[0]], step.outputs[0]
     if tensor.shape != spec.shape or int(sizes.prod(axis=1).sum()) != math.prod(spec.shape):

@@ -22,7 +22,7 @@ from ..mapping.steps import OutputSpec
 from ..sources.file_reads import CHUNK, Placed, SourceReads, pread_into, source_shrank
 from .dist import Group
 from .overflow import may_have_overflowed, overflow_message, overflowed
-from .plan import Batch, Plan, Runs, block_runs
+from .plan import Batch, Plan, Runs, block_runs, slab_runs
 from .progress import Progress
 from .routes import Route, Routes
 
@@ -114,12 +114,15 @@ def _run_step(plan: Plan, catalog: Catalog, si: int, pieces: list[tuple[Route, t
         raise MergerError(f"step for {step.outputs[0].name} produced {len(results)} tensors, "
                           f"planned {len(step.outputs)}")
     for spec, tensor in zip(step.outputs, results):
-        if tuple(tensor.shape) != spec.shape:
-            raise MergerError(f"output {spec.name} came out {tuple(tensor.shape)}, planned {spec.shape}")
+        if tuple(tensor.shape) != spec.written_shape:
+            raise MergerError(f"output {spec.name} came out {tuple(tensor.shape)}, planned {spec.written_shape}")
         out = tensor.to(spec.dtype)
         if overflowed(tensor, out):
             overflows.add(si)
-        sink.put(spec, out)
+        if spec.rows is None:
+            sink.put(spec, out)
+        else:  # a slab: its rows of the tensor, which other steps write the rest of
+            sink.put_part(spec, slab_runs(spec), out)
 
 
 _ALIGN = 64
@@ -243,8 +246,10 @@ def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int,
                     sink.put_part(spec, block_runs(spec.shape, route.piece), piece)
         else:
             continue
-        if observer and si not in elsewhere:
-            observer.step_written(si)  # every byte of the step's outputs was written here
+        if observer and si not in elsewhere and all(o.rows is None for o in plan.steps[si].outputs):
+            # every byte of the step's outputs was written here (a slab's tensor is known written, by whichever
+            # ranks wrote its other slabs, only at the sync point after its last batch)
+            observer.step_written(si)
 
 
 def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: Progress | None = None,
@@ -256,8 +261,8 @@ def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: P
     # full passes would otherwise walk them all again and again while the batches allocate. Unfrozen after, or
     # whatever was alive now (a caller's garbage cycles, triton's bindings: nanobind then reports them as leaked
     # at exit) could never be collected in a process that goes on.
-    if plan.direct and not isinstance(sink, PartSink):  # checked once, before any byte moves
-        raise TypeError(f"{type(sink).__name__} takes no parts (put_part), and the plan places steps directly")
+    if plan.in_parts and not isinstance(sink, PartSink):  # checked once, before any byte moves
+        raise TypeError(f"{type(sink).__name__} takes no parts (put_part), and the plan writes outputs in parts")
     gc.freeze()
     try:
         _stream_plan(plan, catalog, group, sink, progress, debug, reader, observer, allow_overflow)

@@ -75,8 +75,10 @@ class Fp8Output:
         return spec.file is None and spec.name in self.quantized and len(spec.shape) >= 2
 
     def written_as(self, spec: OutputSpec) -> tuple[OutputSpec, ...]:
+        # a slab of stacked experts [k, rows, cols] (spec.rows: only experts are written in slabs, and blocks lie in
+        # the last two dims) has the same experts' slab of the scales
         return (dataclasses.replace(spec, dtype=FP8),
-                OutputSpec(spec.name + SCALE_SUFFIX, scale_shape(spec.shape, self.block), SCALE_DTYPE))
+                OutputSpec(spec.name + SCALE_SUFFIX, scale_shape(spec.shape, self.block), SCALE_DTYPE, rows=spec.rows))
 
     def quantize(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return list(quantize(self.block, self.ue8m0, tensor))

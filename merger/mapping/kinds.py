@@ -31,6 +31,9 @@ class Kind:
     # in the row's target); the plan is one expert's.
     per_expert: bool = False
     cat_dim: int | None = None  # a join: the dim its parts are concatenated along
+    # An [E, ...] stack of experts, transformed alike expert by expert into the [E, ...] stack HF keeps on disk
+    # (gpt-oss): a stored stack of this kind (torchtitan's) is read and written an expert at a time (stacked_steps).
+    expertwise: bool = False
 
 
 def head_counts(config: dict) -> tuple[int, int, int]:
@@ -131,13 +134,13 @@ register(
     Kind("rotary_q", 1, partial(_rotary, False)),  # torchtitan Llama's wq, permuted by query head
     Kind("rotary_kv", 1, partial(_rotary, True)),  # its wk, permuted by key-value head
     Kind("experts", 1, _one_expert, per_expert=True),
-    # a stacked expert tensor transformers also keeps stacked on disk (gpt-oss), written whole with its last two
-    # dims swapped, gate and up still interleaved as both interleave them
-    Kind("experts_fused", 1, _swapped),
+    # a stacked expert tensor transformers also keeps stacked on disk (gpt-oss), written with its last two dims
+    # swapped (an expert's slab at a time), gate and up still interleaved as both interleave them
+    Kind("experts_fused", 1, _swapped, expertwise=True),
     # Megatron's experts' fc1 stacked (a `stacked` row), cat(gate, up) per expert, as gpt-oss's gate_up_proj_bias
     # (gate and up interleaved) and its gate_up_proj (interleaved, then [E, in, out] as experts_fused writes it)
-    Kind("gate_up_interleaved", 1, partial(_interleaved, False)),
-    Kind("experts_gate_up_interleaved", 1, partial(_interleaved, True)),
+    Kind("gate_up_interleaved", 1, partial(_interleaved, False), expertwise=True),
+    Kind("experts_gate_up_interleaved", 1, partial(_interleaved, True), expertwise=True),
     Kind("skip", 0, None),  # no HF equivalent: left out, for the reason its row gives
     # torchtitan's Qwen3.5 Gated DeltaNet keeps q, k and v apart (projections, conv channels) where HF fuses them
     # (in_proj_qkv, conv1d): rows [q; k; v]
@@ -171,3 +174,14 @@ def step(name: str, shape: tuple[int, ...], dtype: torch.dtype, kind: str, targe
     if fn is None:
         return cast(name, targets[0], shape, dtype)
     return Step((name,), tuple(OutputSpec(t, s, dtype) for t, s in zip(targets, shapes)), fn)
+
+
+def stacked_steps(experts: list[str], stack: tuple[int, ...], dtype: torch.dtype, kind: str, target: str,
+                  config: dict) -> list[Step]:
+    """The steps writing the source tensors `experts` (one expert's each, in expert order) as HF's stack `target`
+    [E, ...] under `kind`, applied to the `stack` they form: one step per expert, writing that expert's slab (its
+    row of the stack, OutputSpec.rows), so no rank holds the whole stack."""
+    shapes, fn = KINDS[kind].plan(experts[0], stack, config)
+    each = partial(tf.stack_slab, each=fn)
+    return [Step((name,), (OutputSpec(target, shapes[0], dtype, rows=(e, e + 1)),), each)
+            for e, name in enumerate(experts)]

@@ -5,7 +5,6 @@ layers, or left out with --drop-mtp)."""
 from __future__ import annotations
 
 import re
-from functools import partial
 
 import torch
 
@@ -13,7 +12,6 @@ from ..catalog import Catalog
 from ..errors import MergerError
 from ..options import MergeOptions
 from . import kinds, mtp
-from . import transforms as tf
 from .families import MEGATRON_FAMILIES as FAMILIES
 from .families import megatron_family
 from .family import Family, Row
@@ -139,8 +137,9 @@ def hf_names(table: list[Entry], name: str, first_mtp: int, family: Family, cata
     return row.kind, targets
 
 
-def _stacked_step(target: str, experts: dict[int, str], row: Row, catalog: Catalog, config: dict) -> Step:
-    """One HF tensor from every expert's `row` tensor, stacked [E, ...] in expert order, then the row's kind."""
+def _stacked_steps(target: str, experts: dict[int, str], row: Row, catalog: Catalog, config: dict) -> list[Step]:
+    """One HF tensor [E, ...] from every expert's `row` tensor in expert order, under the row's kind, a step per
+    expert (kinds.stacked_steps)."""
     names = [experts[e] for e in sorted(experts)]
     count = config.get("num_local_experts", len(experts))
     if sorted(experts) != list(range(count)):
@@ -149,10 +148,8 @@ def _stacked_step(target: str, experts: dict[int, str], row: Row, catalog: Catal
     shapes = {catalog.tensors[n].shape for n in names}
     if len(shapes) != 1:
         raise MergerError(f"the experts written as {target} differ in shape ({sorted(shapes)}), {catalog.root}")
-    shape, dtype = (len(names), *shapes.pop()), catalog.tensors[names[0]].dtype
-    out_shapes, fn = kinds.KINDS[row.kind].plan(names[0], shape, config)
-    return Step(tuple(names), (OutputSpec(target, out_shapes[0], dtype),),
-                partial(tf.stack_experts, each=fn, shape=out_shapes[0]))
+    stack = (len(names), *shapes.pop())
+    return kinds.stacked_steps(names, stack, catalog.tensors[names[0]].dtype, row.kind, target, config)
 
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
@@ -174,8 +171,8 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
             stacks.setdefault(names[0], (row, {}))[1][int(EXPERT.search(name).group(1))] = name
             continue
         steps.append(_step(name, tensor.shape, row.kind, names, config, tensor.dtype, family))
-    steps += [_stacked_step(target, experts, row, catalog, config)
-              for target, (row, experts) in stacks.items()]
+    steps += [step for target, (row, experts) in stacks.items()
+              for step in _stacked_steps(target, experts, row, catalog, config)]
     steps += mtp.shared_steps(catalog, MEGATRON, family, config, layers)
     # Tied: HF re-creates lm_head from the embedding, and the policy drops PP's last-stage copy.
     if not ties(config, options) and not options.is_value_model and "output_layer.weight" not in catalog.tensors:

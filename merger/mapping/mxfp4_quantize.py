@@ -95,8 +95,9 @@ class Mxfp4Output:
 
     def written_as(self, spec: OutputSpec) -> tuple[OutputSpec, ...]:
         blocks, scales = packed_shapes(spec.shape)
-        return OutputSpec(spec.name + BLOCKS_SUFFIX, blocks, PACKED), OutputSpec(spec.name + SCALES_SUFFIX, scales,
-                                                                                  PACKED)
+        # an expert's slab of the weight (spec.rows) is the same experts' slab of its blocks and scales
+        return (OutputSpec(spec.name + BLOCKS_SUFFIX, blocks, PACKED, rows=spec.rows),
+                OutputSpec(spec.name + SCALES_SUFFIX, scales, PACKED, rows=spec.rows))
 
     def quantize(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return quantize(tensor)

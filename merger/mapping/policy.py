@@ -111,8 +111,8 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
         options = dataclasses.replace(options, quantize_like=options.quantize_like or mapping.quantize_like)
     if mapping.hf_dir is not None and (options.quantize_like is not None or options.quantize is not None):
         mapping = _quantized(mapping, options)
-    kept = sorted(o.name for s in mapping.steps for o in s.outputs
-                  if _keeps_fp32(o, fp32) and o.dtype == torch.float32)  # a release may store them otherwise
+    kept = sorted({o.name for s in mapping.steps for o in s.outputs  # a tensor written in slabs, once
+                   if _keeps_fp32(o, fp32) and o.dtype == torch.float32})  # a release may store them otherwise
     if kept:
         note = (f"merger: {len(kept)} tensors written in float32, as transformers keeps "
                 f"{fp32.pattern.replace('|', ', ')} in float32 at {str(wanted).removeprefix('torch.')} "

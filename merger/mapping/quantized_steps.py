@@ -63,4 +63,4 @@ def quantize_steps(steps: list[Step], layout: QuantizedLayout) -> list[Step]:
 
 
 def quantized_count(steps: list[Step], layout: QuantizedLayout) -> int:
-    return sum(layout.quantizes(spec) for step in steps for spec in step.outputs)
+    return len({spec.name for step in steps for spec in step.outputs if layout.quantizes(spec)})  # slabs once

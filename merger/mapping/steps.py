@@ -2,9 +2,11 @@
 
 A `Step` is either a cast (one source tensor written under a name, in the output dtype: the planner may place
 its pieces straight from the reading rank into the file) or a transform (a pure function of whole source
-tensors, run where the step is written). Mappers declare each output in its natural dtype, the dtype of the
-source it comes from; the tie and dtype policy (policy.py) then decides once what is written and in which
-dtype.
+tensors, run where the step is written). A step may write a slab of an output, rows [lo, hi) of its first dim
+(`OutputSpec.rows`), which other steps write the rest of: HF's experts stacked [E, ...] in one tensor (gpt-oss)
+are written an expert a step, so no rank ever holds the whole stack. Mappers declare each output in its natural
+dtype, the dtype of the source it comes from; the tie and dtype policy (policy.py) then decides once what is
+written and in which dtype.
 """
 from __future__ import annotations
 
@@ -29,16 +31,26 @@ class OutputSpec:
     # A file of its own beside the model's weights (e.g. `lora_adapter/adapter_model.safetensors`), left out of
     # the model's index, whose tensors keep the dtype they are declared in; None: one of the model's files.
     file: str | None = None
+    # The rows [lo, hi) of `shape`'s first dim that this spec's step writes; the steps writing one output's slabs
+    # tile its rows, each with the same name, shape (the whole tensor's), dtype and file. None: the whole tensor.
+    rows: tuple[int, int] | None = None
+
+    @property
+    def written_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor the step produces for this spec: the whole output's, or its slab's."""
+        return self.shape if self.rows is None else (self.rows[1] - self.rows[0], *self.shape[1:])
 
     @property
     def nbytes(self) -> int:
-        return nbytes_of(self.shape, self.dtype)
+        """The bytes the step writes for this spec (a slab's, for a slab)."""
+        return nbytes_of(self.written_shape, self.dtype)
 
 
 @dataclass(frozen=True)
 class Step:
-    """Whole source tensors in, output tensors out. `transform` is pure; None makes the step a cast of its one
-    input. The writer casts every result to its spec's dtype."""
+    """Whole source tensors in, output tensors out (each of its spec's written_shape: a slab's, for a slab).
+    `transform` is pure; None makes the step a cast of its one input. The writer casts every result to its spec's
+    dtype."""
 
     inputs: tuple[str, ...]
     outputs: tuple[OutputSpec, ...]

@@ -100,6 +100,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
                                  vision.rows) if vision else None
     layers = mtp.mtp_layers(catalog, TORCHTITAN, family, config, options)
     steps, stacks, skipped, left_out = [], {}, [], Counter()
+    kept_stacked = 0  # of the stacks, those HF keeps stacked too
     for name, t in catalog.tensors.items():
         if any(name == b or name.endswith("." + b) for b in DROPPED_BUFFERS):
             continue  # recomputed by HF, never a weight
@@ -128,14 +129,21 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
             stacks[name] = partial("{}.{}".format, name)
             (shape,), _ = kinds.KINDS[row.kind].plan(name, t.shape, config)
             steps += [cast(stacks[name](e), targets[0].format(e=e), shape, t.dtype) for e in range(t.shape[0])]
+        elif kinds.KINDS[row.kind].expertwise:  # kept stacked (gpt-oss), written an expert's slab at a time
+            stacks[name] = partial("{}.{}".format, name)
+            steps += kinds.stacked_steps([stacks[name](e) for e in range(t.shape[0])], t.shape, t.dtype, row.kind,
+                                         targets[0], config)
+            kept_stacked += 1
         else:
             steps.append(kinds.step(name, t.shape, t.dtype, row.kind, targets, config))
     steps += mtp.shared_steps(catalog, TORCHTITAN, family, config, layers)
     note = f"merger: torchtitan {family.name} names, written as HF {config.get('model_type')}"
     if vision:
         note += " with its vision tower"
-    if stacks:
-        note += f"; {len(stacks)} stacked expert tensors split per expert"
+    if len(stacks) > kept_stacked:
+        note += f"; {len(stacks) - kept_stacked} stacked expert tensors split per expert"
+    if kept_stacked:
+        note += f"; {kept_stacked} stacked expert tensors written stacked, an expert at a time"
     if layers:
         note += f"; {len(layers)} MTP layers written as {mtp.where(family, layers, config.get('num_hidden_layers', 0))}"
     elif options.drop_mtp and any(n.startswith(TORCHTITAN.mtp.prefix) for n in catalog.tensors):

@@ -97,14 +97,12 @@ def interleave_gate_up(tensors: list[torch.Tensor], swap: bool) -> list[torch.Te
     return swap_last_dims([out]) if swap else [out]
 
 
-def stack_experts(tensors: list[torch.Tensor], each: Callable | None, shape: tuple[int, ...]) -> list[torch.Tensor]:
-    """Every expert's tensor, in expert order, as one [E, ...] tensor of `shape`, with `each` (a kind's transform of
-    an [E, ...] stack, expert by expert alike) applied one expert at a time: beside the experts and the output, one
-    expert's intermediates, never a second whole stack."""
-    out = torch.empty(shape, dtype=tensors[0].dtype)
-    for e, t in enumerate(tensors):
-        out[e] = t if each is None else each([t.unsqueeze(0)])[0][0]
-    return [out]
+def stack_slab(tensors: list[torch.Tensor], each: Callable | None) -> list[torch.Tensor]:
+    """Consecutive experts' tensors, in expert order, as their slab [k, ...] of a stacked [E, ...] output, with
+    `each` (a kind's transform of an [E, ...] stack, expert by expert alike) applied to the slab: the whole stack
+    is never held, its slabs are written at their rows by their own steps."""
+    slab = torch.stack(tensors)
+    return [slab] if each is None else each([slab])
 
 
 def cat_shape(shapes: list[tuple[int, ...]], dim: int, names: tuple[str, ...]) -> tuple[int, ...]:
