@@ -21,15 +21,18 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers.expert_slabs import assert_stacks_written_by_expert
-from tests.helpers.in_process import merge_here
+from tests.helpers.files import assert_same_files, block_sha256
+from tests.helpers.in_process import merge_here, merge_in_process
 from tests.helpers.megatron_mtp_models import assert_megatron_logits, load, logits_of, merged_once, oracle, write_cases
-from tests.helpers.processes import run_merger
+from tests.helpers.processes import run_merger, start_merger
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
 CASES = {
@@ -125,8 +128,6 @@ def test_gpt_oss_experts_quantize_to_mxfp4_as_the_release_stores_them(frontier_r
     one block scale 2^(scale - 127) off); every other tensor is the float merge's."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from tests.helpers.in_process import merge_in_process
-
     case = "gpt_oss_tp2_ep2"
     out = merge_in_process(frontier_root / case / "dist", tmp_path / "mx", "--hf_model_config_path",
                            frontier_root / case / "hf", "--dtype", "float32", "--quantize", "mxfp4")
@@ -139,3 +140,46 @@ def test_gpt_oss_experts_quantize_to_mxfp4_as_the_release_stores_them(frontier_r
         scale = (2.0 ** (got[name + "_scales"].double() - 127)).float().repeat_interleave(32, -1).transpose(1, 2)
         assert back.shape == floats[name].shape and ((back - floats[name]).abs() <= scale).all(), name
     assert all(torch.equal(got[n], floats[n]) for n in set(floats) - set(quantized))
+
+
+def test_an_interrupted_merge_of_stacked_experts_resumes_to_the_same_bytes(frontier_root, tmp_path):
+    """gpt-oss's stacks are written by several steps (an expert's slab each), so a stack is finished only with its
+    last slab: Ctrl-C part way, then --resume, writes the files of one uninterrupted merge, byte for byte, and the
+    manifest's block checksums are those of the bytes on disk."""
+    case = "gpt_oss_tp2_ep2"
+    flags = ("--hf_model_config_path", frontier_root / case / "hf", "--dtype", "float32",
+             "--max_shard_size", "60KB", "--max_inflight", "1")
+    src, out, stage, pause = frontier_root / case / "legacy", tmp_path / "out", tmp_path / ".out.merger-partial", \
+        tmp_path / "paused"
+    proc = start_merger("merge", "--local_dir", src, "--target_dir", out, *flags,
+                        env={"MERGER_TEST_PAUSE_AFTER_BATCH": "3", "MERGER_TEST_PAUSE_FILE": str(pause)})
+    deadline = time.monotonic() + 120
+    while not (Path(f"{pause}.0").exists() and Path(f"{pause}.0").read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and stage.is_dir() and not out.exists(), err
+    kept = json.loads((stage / "merge_manifest.json").read_text())["output_files"]
+    assert 0 < sum(all(f["sha256_blocks"]) for f in kept.values()) < len(kept)  # some files finished, not all
+
+    resumed = run_merger("merge", "--local_dir", src, "--target_dir", out, *flags, "--resume")
+    assert "reusing" in resumed.stderr
+    assert_same_files(out, merge_in_process(src, tmp_path / "whole", *flags))
+    final = json.loads((out / "merge_manifest.json").read_text())
+    for name, info in final["output_files"].items():
+        assert info["sha256_blocks"] == block_sha256(out / name, final["checksum_block_bytes"]), name
+
+
+def test_fp8_for_experts_with_biases_is_one_error_line(frontier_root, tmp_path):
+    """transformers' FP8 experts take no biases, and gpt-oss's have them: `--quantize fp8-block` stops with one line
+    saying so (transformers could not load such an output), not an internal error, and writes nothing."""
+    case = "gpt_oss_tp2_ep2"
+    proc = run_merger("merge", "--local_dir", frontier_root / case / "legacy", "--target_dir", tmp_path / "out",
+                      "--hf_model_config_path", frontier_root / case / "hf", "--quantize", "fp8-block", check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert re.fullmatch(r"merger: error: --quantize fp8-block: transformers [\d.]+\S* cannot make this model FP8 "
+                        r"\(model_type 'gpt_oss': .*bias.*\), so it could not load the output either; merge without "
+                        r"--quantize, " + re.escape(str(frontier_root / case / "hf" / "config.json")), errors[0])
+    assert not (tmp_path / "out").exists()

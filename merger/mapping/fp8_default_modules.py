@@ -38,7 +38,13 @@ def _transformers_choice(hf_dir: Path, config: dict, trust_remote_code: bool) ->
     qc = transformers.FineGrainedFP8Config(weight_block_size=BLOCK)
     skip = FineGrainedFP8HfQuantizer.get_modules_to_not_convert(model, qc.modules_to_not_convert,
                                                                model._keep_in_fp32_modules)
-    replace_with_fp8_linear(model, modules_to_not_convert=skip, quantization_config=qc, pre_quantized=False)
+    try:
+        replace_with_fp8_linear(model, modules_to_not_convert=skip, quantization_config=qc, pre_quantized=False)
+    except (AssertionError, NotImplementedError, ValueError) as e:  # a module its FP8 classes do not take
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise MergerError(f"--quantize {SCHEME}: transformers {transformers.__version__} cannot make this model FP8 "
+                          f"(model_type {config.get('model_type')!r}: {why}), so it could not load the output either; "
+                          f"merge without --quantize, {hf_dir / 'config.json'}") from e
     return [name for name, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Experts))], sorted(skip)
 
 
