@@ -59,4 +59,4 @@ bench-scale: setup
 	$(PY) benchmarks/scale.py --fractions $(FRACTIONS)
 
 clean:
-	rm -rf .venv .venv-* $(VENV) $(DEMO) bench_out
+	rm -rf .venv .venv-* $(VENV) $(DEMO) bench_out .test-cache

@@ -44,7 +44,9 @@ def dcp_root(tmp_path_factory) -> Path:
     """plain/ (FSDP2 over 4 ranks, vocab 101), checkpoint-1/pytorch_model_fsdp_0 (HSDP 2x2, nested, with
     optimizer), hf/, reference/."""
     root = tmp_path_factory.mktemp("dcp")
-    run_writer("dcp_checkpoint.py", "--out", root, "--hsdp", "2,2", nproc=4)
+    # Per interpreter: under Python 3.11.0-3.11.4 (Debian's 3.11.2) torch's own .metadata holds enums by name, and
+    # test_dcp.py and test_megatron.py then merge that real form, not only a rewrite of the other interpreter's.
+    run_writer("dcp_checkpoint.py", "--out", root, "--hsdp", "2,2", nproc=4, per_interpreter=True)
     return root
 
 
@@ -53,7 +55,8 @@ def megatron_root(tmp_path_factory) -> Path:
     """ROOT/<case>/{legacy,torch_dist,hf} for every case of tests/helpers/megatron_cases.py, by megatron-core."""
     root = tmp_path_factory.mktemp("megatron")
     run_writer("megatron_checkpoint.py", "--out", root,
-               *[arg for name, spec in CASES.items() for arg in ("--case", f"{name}:{spec}")], nproc=4)
+               *[arg for name, spec in CASES.items() for arg in ("--case", f"{name}:{spec}")], nproc=4,
+               per_interpreter=True)  # as dcp_root: legacy rank files and .metadata hold the interpreter's enums
     return root
 
 

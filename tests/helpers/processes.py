@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from tests.helpers.paths import HELPERS, ROOT
+from tests.helpers.written_cache import write_through_cache
 
 PAUSED_MERGER = HELPERS / "paused_merger.py"
 THREADS_AFTER_MERGE = HELPERS / "threads_after_merge.py"
@@ -103,9 +104,12 @@ def writer_module(script: str) -> list[str]:
     return ["-m", f"tests.writers.{Path(script).stem}"]
 
 
-def run_writer(script: str, *args, nproc: int = 1, env: dict | None = None,
-               python: str = sys.executable) -> subprocess.CompletedProcess:
+def run_writer(script: str, *args, nproc: int = 1, env: dict | None = None, python: str = sys.executable,
+               per_interpreter: bool = False) -> None:
     """The test writer tests/writers/SCRIPT as one process, or under torchrun with `nproc` gloo ranks, run by
-    `python` (another venv's, for the writers tests/helpers/writers312.py runs)."""
+    `python` (another venv's, for the writers tests/helpers/writers312.py runs); its output copied from the clone's
+    cache of written checkpoints when that has it (tests/helpers/written_cache.py, which says what
+    `per_interpreter` is for)."""
     prefix = [python] if nproc == 1 else torchrun_cmd(nproc, python)
-    return run(prefix + [*writer_module(script), *map(str, args)], env=env)
+    write_through_cache(script, args, nproc, env, python, per_interpreter,
+                        lambda: run(prefix + [*writer_module(script), *map(str, args)], env=env))
