@@ -1,15 +1,19 @@
 """How planning scales with a checkpoint's size, from metadata alone: no data is written or read.
 
     python benchmarks/scale.py [--fractions 1/8,1/4] [--ranks 64] [--experts 256] [--merge_ranks 8,32,64] [--tmp /tmp]
-                               [--keep]
+                               [--keep] [--format dcp|torch_dist] [--parallel TP,ETP,EP,PP]
 
 For each fraction of a DeepSeek-V3-shaped model (671B parameters, bf16, 45k tensors at 1x) saved by FSDP2 on
 `--ranks` ranks (every tensor cut into one Shard(0) chunk per rank: 2.9 M chunks at 1x, 64 ranks), it writes
 a DCP folder whose `.metadata` is pickled from torch's own classes (torch.distributed.checkpoint.metadata,
 as FileSystemWriter does) and whose `__r_0.distcp` files are sparse (truncated to their size, nothing on
 disk). The fraction scales the MoE layers; 1/8 is a quick run. `--experts 384` gives the 1T shape of Kimi-K2
-(the same layers with its 384 experts: 998B parameters, 67,667 tensors, 4.3 M chunks at 1x). The folder is
-synthesized in a child process, so that no measured process inherits its peak RSS. It then times, each in a fresh process:
+(the same layers with its 384 experts: 998B parameters, 67,667 tensors, 4.3 M chunks at 1x). `--format torch_dist`
+writes the same model as Megatron-LM saves it instead (megatron-core's torch_dist: a save dir with
+`iter_0000001/`, its `.metadata` also pickled from torch's classes, with megatron-core's names, chunks per
+TP/expert-TP/EP/PP shard and its `all_local_plans`; scale_torch_dist.py) at `--parallel` (default 2,1,64,8: TP2,
+expert TP1, EP64, PP8 on 512 ranks, as Megatron-LM's DeepSeek-V3 example trains it; 46 k chunks at 1x). The folder is synthesized in a child process, so that no
+measured process inherits its peak RSS. It then times, each in a fresh process:
 - torch: the `.metadata` loaded as torch's FileSystemReader loads it (a plain pickle.load with torch's
   classes): the baseline, what any DCP reader pays;
 - merger, phase by phase in one process: load_compact (`.metadata` read as open_catalog reads it: the runs of
@@ -215,9 +219,9 @@ def main() -> None:
                    help="routed experts per MoE layer: 256 is DeepSeek-V3 (671B); 384 is Kimi-K2's count (998B at 1x)")
     p.add_argument("--format", choices=("dcp", "torch_dist"), default="dcp",
                    help="dcp: FSDP2's DCP save; torch_dist: Megatron-LM's (megatron-core's torch_dist, TP/ETP/EP/PP)")
-    p.add_argument("--parallel", default="2,1,64,16",
-                   help="torch_dist: TP,ETP,EP,PP of the run that saved it (default DeepSeek-V3's Megatron-Bridge "
-                        "recipe: TP2, expert TP1, EP64, PP16)")
+    p.add_argument("--parallel", default="2,1,64,8",
+                   help="torch_dist: TP,ETP,EP,PP of the run that saved it (default: Megatron-LM's DeepSeek-V3 "
+                        "example, TP2 EP64 PP8, experts without TP)")
     p.add_argument("--merge_ranks", default="8,32,64", help="comma-separated merge worlds to plan for")
     p.add_argument("--tmp", type=Path, default=Path("/tmp"), help="where the sparse checkpoints go")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints (reused by the next run)")
