@@ -53,6 +53,7 @@ class _Layout:
         return [t_ + self.tp * (d + self.dp * stage) for d in range(self.dp) for t_ in ts]
 
     def expert_ranks(self, et: int | None, e_rank: int, stage: int) -> list[int]:
+        """The ranks holding expert-TP shard et (None: every one) of EP rank e_rank's experts, first replica first."""
         ets = range(self.etp) if et is None else [et]
         return [x + self.etp * (e_rank + self.ep * (d + self.edp * stage)) for d in range(self.edp) for x in ets]
 
