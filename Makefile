@@ -1,7 +1,8 @@
 # make demo: set up, write a small real FSDP2 checkpoint, merge it with torchrun, load it and generate.
 # make test: set up and run the test suite. Both install everything they need into .venv (VENV).
 # make unit: only the unit tests (marked `unit`, in tests/unit): the engine on synthetic checkpoints, in seconds.
-# make bench-scale: plan (inspect) a synthesized 671B-shaped DCP checkpoint at FRACTIONS of its size, metadata only.
+# make bench-scale: plan (inspect) a synthesized 671B-shaped DCP checkpoint at FRACTIONS of its size, metadata only
+#   (SCALE_FLAGS="--format torch_dist": the same model as Megatron-LM's torch_dist save).
 # Another interpreter gets its own venv: make test PYTHON=/usr/bin/python3 VENV=.venv-debian
 # make writers312: the venv of the test writers that need Python >= 3.12 (megatron-core 0.19), shared by every VENV.
 PYTHON ?= python3
@@ -55,8 +56,9 @@ bench: setup
 
 # Planning from metadata alone at fractions of a 671B DCP checkpoint (sparse files under /tmp): FRACTIONS=1/8,1/4,1/2,1
 FRACTIONS ?= 1/8
+SCALE_FLAGS ?=
 bench-scale: setup
-	$(PY) benchmarks/scale.py --fractions $(FRACTIONS)
+	$(PY) benchmarks/scale.py --fractions $(FRACTIONS) $(SCALE_FLAGS)
 
 clean:
 	rm -rf .venv .venv-* $(VENV) $(DEMO) bench_out .test-cache

@@ -1,15 +1,19 @@
 """How planning scales with a checkpoint's size, from metadata alone: no data is written or read.
 
     python benchmarks/scale.py [--fractions 1/8,1/4] [--ranks 64] [--experts 256] [--merge_ranks 8,32,64] [--tmp /tmp]
-                               [--keep]
+                               [--keep] [--format dcp|torch_dist] [--parallel TP,ETP,EP,PP]
 
 For each fraction of a DeepSeek-V3-shaped model (671B parameters, bf16, 45k tensors at 1x) saved by FSDP2 on
 `--ranks` ranks (every tensor cut into one Shard(0) chunk per rank: 2.9 M chunks at 1x, 64 ranks), it writes
 a DCP folder whose `.metadata` is pickled from torch's own classes (torch.distributed.checkpoint.metadata,
 as FileSystemWriter does) and whose `__r_0.distcp` files are sparse (truncated to their size, nothing on
 disk). The fraction scales the MoE layers; 1/8 is a quick run. `--experts 384` gives the 1T shape of Kimi-K2
-(the same layers with its 384 experts: 998B parameters, 67,667 tensors, 4.3 M chunks at 1x). The folder is
-synthesized in a child process, so that no measured process inherits its peak RSS. It then times, each in a fresh process:
+(the same layers with its 384 experts: 998B parameters, 67,667 tensors, 4.3 M chunks at 1x). `--format torch_dist`
+writes the same model as Megatron-LM saves it instead (megatron-core's torch_dist: a save dir with
+`iter_0000001/`, its `.metadata` also pickled from torch's classes, with megatron-core's names, chunks per
+TP/expert-TP/EP/PP shard and its `all_local_plans`; scale_torch_dist.py) at `--parallel` (default 2,1,64,8: TP2,
+expert TP1, EP64, PP8 on 512 ranks, as Megatron-LM's DeepSeek-V3 example trains it; 46 k chunks at 1x). The folder is synthesized in a child process, so that no
+measured process inherits its peak RSS. It then times, each in a fresh process:
 - torch: the `.metadata` loaded as torch's FileSystemReader loads it (a plain pickle.load with torch's
   classes): the baseline, what any DCP reader pays;
 - merger, phase by phase in one process: load_compact (`.metadata` read as open_catalog reads it: the runs of
@@ -37,6 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
+ITERATION = "iter_0000001"  # where scale_torch_dist.py puts a Megatron-LM save dir's checkpoint
 
 # DeepSeek-V3 (HF config of deepseek-ai/DeepSeek-V3, MTP layer left out): 3 dense layers, then MoE layers.
 V3 = dict(hidden=7168, vocab=129280, dense_layers=3, moe_layers=58, experts=256, moe_inter=2048, inter=18432,
@@ -132,11 +137,17 @@ def _timed(rows: list, name: str, fn):
     return value
 
 
+def _metadata_dir(folder: str) -> Path:
+    """Where `.metadata` is: the DCP folder, or a Megatron-LM save dir's iteration."""
+    return Path(folder) / ITERATION if (Path(folder) / ITERATION).is_dir() else Path(folder)
+
+
 def torch_phases(folder: str) -> list:
     """What torch's FileSystemReader.read_metadata does: pickle.load with torch's own classes importable."""
     import torch.distributed.checkpoint.metadata  # noqa: F401 - the classes the pickle names
+    import torch.distributed.checkpoint.planner  # noqa: F401 - megatron-core's all_local_plans
     rows: list = []
-    with open(Path(folder) / ".metadata", "rb") as f:
+    with open(_metadata_dir(folder) / ".metadata", "rb") as f:
         _timed(rows, "torch: pickle.load(.metadata)", lambda: pickle.load(f))
     return rows
 
@@ -146,12 +157,13 @@ def merger_phases(folder: str, merge_ranks: list[int]) -> list:
     from merger.engine.plan import plan_layout, rerouted
     from merger.mapping.registry import build_mapping
     from merger.options import MergeOptions
-    from merger.sources.dcp import open_catalog
+    from merger.sources import dcp, megatron_dist
     from merger.sources.dcp_metadata import load_compact
 
     rows: list = []
-    _timed(rows, "merger: load_compact (.metadata)", lambda: load_compact(Path(folder)))
-    catalog = _timed(rows, "merger: open_catalog (unpickle included)", lambda: open_catalog(Path(folder)))
+    source = megatron_dist if megatron_dist.detect(Path(folder)) else dcp
+    _timed(rows, "merger: load_compact (.metadata)", lambda: load_compact(_metadata_dir(folder)))
+    catalog = _timed(rows, "merger: open_catalog (unpickle included)", lambda: source.open_catalog(Path(folder)))
     options = MergeOptions(local_dir=Path(folder), target_dir=None)
     mapping = _timed(rows, "merger: build_mapping", lambda: build_mapping(catalog, options))
     plan = _timed(rows, "merger: plan_layout (1 rank)", lambda: plan_layout(
@@ -205,15 +217,29 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=64, help="FSDP2 ranks that saved the checkpoint")
     p.add_argument("--experts", type=int, default=V3["experts"],
                    help="routed experts per MoE layer: 256 is DeepSeek-V3 (671B); 384 is Kimi-K2's count (998B at 1x)")
+    p.add_argument("--format", choices=("dcp", "torch_dist"), default="dcp",
+                   help="dcp: FSDP2's DCP save; torch_dist: Megatron-LM's (megatron-core's torch_dist, TP/ETP/EP/PP)")
+    p.add_argument("--parallel", default="2,1,64,8",
+                   help="torch_dist: TP,ETP,EP,PP of the run that saved it (default: Megatron-LM's DeepSeek-V3 "
+                        "example, TP2 EP64 PP8, experts without TP)")
     p.add_argument("--merge_ranks", default="8,32,64", help="comma-separated merge worlds to plan for")
     p.add_argument("--tmp", type=Path, default=Path("/tmp"), help="where the sparse checkpoints go")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints (reused by the next run)")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     a = p.parse_args()
+    tp, etp, ep, pp = (int(n) for n in a.parallel.split(","))
     if a.phase == "synthesize":  # a child, so that no measured process inherits its peak RSS through fork
         folder, fraction = Path(a.args[0]), Fraction(a.args[1])
-        print(json.dumps(synthesize(folder, fraction, a.ranks, a.experts)))
+        if a.format == "dcp":
+            print(json.dumps(synthesize(folder, fraction, a.ranks, a.experts)))
+            return
+        import torch
+        from scale_torch_dist import synthesize_torch_dist
+        moe_layers = max(1, round(V3["moe_layers"] * fraction))
+        print(json.dumps(synthesize_torch_dist(folder, V3 | {"experts": a.experts, "moe_layers": moe_layers},
+                                               _config(moe_layers, a.experts), tp=tp, etp=etp, ep=ep, pp=pp,
+                                               dtype=torch.bfloat16, fully_parallel=True)))
         return
     if a.phase:  # a child: one measured process
         rows = torch_phases(*a.args) if a.phase == "torch" else merger_phases(a.args[0], [int(n) for n in a.args[1:]])
@@ -222,14 +248,16 @@ def main() -> None:
     merge_ranks = [int(n) for n in a.merge_ranks.split(",")]
     for text in a.fractions.split(","):
         fraction = Fraction(text)
-        folder = a.tmp / f"merger_scale_{fraction.numerator}_{fraction.denominator}_{a.ranks}_{a.experts}"
+        saved_by = f"{a.ranks}" if a.format == "dcp" else f"tp{tp}_etp{etp}_ep{ep}_pp{pp}"
+        folder = a.tmp / f"merger_scale_{a.format}_{fraction.numerator}_{fraction.denominator}_{saved_by}_{a.experts}"
         try:
             counts_file = folder / "counts.json"
             if not counts_file.is_file():
                 shutil.rmtree(folder, ignore_errors=True)
                 t = time.perf_counter()
                 made = subprocess.run([PY, __file__, "--phase", "synthesize", "--ranks", str(a.ranks), "--experts",
-                                       str(a.experts), str(folder), text], check=True, capture_output=True, text=True)
+                                       str(a.experts), "--format", a.format, "--parallel", a.parallel, str(folder),
+                                       text], check=True, capture_output=True, text=True)
                 counts_file.write_text(made.stdout.splitlines()[-1])
                 print(f"(synthesized in {time.perf_counter() - t:.0f} s)", file=sys.stderr)
             counts = json.loads(counts_file.read_text())
@@ -239,8 +267,10 @@ def main() -> None:
             if not a.keep:
                 shutil.rmtree(folder, ignore_errors=True)
         shape = "DeepSeek-V3 671B" if a.experts == V3["experts"] else f"DeepSeek-V3 with {a.experts} experts"
+        saver = f"FSDP2, {a.ranks} ranks" if a.format == "dcp" else \
+            f"Megatron torch_dist, TP{tp} ETP{etp} EP{ep} PP{pp}: {counts['ranks']} ranks, {counts['files']} files"
         print(f"\n### {text} of {shape}: {counts['params'] / 1e9:.0f}B params, {counts['tensors']} tensors, "
-              f"{counts['chunks']} chunks ({a.ranks} ranks), .metadata {counts['metadata_bytes'] / 2**20:.0f} MiB\n")
+              f"{counts['chunks']} chunks ({saver}), .metadata {counts['metadata_bytes'] / 2**20:.0f} MiB\n")
         print("| phase | wall s | CPU s | peak RSS (GiB) |\n|---|---|---|---|")
         for r in rows:
             print(f"| {r['phase']} | {r['seconds']} | {r['cpu_seconds']} | {r['peak_rss_gib']} |")
