@@ -22,7 +22,6 @@ import json
 import re
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,7 @@ from tests.helpers.files import assert_same_files, block_sha256
 from tests.helpers.in_process import merge_here, merge_in_process
 from tests.helpers.megatron_mtp_models import assert_megatron_logits, load, logits_of, merged_once, oracle, write_cases
 from tests.helpers.processes import run_merger, start_merger
+from tests.helpers.reliability import wait_paused
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
 CASES = {
@@ -153,10 +153,7 @@ def test_an_interrupted_merge_of_stacked_experts_resumes_to_the_same_bytes(front
         tmp_path / "paused"
     proc = start_merger("merge", "--local_dir", src, "--target_dir", out, *flags,
                         env={"MERGER_TEST_PAUSE_AFTER_BATCH": "3", "MERGER_TEST_PAUSE_FILE": str(pause)})
-    deadline = time.monotonic() + 120
-    while not (Path(f"{pause}.0").exists() and Path(f"{pause}.0").read_text()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
+    wait_paused([proc], pause, [0])
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and stage.is_dir() and not out.exists(), err

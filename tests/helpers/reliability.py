@@ -43,6 +43,16 @@ def wait_all(procs: list[subprocess.Popen], args) -> tuple[subprocess.CompletedP
     return subprocess.CompletedProcess(args, code, "".join(o for o, _ in outs), "".join(e for _, e in outs)), took
 
 
+def wait_paused(procs: list[subprocess.Popen], pause: Path, ranks) -> None:
+    """Wait until each of `ranks` has paused after its batch (paused_merger.py wrote its pid into `pause`.RANK),
+    failing if a process ends first or two minutes pass."""
+    files = [Path(f"{pause}.{r}") for r in ranks]
+    deadline = time.monotonic() + 120
+    while not all(f.exists() and f.read_text() for f in files):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [p.communicate() for p in procs]
+        time.sleep(0.2)
+
+
 def kill_rank_mid_merge(ckpt: Path, out: Path, tmp_path: Path, *extra, nproc: int = 2, victim: int = 1,
                         after_batch: int = 12, pause_all: bool = True, launch: str = "torchrun"
                         ) -> tuple[subprocess.CompletedProcess, float, int]:
@@ -57,11 +67,7 @@ def kill_rank_mid_merge(ckpt: Path, out: Path, tmp_path: Path, *extra, nproc: in
         env["MERGER_TEST_PAUSE_RANK"] = str(victim)
     args = ["merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, *extra]
     procs = start_merge(launch, args, nproc, env)
-    files = [Path(f"{pause}.{r}") for r in (range(nproc) if pause_all else [victim])]
-    deadline = time.monotonic() + 120
-    while not all(f.exists() and f.read_text() for f in files):
-        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, wait_all(procs, args)
-        time.sleep(0.2)
+    wait_paused(procs, pause, range(nproc) if pause_all else [victim])
     workers = [w for p in procs for w in children(p.pid)]
     killed = int(Path(f"{pause}.{victim}").read_text())
     os.kill(killed, signal.SIGKILL)

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,16 +25,8 @@ from tests.helpers.files import block_sha256, snapshot
 from tests.helpers.in_process import single_error_line
 from tests.helpers.paths import HELPERS, ROOT
 from tests.helpers.processes import run_merger, start_merger, subprocess_env
-from tests.helpers.reliability import RANK0, SMALL, WORLD, kill_rank_mid_merge
+from tests.helpers.reliability import RANK0, SMALL, WORLD, kill_rank_mid_merge, wait_paused
 from tests.helpers.weights import assert_same_weights
-
-
-def _paused(procs: list[subprocess.Popen], pause: Path, ranks: int) -> None:
-    """Wait until every rank has paused after its batch (paused_merger.py wrote its pid)."""
-    deadline = time.monotonic() + 120
-    while not all(Path(f"{pause}.{r}").exists() and Path(f"{pause}.{r}").read_text() for r in range(ranks)):
-        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [p.communicate() for p in procs]
-        time.sleep(0.2)
 
 
 def _kept_and_resumed(ckpt: Path, reference: Path, out: Path, stage: Path, err: str) -> None:
@@ -61,7 +52,7 @@ def test_ctrl_c_keeps_the_partial_merge_and_says_so(ckpt, reference, tmp_path):
     out, stage = tmp_path / "out", tmp_path / ".out.merger-partial"
     env = {"MERGER_TEST_PAUSE_AFTER_BATCH": "3", "MERGER_TEST_PAUSE_FILE": str(pause)}
     proc = start_merger("merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, env=env)
-    _paused([proc], pause, 1)
+    wait_paused([proc], pause, [0])
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
@@ -81,7 +72,7 @@ def test_ctrl_c_at_launcher_local_reaches_every_rank_as_sigint(ckpt, reference, 
                                  str(WORLD), "--", "merge", "--local_dir", ckpt, "--target_dir", out, *SMALL],
                                 cwd=ROOT, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
-    _paused([launcher], pause, WORLD)
+    wait_paused([launcher], pause, range(WORLD))
     launcher.send_signal(signal.SIGINT)
     _, err = launcher.communicate(timeout=60)
     errors = sorted(line for line in err.splitlines() if line.startswith("merger: error:"))
