@@ -14,6 +14,11 @@ later reference to an entry inside a run (an object shared by identity) becomes 
 object is made from the arrays. A run is taken only where the memo entries its records name are the expected
 classes and keys (tracked for strings and globals while walking), and only in protocol 4+ form (MEMOIZE).
 Anything this walk does not understand raises here; dcp_metadata then loads the original bytes the old way.
+
+megatron-core's torch_dist adds `all_local_plans` last to the metadata's state: a SavePlan per rank, a WriteItem per
+chunk (8192 ranks, TP8 experts: 60 % of the pickle, and memo lookups into every chunk run). Merger never reads it.
+Where it is the last value of the pickle and one that touches nothing outside itself (pickle_value checks that
+at regular-expression speed), it is skipped unread: NOT_READ takes its place, a persistent id like the runs'.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from .dcp_classes import ChunkStorageMetadata, MetadataIndex, _StorageInfo
 from .dcp_records import (CHUNK_NAMES, PROBE_CHUNK, PROBE_STORAGE, STORAGE_NAMES, chunk_memos,
                           decode_chunks, decode_storage, run_pattern)
 from .pickle_tokens import STACK_DELTA, TokenError, token_end
+from .pickle_value import value_memos
 
 _MEMOIZE, _MARK, _STOP, _STACK_GLOBAL, FRAME = 0x94, ord("("), ord("."), 0x93, 0x95
 _APPENDS, _SETITEMS, _EMPTY_LIST, _EMPTY_DICT = ord("e"), ord("u"), ord("]"), ord("}")
@@ -43,8 +49,21 @@ _RECORD_CLASS = {"chunks": CHUNK_NAMES["c"], "storage": STORAGE_NAMES["mi"]}
 # (kind, a single record) -> the opcode that adds the records to their list / dict
 _CLOSERS = {("chunks", False): _APPENDS, ("chunks", True): ord("a"), ("storage", False): _SETITEMS,
             ("storage", True): ord("s")}
+# The state key whose value is skipped unread where it is the last one: megatron-core's SavePlans (a WriteItem per
+# chunk) in torch_dist's `.metadata`, kept there only to check a cached plan on its next save.
+_NOT_READ_KEY = "all_local_plans"
 _SPECIAL = {_MEMOIZE, _MARK, _STOP, _STACK_GLOBAL, FRAME, _APPENDS, _SETITEMS, _EMPTY_LIST, _EMPTY_DICT, *_GETS,
             *_PUTS, *_STRINGS, *_PERSISTENT, *_TAKE_MARK}
+
+
+class NotRead:
+    """What stands in the metadata for a value dcp_compact skipped unread (see _skip)."""
+
+    def __repr__(self) -> str:
+        return "<not read>"
+
+
+NOT_READ = NotRead()
 
 
 @dataclass(frozen=True)
@@ -159,6 +178,7 @@ class _Rewriter:
         self.storage_rows = 0
         self.string_ids: dict[str, int] = {}  # fqns and paths of the records cut -> their index in `strings`
         self.records = CompactRecords()
+        self.skipped = False  # whether _NOT_READ_KEY's value was skipped
 
     # -- memo numbering ------------------------------------------------------------------------------------
     def _run_of(self, idx: int):
@@ -237,6 +257,15 @@ class _Rewriter:
                     self.known[self.count] = top
                 self.count += 1
             elif op in (_EMPTY_LIST, _EMPTY_DICT):
+                if top == _NOT_READ_KEY and op == _EMPTY_LIST and self._skip(p):
+                    self.out += [data[keep:p], self._persistent(NOT_READ)]
+                    p = keep = n - 3
+                    while next_frame < p:  # checked by value_memos
+                        frame += 1
+                        next_frame = self.frames[frame]
+                    top = below = holds = None
+                    depth += 1
+                    continue
                 holds = _HOLDS.get(top) if type(top) is str else None
                 top = below = None
                 depth += 1
@@ -286,6 +315,20 @@ class _Rewriter:
         self.out.append(data[keep:p])
         self._decode_chunks()
         return b"".join(self.out)
+
+    def _skip(self, start: int) -> bool:
+        """Whether the list at `start` is the value of the last key of the pickle's outermost state (nothing after
+        it but SETITEMS, BUILD, STOP) and one self-contained value (pickle_value): then it is skipped unread, its
+        memo entries counted (nothing after it reads the memo)."""
+        n = len(self.data)
+        if self.data[n - 3:] != b"ub.":
+            return False
+        memos = value_memos(self.data, start, n - 3, self.frames)
+        if memos is None:
+            return False
+        self.count += memos
+        self.skipped = True
+        return True
 
     def _index(self, p: int, end: int, width: int) -> int:
         if width:
@@ -438,7 +481,7 @@ class _Rewriter:
     # -- what a persistent id in the rewritten stream stands for ---------------------------------------------------
     def stand_in(self, pid: int):
         what = self.markers[pid]
-        if isinstance(what, Rows):
+        if isinstance(what, Rows) or what is NOT_READ:
             return what
         _, i, offset = what
         run = self.runs[i]
@@ -458,8 +501,8 @@ class _Rewriter:
 
 def rewrite(data: bytes):
     """(the pickle with its record runs cut out, the records as arrays, what each persistent id stands for, how
-    many runs were cut)."""
+    many runs were cut, whether `all_local_plans` was skipped: NOT_READ stands for it)."""
     w = _Rewriter(data)
     stream = w.run()
     w.data = w.u8 = None  # stand_in needs the arrays only: the caller can let go of the 400 MB file at 671B
-    return stream, w.records, w.stand_in, len(w.runs)
+    return stream, w.records, w.stand_in, len(w.runs), w.skipped
