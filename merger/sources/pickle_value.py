@@ -36,6 +36,9 @@ for _op in b"hjKMJ\x8a\x8cN\x88\x89)":
 _SYMBOL[ord("]")], _SYMBOL[ord("}")] = ord("L"), ord("D")
 _SYMBOL = bytes(_SYMBOL)
 _X = b"[VLDO]"
+# The shapes most opcodes make (a torch.Size or enum: global, args, REDUCE; NEWOBJ with no args), reduced first by
+# plain replacing, 2x faster than the expressions: each is as valid a reduction anywhere as theirs.
+_COMMON = [(b"VVV\x87", b"V"), (b"VV\x86", b"V"), (b"V\x85", b"V"), (b"VVR", b"V"), (b"VV\x81", b"O")]
 _REDUCE = [  # (what, what it becomes), applied in turn until nothing changes
     (re.compile(_X + rb"\x85|" + _X * 2 + rb"[\x86\x93R]|" + _X * 3 + rb"\x87|\(" + _X + b"*t"), b"V"),
     (re.compile(_X * 2 + rb"\x81|O" + _X + b"b"), b"O"),
@@ -56,6 +59,8 @@ def value_memos(data, start: int, end: int, frames: list[int]) -> int | None:
         ops.append(b"".join(_FIRST_BYTES.findall(data, a, b)))
     ops = b"".join(ops)
     symbols = ops.translate(_SYMBOL, _MEMOIZE)
+    for shape, made in _COMMON:
+        symbols = symbols.replace(shape, made)
     while len(symbols) > 1:
         before = len(symbols)
         for pattern, made in _REDUCE:
