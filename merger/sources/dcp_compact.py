@@ -179,6 +179,10 @@ class _Rewriter:
         self.string_ids: dict[str, int] = {}  # fqns and paths of the records cut -> their index in `strings`
         self.records = CompactRecords()
         self.skipped = False  # whether _NOT_READ_KEY's value was skipped
+        # The end of a run that stopped short of its APPENDS / SETITEMS: a probe at a record inside it would fix the
+        # same memo entries and stop there again (megatron-core's storage_data puts an `_extra_state` entry, its
+        # key without an offset, between tensors' entries: without this, each entry rescans the rest of its run).
+        self.no_cut_before = 0
 
     # -- memo numbering ------------------------------------------------------------------------------------
     def _run_of(self, idx: int):
@@ -232,7 +236,7 @@ class _Rewriter:
                 # the list / dict (`holds`), one record, which APPEND / SETITEM adds; else in a batch above its MARK.
                 single = holds is not None
                 kind = holds or (marks[-1][0] if marks else None)
-                if kind and (single or kind == "chunks" or depth % 2 == 0) \
+                if kind and p >= self.no_cut_before and (single or kind == "chunks" or depth % 2 == 0) \
                         and self.known.get(idx) == _RECORD_CLASS[kind]:
                     cut = self._cut(p, kind, single)
                     if cut:
@@ -370,6 +374,9 @@ class _Rewriter:
         scanner = run_pattern(kind, literals, nd).scanner(data, start)
         ends = np.fromiter((r.end() for r in iter(scanner.match, None)), dtype=np.int64)
         resume = int(ends[-1])
+        if not single and data[resume:resume + 1] != bytes([closer]):
+            self.no_cut_before = resume
+            return None
         if resume >= len(data) or data[resume] != closer or (single and len(ends) > 1) \
                 or not self._frames_in(start, ends):
             return None
