@@ -165,7 +165,9 @@ class _Rewriter:
     def __init__(self, data: bytearray):
         self.frames = _strip_frames(data) + [len(data) + 1]  # then a stop past the end
         self.data, self.u8 = data, np.frombuffer(data, dtype=np.uint8)
-        self.out: list[bytes] = []
+        # The rewritten pickle, grown in place: a piece per renumbered lookup, kept apart, were millions of small
+        # objects at 671B (1 GiB: the load's peak)
+        self.out = bytearray()
         self.count = 0  # memo entries so far, old numbering
         self.known: dict[int, object] = {}  # old memo index -> its str, or ("global", module, name)
         self.runs: list[_Run] = []
@@ -241,7 +243,7 @@ class _Rewriter:
                     cut = self._cut(p, kind, single)
                     if cut:
                         resume, marker = cut
-                        self.out += [data[keep:p], marker]
+                        self.out += data[keep:p] + marker
                         p = keep = resume
                         if not single:
                             depth += 1 if kind == "chunks" else 2
@@ -254,7 +256,7 @@ class _Rewriter:
                 top, below, holds = self.known.get(idx), top, None
                 depth += 1
                 if self.runs and idx >= self.runs[0].memo:
-                    self.out += [data[keep:p], self._renumbered(idx, get=True)]
+                    self.out += data[keep:p] + self._renumbered(idx, get=True)
                     keep = end
             elif op == _MEMOIZE:
                 if top is not None:
@@ -262,7 +264,7 @@ class _Rewriter:
                 self.count += 1
             elif op in (_EMPTY_LIST, _EMPTY_DICT):
                 if top == _NOT_READ_KEY and op == _EMPTY_LIST and self._skip(p):
-                    self.out += [data[keep:p], self._persistent(NOT_READ)]
+                    self.out += data[keep:p] + self._persistent(NOT_READ)
                     p = keep = n - 3
                     while next_frame < p:  # checked by value_memos
                         frame += 1
@@ -299,7 +301,7 @@ class _Rewriter:
                 else:
                     self.known[idx] = top
                 if self.runs:
-                    self.out += [data[keep:p], self._renumbered(idx, get=False)]
+                    self.out += data[keep:p] + self._renumbered(idx, get=False)
                     keep = end
             elif op in _STRINGS:
                 top, below, holds = data[p + _STRINGS[op]:end].decode("utf-8", "surrogatepass"), top, None
@@ -311,14 +313,15 @@ class _Rewriter:
             elif op == FRAME:
                 if end + int.from_bytes(data[p + 1:end], "little") > n:
                     raise TokenError("a frame runs past the end")
-                self.out.append(data[keep:p])
+                self.out += data[keep:p]
                 keep = end
             elif op in _PERSISTENT:
                 raise TokenError("a persistent id")
             p = end
-        self.out.append(data[keep:p])
+        self.out += data[keep:p]
         self._decode_chunks()
-        return b"".join(self.out)
+        stream, self.out = bytes(self.out), None
+        return stream
 
     def _skip(self, start: int) -> bool:
         """Whether the list at `start` is the value of the last key of the pickle's outermost state (nothing after
