@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 import tempfile
 from pathlib import Path
 
@@ -22,9 +23,11 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
+                                                   MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from merger.errors import MergerError
+from merger.sources.dcp_compact import NOT_READ
 from merger.sources.dcp_metadata import load_compact, load_metadata
 from tests.helpers.dcp_fields import plain
 
@@ -162,3 +165,115 @@ def test_a_global_after_the_runs_is_refused(tmp_path, monkeypatch):
     with pytest.raises(MergerError, match=r"refusing to load global (posix|os)\.system\), .*\.metadata"):
         load_metadata(tmp_path)
     assert not (tmp_path / "pwned").exists()
+
+
+# megatron-core's torch_dist `.metadata` ends in `all_local_plans`: the SavePlan each rank made (a WriteItem per
+# chunk it saved, holding the metadata's own chunk object), kept there to check a cached plan on the next save.
+# dcp_compact skips it unread; everything else must still read as torch reads it.
+
+def _plans_unread(folder: Path) -> bool:
+    metadata, _ = load_compact(folder)
+    return vars(metadata).get("all_local_plans") is NOT_READ
+
+
+@pytest.mark.parametrize("case", ["moe_tp2_ep2", "tp2_pp2_vpp2_tied"])
+def test_megatron_torch_dist_reads_as_torch_its_plans_unread(megatron_root, case):
+    folder = megatron_root / case / "dist" / "iter_0000001"
+    assert any(plan.items for plan in FileSystemReader(str(folder)).read_metadata().all_local_plans)
+    chunks, _ = assert_read_as_torch(folder)
+    assert chunks > 0 and _plans_unread(folder)
+
+
+def _plans(md: Metadata, ranks: int = 4) -> list:
+    """SavePlans as megatron-core gathers them: a WriteItem per chunk (round robin over ranks), its own key,
+    the metadata's chunk object."""
+    items = [[] for _ in range(ranks)]
+    k = 0
+    for fqn, meta in md.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            for i, chunk in enumerate(meta.chunks):
+                data = TensorWriteData(chunk, meta.properties, meta.size)
+                items[k % ranks].append(WriteItem(MetadataIndex(fqn, torch.Size(chunk.offsets), i),
+                                                  WriteItemType.SHARD, tensor_data=data))
+                k += 1
+    return [SavePlan(plan, storage_data=None, planner_data={}, usable=True) for plan in items]
+
+
+def test_plans_over_many_frames_read_as_torch_unread(tmp_path):
+    """1,600 WriteItems: the plans span many 64 KiB frames, whose headers must each stand between two opcodes."""
+    md = _metadata([(2, [([r * 3, 0, 0, 0], [3, 5, 0, 0], r) for r in range(40)])] * 40, False, False)
+    md.all_local_plans = _plans(md)
+    _write(tmp_path, md, pickle.DEFAULT_PROTOCOL)
+    assert (tmp_path / ".metadata").stat().st_size > 6 * 2**16
+    assert assert_read_as_torch(tmp_path) == (1600 - 1, 1600 - 1)
+    assert _plans_unread(tmp_path)
+
+
+def test_a_payload_in_the_plans_is_never_run(tmp_path, monkeypatch):
+    """The skipped plans are never unpickled: a global they name is not resolved, its call never made, and
+    nothing of them reaches the catalog."""
+    md = _metadata([(2, [([r, 0, 0, 0], [1, 2, 0, 0], r) for r in range(30)])] * 3, True, False)
+    md.all_local_plans = _plans(md)
+    (tmp_path / "clean").mkdir()
+    _write(tmp_path / "clean", md, pickle.DEFAULT_PROTOCOL)
+    md.all_local_plans[0].planner_data["x"] = _Payload()
+    _write(tmp_path, md, pickle.DEFAULT_PROTOCOL)
+    assert b"system" in (tmp_path / ".metadata").read_bytes()
+    monkeypatch.chdir(tmp_path)
+    assert plain(load_metadata(tmp_path)) == plain(load_metadata(tmp_path / "clean"))
+    assert _plans_unread(tmp_path) and not (tmp_path / "pwned").exists()
+
+
+def _memo_index_of(data: bytes, class_name: str) -> int:
+    """The memo index of the first object NEWOBJ makes of `class_name` in a protocol 4 pickle."""
+    memo, last_str, wanted = 0, None, False
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "MEMOIZE":
+            if wanted == "made":
+                return memo
+            memo += 1
+        elif op.name == "SHORT_BINUNICODE":
+            last_str = arg
+        elif op.name == "STACK_GLOBAL":
+            wanted = wanted or last_str == class_name
+        elif op.name == "NEWOBJ" and wanted is True:
+            wanted = "made"
+    raise AssertionError(class_name)
+
+
+def test_plans_that_change_an_earlier_object_are_read(tmp_path):
+    """A list in all_local_plans' place that BUILDs an object made before it (storage_meta, looked up in the
+    memo) does not touch only itself: it is not skipped, and the load reads as torch's."""
+    md = _metadata([(2, [([r, 0, 0, 0], [1, 2, 0, 0], r) for r in range(30)])] * 3, True, False)
+    md.storage_meta = StorageMeta(checkpoint_id="ckpt", save_id="saved")
+    md.all_local_plans = []
+    data = pickle.dumps(md, protocol=4)
+    assert data.endswith(b"]\x94ub.") and data[2] == 0x95 and len(data) < 2**16  # one frame
+    changed = (b"j" + _memo_index_of(data, "StorageMeta").to_bytes(4, "little")
+               + b"}\x94(\x8c\x07save_id\x8c\x07changedub")
+    data = data[:-len(b"ub.")] + changed + b"aub."  # the list holds storage_meta, changed
+    data = data[:3] + (len(data) - 11).to_bytes(8, "little") + data[11:]
+    (tmp_path / ".metadata").write_bytes(data)
+    assert FileSystemReader(str(tmp_path)).read_metadata().storage_meta.save_id == "changed"
+    assert_read_as_torch(tmp_path)
+    assert not _plans_unread(tmp_path)
+
+
+def test_a_frame_header_inside_an_opcode_of_the_plans_is_refused(tmp_path):
+    """Frames split only between opcodes; one header inside an opcode's argument, in the plans, makes the pickle
+    one torch cannot load either: refused, not skipped over."""
+    md = _metadata([(2, [([r, 0, 0, 0], [1, 2, 0, 0], r) for r in range(30)])] * 3, True, False)
+    md.all_local_plans = _plans(md)
+    data = pickle.dumps(md, protocol=4)
+    assert data[2] == 0x95 and len(data) < 2**16  # one frame: PROTO, FRAME, the body from byte 11
+    plans = data.index(b"all_local_plans")
+    at = next(pos for op, _, pos in pickletools.genops(data) if pos > plans and op.name == "LONG_BINGET") + 2
+    body = data[11:]
+    at -= 11
+    data = data[:2] + b"\x95" + at.to_bytes(8, "little") + body[:at] + b"\x95" \
+        + (len(body) - at).to_bytes(8, "little") + body[at:]
+    (tmp_path / ".metadata").write_bytes(data)
+    with pytest.raises(pickle.UnpicklingError):
+        FileSystemReader(str(tmp_path)).read_metadata()
+    with pytest.raises(MergerError, match=r"(not a|damaged) DCP metadata file \(.*\), .*\.metadata"):
+        load_metadata(tmp_path)

@@ -14,6 +14,11 @@ later reference to an entry inside a run (an object shared by identity) becomes 
 object is made from the arrays. A run is taken only where the memo entries its records name are the expected
 classes and keys (tracked for strings and globals while walking), and only in protocol 4+ form (MEMOIZE).
 Anything this walk does not understand raises here; dcp_metadata then loads the original bytes the old way.
+
+megatron-core's torch_dist adds `all_local_plans` last to the metadata's state: a SavePlan per rank, a WriteItem per
+chunk (8192 ranks, TP8 experts: 60 % of the pickle, and memo lookups into every chunk run). Merger never reads it.
+Where it is the last value of the pickle and one that touches nothing outside itself (pickle_value checks that
+at regular-expression speed), it is skipped unread: NOT_READ takes its place, a persistent id like the runs'.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from .dcp_classes import ChunkStorageMetadata, MetadataIndex, _StorageInfo
 from .dcp_records import (CHUNK_NAMES, PROBE_CHUNK, PROBE_STORAGE, STORAGE_NAMES, chunk_memos,
                           decode_chunks, decode_storage, run_pattern)
 from .pickle_tokens import STACK_DELTA, TokenError, token_end
+from .pickle_value import value_memos
 
 _MEMOIZE, _MARK, _STOP, _STACK_GLOBAL, FRAME = 0x94, ord("("), ord("."), 0x93, 0x95
 _APPENDS, _SETITEMS, _EMPTY_LIST, _EMPTY_DICT = ord("e"), ord("u"), ord("]"), ord("}")
@@ -43,8 +49,18 @@ _RECORD_CLASS = {"chunks": CHUNK_NAMES["c"], "storage": STORAGE_NAMES["mi"]}
 # (kind, a single record) -> the opcode that adds the records to their list / dict
 _CLOSERS = {("chunks", False): _APPENDS, ("chunks", True): ord("a"), ("storage", False): _SETITEMS,
             ("storage", True): ord("s")}
+# The state key whose value is skipped unread where it is the last one: megatron-core's SavePlans (a WriteItem per
+# chunk) in torch_dist's `.metadata`, kept there only to check a cached plan on its next save.
+_NOT_READ_KEY = "all_local_plans"
 _SPECIAL = {_MEMOIZE, _MARK, _STOP, _STACK_GLOBAL, FRAME, _APPENDS, _SETITEMS, _EMPTY_LIST, _EMPTY_DICT, *_GETS,
             *_PUTS, *_STRINGS, *_PERSISTENT, *_TAKE_MARK}
+
+
+class NotRead:
+    """What stands in the metadata for a value dcp_compact skipped unread (see _skip)."""
+
+
+NOT_READ = NotRead()
 
 
 @dataclass(frozen=True)
@@ -146,7 +162,9 @@ class _Rewriter:
     def __init__(self, data: bytearray):
         self.frames = _strip_frames(data) + [len(data) + 1]  # then a stop past the end
         self.data, self.u8 = data, np.frombuffer(data, dtype=np.uint8)
-        self.out: list[bytes] = []
+        # The rewritten pickle, grown in place: a piece per renumbered lookup, kept apart, were millions of small
+        # objects (the 671B torch_dist stress case's load peaked at 1.53 GiB with them, 0.77 without)
+        self.out = bytearray()
         self.count = 0  # memo entries so far, old numbering
         self.known: dict[int, object] = {}  # old memo index -> its str, or ("global", module, name)
         self.runs: list[_Run] = []
@@ -159,6 +177,11 @@ class _Rewriter:
         self.storage_rows = 0
         self.string_ids: dict[str, int] = {}  # fqns and paths of the records cut -> their index in `strings`
         self.records = CompactRecords()
+        self.skipped = False  # whether _NOT_READ_KEY's value was skipped
+        # The end of a run that stopped short of its APPENDS / SETITEMS: a probe at a record inside it would fix the
+        # same memo entries and stop there again (megatron-core's storage_data puts an `_extra_state` entry, its
+        # key without an offset, between tensors' entries: without this, each entry rescans the rest of its run).
+        self.no_cut_before = 0
 
     # -- memo numbering ------------------------------------------------------------------------------------
     def _run_of(self, idx: int):
@@ -212,12 +235,12 @@ class _Rewriter:
                 # the list / dict (`holds`), one record, which APPEND / SETITEM adds; else in a batch above its MARK.
                 single = holds is not None
                 kind = holds or (marks[-1][0] if marks else None)
-                if kind and (single or kind == "chunks" or depth % 2 == 0) \
+                if kind and p >= self.no_cut_before and (single or kind == "chunks" or depth % 2 == 0) \
                         and self.known.get(idx) == _RECORD_CLASS[kind]:
                     cut = self._cut(p, kind, single)
                     if cut:
                         resume, marker = cut
-                        self.out += [data[keep:p], marker]
+                        self.out += data[keep:p] + marker
                         p = keep = resume
                         if not single:
                             depth += 1 if kind == "chunks" else 2
@@ -230,13 +253,22 @@ class _Rewriter:
                 top, below, holds = self.known.get(idx), top, None
                 depth += 1
                 if self.runs and idx >= self.runs[0].memo:
-                    self.out += [data[keep:p], self._renumbered(idx, get=True)]
+                    self.out += data[keep:p] + self._renumbered(idx, get=True)
                     keep = end
             elif op == _MEMOIZE:
                 if top is not None:
                     self.known[self.count] = top
                 self.count += 1
             elif op in (_EMPTY_LIST, _EMPTY_DICT):
+                if top == _NOT_READ_KEY and op == _EMPTY_LIST and self._skip(p):
+                    self.out += data[keep:p] + self._persistent(NOT_READ)
+                    p = keep = n - 3
+                    while next_frame < p:  # checked by value_memos
+                        frame += 1
+                        next_frame = self.frames[frame]
+                    top = below = holds = None
+                    depth += 1
+                    continue
                 holds = _HOLDS.get(top) if type(top) is str else None
                 top = below = None
                 depth += 1
@@ -266,7 +298,7 @@ class _Rewriter:
                 else:
                     self.known[idx] = top
                 if self.runs:
-                    self.out += [data[keep:p], self._renumbered(idx, get=False)]
+                    self.out += data[keep:p] + self._renumbered(idx, get=False)
                     keep = end
             elif op in _STRINGS:
                 top, below, holds = data[p + _STRINGS[op]:end].decode("utf-8", "surrogatepass"), top, None
@@ -278,14 +310,30 @@ class _Rewriter:
             elif op == FRAME:
                 if end + int.from_bytes(data[p + 1:end], "little") > n:
                     raise TokenError("a frame runs past the end")
-                self.out.append(data[keep:p])
+                self.out += data[keep:p]
                 keep = end
             elif op in _PERSISTENT:
                 raise TokenError("a persistent id")
             p = end
-        self.out.append(data[keep:p])
+        self.out += data[keep:p]
         self._decode_chunks()
-        return b"".join(self.out)
+        stream, self.out = bytes(self.out), None
+        return stream
+
+    def _skip(self, start: int) -> bool:
+        """Whether the list at `start` is the pickle's last value (nothing after it but SETITEMS, BUILD, STOP: the
+        last key of the outermost object's state; dcp_metadata checks that object is the Metadata and NOT_READ its
+        `all_local_plans`) and one self-contained value (pickle_value): then it is skipped unread, its memo entries
+        counted (nothing after it reads the memo)."""
+        n = len(self.data)
+        if self.data[n - 3:] != b"ub.":
+            return False
+        memos = value_memos(self.data, start, n - 3, self.frames)
+        if memos is None:
+            return False
+        self.count += memos
+        self.skipped = True
+        return True
 
     def _index(self, p: int, end: int, width: int) -> int:
         if width:
@@ -327,6 +375,9 @@ class _Rewriter:
         scanner = run_pattern(kind, literals, nd).scanner(data, start)
         ends = np.fromiter((r.end() for r in iter(scanner.match, None)), dtype=np.int64)
         resume = int(ends[-1])
+        if not single and data[resume:resume + 1] != bytes([closer]):
+            self.no_cut_before = resume
+            return None
         if resume >= len(data) or data[resume] != closer or (single and len(ends) > 1) \
                 or not self._frames_in(start, ends):
             return None
@@ -438,7 +489,7 @@ class _Rewriter:
     # -- what a persistent id in the rewritten stream stands for ---------------------------------------------------
     def stand_in(self, pid: int):
         what = self.markers[pid]
-        if isinstance(what, Rows):
+        if isinstance(what, Rows) or what is NOT_READ:
             return what
         _, i, offset = what
         run = self.runs[i]
@@ -458,8 +509,8 @@ class _Rewriter:
 
 def rewrite(data: bytes):
     """(the pickle with its record runs cut out, the records as arrays, what each persistent id stands for, how
-    many runs were cut)."""
+    many runs were cut, whether `all_local_plans` was skipped: NOT_READ stands for it)."""
     w = _Rewriter(data)
     stream = w.run()
     w.data = w.u8 = None  # stand_in needs the arrays only: the caller can let go of the 400 MB file at 671B
-    return stream, w.records, w.stand_in, len(w.runs)
+    return stream, w.records, w.stand_in, len(w.runs), w.skipped

@@ -18,7 +18,7 @@ import torch
 from ..errors import MergerError
 from ..io import read_whole
 from .dcp_classes import TORCH_NAMES, Metadata, TensorStorageMetadata
-from .dcp_compact import CompactRecords, Rows, rewrite
+from .dcp_compact import NOT_READ, CompactRecords, Rows, rewrite
 from .pickled_enums import GETATTR, member_lookup
 
 METADATA_FILE = ".metadata"
@@ -76,7 +76,8 @@ def _rows_in_place(metadata, runs: int) -> bool:
 def load_compact(folder: Path):
     """(Metadata, CompactRecords): the `.metadata` of a DCP folder with the runs of chunks and storage entries as
     arrays (dcp_compact); each run is a `Rows` in the tensor's `chunks` list or a key of `storage_data` (its value
-    None). Unpickled with only DCP's own classes allowed, as load_metadata."""
+    None); megatron-core's `all_local_plans`, where skipped unread, is NOT_READ. Unpickled with only DCP's own
+    classes allowed, as load_metadata."""
     path = folder / METADATA_FILE
     walked = _walked(_read(path))
     if walked is None:  # the plain load decides, with its errors; the walk edited the bytes it had
@@ -87,10 +88,12 @@ def load_compact(folder: Path):
 def _walked(data: bytearray):
     """load_compact's (Metadata, CompactRecords), or None where the walk does not take the pickle."""
     try:
-        stream, records, stand_in, runs = rewrite(data)
+        stream, records, stand_in, runs, skipped = rewrite(data)
         del data  # the arrays are what the unpickler needs: 402 MB at 671B, freed (no caller keeps a reference)
         metadata = _unpickled(stream, stand_in)
-        return (metadata, records) if _is_metadata(metadata) and _rows_in_place(metadata, runs) else None
+        in_place = _is_metadata(metadata) and _rows_in_place(metadata, runs) \
+            and (vars(metadata).get("all_local_plans") is NOT_READ) == skipped
+        return (metadata, records) if in_place else None
     except Exception:  # noqa: BLE001 - anything the walk does not take, the plain load decides
         return None
 

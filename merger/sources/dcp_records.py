@@ -16,9 +16,10 @@ from functools import lru_cache
 
 import numpy as np
 
-_GET = rb"(?:h.|j.{4})"
-_INT = rb"(?:K.|M.{2}|J.{4}|\x8a(?:" + b"|".join(bytes([n]) + b".{%d}" % n for n in range(9)) + rb"))"
-_STR = rb"\x8c(?:" + b"|".join(re.escape(bytes([n])) + b".{%d}" % n for n in range(256)) + rb")"
+# One opcode and its argument, as expressions: a memo lookup, an int, a short str (pickle_value uses them too).
+GET_OP = rb"(?:h.|j.{4})"
+INT_OP = rb"(?:K.|M.{2}|J.{4}|\x8a(?:" + b"|".join(bytes([n]) + b".{%d}" % n for n in range(9)) + rb"))"
+STR_OP = rb"\x8c(?:" + b"|".join(re.escape(bytes([n])) + b".{%d}" % n for n in range(256)) + rb")"
 _TUPLES = {1: rb"\x85", 2: rb"\x86", 3: rb"\x87"}
 INT_OPS = np.zeros(256, dtype=bool)
 INT_OPS[[ord("K"), ord("M"), ord("J"), 0x8A]] = True
@@ -40,14 +41,14 @@ def _ops(*parts: bytes) -> bytes:
 
 def _named(name: str, literal: bytes | None) -> bytes:
     """A memo lookup: any (captured as `name`, when probing a record) or the given one."""
-    return (b"(?P<" + name.encode() + b">" + _GET + b")") if literal is None else re.escape(literal)
+    return (b"(?P<" + name.encode() + b">" + GET_OP + b")") if literal is None else re.escape(literal)
 
 
 def _size(get: bytes, nd: int | None, named: bool = False) -> bytes:
     """torch.Size(ints) as pickled: the Size global, (ints,) as its arguments, REDUCE. `nd` ints; None: 0 to 3
     (`named`: which one matched is group n0...n3)."""
     def ints(k: int) -> bytes:
-        body = _ops(rb"\)") if k == 0 else _ops(*[_INT] * k, _TUPLES[k], rb"\x94")
+        body = _ops(rb"\)") if k == 0 else _ops(*[INT_OP] * k, _TUPLES[k], rb"\x94")
         return b"(?P<n%d>" % k + body + b")" if named else body
     body = ints(nd) if nd is not None else b"(?:" + b"|".join(ints(k) for k in range(4)) + b")"
     return _ops(get) + body + _ops(rb"\x85", rb"\x94", rb"R", rb"\x94")
@@ -70,9 +71,9 @@ def storage_record(lit: dict) -> bytes:
     length) value: the state keys in the order torch's __init__ sets them."""
     def n(name):
         return _named(name, lit.get(name))
-    text = b"(?:" + _GET + b"|" + _STR + rb"\x94)"  # a str: looked up, or spelled out and memoized
-    index = _object(n("mi")) + _ops(n("kf"), text, n("ki"), b"(?:" + _INT + b"|N)", n("ko")) + _size(n("s"), None)
-    info = _object(n("si")) + _ops(n("kr"), text, n("ko2"), _INT, n("kl"), _INT)
+    text = b"(?:" + GET_OP + b"|" + STR_OP + rb"\x94)"  # a str: looked up, or spelled out and memoized
+    index = _object(n("mi")) + _ops(n("kf"), text, n("ki"), b"(?:" + INT_OP + b"|N)", n("ko")) + _size(n("s"), None)
+    info = _object(n("si")) + _ops(n("kr"), text, n("ko2"), INT_OP, n("kl"), INT_OP)
     return index + _ops(b"u", b"b") + info + _ops(b"u", b"b")
 
 
