@@ -16,7 +16,9 @@ AWS environment) into --bucket, and each run, alternating and repeated, merges i
 Each row's ratio is to its baseline: `download + merge` for a local target, `download + merge + upload` for a
 target in the bucket.
 Wall time and the largest resident set of any process of the run are medians; `GET / source` is the bytes the
-merge's ranks fetched (its summary's fetched_bytes_per_rank) over the checkpoint's data bytes.
+merge's ranks fetched (its summary's fetched_bytes_per_rank) over the checkpoint's data bytes; `peak local disk`
+the most disk the run's local folders (download, merged folder, --stage_dir) took at once, their allocated blocks
+sampled every 20 ms.
 
 moto answers a ranged GET by reading the whole object and slicing it (moto/s3/responses.py, _handle_range_header),
 so against moto a ranged read of a 1 GB object costs a 1 GB read: its wall times say more about moto than about
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.run import OUT, PY, build, data_files, measure  # noqa: E402
 from merger.units import format_size  # noqa: E402
+from tests.helpers.files import peak_allocated  # noqa: E402
 from tests.helpers.object_store import upload_folder  # noqa: E402
 from tests.helpers.processes import free_port  # noqa: E402
 
@@ -114,7 +117,9 @@ def main() -> None:
         target, scratch, summary = str(work / "out"), str(work / "scratch"), work / "summary.json"
         merge = ["-m", "merger", "merge", "--target_dir", target, "--summary_json", str(summary)]
         out_url = f"s3://{args.bucket}/merger-bench-out/{ckpt.parent.name}"
-        into_bucket = ["-m", "merger", "merge", "--target_dir", out_url, "--overwrite", "--summary_json", str(summary)]
+        stage = str(work / "stage")  # under `work`, where the local disk a run takes is sampled
+        into_bucket = ["-m", "merger", "merge", "--target_dir", out_url, "--overwrite", "--summary_json", str(summary),
+                       "--stage_dir", stage]
         torchrun = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                     "--master_port", str(free_port())]
         runs = {
@@ -127,33 +132,36 @@ def main() -> None:
             "merger S3 -> S3, 2 ranks (torchrun)": [*torchrun, *into_bucket, "--local_dir", url],
             "merger, local folder": [PY, *merge, "--local_dir", str(ckpt)],
         }
-        results: dict[str, list[tuple[float, int, float | None]]] = {name: [] for name in runs}
+        results: dict[str, list[tuple[float, int, float | None, int]]] = {name: [] for name in runs}
         for _ in range(args.repeats):
             for name, cmd in runs.items():
-                for leftover in (target, scratch):
+                for leftover in (target, scratch, stage):
                     shutil.rmtree(leftover, ignore_errors=True)
                 summary.unlink(missing_ok=True)
-                wall, rss, rc, _ = measure(cmd, settle=2)
+                with peak_allocated(work) as disk:
+                    wall, rss, rc, _ = measure(cmd, settle=2)
                 if rc != 0:
                     raise SystemExit(f"{name} failed (exit {rc}): {' '.join(cmd)}")
                 fetched = None
                 if summary.exists():
                     per_rank = json.loads(summary.read_text())["fetched_bytes_per_rank"]
                     fetched = sum(per_rank) / source_bytes if per_rank is not None else None
-                results[name].append((wall, rss, fetched))
-        bases = {name: statistics.median(w for w, _, _ in results[name])
+                results[name].append((wall, rss, fetched, disk[0]))
+        bases = {name: statistics.median(w for w, *_ in results[name])
                  for name in ("download + merge", "download + merge + upload")}
         print(f"\n{args.format} checkpoint, {format_size(source_bytes)} of data, fp32 -> bf16, medians of "
               f"{args.repeats}, served by {args.endpoint or 'moto on the loopback'}\n")
-        print("| run | wall | x its baseline | peak RSS per process | GET / source |\n|---|---|---|---|---|")
+        print("| run | wall | x its baseline | peak RSS per process | GET / source | peak local disk |\n"
+              "|---|---|---|---|---|---|")
         for name, rows in results.items():
             base = bases["download + merge + upload" if "S3 -> S3" in name or "upload" in name else
                          "download + merge"]
-            wall = statistics.median(w for w, _, _ in rows)
-            rss = statistics.median(r for _, r, _ in rows)
-            got = [f for _, _, f in rows if f is not None]
+            wall = statistics.median(w for w, *_ in rows)
+            rss = statistics.median(r for _, r, *_ in rows)
+            got = [f for _, _, f, _ in rows if f is not None]
+            disk = statistics.median(d for *_, d in rows)
             print(f"| {name} | {wall:.2f} s | {wall / base:.2f}x | {format_size(rss)} | "
-                  f"{f'{statistics.median(got):.3f}' if got else '-'} |")
+                  f"{f'{statistics.median(got):.3f}' if got else '-'} | {format_size(disk)} |")
     finally:
         if server is not None:
             server.terminate()

@@ -22,7 +22,7 @@ import heapq
 import json
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Hashable, TypeVar
 
@@ -243,11 +243,18 @@ class FileTracker:
     confirmed at a sync point). On one host the page cache shows each rank's writes at once; across hosts (a
     shared filesystem promises only close-to-open consistency) other ranks' outputs count only after the
     file's last batch, when its writers have flushed and closed it. Checksums reach rank 0, which keeps the
-    manifest, at the next sync point.
+    manifest, at the next sync point. For an s3:// target the same read of a block sends its upload parts
+    (part_stream.py), and each sync point waits for the sender to keep up.
     """
 
-    def __init__(self, plan: Plan, sink: FileSink, group: Group, stage: Path, manifest: Manifest, one_host: bool):
+    def __init__(self, plan: Plan, sink: FileSink, group: Group, stage: Path, manifest: Manifest, one_host: bool,
+                 sender=None):
         self.plan, self.sink, self.group, self.stage, self.manifest = plan, sink, group, stage, manifest
+        # An s3:// target's part_stream.PartSender: a block of a file it streams is read once, for its checksum
+        # and its upload parts, then released. Its ETags reach rank 0 with the checksums.
+        self.sender = sender
+        self.etags: dict[tuple[str, int], str] = {}  # rank 0: every part's ETag received
+        self.sending: list[Future] = []  # blocks handed to the sender, their reads not yet done
         self.block = manifest.checksum_block_bytes
         written_in: dict[str, int] = {}
         for bi, batch in enumerate(plan.batches):
@@ -298,6 +305,8 @@ class FileTracker:
                 for batch in range(self.confirmed_count, count):
                     self._written(self.confirmed_by.pop(batch, ()))
                 self.confirmed_count = count
+                sending = self.sending
+            self._catch_up(sending)
         if self.group.distributed:
             self._send_checksums()
 
@@ -316,10 +325,25 @@ class FileTracker:
         for b in blocks:
             del self.waiting[b]
             self.futures.append(self.pool.submit(self._hash, *b))
+            if self.sender is not None and self.plan.files[b[0]].name in self.sender.files:
+                self.sending.append(self.futures[-1])
+
+    def _catch_up(self, sending: list[Future]) -> None:
+        """Wait until at most one block handed to the sender is not yet read: the merge writes no faster than its
+        parts are sent, and the staging folder holds, beyond the blocks being written, one block being read and
+        the parts in flight (part_stream.py), not the model."""
+        pending = [future for future in sending if not future.done()]
+        wait(pending[:-1])
+        with self.handing:
+            self.sending = [future for future in self.sending if not future.done()]
 
     def _hash(self, index: int, k: int) -> None:
         f = self.plan.files[index]
-        digest = sha256_range(self.stage / f.name, *block_span(f.size, self.block, k), self.buffer)
+        if self.sender is not None and f.name in self.sender.files:
+            digest = self.sender.send_block(self.stage / f.name, f.name, f.size,
+                                            *block_span(f.size, self.block, k))
+        else:
+            digest = sha256_range(self.stage / f.name, *block_span(f.size, self.block, k), self.buffer)
         with self.lock:
             if self.group.rank == 0:
                 self._record({(f.name, k): digest})
@@ -338,30 +362,39 @@ class FileTracker:
     def _send_checksums(self) -> None:
         with self.lock:
             outbox, self.outbox = self.outbox, {}
-        shares = self.group.all_gather(outbox)
+        etags = self.sender.take() if self.sender is not None else {}
+        shares = self.group.all_gather((outbox, etags))
         if self.group.rank == 0:
             with self.lock:
-                self._record({block: digest for share in shares for block, digest in share.items()})
+                self._record({block: digest for share, _ in shares for block, digest in share.items()})
+            for _, sent in shares:
+                self.etags.update(sent)
 
     def wait(self) -> None:
-        """Every rank, after the last batch: finish this rank's checksums; a failed one is a write error."""
-        if self.pool is None:
-            return
-        self.pool.shutdown(wait=True)
+        """Every rank, after the last batch: finish this rank's checksums (and uploads); a failed one is a write
+        error."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
         for future in self.futures:
             try:
                 future.result()
             except OSError as e:  # reading back a file this rank did not create: vanished or unreadable
                 raise MergerError(f"cannot read back the merged model ({e.strerror}), {e.filename}") from e
+        if self.sender is not None:
+            self.sender.wait()
 
     def final_manifest(self) -> Manifest:
         """Every rank, once `wait` has returned everywhere: the last checksums reach rank 0, whose manifest
         then has every block's."""
         if self.group.distributed:
             self._send_checksums()
+        elif self.sender is not None:
+            self.etags.update(self.sender.take())
         return self.manifest
 
     def stop(self) -> None:
         """On failure: drop queued checksums and wait for the one running."""
+        if self.sender is not None:
+            self.sender.stop()  # first: a checksum thread may be waiting for an upload slot
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
