@@ -158,7 +158,8 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
 
     On failure the staging folder is removed (or kept for --keep-partial / --resume, and after Ctrl-C): the
     target only ever holds a complete model; a kept one is replaced only with --overwrite. Rank 0 holds the
-    target's lock throughout, so no other merge writes there.
+    target's lock throughout, so no other merge writes there. `stream`: an s3:// target's uploads, whose parts
+    the checksum threads send while the merge streams (output/part_stream.py).
     """
     plan = prepared.plan
     lock: TargetLock | None = None
