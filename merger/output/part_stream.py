@@ -1,12 +1,13 @@
-"""An s3:// target's weight files uploaded while the merge runs: each checksum block, once written, read once for
-both its checksum and its upload parts, and its disk space given back once they are uploaded.
+"""An s3:// target's weight files uploaded while the merge runs: each upload part, once written, read once for both
+its block's checksum and its upload, and its disk space given back once the store has it.
 
 The rank that checksums a block (resume.FileTracker deals the blocks) sends the upload parts that lie in it: the
 part size divides the block size (bucket_target.part_size), so no part spans two blocks and the parts of the
-file split among the ranks like its checksums. A part's bytes are hashed as read, then sent by one of
-UPLOADS_IN_FLIGHT threads; once the store has them, their range of the staging file is punched out (sparse:
-it reads as zeros and takes no disk). So the staging folder holds the blocks being written and the parts being
-sent, not the model. A resumed merge finds punched blocks failing their checksums and writes them again.
+file split among the ranks like its checksums. The tracker hands over each part as soon as every rank has
+written it; the parts of a block are read in order (sha256 is sequential), hashed as read, then sent by one of
+UPLOADS_IN_FLIGHT threads; once the store has them, their range of the staging file is punched out (sparse: it
+reads as zeros and takes no disk). So the staging folder holds the parts being written and being sent, not the
+model. A resumed merge finds punched blocks failing their checksums and writes them again.
 """
 from __future__ import annotations
 
@@ -43,22 +44,43 @@ class PartSender:
         self.etags: dict[tuple[str, int], str] = {}  # sent here, not yet taken for rank 0
         self.cannot_punch = False
         self.failed: Exception | None = None  # the first upload that failed: nothing more is sent
+        # Per block begun here ((name, start) -> ...): its sha256 so far and its parts written but not yet read
+        # (a part waits for those before it: the digest is sequential), and the next part to read.
+        self.blocks: dict[tuple[str, int], tuple[object, set[int]]] = {}
+        self.next: dict[tuple[str, int], int] = {}
 
-    def send_block(self, path: Path, name: str, size: int, start: int, end: int) -> str:
-        """Read bytes [start, end) of the staging file `path` (output `name`, `size` bytes) part by part, queue
-        each part's upload, and return the block's sha256. Runs on the checksum thread."""
+    @staticmethod
+    def step(size: int) -> int:
+        """The part size of a file of `size` bytes: it divides the checksum block (bucket_target.part_size)."""
+        return part_size(size)
+
+    def part_written(self, path: Path, name: str, size: int, block: tuple[int, int], part: int) -> str | None:
+        """Part `part` (from 0) of the staging file `path` (output `name`, `size` bytes), in checksum block `block`
+        ([start, end)), is written. The block's parts are read in order, each hashed and queued for upload as
+        soon as it and those before it are written; once the last is, the block's sha256, else None. Runs on the
+        checksum thread."""
         step = part_size(size)
-        digest = hashlib.sha256()
+        start, end = block
+        digest, ready = self.blocks.setdefault((name, start), (hashlib.sha256(), set()))
+        ready.add(part)
         with open(path, "rb", buffering=0) as f:
-            for pos in range(start, end, step):
+            while self.next.get((name, start), start // step) in ready:
+                number = self.next.get((name, start), start // step)
+                ready.discard(number)
+                pos = number * step
+                length = min(step, end - pos)
                 if self.failed is not None:
                     raise self.failed
-                data = os.pread(f.fileno(), min(step, end - pos), pos)
-                if len(data) != min(step, end - pos):
+                data = os.pread(f.fileno(), length, pos)
+                if len(data) != length:
                     raise OSError(errno.EIO, f"file ended at byte {pos + len(data)} of {end}", str(path))
                 digest.update(data)
                 self.slots.acquire()
-                self.futures.append(self.pool.submit(self._send, path, name, pos // step + 1, pos, data))
+                self.futures.append(self.pool.submit(self._send, path, name, number + 1, pos, data))
+                self.next[(name, start)] = number + 1
+        if self.next.get((name, start), start // step) * step < end:
+            return None
+        del self.blocks[(name, start)], self.next[(name, start)]
         return digest.hexdigest()
 
     def _send(self, path: Path, name: str, number: int, pos: int, data: bytes) -> None:

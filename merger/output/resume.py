@@ -268,17 +268,21 @@ class FileTracker:
         pending = [(i, f.size) for i, f in enumerate(plan.files) if i not in sink.skip]
         mine = deal_blocks(pending, self.block, group.world)[group.rank]
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="merger-sha256") if mine else None
-        # This rank's blocks not yet handed to the hashing thread -> the outputs in them not known written yet;
-        # each such output -> those blocks; and the batch after which every rank has written it -> the outputs.
-        self.waiting: dict[tuple[int, int], set[str]] = {}
-        self.blocks_of: dict[str, list[tuple[int, int]]] = {}
+        # This rank's units not yet handed to the hashing thread -> the outputs in them not known written yet;
+        # each such output -> those units; and the batch after which every rank has written it -> the outputs.
+        # A unit is (file, block, None): a whole block; or, in a file the sender streams, (file, block, part): each
+        # upload part of the block, handed on its own as soon as it is written, so that a part is sent and
+        # released without waiting for the rest of its block.
+        self.waiting: dict[tuple[int, int, int | None], set[str]] = {}
+        self.blocks_of: dict[str, list[tuple[int, int, int | None]]] = {}
         self.confirmed_by: dict[int, set[str]] = {}
-        outputs = {i: block_outputs(plan.files[i], self.block) for i in {i for i, _ in mine}}
         for i, k in mine:
-            self.waiting[(i, k)] = set(outputs[i][k])
-            for name in outputs[i][k]:
-                self.blocks_of.setdefault(name, []).append((i, k))
-                self.confirmed_by.setdefault(written_in[name] if one_host else self.last_batch[i], set()).add(name)
+            for unit, names in self._units(i, k):
+                self.waiting[unit] = set(names)
+                for name in names:
+                    self.blocks_of.setdefault(name, []).append(unit)
+                    self.confirmed_by.setdefault(written_in[name] if one_host else self.last_batch[i],
+                                                 set()).add(name)
         self.confirmed_count = 0
         self.buffer = memoryview(bytearray(_CHUNK)) if mine else None  # the hashing thread's, reused
         self.futures: list[Future] = []
@@ -287,6 +291,16 @@ class FileTracker:
         self.handing = threading.Lock()  # `waiting`: steps are written on stream.py's writer thread
         with self.handing:
             self._hand_over([b for b, left in self.waiting.items() if not left])  # header only: written already
+
+    def _units(self, i: int, k: int) -> list[tuple[tuple[int, int, int | None], list[str]]]:
+        """Block k of file i as the units handed to the hashing thread, each with the outputs whose bytes lie in it."""
+        f = self.plan.files[i]
+        if self.sender is None or f.name not in self.sender.files:
+            return [((i, k, None), block_outputs(f, self.block)[k])]
+        step = self.sender.step(f.size)  # divides the block: block k holds whole parts
+        start, end = block_span(f.size, self.block, k)
+        outputs = block_outputs(f, step)
+        return [((i, k, j), outputs[j]) for j in range(start // step, -(-end // step))]
 
     def step_written(self, step: int) -> None:
         if self.pool is not None:
@@ -311,7 +325,7 @@ class FileTracker:
             self._send_checksums()
 
     def _written(self, names) -> None:
-        """These outputs' bytes are known to be on disk: hand over the blocks they completed (`handing` held)."""
+        """These outputs' bytes are known to be on disk: hand over the units they completed (`handing` held)."""
         ready = []
         for name in names:
             for b in self.blocks_of.pop(name, ()):
@@ -321,29 +335,31 @@ class FileTracker:
                     ready.append(b)
         self._hand_over(ready)
 
-    def _hand_over(self, blocks: list[tuple[int, int]]) -> None:
-        for b in blocks:
-            del self.waiting[b]
-            self.futures.append(self.pool.submit(self._hash, *b))
-            if self.sender is not None and self.plan.files[b[0]].name in self.sender.files:
+    def _hand_over(self, units: list[tuple[int, int, int | None]]) -> None:
+        for unit in units:
+            del self.waiting[unit]
+            self.futures.append(self.pool.submit(self._hash, *unit))
+            if unit[2] is not None:
                 self.sending.append(self.futures[-1])
 
     def _catch_up(self, sending: list[Future]) -> None:
-        """Wait until at most one block handed to the sender is not yet read: the merge writes no faster than its
-        parts are sent, and the staging folder holds, beyond the blocks being written, one block being read and
-        the parts in flight (part_stream.py), not the model."""
+        """Wait until at most one part handed to the sender is not yet taken: the merge writes no faster than its
+        parts are sent, and the staging folder holds what is being written and the parts in flight
+        (part_stream.py), not the model."""
         pending = [future for future in sending if not future.done()]
         wait(pending[:-1])
         with self.handing:
             self.sending = [future for future in self.sending if not future.done()]
 
-    def _hash(self, index: int, k: int) -> None:
+    def _hash(self, index: int, k: int, part: int | None) -> None:
         f = self.plan.files[index]
-        if self.sender is not None and f.name in self.sender.files:
-            digest = self.sender.send_block(self.stage / f.name, f.name, f.size,
-                                            *block_span(f.size, self.block, k))
-        else:
+        if part is None:
             digest = sha256_range(self.stage / f.name, *block_span(f.size, self.block, k), self.buffer)
+        else:
+            digest = self.sender.part_written(self.stage / f.name, f.name, f.size, block_span(f.size, self.block, k),
+                                              part)
+            if digest is None:  # the block has parts still to come
+                return
         with self.lock:
             if self.group.rank == 0:
                 self._record({(f.name, k): digest})
