@@ -216,8 +216,8 @@ def test_the_upload_streams_and_the_stage_never_holds_the_model(store, layered_m
     download(store, f"streamed-x{nproc}", tmp_path / "remote")
     assert_same_files(local, tmp_path / "remote")
     assert open_uploads(store) == []
-    # Per rank: the blocks being written, one being read, four parts in flight (docs/object_storage.md): about
-    # 110 MB here; a merge that uploads after it holds the whole model.
+    # Per rank: the parts being written and four in flight (docs/object_storage.md), 80-150 MiB here; a merge
+    # that uploads after it holds the whole model.
     assert 0 < peak[0] < weights / 2, (peak[0], weights)
     assert allocated(work) < MIB  # what stays in --stage_dir: the small files, the weight files hollow
 
