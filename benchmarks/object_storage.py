@@ -100,6 +100,9 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the checkpoint built under bench_out/")
     p.add_argument("--endpoint", default=None, help="an S3-protocol service to use instead of starting moto's")
     p.add_argument("--bucket", default="bench", help="the bucket the checkpoint is uploaded to (created if missing)")
+    p.add_argument("--max_inflight", default=None,
+                   help="merger's --max_inflight for every merge (a batch's bytes: what an s3:// target's stage holds "
+                        "at most beside the parts in flight)")
     args = p.parse_args()
 
     built: list[Path] = []
@@ -115,11 +118,12 @@ def main() -> None:
     try:
         url = upload(ckpt, args.bucket, f"merger-bench/{ckpt.parent.name}")
         target, scratch, summary = str(work / "out"), str(work / "scratch"), work / "summary.json"
-        merge = ["-m", "merger", "merge", "--target_dir", target, "--summary_json", str(summary)]
+        flags = ["--max_inflight", args.max_inflight] if args.max_inflight else []
+        merge = ["-m", "merger", "merge", "--target_dir", target, "--summary_json", str(summary), *flags]
         out_url = f"s3://{args.bucket}/merger-bench-out/{ckpt.parent.name}"
         stage = str(work / "stage")  # under `work`, where the local disk a run takes is sampled
         into_bucket = ["-m", "merger", "merge", "--target_dir", out_url, "--overwrite", "--summary_json", str(summary),
-                       "--stage_dir", stage]
+                       "--stage_dir", stage, *flags]
         torchrun = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                     "--master_port", str(free_port())]
         runs = {

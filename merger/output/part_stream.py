@@ -61,26 +61,28 @@ class PartSender:
         checksum thread."""
         step = part_size(size)
         start, end = block
-        digest, ready = self.blocks.setdefault((name, start), (hashlib.sha256(), set()))
+        key = (name, start)
+        digest, ready = self.blocks.setdefault(key, (hashlib.sha256(), set()))
         ready.add(part)
-        with open(path, "rb", buffering=0) as f:
-            while self.next.get((name, start), start // step) in ready:
-                number = self.next.get((name, start), start // step)
-                ready.discard(number)
-                pos = number * step
-                length = min(step, end - pos)
-                if self.failed is not None:
-                    raise self.failed
-                data = os.pread(f.fileno(), length, pos)
-                if len(data) != length:
-                    raise OSError(errno.EIO, f"file ended at byte {pos + len(data)} of {end}", str(path))
-                digest.update(data)
-                self.slots.acquire()
-                self.futures.append(self.pool.submit(self._send, path, name, number + 1, pos, data))
-                self.next[(name, start)] = number + 1
-        if self.next.get((name, start), start // step) * step < end:
+        number = self.next.get(key, start // step)
+        if number in ready:
+            with open(path, "rb", buffering=0) as f:
+                while number in ready:
+                    if self.failed is not None:
+                        raise self.failed
+                    ready.discard(number)
+                    pos = number * step
+                    data = os.pread(f.fileno(), min(step, end - pos), pos)
+                    if len(data) != min(step, end - pos):
+                        raise OSError(errno.EIO, f"file ended at byte {pos + len(data)} of {end}", str(path))
+                    digest.update(data)
+                    self.slots.acquire()
+                    self.futures.append(self.pool.submit(self._send, path, name, number + 1, pos, data))
+                    number += 1
+        self.next[key] = number
+        if number * step < end:
             return None
-        del self.blocks[(name, start)], self.next[(name, start)]
+        del self.blocks[key], self.next[key]
         return digest.hexdigest()
 
     def _send(self, path: Path, name: str, number: int, pos: int, data: bytes) -> None:

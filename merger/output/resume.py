@@ -303,9 +303,14 @@ class FileTracker:
         return [((i, k, j), outputs[j]) for j in range(start // step, -(-end // step))]
 
     def step_written(self, step: int) -> None:
+        """On the writer thread, after each step: hand over what this rank's own write completed; with a sender,
+        wait for it there too, so that a batch larger than the parts in flight does not pile up on disk."""
         if self.pool is not None:
             with self.handing:
                 self._written(spec.name for spec in self.plan.steps[step].outputs)
+                sending = self.sending
+            if self.sender is not None:
+                self._catch_up(sending)
 
     def written(self, index: int) -> None:
         self.sink.sync([i for i, last in self.last_batch.items() if last == index])
@@ -320,7 +325,8 @@ class FileTracker:
                     self._written(self.confirmed_by.pop(batch, ()))
                 self.confirmed_count = count
                 sending = self.sending
-            self._catch_up(sending)
+            if self.sender is not None:
+                self._catch_up(sending)
         if self.group.distributed:
             self._send_checksums()
 
