@@ -72,11 +72,12 @@ class PartSender:
                         raise self.failed
                     ready.discard(number)
                     pos = number * step
+                    self.slots.acquire()  # before the read: at most UPLOADS_IN_FLIGHT parts in memory
                     data = os.pread(f.fileno(), min(step, end - pos), pos)
                     if len(data) != min(step, end - pos):
+                        self.slots.release()
                         raise OSError(errno.EIO, f"file ended at byte {pos + len(data)} of {end}", str(path))
                     digest.update(data)
-                    self.slots.acquire()
                     self.futures.append(self.pool.submit(self._send, path, name, number + 1, pos, data))
                     number += 1
         self.next[key] = number
