@@ -4,8 +4,9 @@ The model is built on the meta device and sharded with fully_shard; `to_empty` t
 rank's shard, which is filled with random values and saved, with the HF config in `huggingface/`:
 - `--format fsdp` (verl's layout): `torch.save(model.state_dict())` as `model_world_size_{W}_rank_{r}.pt`
   plus `fsdp_config.json`;
-- `--format dcp`: `dcp.save(model.state_dict())` into the folder (`.metadata` + `__{r}_0.distcp`), with
-  `huggingface/` inside it, where merger's dcp backend looks for the config.
+- `--format dcp`: `dcp.save(model.state_dict())` into the folder (`.metadata` + `__{r}_{i}.distcp`, `--files_per_rank`
+  of them, as DCP's FileSystemWriter splits a rank's items by size among its threads), with `huggingface/` inside it,
+  where merger's dcp backend looks for the config.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def finish_megatron_save(out: Path, hf: transformers.PretrainedConfig) -> None:
 def main() -> None:
     p = size_parser()
     p.add_argument("--format", choices=("fsdp", "dcp"), default="fsdp")
+    p.add_argument("--files_per_rank", type=int, default=1, help="dcp: data files each rank writes")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -75,7 +77,7 @@ def main() -> None:
             param.to_local().normal_(0, 0.02)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.format == "dcp":
-        dcp.save(model.state_dict(), checkpoint_id=args.out)
+        dcp.save(model.state_dict(), storage_writer=dcp.FileSystemWriter(args.out, thread_count=args.files_per_rank))
     else:
         torch.save(model.state_dict(), args.out / f"model_world_size_{world}_rank_{rank}.pt")
     if rank == 0:

@@ -1,7 +1,7 @@
 """Merging a checkpoint that lies in a bucket: read where it lies, against downloading it first.
 
-    python benchmarks/object_storage.py [--format dcp] [--layers 7] [--hidden 2048] [--repeats 3] [--keep]
-                                        [--endpoint URL --bucket NAME]
+    python benchmarks/object_storage.py [--format dcp] [--layers 7] [--hidden 2048] [--writer_ranks 2]
+                                        [--files_per_rank 1] [--repeats 3] [--keep] [--endpoint URL --bucket NAME]
 
 The checkpoint (fp32 FSDP2 on 2 ranks, built by benchmarks/build_checkpoint.py as benchmarks/run.py builds it;
 7 layers at hidden 2048 is 2.1 GB) is uploaded to a real S3-protocol server on the loopback (moto's, a process of
@@ -22,7 +22,8 @@ sampled every 20 ms.
 
 moto answers a ranged GET by reading the whole object and slicing it (moto/s3/responses.py, _handle_range_header),
 so against moto a ranged read of a 1 GB object costs a 1 GB read: its wall times say more about moto than about
-reading in ranges once the objects are large. The bytes fetched do not depend on the server.
+reading in ranges once the objects are large, so a large checkpoint is best written in many files (`--writer_ranks 16
+--files_per_rank 4`: 64 data files of 1/64 each). The bytes fetched do not depend on the server.
 """
 from __future__ import annotations
 
@@ -96,6 +97,10 @@ def main() -> None:
     p.add_argument("--format", choices=("dcp", "fsdp"), default="dcp")
     p.add_argument("--layers", type=int, default=7)
     p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--writer_ranks", type=int, default=2,
+                   help="ranks that write the checkpoint, one data file each: against moto, many smaller files keep "
+                        "each ranged GET cheap (see above)")
+    p.add_argument("--files_per_rank", type=int, default=1, help="dcp: data files each writer rank writes")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--keep", action="store_true", help="keep the checkpoint built under bench_out/")
     p.add_argument("--endpoint", default=None, help="an S3-protocol service to use instead of starting moto's")
@@ -106,7 +111,7 @@ def main() -> None:
     args = p.parse_args()
 
     built: list[Path] = []
-    ckpt = build(args.format, args.layers, args.hidden, built)
+    ckpt = build(args.format, args.layers, args.hidden, built, args.writer_ranks, args.files_per_rank)
     source_bytes = sum(f.stat().st_size for f in data_files(args.format, ckpt))
     server = None
     if args.endpoint is None:

@@ -113,18 +113,21 @@ def measure(cmd: list[str], cap: int | None = None, settle: float = 0.0,
     return float(wall), int(rss_kib) * 1024, int(rc), float(cpu)
 
 
-def build(fmt: str, layers: int, hidden: int, built: list[Path], ranks: int = 2) -> Path:
-    """The checkpoint, written by `ranks` ranks (one rank file each, for fsdp and dcp), built unless a complete one is
-    there; what is built here is appended to `built`."""
+def build(fmt: str, layers: int, hidden: int, built: list[Path], ranks: int = 2, files_per_rank: int = 1) -> Path:
+    """The checkpoint, written by `ranks` ranks (one rank file each for fsdp, `files_per_rank` for dcp), built unless a
+    complete one is there; what is built here is appended to `built`."""
     model = {"megatron_moe": "qwen3moe", "megatron_qwen35_moe": "qwen35moe"}.get(fmt, "llama")
-    ckpt = OUT / f"{model}_{hidden}h_{layers}l{f'_{ranks}r' if ranks != 2 else ''}" / {"fsdp": "actor"}.get(fmt, fmt)
+    name = f"{model}_{hidden}h_{layers}l" + (f"_{ranks}r" if ranks != 2 else "") + (
+        f"_{files_per_rank}f" if files_per_rank != 1 else "")
+    ckpt = OUT / name / {"fsdp": "actor"}.get(fmt, fmt)
     if not (ckpt / DONE[fmt]).exists():
         print(f"building the {layers}-layer {fmt} checkpoint on {ranks} ranks in {ckpt} ...", flush=True)
         built.append(ckpt)
         proc = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                                str(ROOT / "benchmarks" / BUILDERS[fmt]), "--out", str(ckpt),
                                "--layers", str(layers), "--hidden", str(hidden),
-                               *(["--format", fmt] if fmt in ("fsdp", "dcp") else [])],
+                               *(["--format", fmt] if fmt in ("fsdp", "dcp") else []),
+                               *(["--files_per_rank", str(files_per_rank)] if files_per_rank != 1 else [])],
                               env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"building {ckpt} failed:\n{proc.stderr[-4000:]}")
