@@ -16,7 +16,9 @@ AWS environment) into --bucket, and each run, alternating and repeated, merges i
 Each row's ratio is to its baseline: `download + merge` for a local target, `download + merge + upload` for a
 target in the bucket.
 Wall time and the largest resident set of any process of the run are medians; `GET / source` is the bytes the
-merge's ranks fetched (its summary's fetched_bytes_per_rank) over the checkpoint's data bytes.
+merge's ranks fetched (its summary's fetched_bytes_per_rank) over the checkpoint's data bytes; `peak local disk`
+the most disk the run's local folders (download, merged folder, --stage_dir) took at once, their allocated blocks
+sampled every 20 ms.
 
 moto answers a ranged GET by reading the whole object and slicing it (moto/s3/responses.py, _handle_range_header),
 so against moto a ranged read of a 1 GB object costs a 1 GB read: its wall times say more about moto than about
@@ -41,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.run import OUT, PY, build, data_files, measure  # noqa: E402
 from merger.units import format_size  # noqa: E402
+from tests.helpers.files import peak_allocated  # noqa: E402
 from tests.helpers.object_store import upload_folder  # noqa: E402
 from tests.helpers.processes import free_port  # noqa: E402
 
@@ -102,6 +105,9 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the checkpoint built under bench_out/")
     p.add_argument("--endpoint", default=None, help="an S3-protocol service to use instead of starting moto's")
     p.add_argument("--bucket", default="bench", help="the bucket the checkpoint is uploaded to (created if missing)")
+    p.add_argument("--max_inflight", default=None,
+                   help="merger's --max_inflight for every merge (a batch's bytes: what an s3:// target's stage holds "
+                        "at most beside the parts in flight)")
     args = p.parse_args()
 
     built: list[Path] = []
@@ -117,9 +123,12 @@ def main() -> None:
     try:
         url = upload(ckpt, args.bucket, f"merger-bench/{ckpt.parent.name}")
         target, scratch, summary = str(work / "out"), str(work / "scratch"), work / "summary.json"
-        merge = ["-m", "merger", "merge", "--target_dir", target, "--summary_json", str(summary)]
+        flags = ["--max_inflight", args.max_inflight] if args.max_inflight else []
+        merge = ["-m", "merger", "merge", "--target_dir", target, "--summary_json", str(summary), *flags]
         out_url = f"s3://{args.bucket}/merger-bench-out/{ckpt.parent.name}"
-        into_bucket = ["-m", "merger", "merge", "--target_dir", out_url, "--overwrite", "--summary_json", str(summary)]
+        stage = str(work / "stage")  # under `work`, where the local disk a run takes is sampled
+        into_bucket = ["-m", "merger", "merge", "--target_dir", out_url, "--overwrite", "--summary_json", str(summary),
+                       "--stage_dir", stage, *flags]
         torchrun = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                     "--master_port", str(free_port())]
         runs = {
@@ -132,33 +141,36 @@ def main() -> None:
             "merger S3 -> S3, 2 ranks (torchrun)": [*torchrun, *into_bucket, "--local_dir", url],
             "merger, local folder": [PY, *merge, "--local_dir", str(ckpt)],
         }
-        results: dict[str, list[tuple[float, int, float | None]]] = {name: [] for name in runs}
+        results: dict[str, list[tuple[float, int, float | None, int]]] = {name: [] for name in runs}
         for _ in range(args.repeats):
             for name, cmd in runs.items():
-                for leftover in (target, scratch):
+                for leftover in (target, scratch, stage):
                     shutil.rmtree(leftover, ignore_errors=True)
                 summary.unlink(missing_ok=True)
-                wall, rss, rc, _ = measure(cmd, settle=2)
+                with peak_allocated(work) as disk:
+                    wall, rss, rc, _ = measure(cmd, settle=2)
                 if rc != 0:
                     raise SystemExit(f"{name} failed (exit {rc}): {' '.join(cmd)}")
                 fetched = None
                 if summary.exists():
                     per_rank = json.loads(summary.read_text())["fetched_bytes_per_rank"]
                     fetched = sum(per_rank) / source_bytes if per_rank is not None else None
-                results[name].append((wall, rss, fetched))
-        bases = {name: statistics.median(w for w, _, _ in results[name])
+                results[name].append((wall, rss, fetched, disk[0]))
+        bases = {name: statistics.median(w for w, *_ in results[name])
                  for name in ("download + merge", "download + merge + upload")}
         print(f"\n{args.format} checkpoint, {format_size(source_bytes)} of data, fp32 -> bf16, medians of "
               f"{args.repeats}, served by {args.endpoint or 'moto on the loopback'}\n")
-        print("| run | wall | x its baseline | peak RSS per process | GET / source |\n|---|---|---|---|---|")
+        print("| run | wall | x its baseline | peak RSS per process | GET / source | peak local disk |\n"
+              "|---|---|---|---|---|---|")
         for name, rows in results.items():
             base = bases["download + merge + upload" if "S3 -> S3" in name or "upload" in name else
                          "download + merge"]
-            wall = statistics.median(w for w, _, _ in rows)
-            rss = statistics.median(r for _, r, _ in rows)
-            got = [f for _, _, f in rows if f is not None]
+            wall = statistics.median(w for w, *_ in rows)
+            rss = statistics.median(r for _, r, *_ in rows)
+            got = [f for _, _, f, _ in rows if f is not None]
+            disk = statistics.median(d for *_, d in rows)
             print(f"| {name} | {wall:.2f} s | {wall / base:.2f}x | {format_size(rss)} | "
-                  f"{f'{statistics.median(got):.3f}' if got else '-'} |")
+                  f"{f'{statistics.median(got):.3f}' if got else '-'} | {format_size(disk)} |")
     finally:
         if server is not None:
             server.terminate()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -18,10 +20,11 @@ import pytest
 import torch
 
 from merger.output.bucket_target import MAX_PARTS, PART, parts_of, shares
-from tests.helpers.files import assert_same_files
+from tests.helpers.files import allocated, assert_same_files, peak_allocated
 from tests.helpers.in_process import single_error_line
 from tests.helpers.object_store import KEY_ID, SECRET, moto_server
-from tests.helpers.processes import run_merger
+from tests.helpers.processes import run_merger, start_merger
+from tests.helpers.reliability import wait_paused
 from tests.helpers.weights import assert_same_weights
 
 pytest.importorskip("moto", reason="moto[server] (a test extra) runs the S3 server these tests write to")
@@ -48,6 +51,23 @@ def hf_model(tmp_path_factory) -> Path:
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     assert (folder / "model.safetensors").stat().st_size > 2 * PART
     return folder
+
+
+@pytest.fixture(scope="module")
+def layered_model(tmp_path_factory) -> Path:
+    """A save_pretrained Llama of ~580 MB in float32, in tensors of 4 MiB at most: merged with STREAMED's flags it
+    is 29 files of 20 MB (two parts each) written in about 110 batches."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=2048, num_hidden_layers=36,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    folder = tmp_path_factory.mktemp("bucket_stream") / "hf"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="1GB")
+    return folder
+
+
+STREAMED = ("--dtype", "float32", "--max_shard_size", "20MB", "--max_inflight", "16MB")
 
 
 def download(store, prefix: str, into: Path) -> list[str]:
@@ -178,6 +198,93 @@ def test_a_killed_merge_leaves_no_model_and_the_next_one_cleans_up(store, hf_mod
     run_merger("merge", "--local_dir", hf_model, "--target_dir", tmp_path / "local", "--dtype", "float32")
     download(store, "killed", tmp_path / "remote")
     assert_same_files(tmp_path / "local", tmp_path / "remote")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_the_upload_streams_and_the_stage_never_holds_the_model(store, layered_model, nproc, tmp_path):
+    """Each file's parts are sent as soon as its blocks are written and their disk space given back: the staging
+    folder's allocated blocks, sampled through the merge, stay far below the model's size; the objects hold what a
+    local merge writes."""
+    local, work = tmp_path / "local", tmp_path / "work"
+    run_merger("merge", "--local_dir", layered_model, "--target_dir", local, *STREAMED)
+    weights = sum(p.stat().st_size for p in local.glob("*.safetensors"))
+    assert len(list(local.glob("*.safetensors"))) >= 25 and weights > 500 * MIB
+    url = f"s3://models/streamed-x{nproc}"
+    with peak_allocated(work) as peak:
+        run_merger("merge", "--local_dir", layered_model, "--target_dir", url, "--stage_dir", work / "stage",
+                   *STREAMED, nproc=nproc, env=store.env)
+    download(store, f"streamed-x{nproc}", tmp_path / "remote")
+    assert_same_files(local, tmp_path / "remote")
+    assert open_uploads(store) == []
+    # Per rank: the parts being written and four in flight (docs/object_storage.md), 80-150 MiB here; a merge
+    # that uploads after it holds the whole model.
+    assert 0 < peak[0] < weights / 2, (peak[0], weights)
+    assert allocated(work) < MIB  # what stays in --stage_dir: the small files, the weight files hollow
+
+
+def test_verify_keeps_the_staged_files_whole_for_its_check(store, hf_model, tmp_path):
+    """--verify re-reads the staged model after the merge: its parts are sent during the merge but not released."""
+    run_merger("merge", "--local_dir", hf_model, "--target_dir", tmp_path / "local", "--dtype", "float32")
+    proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", "s3://models/verified", "--dtype", "float32",
+                      "--verify", env=store.env)
+    assert "comparing 100%" in proc.stderr, proc.stderr  # the check ran, and passed on the staged bytes
+    download(store, "verified", tmp_path / "remote")
+    assert_same_files(tmp_path / "local", tmp_path / "remote")
+
+
+def _paused_merge(store, model: Path, url: str, stage: Path, pause: Path) -> subprocess.Popen:
+    """A merge into `url` paused after its 6th batch, once some files' parts are sent (paused_merger.py)."""
+    env = {**store.env, "MERGER_TEST_PAUSE_AFTER_BATCH": "5", "MERGER_TEST_PAUSE_FILE": str(pause)}
+    proc = start_merger("merge", "--local_dir", model, "--target_dir", url, "--stage_dir", stage, *STREAMED, env=env)
+    wait_paused([proc], pause, [0])
+    return proc
+
+
+def _sent_parts(store, prefix: str) -> int:
+    client = store.client()
+    return sum(len(client.list_parts(Bucket="models", Key=u["Key"], UploadId=u["UploadId"]).get("Parts", []))
+               for u in client.list_multipart_uploads(Bucket="models", Prefix=f"{prefix}/").get("Uploads", []))
+
+
+def _resumed_as_local(store, model: Path, url: str, stage: Path, tmp_path: Path) -> None:
+    """--resume writes again what was sent and released (its blocks fail their checksums), and the objects end
+    as a local merge's."""
+    proc = run_merger("merge", "--local_dir", model, "--target_dir", url, "--stage_dir", stage, *STREAMED,
+                      "--resume", env=store.env)
+    reused = re.search(r"--resume: reusing (\d+) of (\d+) output files", proc.stderr)
+    assert reused and int(reused[1]) < int(reused[2]), proc.stderr  # the files sent (and released) are written again
+    run_merger("merge", "--local_dir", model, "--target_dir", tmp_path / "local", *STREAMED)
+    prefix = url.removeprefix("s3://models/")
+    download(store, prefix, tmp_path / "remote")
+    assert_same_files(tmp_path / "local", tmp_path / "remote")
+    assert open_uploads(store) == []
+
+
+def test_ctrl_c_mid_stream_aborts_the_uploads_and_resume_finishes(store, layered_model, tmp_path):
+    url, stage = "s3://models/interrupted", tmp_path / "stage"
+    proc = _paused_merge(store, layered_model, url, stage, tmp_path / "paused")
+    assert _sent_parts(store, "interrupted") > 0  # mid-upload: parts sent, no upload complete
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "merger: error: interrupted by SIGINT" in err, err
+    assert open_uploads(store) == []  # every upload begun, aborted
+    client = store.client()
+    left = [o["Key"] for o in client.list_objects_v2(Bucket="models", Prefix="interrupted/").get("Contents", [])]
+    assert not [k for k in left if not k.endswith(".safetensors")], left  # no lock, config, index or manifest
+    _resumed_as_local(store, layered_model, url, stage, tmp_path)
+
+
+def test_kill_9_mid_stream_then_resume(store, layered_model, tmp_path):
+    url, stage = "s3://models/killed-streaming", tmp_path / "stage"
+    proc = _paused_merge(store, layered_model, url, stage, tmp_path / "paused")
+    assert _sent_parts(store, "killed-streaming") > 0
+    proc.kill()
+    proc.wait()
+    client = store.client()
+    left = [o["Key"] for o in client.list_objects_v2(Bucket="models", Prefix="killed-streaming/").get("Contents", [])]
+    assert not [k for k in left if not k.endswith((".safetensors", ".merger-lock"))], left
+    _resumed_as_local(store, layered_model, url, stage, tmp_path)
 
 
 def test_a_missing_bucket_is_one_line(store, hf_model, tmp_path):

@@ -1,5 +1,6 @@
-"""A merge into an s3:// prefix: the bucket's lock taken first, the model merged into a local folder as any merge
-is, then every rank uploads its share of the parts and rank 0 completes them (output/bucket_target.py)."""
+"""A merge into an s3:// prefix: the bucket's lock taken first, the model merged into a local staging folder as any
+merge is while every rank uploads the parts of the weight files as their blocks are written (output/part_stream.py),
+then the rest uploaded and rank 0 completing the uploads (output/bucket_target.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +17,7 @@ from ..engine.dist import Group, on_every_rank, on_rank_zero
 from ..errors import Interrupted, MergerError
 from ..options import MergeOptions
 from ..output.bucket_target import LAST, BucketTarget, folder_files, parts_of, shares, upload_share, uploaded_line
+from ..output.part_stream import StreamedUpload
 
 log = logging.getLogger("merger")
 
@@ -24,10 +26,11 @@ MODEL = "model"
 
 
 def merge_into_bucket(options: MergeOptions, group: Group,
-                      stage_and_place: Callable[[MergeOptions], CompareResult | None]) -> CompareResult | None:
-    """Run `stage_and_place` into a local folder (--stage_dir, or a temporary one), then upload it to
-    options.target_dir from every rank. Nothing is written in the bucket until the lock is taken there, and
-    nothing there reads as a model until the upload is complete."""
+                      stage_and_place: Callable[[MergeOptions, StreamedUpload], CompareResult | None]
+                      ) -> CompareResult | None:
+    """Run `stage_and_place` into a local folder (--stage_dir, or a temporary one), streaming the weight files to
+    options.target_dir from every rank as they are written, then upload the rest. Nothing is written in the bucket
+    until the lock is taken there, and nothing there reads as a model until the upload is complete."""
     url = str(options.target_dir)
     if options.hf_upload_path:
         raise MergerError(f"--hf_upload_path publishes a local folder: merge to one, then `merger upload` it, {url}")
@@ -50,9 +53,14 @@ def merge_into_bucket(options: MergeOptions, group: Group,
     try:
         folder = Path(group.all_gather(on_every_rank(group, open_target if group.rank == 0 else lambda: "",
                                                      options.debug))[0])
-        local = dataclasses.replace(options, target_dir=folder, stage_dir=None, summary_json=None)
-        verified = stage_and_place(local)
-        _upload(folder, url, group, bucket, options.debug)
+        # The local folder of an earlier merge into this bucket holds no weights (sent and released): a resumed
+        # merge replaces it, reusing what its staging folder still holds.
+        local = dataclasses.replace(options, target_dir=folder, stage_dir=None, summary_json=None,
+                                    overwrite=options.overwrite or options.resume)
+        # --verify reads the staged files after the merge: they stay whole until the end.
+        stream = StreamedUpload(url, bucket, release=not options.verify)
+        verified = stage_and_place(local, stream)
+        _upload(folder, url, group, bucket, stream, options.debug)
     except Interrupted as e:
         if bucket is not None:
             bucket.abort()
@@ -71,16 +79,19 @@ def merge_into_bucket(options: MergeOptions, group: Group,
     return verified
 
 
-def _upload(folder: Path, url: str, group: Group, bucket: BucketTarget | None, debug: bool) -> None:
-    """Every rank sends its share of the parts; rank 0 (the only one holding `bucket`) begins and completes."""
+def _upload(folder: Path, url: str, group: Group, bucket: BucketTarget | None, stream: StreamedUpload,
+            debug: bool) -> None:
+    """After the merge: every rank sends its share of the parts of the files not streamed (those a resumed merge
+    reused, tokenizer files...); rank 0 (the only one holding `bucket`) begins and completes every upload."""
     started = time.monotonic()
     files = group.all_gather(folder_files(folder) if group.rank == 0 else None)[0]  # one listing for all
-    parts = parts_of({name: size for name, size in files.items() if name not in LAST})
-    uploads = group.all_gather(on_every_rank(group, lambda: bucket.begin(parts) if bucket else None, debug))[0]
-    mine = shares(parts, group.world)[group.rank]
-    etags: dict = {}
+    rest = parts_of({name: size for name, size in files.items() if name not in LAST and name not in stream.files})
+    uploads = group.all_gather(on_every_rank(group, lambda: bucket.begin(rest) if bucket else None, debug))[0]
+    mine = shares(rest, group.world)[group.rank]
+    etags: dict = dict(stream.etags)  # rank 0: the streamed parts'
     for share in group.all_gather(on_every_rank(group, lambda: upload_share(url, folder, mine, uploads), debug)):
         etags.update(share or {})
+    parts = rest + parts_of(stream.files)
     on_rank_zero(group, lambda: bucket.complete(parts, etags, folder), debug)
     if group.rank == 0:
         log.info(uploaded_line(url, files, time.monotonic() - started, group.world))

@@ -31,6 +31,7 @@ from ..mapping.registry import build_mapping
 from ..options import MergeOptions
 from ..output.files import FileSink, finish, prepare_files
 from ..output.manifest import write_manifest
+from ..output.part_stream import StreamedUpload
 from ..output.resume import (FileTracker, intact_files, resume_candidates, skip_finished, start_manifest,
                             verify_share, why_not_done)
 from ..output.source_identity import check_unchanged, source_identity
@@ -151,12 +152,14 @@ def _open_target(options: MergeOptions, prepared: Prepared) -> Target:
     return target
 
 
-def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, started: float) -> CompareResult | None:
+def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, started: float,
+                     stream: StreamedUpload | None = None) -> CompareResult | None:
     """Stream into the staging folder, finish it, verify it when asked, rename it into place.
 
     On failure the staging folder is removed (or kept for --keep-partial / --resume, and after Ctrl-C): the
     target only ever holds a complete model; a kept one is replaced only with --overwrite. Rank 0 holds the
-    target's lock throughout, so no other merge writes there.
+    target's lock throughout, so no other merge writes there. `stream`: an s3:// target's uploads, whose parts
+    the checksum threads send while the merge streams (output/part_stream.py).
     """
     plan = prepared.plan
     lock: TargetLock | None = None
@@ -231,7 +234,10 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
         one_host = len(set(hosts)) == 1  # one page cache: hash as batches land
         sink = FileSink(stage, plan, skip=frozenset(reused),
                         take_turns=should_take_turns(stage, hosts.count(hosts[group.rank])))
-        tracker = FileTracker(todo, sink, group, stage, manifest, one_host)
+        sender = None if stream is None else stream.begin(
+            group, {f.name: f.size for f in plan.files if f.name not in reused}, manifest.checksum_block_bytes,
+            options.debug)
+        tracker = FileTracker(todo, sink, group, stage, manifest, one_host, sender)
         progress = Progress(sum(b.out_bytes for b in todo.batches)) if group.rank == 0 else None
         run_plan(todo, prepared.catalog, group, sink, progress, options.debug, reader=reader, observer=tracker,
                  allow_overflow=options.allow_overflow)
@@ -242,6 +248,8 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
 
         on_every_rank(group, close, options.debug)  # a sync point: every rank's bytes on disk, its checksums done
         manifest = tracker.final_manifest()
+        if stream is not None:
+            stream.etags.update(tracker.etags)
 
         def complete():
             finish(stage, plan, None if target.beside_config else prepared.hf_dir, options.torch_dtype,
@@ -298,7 +306,8 @@ def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = N
 
     try:
         if is_remote(options.target_dir):
-            verified = merge_into_bucket(options, group, lambda local: _stage_and_place(local, group, prepared, started))
+            verified = merge_into_bucket(
+                options, group, lambda local, stream: _stage_and_place(local, group, prepared, started, stream))
         else:
             verified = _stage_and_place(options, group, prepared, started)
         if options.hf_upload_path:

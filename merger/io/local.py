@@ -76,3 +76,24 @@ class LocalStorage:
         for f in self.opened.values():
             f.close()
         self.opened.clear()
+
+
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (linux/falloc.h)
+_libc = None
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Give back the disk blocks of bytes [offset, offset + length) of the open file `fd`, which then read as
+    zeros; the file keeps its size. False where the system or filesystem cannot (not Linux, or no
+    fallocate hole punching): the bytes then stay on disk until the file is removed."""
+    global _libc
+    if _libc is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        except (OSError, AttributeError):
+            _libc = False
+    return bool(_libc) and _libc.fallocate(fd, _PUNCH_HOLE, offset, length) == 0

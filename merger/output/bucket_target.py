@@ -1,7 +1,8 @@
 """An s3:// target: the merged folder sent by every rank at once as multipart uploads, the model's entry points last.
 
-The merge writes the model into a local folder first (the staging rules of target.py hold there); then each
-rank uploads its share of the parts of every weight file, in parallel, and rank 0 completes the uploads. An object
+The merge writes the model into a local staging folder (the staging rules of target.py hold there) and the ranks
+send the weight files' parts as their blocks are written (part_stream.py); what was not streamed (small files, files
+a resumed merge reused) each rank uploads its share of after the merge, and rank 0 completes the uploads. An object
 written by a multipart upload exists only once completed, and `config.json`, the index and the manifest are put
 after every weight file is complete, the manifest last: nothing at the target reads as a model before it is one.
 
@@ -46,9 +47,19 @@ class Part:
 
 
 def part_size(size: int) -> int:
-    """PART, or larger where the file would need more than MAX_PARTS (whole MiBs)."""
-    mib = 1 << 20
-    return max(PART, -(-size // (MAX_PARTS * mib)) * mib)
+    """PART, or PART times the smallest power of two that keeps the file within MAX_PARTS parts: a power of two
+    so that it divides the checksum block (256 MiB) and parts stream block by block (part_stream.py)."""
+    step = PART
+    while -(-size // step) > MAX_PARTS:
+        step *= 2
+    return step
+
+
+def streams(size: int, block: int) -> bool:
+    """Whether a file's parts nest in its checksum blocks of `block` bytes, so that each is sent by the rank that
+    checksums its block as soon as the block is written; other files (one of over 2.5 TB) are sent after the
+    merge."""
+    return block % part_size(size) == 0
 
 
 def parts_of(files: dict[str, int]) -> list[Part]:
@@ -188,5 +199,5 @@ def upload_share(url: str, folder: Path, mine: list[Part], uploads: dict[str, st
 
 def uploaded_line(url: str, files: dict[str, int], seconds: float, world: int) -> str:
     total = sum(files.values())
-    return (f"merger: uploaded {len(files)} files ({format_size(total)}) to {url} in {seconds:.1f}s"
+    return (f"merger: uploaded {len(files)} files ({format_size(total)}) to {url}, {seconds:.1f}s after the merge"
             f"{f' from {world} ranks' if world > 1 else ''}")

@@ -22,7 +22,7 @@ import heapq
 import json
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Hashable, TypeVar
 
@@ -243,11 +243,18 @@ class FileTracker:
     confirmed at a sync point). On one host the page cache shows each rank's writes at once; across hosts (a
     shared filesystem promises only close-to-open consistency) other ranks' outputs count only after the
     file's last batch, when its writers have flushed and closed it. Checksums reach rank 0, which keeps the
-    manifest, at the next sync point.
+    manifest, at the next sync point. For an s3:// target the same read of a block sends its upload parts
+    (part_stream.py), and each sync point waits for the sender to keep up.
     """
 
-    def __init__(self, plan: Plan, sink: FileSink, group: Group, stage: Path, manifest: Manifest, one_host: bool):
+    def __init__(self, plan: Plan, sink: FileSink, group: Group, stage: Path, manifest: Manifest, one_host: bool,
+                 sender=None):
         self.plan, self.sink, self.group, self.stage, self.manifest = plan, sink, group, stage, manifest
+        # An s3:// target's part_stream.PartSender: a block of a file it streams is read once, for its checksum
+        # and its upload parts, then released. Its ETags reach rank 0 with the checksums.
+        self.sender = sender
+        self.etags: dict[tuple[str, int], str] = {}  # rank 0: every part's ETag received
+        self.sending: list[Future] = []  # blocks handed to the sender, their reads not yet done
         self.block = manifest.checksum_block_bytes
         written_in: dict[str, int] = {}
         for bi, batch in enumerate(plan.batches):
@@ -261,17 +268,21 @@ class FileTracker:
         pending = [(i, f.size) for i, f in enumerate(plan.files) if i not in sink.skip]
         mine = deal_blocks(pending, self.block, group.world)[group.rank]
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="merger-sha256") if mine else None
-        # This rank's blocks not yet handed to the hashing thread -> the outputs in them not known written yet;
-        # each such output -> those blocks; and the batch after which every rank has written it -> the outputs.
-        self.waiting: dict[tuple[int, int], set[str]] = {}
-        self.blocks_of: dict[str, list[tuple[int, int]]] = {}
+        # This rank's units not yet handed to the hashing thread -> the outputs in them not known written yet;
+        # each such output -> those units; and the batch after which every rank has written it -> the outputs.
+        # A unit is (file, block, None): a whole block; or, in a file the sender streams, (file, block, part): each
+        # upload part of the block, handed on its own as soon as it is written, so that a part is sent and
+        # released without waiting for the rest of its block.
+        self.waiting: dict[tuple[int, int, int | None], set[str]] = {}
+        self.blocks_of: dict[str, list[tuple[int, int, int | None]]] = {}
         self.confirmed_by: dict[int, set[str]] = {}
-        outputs = {i: block_outputs(plan.files[i], self.block) for i in {i for i, _ in mine}}
         for i, k in mine:
-            self.waiting[(i, k)] = set(outputs[i][k])
-            for name in outputs[i][k]:
-                self.blocks_of.setdefault(name, []).append((i, k))
-                self.confirmed_by.setdefault(written_in[name] if one_host else self.last_batch[i], set()).add(name)
+            for unit, names in self._units(i, k):
+                self.waiting[unit] = set(names)
+                for name in names:
+                    self.blocks_of.setdefault(name, []).append(unit)
+                    self.confirmed_by.setdefault(written_in[name] if one_host else self.last_batch[i],
+                                                 set()).add(name)
         self.confirmed_count = 0
         self.buffer = memoryview(bytearray(_CHUNK)) if mine else None  # the hashing thread's, reused
         self.futures: list[Future] = []
@@ -281,10 +292,25 @@ class FileTracker:
         with self.handing:
             self._hand_over([b for b, left in self.waiting.items() if not left])  # header only: written already
 
+    def _units(self, i: int, k: int) -> list[tuple[tuple[int, int, int | None], list[str]]]:
+        """Block k of file i as the units handed to the hashing thread, each with the outputs whose bytes lie in it."""
+        f = self.plan.files[i]
+        if self.sender is None or f.name not in self.sender.files:
+            return [((i, k, None), block_outputs(f, self.block)[k])]
+        step = self.sender.step(f.size)  # divides the block: block k holds whole parts
+        start, end = block_span(f.size, self.block, k)
+        outputs = block_outputs(f, step)
+        return [((i, k, j), outputs[j]) for j in range(start // step, -(-end // step))]
+
     def step_written(self, step: int) -> None:
+        """On the writer thread, after each step: hand over what this rank's own write completed; with a sender,
+        wait for it there too, so that a batch larger than the parts in flight does not pile up on disk."""
         if self.pool is not None:
             with self.handing:
                 self._written(spec.name for spec in self.plan.steps[step].outputs)
+                sending = self.sending
+            if self.sender is not None:
+                self._catch_up(sending)
 
     def written(self, index: int) -> None:
         self.sink.sync([i for i, last in self.last_batch.items() if last == index])
@@ -298,11 +324,14 @@ class FileTracker:
                 for batch in range(self.confirmed_count, count):
                     self._written(self.confirmed_by.pop(batch, ()))
                 self.confirmed_count = count
+                sending = self.sending
+            if self.sender is not None:
+                self._catch_up(sending)
         if self.group.distributed:
             self._send_checksums()
 
     def _written(self, names) -> None:
-        """These outputs' bytes are known to be on disk: hand over the blocks they completed (`handing` held)."""
+        """These outputs' bytes are known to be on disk: hand over the units they completed (`handing` held)."""
         ready = []
         for name in names:
             for b in self.blocks_of.pop(name, ()):
@@ -312,14 +341,31 @@ class FileTracker:
                     ready.append(b)
         self._hand_over(ready)
 
-    def _hand_over(self, blocks: list[tuple[int, int]]) -> None:
-        for b in blocks:
-            del self.waiting[b]
-            self.futures.append(self.pool.submit(self._hash, *b))
+    def _hand_over(self, units: list[tuple[int, int, int | None]]) -> None:
+        for unit in units:
+            del self.waiting[unit]
+            self.futures.append(self.pool.submit(self._hash, *unit))
+            if unit[2] is not None:
+                self.sending.append(self.futures[-1])
 
-    def _hash(self, index: int, k: int) -> None:
+    def _catch_up(self, sending: list[Future]) -> None:
+        """Wait until at most one part handed to the sender is not yet taken: the merge writes no faster than its
+        parts are sent, and the staging folder holds what is being written and the parts in flight
+        (part_stream.py), not the model."""
+        pending = [future for future in sending if not future.done()]
+        wait(pending[:-1])
+        with self.handing:
+            self.sending = [future for future in self.sending if not future.done()]
+
+    def _hash(self, index: int, k: int, part: int | None) -> None:
         f = self.plan.files[index]
-        digest = sha256_range(self.stage / f.name, *block_span(f.size, self.block, k), self.buffer)
+        if part is None:
+            digest = sha256_range(self.stage / f.name, *block_span(f.size, self.block, k), self.buffer)
+        else:
+            digest = self.sender.part_written(self.stage / f.name, f.name, f.size, block_span(f.size, self.block, k),
+                                              part)
+            if digest is None:  # the block has parts still to come
+                return
         with self.lock:
             if self.group.rank == 0:
                 self._record({(f.name, k): digest})
@@ -338,30 +384,39 @@ class FileTracker:
     def _send_checksums(self) -> None:
         with self.lock:
             outbox, self.outbox = self.outbox, {}
-        shares = self.group.all_gather(outbox)
+        etags = self.sender.take() if self.sender is not None else {}
+        shares = self.group.all_gather((outbox, etags))
         if self.group.rank == 0:
             with self.lock:
-                self._record({block: digest for share in shares for block, digest in share.items()})
+                self._record({block: digest for share, _ in shares for block, digest in share.items()})
+            for _, sent in shares:
+                self.etags.update(sent)
 
     def wait(self) -> None:
-        """Every rank, after the last batch: finish this rank's checksums; a failed one is a write error."""
-        if self.pool is None:
-            return
-        self.pool.shutdown(wait=True)
+        """Every rank, after the last batch: finish this rank's checksums (and uploads); a failed one is a write
+        error."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
         for future in self.futures:
             try:
                 future.result()
             except OSError as e:  # reading back a file this rank did not create: vanished or unreadable
                 raise MergerError(f"cannot read back the merged model ({e.strerror}), {e.filename}") from e
+        if self.sender is not None:
+            self.sender.wait()
 
     def final_manifest(self) -> Manifest:
         """Every rank, once `wait` has returned everywhere: the last checksums reach rank 0, whose manifest
         then has every block's."""
         if self.group.distributed:
             self._send_checksums()
+        elif self.sender is not None:
+            self.etags.update(self.sender.take())
         return self.manifest
 
     def stop(self) -> None:
         """On failure: drop queued checksums and wait for the one running."""
+        if self.sender is not None:
+            self.sender.stop()  # first: a checksum thread may be waiting for an upload slot
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)

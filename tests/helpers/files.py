@@ -1,8 +1,12 @@
-"""Files on disk: a snapshot to prove nothing was written, and damage done the way a test needs it (found by
-content or rewritten with torch's own classes, never by merger's idea of the file)."""
+"""Files on disk: a snapshot to prove nothing was written, the disk space a folder takes, and damage done the way a
+test needs it (found by content or rewritten with torch's own classes, never by merger's idea of the file)."""
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -58,3 +62,34 @@ def assert_same_files(a: Path, b: Path) -> None:
     for name in names:
         if name != "merge_manifest.json":
             assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def allocated(folder: Path) -> int:
+    """The disk space the files below `folder` take (their allocated blocks: a punched range takes none)."""
+    total = 0
+    for root, _, names in os.walk(folder):  # a folder renamed or removed meanwhile is skipped
+        for name in names:
+            try:
+                total += os.stat(os.path.join(root, name), follow_symlinks=False).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+@contextmanager
+def peak_allocated(folder: Path):
+    """Sample allocated(folder) every 20 ms while the block runs; yields a list whose one item becomes the peak."""
+    peak, done = [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], allocated(folder))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        yield peak
+    finally:
+        done.set()
+        sampler.join()
