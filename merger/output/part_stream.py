@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine.dist import Group, on_every_rank
-
 from ..io.local import punch_hole
 from ..io.object_upload import ObjectWriter
 from .bucket_target import UPLOADS_IN_FLIGHT, BucketTarget, part_size, parts_of, streams
