@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.helpers.expert_slabs import assert_stacks_written_by_expert
-from tests.helpers.files import assert_same_files, block_sha256
+from tests.helpers.files import assert_same_files, block_crc32
 from tests.helpers.in_process import merge_here, merge_in_process
 from tests.helpers.megatron_mtp_models import assert_megatron_logits, load, logits_of, merged_once, oracle, write_cases
 from tests.helpers.processes import run_merger, start_merger
@@ -158,14 +158,14 @@ def test_an_interrupted_merge_of_stacked_experts_resumes_to_the_same_bytes(front
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and stage.is_dir() and not out.exists(), err
     kept = json.loads((stage / "merge_manifest.json").read_text())["output_files"]
-    assert 0 < sum(all(f["sha256_blocks"]) for f in kept.values()) < len(kept)  # some files finished, not all
+    assert 0 < sum(all(f["crc32_blocks"]) for f in kept.values()) < len(kept)  # some files finished, not all
 
     resumed = run_merger("merge", "--local_dir", src, "--target_dir", out, *flags, "--resume")
     assert "reusing" in resumed.stderr
     assert_same_files(out, merge_in_process(src, tmp_path / "whole", *flags))
     final = json.loads((out / "merge_manifest.json").read_text())
     for name, info in final["output_files"].items():
-        assert info["sha256_blocks"] == block_sha256(out / name, final["checksum_block_bytes"]), name
+        assert info["crc32_blocks"] == block_crc32(out / name, final["checksum_block_bytes"]), name
 
 
 def test_fp8_for_experts_with_biases_is_one_error_line(frontier_root, tmp_path):

@@ -221,7 +221,7 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
 
         def create_files():
             for name, blocks in reused.items():
-                manifest.output_files[name].sha256_blocks = blocks
+                manifest.output_files[name].crc32_blocks = blocks
             if options.resume:
                 log.info("merger: --resume: reusing %d of %d output files (checksums verified) from %s",
                          len(reused), len(plan.files), stage)

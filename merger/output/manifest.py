@@ -21,11 +21,11 @@ MANIFEST = "merge_manifest.json"
 
 @dataclasses.dataclass
 class OutputEntry:
-    """One output file: its size, the sha256 of its header, and the sha256 of each checksum block (None until
-    the block is hashed)."""
+    """One output file: its size, the CRC-32 of its header, and the CRC-32 of each checksum block (None until
+    the block is checked), each as 8 hex digits."""
     size: int | None = None
-    header_sha256: str | None = None
-    sha256_blocks: list[str | None] | None = None
+    header_crc32: str | None = None
+    crc32_blocks: list[str | None] | None = None
 
 
 @dataclasses.dataclass
@@ -37,6 +37,7 @@ class Manifest:
     options: dict | None = None  # the options that shape the output, as JSON
     dtype: str | None = None
     merge_ranks: int | None = None
+    checksum_algorithm: str | None = None  # "crc32"; absent in an older merger's manifest (sha256 checksums)
     checksum_block_bytes: int | None = None
     output_files: dict[str, OutputEntry] | None = None  # None: missing, or not a mapping of file entries
     complete: bool = False  # a finished merge: exactly True (a file read may hold any value here)

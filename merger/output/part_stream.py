@@ -4,7 +4,7 @@ its block's checksum and its upload, and its disk space given back once the stor
 The rank that checksums a block (resume.FileTracker deals the blocks) sends the upload parts that lie in it: the
 part size divides the block size (bucket_target.part_size), so no part spans two blocks and the parts of the
 file split among the ranks like its checksums. The tracker hands over each part as soon as every rank has
-written it; the parts of a block are read in order (sha256 is sequential), hashed as read, then sent by one of
+written it; the parts of a block are read in order (its CRC-32 runs front to back), checked as read, then sent by one of
 UPLOADS_IN_FLIGHT threads; once the store has them, their range of the staging file is punched out (sparse: it
 reads as zeros and takes no disk). So the staging folder holds the parts being written and being sent, not the
 model. A resumed merge finds punched blocks failing their checksums and writes them again.
@@ -12,7 +12,6 @@ model. A resumed merge finds punched blocks failing their checksums and writes t
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import threading
@@ -23,7 +22,9 @@ from pathlib import Path
 from ..engine.dist import Group, on_every_rank
 from ..io.local import punch_hole
 from ..io.object_upload import ObjectWriter
+from ..sources.crc32 import crc32
 from .bucket_target import UPLOADS_IN_FLIGHT, BucketTarget, part_size, parts_of, streams
+from .resume import crc32_hex
 
 log = logging.getLogger("merger")
 
@@ -43,9 +44,10 @@ class PartSender:
         self.etags: dict[tuple[str, int], str] = {}  # sent here, not yet taken for rank 0
         self.cannot_punch = False
         self.failed: Exception | None = None  # the first upload that failed: nothing more is sent
-        # Per block begun here ((name, start) -> ...): its sha256 so far and its parts written but not yet read
-        # (a part waits for those before it: the digest is sequential), and the next part to read.
-        self.blocks: dict[tuple[str, int], tuple[object, set[int]]] = {}
+        # Per block begun here ((name, start) -> ...): its CRC-32 so far and its parts written but not yet read
+        # (a part waits for those before it: the CRC runs in order), and the next part to read.
+        self.crcs: dict[tuple[str, int], int] = {}
+        self.blocks: dict[tuple[str, int], set[int]] = {}
         self.next: dict[tuple[str, int], int] = {}
 
     @staticmethod
@@ -56,13 +58,14 @@ class PartSender:
     def part_written(self, path: Path, name: str, size: int, block: tuple[int, int], part: int) -> str | None:
         """Part `part` (from 0) of the staging file `path` (output `name`, `size` bytes), in checksum block `block`
         ([start, end)), is written. The block's parts are read in order, each hashed and queued for upload as
-        soon as it and those before it are written; once the last is, the block's sha256, else None. Runs on the
+        soon as it and those before it are written; once the last is, the block's CRC-32, else None. Runs on the
         checksum thread."""
         step = part_size(size)
         start, end = block
         key = (name, start)
-        digest, ready = self.blocks.setdefault(key, (hashlib.sha256(), set()))
+        ready = self.blocks.setdefault(key, set())
         ready.add(part)
+        crc = self.crcs.get(key, 0)
         number = self.next.get(key, start // step)
         if number in ready:
             with open(path, "rb", buffering=0) as f:
@@ -76,14 +79,14 @@ class PartSender:
                     if len(data) != min(step, end - pos):
                         self.slots.release()
                         raise OSError(errno.EIO, f"file ended at byte {pos + len(data)} of {end}", str(path))
-                    digest.update(data)
+                    crc = crc32(data, crc)
                     self.futures.append(self.pool.submit(self._send, path, name, number + 1, pos, data))
                     number += 1
-        self.next[key] = number
+        self.next[key], self.crcs[key] = number, crc
         if number * step < end:
             return None
-        del self.blocks[key], self.next[key]
-        return digest.hexdigest()
+        del self.blocks[key], self.next[key], self.crcs[key]
+        return crc32_hex(crc)
 
     def _send(self, path: Path, name: str, number: int, pos: int, data: bytes) -> None:
         try:

@@ -1,6 +1,6 @@
 """`python -m merger` with checksum blocks of MERGER_TEST_CHECKSUM_BLOCK bytes instead of 256 MiB, so that a test
 model's one file spans several; each rank writes to `$MERGER_TEST_HASHED.<rank>` how many bytes it read back and
-hashed. Run in place of `-m merger`, as one process or under torchrun; merger itself knows nothing of it.
+checksummed. Run in place of `-m merger`, as one process or under torchrun; merger itself knows nothing of it.
 """
 import os
 import sys
@@ -10,18 +10,18 @@ from merger.cli import main
 from merger.output import resume
 
 hashed = 0
-sha256_range = resume.sha256_range
+crc32_range = resume.crc32_range
 
 
-def counted_sha256_range(path, start, end, buf=None):
+def counted_crc32_range(path, start, end, buf=None):
     global hashed
-    hashed += end - start  # one hashing thread a rank: no race
-    return sha256_range(path, start, end, buf)
+    hashed += end - start  # one checksum thread a rank: no race
+    return crc32_range(path, start, end, buf)
 
 
 if __name__ == "__main__":
     resume.CHECKSUM_BLOCK = int(os.environ["MERGER_TEST_CHECKSUM_BLOCK"])
-    resume.sha256_range = counted_sha256_range
+    resume.crc32_range = counted_crc32_range
     code = main()
     Path(f"{os.environ['MERGER_TEST_HASHED']}.{os.environ.get('RANK', '0')}").write_text(str(hashed))
     sys.exit(code)

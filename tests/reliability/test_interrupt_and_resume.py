@@ -8,11 +8,13 @@ the processes' exit codes; single-process cases call the CLI in this process to 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +23,7 @@ import pytest
 import torch
 
 from merger.cli import main
-from tests.helpers.files import block_sha256, snapshot
+from tests.helpers.files import block_crc32, snapshot
 from tests.helpers.in_process import single_error_line
 from tests.helpers.paths import HELPERS, ROOT
 from tests.helpers.processes import run_merger, start_merger, subprocess_env
@@ -96,7 +98,7 @@ def test_resume_after_a_killed_rank_reuses_finished_files(flags, ckpt, reference
     proc = kill_rank_mid_merge(ckpt, out, tmp_path, "--keep-partial")[0]
     assert proc.returncode != 0 and not out.exists() and stage.is_dir(), proc.stderr
     manifest = json.loads((stage / "merge_manifest.json").read_text())
-    finished = {n for n, f in manifest["output_files"].items() if all(f["sha256_blocks"])}
+    finished = {n for n, f in manifest["output_files"].items() if all(f["crc32_blocks"])}
     assert finished and finished != set(manifest["output_files"]), manifest  # some files done, not all
     before = {n: (os.stat(stage / n).st_ino, os.stat(stage / n).st_mtime_ns) for n in finished}
 
@@ -108,7 +110,7 @@ def test_resume_after_a_killed_rank_reuses_finished_files(flags, ckpt, reference
     final = json.loads((out / "merge_manifest.json").read_text())
     assert final["complete"] is True
     for name, info in final["output_files"].items():
-        assert info["sha256_blocks"] == block_sha256(out / name, final["checksum_block_bytes"])
+        assert info["crc32_blocks"] == block_crc32(out / name, final["checksum_block_bytes"])
 
 
 def _newer(ckpt: Path, other: Path) -> Path:
@@ -149,7 +151,7 @@ def test_changed_source_invalidates_resume(change, ckpt, fsdp_checkpoint, tmp_pa
     stage = tmp_path / ".out.merger-partial"
     kill_rank_mid_merge(ckpt, out, tmp_path, nproc=1, victim=0)  # SIGKILL leaves the staging folder behind
     manifest = json.loads((stage / "merge_manifest.json").read_text())
-    finished = {n for n, f in manifest["output_files"].items() if all(f["sha256_blocks"])}
+    finished = {n for n, f in manifest["output_files"].items() if all(f["crc32_blocks"])}
     assert finished
     before = {n: (os.stat(stage / n).st_ino, os.stat(stage / n).st_mtime_ns) for n in finished}
     source = CHANGES[change](ckpt, other)
@@ -160,6 +162,45 @@ def test_changed_source_invalidates_resume(change, ckpt, fsdp_checkpoint, tmp_pa
     assert all(after[n] != before[n] for n in finished)  # every file written again
     if source != ckpt:
         assert_same_weights(out, other_reference, torch.bfloat16)  # the other checkpoint's model, not a mix
+
+
+def _as_an_older_merger_wrote_it(stage: Path, manifest: dict) -> dict:
+    """The manifest as mergers before CRC-32 wrote it: no `checksum_algorithm`, and per file `header_sha256`
+    (of the bytes before the first tensor, by the safetensors header's own length) and `sha256_blocks`, right
+    for the bytes of every finished file."""
+    block = manifest["checksum_block_bytes"]
+    files = {}
+    for name, info in manifest["output_files"].items():
+        data = (stage / name).read_bytes()
+        header = data[:8 + struct.unpack("<Q", data[:8])[0]]
+        files[name] = {"size": info["size"], "header_sha256": hashlib.sha256(header).hexdigest(),
+                       "sha256_blocks": [hashlib.sha256(data[start:start + block]).hexdigest() if all(
+                           info["crc32_blocks"]) else None for start in range(0, len(data), block)]}
+    return {**{k: v for k, v in manifest.items() if k != "checksum_algorithm"}, "output_files": files}
+
+
+def test_resume_reuses_nothing_from_an_older_mergers_sha256_manifest(ckpt, reference, tmp_path, caplog):
+    """A partial merge kept by a merger that recorded sha256 checksums, its finished files intact: --resume
+    says in one line why it reuses none of them, and writes every file again."""
+    caplog.set_level(logging.INFO, logger="merger")
+    out, stage = tmp_path / "out", tmp_path / ".out.merger-partial"
+    kill_rank_mid_merge(ckpt, out, tmp_path, nproc=1, victim=0)  # SIGKILL leaves the staging folder behind
+    manifest = json.loads((stage / "merge_manifest.json").read_text())
+    finished = {n for n, f in manifest["output_files"].items() if all(f["crc32_blocks"])}
+    assert finished
+    (stage / "merge_manifest.json").write_text(json.dumps(_as_an_older_merger_wrote_it(stage, manifest)))
+    before = {n: (os.stat(stage / n).st_ino, os.stat(stage / n).st_mtime_ns) for n in finished}
+
+    assert main(["merge", "--local_dir", str(ckpt), "--target_dir", str(out), *SMALL, "--resume"]) == 0
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("merger: --resume: not reusing")]
+    assert said == [f"merger: --resume: not reusing {stage}: its checksums are sha256 (an older merger's), "
+                    f"not crc32"], caplog.text
+    assert f"reusing 0 of {len(manifest['output_files'])} output files" in caplog.text
+    after = {n: (os.stat(out / n).st_ino, os.stat(out / n).st_mtime_ns) for n in finished}
+    assert all(after[n] != before[n] for n in finished)  # every file written again
+    assert_same_weights(out, reference, torch.bfloat16)
+    final = json.loads((out / "merge_manifest.json").read_text())
+    assert final["checksum_algorithm"] == "crc32" and "sha256_blocks" not in json.dumps(final)
 
 
 def test_resume_counts_only_the_bytes_still_to_write_against_free_space(ckpt, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 
 from merger.cli import main
 from merger.output.resume import CHECKSUM_BLOCK, deal_blocks
-from tests.helpers.files import block_sha256
+from tests.helpers.files import block_crc32
 from tests.helpers.paths import HELPERS
 from tests.helpers.processes import run, run_merger, torchrun_cmd
 from tests.helpers.reliability import SMALL
@@ -25,20 +25,20 @@ SMALL_BLOCKS_MERGER = HELPERS / "small_blocks_merger.py"
 
 
 def test_every_rank_checksums_its_share_of_the_files(ckpt, tmp_path):
-    """3 ranks share the read-back hashing; rank 0's manifest ends up with the sha256 of every 256 MiB block of
-    every file (one block each here) as hashlib computes it over the finished files."""
+    """3 ranks share the read-back checksums; rank 0's manifest ends up with the CRC-32 of every 256 MiB block
+    of every file (one block each here) as zlib computes it over the finished files."""
     out = tmp_path / "out"
     run_merger("merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, nproc=3)
     manifest = json.loads((out / "merge_manifest.json").read_text())
     files = manifest["output_files"]
     assert len(files) > 3 and manifest["checksum_block_bytes"] == 256 << 20
-    assert {name: info["sha256_blocks"] for name, info in files.items()} == {
-        name: block_sha256(out / name, 256 << 20) for name in files}
+    assert {name: info["crc32_blocks"] for name, info in files.items()} == {
+        name: block_crc32(out / name, 256 << 20) for name in files}
 
 
 def test_one_file_is_hashed_by_every_rank(ckpt, tmp_path):
     """One output file, 2 ranks, 2000-byte checksum blocks (tests/helpers/small_blocks_merger.py sets merger's block
-    size; the real one is 256 MiB): each block's sha256 is hashlib's over those bytes of the finished file, and
+    size; the real one is 256 MiB): each block's CRC-32 is zlib's over those bytes of the finished file, and
     each rank read back and hashed half of the file, give or take a block."""
     out, hashed, block = tmp_path / "out", tmp_path / "hashed", 2000
     env = {"MERGER_TEST_CHECKSUM_BLOCK": str(block), "MERGER_TEST_HASHED": str(hashed)}
@@ -48,7 +48,7 @@ def test_one_file_is_hashed_by_every_rank(ckpt, tmp_path):
     assert list(manifest["output_files"]) == ["model.safetensors"] and manifest["checksum_block_bytes"] == block
     size = (out / "model.safetensors").stat().st_size
     assert size > 10 * block
-    assert manifest["output_files"]["model.safetensors"]["sha256_blocks"] == block_sha256(out / "model.safetensors",
+    assert manifest["output_files"]["model.safetensors"]["crc32_blocks"] == block_crc32(out / "model.safetensors",
                                                                                          block)
     per_rank = [int(Path(f"{hashed}.{rank}").read_text()) for rank in range(2)]
     assert sum(per_rank) == size and abs(per_rank[0] - per_rank[1]) <= block, per_rank
@@ -86,7 +86,7 @@ WRITTEN = {"written here": (True, True), "confirmed, one host": (False, True), "
 def test_a_block_is_hashed_once_every_tensor_in_it_is_written(how, ckpt, tmp_path, monkeypatch):
     """In process, with 1000-byte blocks, over a finished one-file merge: once the first half of the batches
     are known written, exactly the blocks whose every tensor (by the file's own header) they wrote have a
-    checksum, hashlib's; the rest get theirs when the last batch is."""
+    checksum, zlib's; the rest get theirs when the last batch is."""
     from merger.engine.dist import Group
     from merger.api.pipeline import prepare
     from merger.options import MergeOptions
@@ -114,18 +114,18 @@ def test_a_block_is_hashed_once_every_tensor_in_it_is_written(how, ckpt, tmp_pat
 
     spans, size = _tensor_spans(file), file.stat().st_size
     done = {o.name for batch in plan.batches[:half] for step in batch.steps for o in plan.steps[step].outputs}
-    want = block_sha256(file, block)
+    want = block_crc32(file, block)
     inside = [{name for name, (a, b) in spans.items() if a < min(start + block, size) and b > start and b > a}
               for start in range(0, size, block)]
     # Across hosts other ranks' bytes count only once the file's last batch is confirmed: just the header's.
     ready = [names <= done if one_host else not names for names in inside]
     assert any(ready) and not all(ready) and len(want) > 20
-    assert manifest.output_files[file.name].sha256_blocks == [w if r else None for w, r in zip(want, ready)]
+    assert manifest.output_files[file.name].crc32_blocks == [w if r else None for w, r in zip(want, ready)]
 
     tracker = resume.FileTracker(plan, FileSink(out, plan), Group(), out, manifest, one_host)
     tracker.confirmed(len(plan.batches))
     tracker.wait()
-    assert manifest.output_files[file.name].sha256_blocks == want
+    assert manifest.output_files[file.name].crc32_blocks == want
 
 
 def test_resume_verifies_blocks_on_every_rank(ckpt, tmp_path, monkeypatch):
@@ -140,15 +140,15 @@ def test_resume_verifies_blocks_on_every_rank(ckpt, tmp_path, monkeypatch):
     assert main(["merge", "--local_dir", str(ckpt), "--target_dir", str(out), *SMALL]) == 0
     manifest = json.loads((out / "merge_manifest.json").read_text())
     files = manifest["output_files"]
-    assert {n: f["sha256_blocks"] for n, f in files.items()} == {n: block_sha256(out / n, block) for n in files}
-    flipped, unfinished = [n for n in files if len(files[n]["sha256_blocks"]) > 2][:2]
+    assert {n: f["crc32_blocks"] for n, f in files.items()} == {n: block_crc32(out / n, block) for n in files}
+    flipped, unfinished = [n for n in files if len(files[n]["crc32_blocks"]) > 2][:2]
     merged = read_manifest(out)  # what a rerun of this very merge starts from
     assert resume.why_not_done(out, merged) is None  # --resume on the finished model: nothing to do
     data = bytearray((out / flipped).read_bytes())
     data[block + block // 2] ^= 1
     (out / flipped).write_bytes(data)
     assert resume.why_not_done(out, merged) == f"{flipped} no longer matches its checksums"
-    cut = dict(files[unfinished], sha256_blocks=files[unfinished]["sha256_blocks"][:-1] + [None])
+    cut = dict(files[unfinished], crc32_blocks=files[unfinished]["crc32_blocks"][:-1] + [None])
     (out / "merge_manifest.json").write_text(json.dumps(dict(manifest, output_files={**files, unfinished: cut})))
 
     candidates = resume.resume_candidates(out, merged)
