@@ -75,10 +75,11 @@ class PartSender:
                     ready.discard(number)
                     pos = number * step
                     self.slots.acquire()  # before the read: at most UPLOADS_IN_FLIGHT parts in memory
-                    data = os.pread(f.fileno(), min(step, end - pos), pos)
-                    if len(data) != min(step, end - pos):
+                    data = bytearray(min(step, end - pos))  # writable: libdeflate's CRC takes its address
+                    got = os.preadv(f.fileno(), [data], pos)
+                    if got != len(data):
                         self.slots.release()
-                        raise OSError(errno.EIO, f"file ended at byte {pos + len(data)} of {end}", str(path))
+                        raise OSError(errno.EIO, f"file ended at byte {pos + got} of {end}", str(path))
                     crc = crc32(data, crc)
                     self.futures.append(self.pool.submit(self._send, path, name, number + 1, pos, data))
                     number += 1
