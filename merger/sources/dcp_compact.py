@@ -375,11 +375,11 @@ class _Rewriter:
         scanner = run_pattern(kind, literals, nd).scanner(data, start)
         ends = np.fromiter((r.end() for r in iter(scanner.match, None)), dtype=np.int64)
         resume = int(ends[-1])
-        if not single and data[resume:resume + 1] != bytes([closer]):
-            self.no_cut_before = resume
+        if data[resume:resume + 1] != bytes([closer]):
+            if not single:
+                self.no_cut_before = resume
             return None
-        if resume >= len(data) or data[resume] != closer or (single and len(ends) > 1) \
-                or not self._frames_in(start, ends):
+        if (single and len(ends) > 1) or not self._frames_in(start, ends):
             return None
         starts = np.concatenate([[start], ends[:-1]]).astype(np.int64)
         if kind == "chunks":
