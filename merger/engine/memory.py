@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import resource
-import sys
 
+from ..io.local import LIBC
 from .dist import Group
 
 _SYNC_FILE_RANGE_WRITE = 2
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def start_writeback(fd: int) -> None:
@@ -17,8 +15,8 @@ def start_writeback(fd: int) -> None:
 
     Only a hint: durability still comes from the fsync that closes each file.
     """
-    if _libc is not None:
-        _libc.sync_file_range(fd, ctypes.c_int64(0), ctypes.c_int64(0), _SYNC_FILE_RANGE_WRITE)
+    if LIBC is not None:
+        LIBC.sync_file_range(fd, ctypes.c_int64(0), ctypes.c_int64(0), _SYNC_FILE_RANGE_WRITE)
 
 
 def peak_rss_bytes() -> int:

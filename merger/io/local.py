@@ -6,11 +6,17 @@ the process with SIGBUS, which no handler turns into an error line.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import io
 import os
 import stat
+import sys
 
 from .storage import Entry
+
+# The C library, for the Linux calls `os` does not offer (fallocate's hole punching, sync_file_range); None elsewhere.
+LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def pread_into(fd: int, view: memoryview, offset: int) -> int:
@@ -79,21 +85,10 @@ class LocalStorage:
 
 
 _PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (linux/falloc.h)
-_libc = None
 
 
 def punch_hole(fd: int, offset: int, length: int) -> bool:
     """Give back the disk blocks of bytes [offset, offset + length) of the open file `fd`, which then read as
     zeros; the file keeps its size. False where the system or filesystem cannot (not Linux, or no
     fallocate hole punching): the bytes then stay on disk until the file is removed."""
-    global _libc
-    if _libc is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-        except (OSError, AttributeError):
-            _libc = False
-    return bool(_libc) and _libc.fallocate(fd, _PUNCH_HOLE, offset, length) == 0
+    return LIBC is not None and LIBC.fallocate(fd, _PUNCH_HOLE, ctypes.c_int64(offset), ctypes.c_int64(length)) == 0
