@@ -22,7 +22,9 @@ from ..hf_folder import INDEX, files_to_copy
 from ..mapping.steps import OutputSpec
 from ..sources.file_reads import Placed, source_shrank
 from ..units import format_size
+from .direct_writes import DirectWrites
 from .manifest import MANIFEST, Manifest, write_manifest
+from .written_crcs import WrittenCrcs
 from .write_turns import copy_at, write_at
 
 
@@ -78,11 +80,16 @@ _CANNOT_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
 class FileSink:
-    """Writes each output tensor's bytes at its planned offset; several ranks write one file side by side."""
+    """Writes each output tensor's bytes at its planned offset; several ranks write one file side by side.
 
-    def __init__(self, stage: Path, plan: Plan, skip: frozenset[str] = frozenset(), take_turns: bool = False):
+    With `direct`, the aligned middle of each piece goes past the page cache (direct_writes.py)."""
+
+    def __init__(self, stage: Path, plan: Plan, skip: frozenset[str] = frozenset(), take_turns: bool = False,
+                 direct: bool = False):
         self.stage, self.plan = stage, plan
         self.take_turns = take_turns  # with the other ranks of this host (write_turns.py)
+        self.direct = DirectWrites(direct)
+        self.crcs: WrittenCrcs | None = None  # of the bytes written from memory, once write_crcs asks for them
         self.fds: dict[int, int] = {}
         # Pieces are copied on stream.py's main thread while its writer thread writes: both open files.
         self.opening = threading.Lock()
@@ -155,13 +162,30 @@ class FileSink:
                 src, at = src + n, at + n
         return placed
 
+    def write_crcs(self, files: frozenset[int], block: int) -> WrittenCrcs:
+        """From now on, take the CRC-32 of the bytes written from memory into `files`, per block of `block`
+        bytes (written_crcs.py): the checksums then need no read of the output."""
+        self.crcs = WrittenCrcs(files, block)
+        return self.crcs
+
     def _write(self, fd: int, index: int, data: memoryview, at: int) -> None:
+        if self.crcs is not None:
+            self.crcs.add(index, data, at)
+        path = self.stage / self.plan.files[index].name
+        direct = self.direct.split(at, len(data))
+        try:
+            if direct is not None:
+                start, end = direct
+                self._write_buffered(fd, data[:start - at], at)
+                done = self.direct.write(path, data[start - at:end - at], start)
+                data, at = data[start - at + done:], start + done  # the tail, or what the filesystem refused
+            self._write_buffered(fd, data, at)
+        except OSError as e:
+            raise MergerError(f"cannot write the merged model ({e.strerror}), {path}") from e
+
+    def _write_buffered(self, fd: int, data: memoryview, at: int) -> None:
         while len(data):
-            try:
-                n = write_at(fd, data[:WRITE_CHUNK], at, self.take_turns)
-            except OSError as e:
-                raise MergerError(f"cannot write the merged model ({e.strerror}), "
-                                  f"{self.stage / self.plan.files[index].name}") from e
+            n = write_at(fd, data[:WRITE_CHUNK], at, self.take_turns)
             data, at = data[n:], at + n
 
     def sync(self, indices) -> None:
@@ -178,6 +202,7 @@ class FileSink:
                                   f"{self.stage / self.plan.files[index].name}") from e
             finally:
                 os.close(fd)
+                self.direct.close(self.stage / self.plan.files[index].name)
 
     def start_writeback(self) -> None:
         """Let the disk take what was written so far while streaming goes on, so the final fsync is short."""

@@ -13,10 +13,12 @@ disk, a block never flushed), not against someone forging bytes, and libdeflate'
 a core where sha256 ran at 1.8. A manifest whose `checksum_algorithm` is not CHECKSUM (an older merger's
 sha256 blocks) describes nothing a resume reuses.
 
-Checksums cost one read of the output, shared among the ranks block by block (each rank checks about 1/M of
-the bytes, however many files there are, so a one-file model is not left to one rank) in a background thread
-while later batches stream, so little is left at the end; verifying reused files on resume costs one read of
-them, shared among the ranks the same way.
+Checksums are dealt among the ranks block by block (each rank takes about 1/M of the bytes, however many files
+there are, so a one-file model is not left to one rank). Each rank takes the CRC of the bytes it writes as it
+writes them (FileSink.write_crcs) and sends them to the block's rank at the next sync point, which combines
+them (CrcSpans): the output is not read again. Only a block that holds bytes no CRC was taken of (copied inside
+the kernel, or in runs too short to be worth one) is read back, in a background thread while later batches
+stream. Verifying reused files on resume costs one read of them, shared among the ranks the same way.
 """
 from __future__ import annotations
 
@@ -39,9 +41,10 @@ from ..engine.dist import Group
 from ..engine.plan import Batch, OutputFile, Plan
 from ..errors import MergerError
 from ..options import MergeOptions
-from ..sources.crc32 import crc32
+from ..sources.crc32 import CrcSpans, crc32
 from .files import FileSink
 from .manifest import Manifest, OutputEntry, read_manifest, write_manifest
+from .written_crcs import WrittenCrcs
 from .source_identity import source_folder
 
 log = logging.getLogger("merger")
@@ -281,7 +284,20 @@ class FileTracker:
             index = plan.location[name][0]
             self.last_batch[index] = max(self.last_batch.get(index, -1), bi)
         pending = [(i, f.size) for i, f in enumerate(plan.files) if i not in sink.skip]
-        mine = deal_blocks(pending, self.block, group.world)[group.rank]
+        shares = deal_blocks(pending, self.block, group.world)
+        mine = shares[group.rank]
+        # The CRCs of the bytes every rank writes (FileSink.write_crcs), of blocks of files the sender does not
+        # read anyway: those of this rank's blocks gathered here, by block; those of other ranks' blocks held
+        # for their rank until the next sync point.
+        self.owner = {block: rank for rank, share in enumerate(shares) for block in share}
+        self.spans: dict[tuple[int, int], CrcSpans] = {}
+        self.outgoing: list[list[tuple[int, int, int, int]]] = [[] for _ in range(group.world)]
+        crc_files = frozenset(i for i, _ in pending if sender is None or plan.files[i].name not in sender.files)
+        self.crcs = sink.write_crcs(crc_files, self.block)
+        headers = WrittenCrcs(crc_files, self.block)  # written by rank 0 before streaming; every rank has them
+        for i in crc_files:
+            headers.add(i, memoryview(bytearray(plan.files[i].prefix)), 0)
+        self._add_crcs([r for r in headers.take() if self.owner[(r[0], r[1] // self.block)] == group.rank])
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="merger-crc32") if mine else None
         # This rank's units not yet handed to the hashing thread -> the outputs in them not known written yet;
         # each such output -> those units; and the batch after which every rank has written it -> the outputs.
@@ -317,11 +333,30 @@ class FileTracker:
         outputs = block_outputs(f, step)
         return [((i, k, j), outputs[j]) for j in range(start // step, -(-end // step))]
 
+    def _add_crcs(self, crcs: list[tuple[int, int, int, int]]) -> None:
+        """(file, start, end, CRC) of written stretches, each inside one block: this rank's blocks' into
+        `spans`, the others' into `outgoing`."""
+        for i, start, end, crc in crcs:
+            block = (i, start // self.block)
+            rank = self.owner[block]
+            if rank == self.group.rank:
+                spans = self.spans.get(block)
+                if spans is None:
+                    spans = self.spans[block] = CrcSpans()
+                spans.add(start, end, crc)
+            else:
+                self.outgoing[rank].append((i, start, end, crc))
+
+    def _take_crcs(self) -> None:
+        """The CRCs of what the sink wrote since last time: called on the writer thread, or between batches."""
+        self._add_crcs(self.crcs.take())
+
     def step_written(self, step: int) -> None:
         """On the writer thread, after each step: hand over what this rank's own write completed; with a sender,
         wait for it there too, so that a batch larger than the parts in flight does not pile up on disk."""
         if self.pool is not None:
             with self.handing:
+                self._take_crcs()
                 self._written(spec.name for spec in self.plan.steps[step].outputs)
                 sending = self.sending
             if self.sender is not None:
@@ -332,8 +367,13 @@ class FileTracker:
         self.sink.start_writeback()
 
     def confirmed(self, count: int) -> None:
-        """Every rank, at each sync point: hand over what became hashable, and bring finished checksums to
-        rank 0 (a collective of a few bytes per block)."""
+        """Every rank, at each sync point: bring finished checksums to rank 0 and the CRCs of written runs to
+        their blocks' ranks (a collective of a few bytes per block and run), then hand over what became
+        hashable."""
+        with self.handing:
+            self._take_crcs()
+        if self.group.distributed:
+            self._exchange()
         if self.pool is not None:
             with self.handing:
                 for batch in range(self.confirmed_count, count):
@@ -342,8 +382,6 @@ class FileTracker:
                 sending = self.sending
             if self.sender is not None:
                 self._catch_up(sending)
-        if self.group.distributed:
-            self._send_checksums()
 
     def _written(self, names) -> None:
         """These outputs' bytes are known to be on disk: hand over the units they completed (`handing` held)."""
@@ -375,7 +413,10 @@ class FileTracker:
     def _hash(self, index: int, k: int, part: int | None) -> None:
         f = self.plan.files[index]
         if part is None:
-            digest = crc32_range(self.stage / f.name, *block_span(f.size, self.block, k), self.buffer)
+            start, end = block_span(f.size, self.block, k)
+            spans = self.spans.pop((index, k), None)
+            crc = spans.covered(start, end) if spans is not None else None
+            digest = crc32_hex(crc) if crc is not None else crc32_range(self.stage / f.name, start, end, self.buffer)
         else:
             digest = self.sender.part_written(self.stage / f.name, f.name, f.size, block_span(f.size, self.block, k),
                                               part)
@@ -396,15 +437,20 @@ class FileTracker:
         if any(_finished(files[name].crc32_blocks) for name in {name for name, _ in checksums}):
             write_manifest(self.stage, self.manifest)
 
-    def _send_checksums(self) -> None:
+    def _exchange(self) -> None:
+        """The collective of each sync point: checksums and ETags to rank 0, CRCs of written runs to their
+        blocks' ranks."""
         with self.lock:
             outbox, self.outbox = self.outbox, {}
         etags = self.sender.take() if self.sender is not None else {}
-        shares = self.group.all_gather((outbox, etags))
+        outgoing, self.outgoing = self.outgoing, [[] for _ in range(self.group.world)]
+        shares = self.group.all_gather((outbox, etags, outgoing))
+        with self.handing:
+            self._add_crcs([crc for _, _, sent in shares for crc in sent[self.group.rank]])
         if self.group.rank == 0:
             with self.lock:
-                self._record({block: digest for share, _ in shares for block, digest in share.items()})
-            for _, sent in shares:
+                self._record({block: digest for share, _, _ in shares for block, digest in share.items()})
+            for _, sent, _ in shares:
                 self.etags.update(sent)
 
     def wait(self) -> None:
@@ -424,7 +470,7 @@ class FileTracker:
         """Every rank, once `wait` has returned everywhere: the last checksums reach rank 0, whose manifest
         then has every block's."""
         if self.group.distributed:
-            self._send_checksums()
+            self._exchange()
         elif self.sender is not None:
             self.etags.update(self.sender.take())
         return self.manifest

@@ -5,12 +5,13 @@ library (carry-less multiply instructions, about 3x zlib's speed here), else zli
 function.
 
 `crc32_combine` is zlib's crc32_combine, which Python's zlib does not expose. Pieces of one torch.save record
-may be read out of order, in different batches; combining their CRCs checks the record without reading any
-byte twice. CRCs are polynomials over GF(2) in reflected bit order: appending `n` bytes to a message
+may be read out of order, in different batches, and an output block is written piece by piece by several ranks;
+combining their CRCs (`CrcSpans`) checks the record, or checksums the block, without reading any byte twice. CRCs are polynomials over GF(2) in reflected bit order: appending `n` bytes to a message
 multiplies its CRC by x^(8n) modulo the polynomial before the CRC of the appended bytes is added (XORed).
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import functools
@@ -31,9 +32,9 @@ def _libdeflate() -> Callable | None:
 
 
 def crc32(view: memoryview, crc: int = 0) -> int:
-    """zlib.crc32(view, crc); `view` is writable (a batch buffer or scratch), as ctypes needs to pass it."""
+    """zlib.crc32(view, crc), through libdeflate where `view` is writable (as ctypes needs to pass it)."""
     fast = _libdeflate()
-    if fast is None or not len(view):
+    if fast is None or not len(view) or view.readonly:
         return zlib.crc32(view, crc)
     return fast(crc, ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view))
 
@@ -78,3 +79,41 @@ def _x_to_8n(n: int) -> int:
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32 of A + B from crc1 = crc32(A), crc2 = crc32(B) and len2 = len(B)."""
     return _multiply(_x_to_8n(len2), crc1) ^ crc2
+
+
+class CrcSpans:
+    """The CRC-32 of the bytes of a range seen so far, from the CRCs of its pieces in any order: disjoint
+    [begin, end, crc] spans, sorted, adjacent ones combined into one."""
+
+    def __init__(self):
+        self.spans: list[list[int]] = []
+
+    def add(self, begin: int, end: int, crc: int) -> None:
+        """Bytes [begin, end) have CRC `crc`. A piece overlapping bytes seen before is dropped: the first counts."""
+        i = bisect.bisect_right(self.spans, begin, key=lambda span: span[1] - 1)  # the first span ending past begin
+        if i < len(self.spans) and self.spans[i][0] < end:
+            return
+        self.spans.insert(i, [begin, end, crc])
+        if i + 1 < len(self.spans) and self.spans[i + 1][0] == end:
+            nxt = self.spans.pop(i + 1)
+            self.spans[i][1:] = [nxt[1], crc32_combine(self.spans[i][2], nxt[2], nxt[1] - nxt[0])]
+        if i > 0 and self.spans[i - 1][1] == begin:
+            cur = self.spans.pop(i)
+            self.spans[i - 1][1:] = [cur[1], crc32_combine(self.spans[i - 1][2], cur[2], cur[1] - cur[0])]
+
+    def gaps(self, size: int) -> list[tuple[int, int]]:
+        """The ranges of [0, size) no piece has covered yet."""
+        gaps, at = [], 0
+        for begin, end, _ in self.spans:
+            if begin > at:
+                gaps.append((at, begin))
+            at = end
+        if at < size:
+            gaps.append((at, size))
+        return gaps
+
+    def covered(self, begin: int, end: int) -> int | None:
+        """The CRC-32 of bytes [begin, end) when one span is exactly that range (0 for an empty one), else None."""
+        if begin == end:
+            return 0 if not self.spans else None
+        return self.spans[0][2] if len(self.spans) == 1 and self.spans[0][:2] == [begin, end] else None

@@ -22,7 +22,7 @@ from ..errors import MergerError
 from ..io import reads_objects, storage_of
 from ..io.local import LocalStorage, pread_into
 from ..io.range_file import RangeFile
-from .crc32 import crc32, crc32_combine
+from .crc32 import CrcSpans, crc32
 
 CHUNK = 1 << 20  # bytes per pread: small enough to stay in cache between the read, the checksum and the cast
 
@@ -114,41 +114,23 @@ class Placed:
 
 
 class _Check:
-    """The CRC-32 of a record's bytes read so far: disjoint (begin, end, crc) spans, adjacent ones combined."""
+    """The CRC-32 of a record's bytes read so far (CrcSpans over the record)."""
 
     def __init__(self, file: str, record: ZipRecord, name: str):
         self.file, self.record, self.name = file, record, name
-        self.spans: list[list[int]] = []
+        self.read = CrcSpans()
 
     def add(self, begin: int, end: int, crc: int) -> None:
-        i = 0
-        while i < len(self.spans) and self.spans[i][1] <= begin:
-            i += 1
-        if i < len(self.spans) and self.spans[i][0] < end:
-            return  # bytes read before (a piece read twice): their first reading counts
-        self.spans.insert(i, [begin, end, crc])
-        if i + 1 < len(self.spans) and self.spans[i + 1][0] == end:
-            nxt = self.spans.pop(i + 1)
-            self.spans[i][1:] = [nxt[1], crc32_combine(self.spans[i][2], nxt[2], nxt[1] - nxt[0])]
-        if i > 0 and self.spans[i - 1][1] == begin:
-            cur = self.spans.pop(i)
-            self.spans[i - 1][1:] = [cur[1], crc32_combine(self.spans[i - 1][2], cur[2], cur[1] - cur[0])]
+        self.read.add(begin, end, crc)  # a piece read twice: its first reading counts
 
     def gaps(self) -> list[tuple[int, int]]:
-        gaps, at = [], 0
-        for begin, end, _ in self.spans:
-            if begin > at:
-                gaps.append((at, begin))
-            at = end
-        if at < self.record.size:
-            gaps.append((at, self.record.size))
-        return gaps
+        return self.read.gaps(self.record.size)
 
     def complete(self) -> bool:
-        return len(self.spans) == 1 and self.spans[0][:2] == [0, self.record.size]
+        return self.read.covered(0, self.record.size) is not None
 
     def verify(self) -> None:
-        crc = self.spans[0][2] if self.spans else 0  # an empty record
+        crc = self.read.covered(0, self.record.size)
         if crc != self.record.crc:
             raise MergerError(f"checksum mismatch in tensor {self.name}: the CRC-32 of zip record "
                               f"{self.record.name} is {crc:08x} where the file records {self.record.crc:08x} "

@@ -36,12 +36,16 @@ def test_every_rank_checksums_its_share_of_the_files(ckpt, tmp_path):
         name: block_crc32(out / name, 256 << 20) for name in files}
 
 
-def test_one_file_is_hashed_by_every_rank(ckpt, tmp_path):
+@pytest.mark.parametrize("as_written", [True, False], ids=["crcs as written", "read back"])
+def test_one_file_is_hashed_by_every_rank(as_written, ckpt, tmp_path):
     """One output file, 2 ranks, 2000-byte checksum blocks (tests/helpers/small_blocks_merger.py sets merger's block
-    size; the real one is 256 MiB): each block's CRC-32 is zlib's over those bytes of the finished file, and
-    each rank read back and hashed half of the file, give or take a block."""
+    size; the real one is 256 MiB): each block's CRC-32 is zlib's over those bytes of the finished file. Combined
+    from the CRCs the ranks took as they wrote, no byte of the output is read back; with those CRCs refused
+    (MOST_PER_BLOCK 0), each rank read back and hashed half of the file, give or take a block."""
     out, hashed, block = tmp_path / "out", tmp_path / "hashed", 2000
     env = {"MERGER_TEST_CHECKSUM_BLOCK": str(block), "MERGER_TEST_HASHED": str(hashed)}
+    if not as_written:
+        env["MERGER_TEST_MOST_PER_BLOCK"] = "0"
     run(torchrun_cmd(2) + [str(SMALL_BLOCKS_MERGER), "merge", "--local_dir", str(ckpt), "--target_dir", str(out),
                            "--max_inflight", "1"], env=env)
     manifest = json.loads((out / "merge_manifest.json").read_text())
@@ -51,7 +55,10 @@ def test_one_file_is_hashed_by_every_rank(ckpt, tmp_path):
     assert manifest["output_files"]["model.safetensors"]["crc32_blocks"] == block_crc32(out / "model.safetensors",
                                                                                          block)
     per_rank = [int(Path(f"{hashed}.{rank}").read_text()) for rank in range(2)]
-    assert sum(per_rank) == size and abs(per_rank[0] - per_rank[1]) <= block, per_rank
+    if as_written:
+        assert per_rank == [0, 0]
+    else:
+        assert sum(per_rank) == size and abs(per_rank[0] - per_rank[1]) <= block, per_rank
 
 
 @pytest.mark.parametrize("sizes, world", [

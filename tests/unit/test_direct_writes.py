@@ -1,0 +1,136 @@
+"""Ranks of one host write an output file past the page cache (FileSink with direct=True, output/direct_writes.py):
+each piece's aligned middle through O_DIRECT, its edges buffered.
+
+Oracles: torch's own indexing for where each piece's rows land, and the kernel's page cache (mincore) for
+whether bytes went past it: written directly, a page is not cached; written buffered, it is.
+"""
+import ctypes
+import errno
+import mmap
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from merger.engine.plan import block_runs
+from merger.io.local import LIBC
+from merger.output import direct_writes
+from merger.output.files import FileSink
+
+pytestmark = pytest.mark.unit
+
+SHAPE = (96, 8191)  # bfloat16 rows of 16382 bytes: pieces start and end off the 4 KiB grid
+HEADER = b"h" * 1001
+PAGE = mmap.PAGESIZE
+
+
+class _OneTensor:
+    """The least of a plan FileSink writes through: one file holding one bfloat16 tensor after a header."""
+
+    def __init__(self):
+        nbytes = SHAPE[0] * SHAPE[1] * 2
+        self.files = [SimpleNamespace(name="model.safetensors", prefix=HEADER)]
+        self.location = {"w": (0, SimpleNamespace(begin=0, end=nbytes))}
+
+    def create(self, folder: Path) -> Path:
+        path = folder / self.files[0].name
+        with open(path, "wb") as f:
+            f.write(HEADER)
+            f.truncate(len(HEADER) + self.location["w"][1].end)
+        return path
+
+
+SPEC = SimpleNamespace(name="w", dtype=torch.bfloat16, shape=SHAPE)
+# Row blocks of the tensor, dealt to two ranks in turn: from one row (16 KiB, buffered whole) to 40 (640 KiB).
+ROWS = [(0, 40), (40, 41), (41, 60), (60, 61), (61, 96)]
+
+
+def _cached_pages(path: Path) -> list[bool]:
+    """Per page of `path`: whether the page cache holds it (mincore on a mapping of the file)."""
+    size = path.stat().st_size
+    LIBC.mmap.restype = ctypes.c_void_p
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = LIBC.mmap(None, ctypes.c_size_t(size), mmap.PROT_READ, mmap.MAP_SHARED, fd, ctypes.c_long(0))
+        assert address not in (None, ctypes.c_void_p(-1).value)
+        pages = -(-size // PAGE)
+        vec = (ctypes.c_ubyte * pages)()
+        assert LIBC.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0
+        LIBC.munmap(ctypes.c_void_p(address), ctypes.c_size_t(size))
+    finally:
+        os.close(fd)
+    return [bool(v & 1) for v in vec]
+
+
+def _takes_o_direct(folder: Path) -> bool:
+    """Whether the filesystem of `folder` takes an aligned O_DIRECT write (asked of the kernel, not of merger)."""
+    buffer = mmap.mmap(-1, PAGE)
+    try:
+        fd = os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+    except OSError:
+        return False
+    try:
+        return os.pwrite(fd, buffer, 0) == PAGE
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(folder / "probe")
+
+
+def _write(tmp_path: Path, direct: bool) -> tuple[Path, torch.Tensor]:
+    whole = torch.randn(SHAPE).to(torch.bfloat16)
+    plan = _OneTensor()
+    path = plan.create(tmp_path)
+    ranks = [FileSink(tmp_path, plan, direct=direct) for _ in range(2)]
+    for k, (lo, hi) in enumerate(ROWS):
+        piece = SimpleNamespace(offsets=(lo, 0), sizes=(hi - lo, SHAPE[1]))
+        ranks[k % 2].put_part(SPEC, block_runs(SHAPE, piece), whole[lo:hi].contiguous())
+    for sink in ranks:
+        sink.close()
+    return path, whole
+
+
+def test_two_ranks_write_one_file_past_the_page_cache(tmp_path):
+    """The file holds every row where torch's indexing puts it; the pages of the large pieces' middles were never
+    cached, those of their edges and of the one-row pieces were."""
+    if not _takes_o_direct(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT writes")
+    path, whole = _write(tmp_path, direct=True)
+    cached = _cached_pages(path)
+    row = SHAPE[1] * 2
+    direct_pages, buffered_pages = set(), set()
+    for lo, hi in ROWS:
+        start, end = len(HEADER) + lo * row, len(HEADER) + hi * row
+        inside = range(-(-start // PAGE), (end // PAGE))  # pages the piece fills whole
+        (direct_pages if end - start >= direct_writes.SMALLEST else buffered_pages).update(inside)
+    assert direct_pages and buffered_pages
+    assert not any(cached[p] for p in direct_pages)
+    assert all(cached[p] for p in buffered_pages)
+    assert path.read_bytes() == HEADER + whole.view(torch.uint8).numpy().tobytes()
+
+
+def test_buffered_writes_stay_in_the_page_cache(tmp_path):
+    """The same writes without direct: every page of the file is cached (what the test above tells apart)."""
+    path, whole = _write(tmp_path, direct=False)
+    assert all(_cached_pages(path))
+    assert path.read_bytes() == HEADER + whole.view(torch.uint8).numpy().tobytes()
+
+
+def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(tmp_path, monkeypatch):
+    """Where opening with O_DIRECT fails with EINVAL (tmpfs before Linux 6.6, some FUSE mounts), the sink writes
+    everything buffered from then on: the same bytes, every page cached."""
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    path, whole = _write(tmp_path, direct=True)
+    monkeypatch.undo()
+    assert all(_cached_pages(path))
+    assert path.read_bytes() == HEADER + whole.view(torch.uint8).numpy().tobytes()
