@@ -11,12 +11,16 @@ one file together went as fast as the disk.
 O_DIRECT wants the file offset, the length and the memory address aligned to the device's logical block (512 B
 or 4 KiB; ALIGN covers both). So each write is split: the aligned middle of a piece goes from a page-aligned
 bounce buffer through a second, O_DIRECT descriptor of the same file, and its unaligned edges (a few KiB at
-most; all of a piece shorter than a block) through the ordinary one. Linux keeps the two coherent: a direct
+most; all of a piece shorter than SMALLEST) through the ordinary one. Linux keeps the two coherent: a direct
 write flushes and drops cached pages of its range first, and edges never share a page with a direct range.
+
+A direct write returns once the disk has the bytes, so the writes run on a thread of their own, two bounce
+buffers deep: the next chunk is copied while the disk takes the last, as the kernel's writeback would overlap
+them for a buffered write. `flush` waits for them: before a file is synced, and before bytes are read back.
 
 Only on the filesystems of write_turns.HOST_LOCAL: on NFS an O_DIRECT write is a synchronous round trip to the
 server. Where the filesystem refuses O_DIRECT (tmpfs before Linux 6.6, some FUSE mounts) or an aligned write
-(a device with larger blocks), the sink goes back to buffered writes for good, and nothing else changes.
+(a device with larger blocks), at open or at the first write, the sink goes back to buffered writes for good.
 """
 from __future__ import annotations
 
@@ -24,12 +28,14 @@ import errno
 import mmap
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ALIGN = 4096
-# Bytes per direct write: large enough that the disk streams (16 MiB writes ran at 1.6-2.4 GB/s here), small
-# enough that the bounce buffer is no memory to speak of.
+# Bytes per direct write: large enough that the disk streams (8-64 MiB writes all ran at 1.6-1.9 GB/s here),
+# small enough that the bounce buffers are no memory to speak of.
 CHUNK = 8 << 20
+DEPTH = 2  # bounce buffers: one being filled while the other is written
 # A piece shorter than this goes buffered whole: its aligned middle would be a direct write of a block or two.
 SMALLEST = 64 << 10
 # What O_DIRECT fails with where the filesystem or the device cannot take it (at open, or at the first write).
@@ -37,14 +43,23 @@ _REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 class DirectWrites:
-    """Writes the aligned middles of pieces into output files with O_DIRECT, one descriptor per file, from a
-    bounce buffer per writing thread. `available` turns False for good the first time the filesystem refuses."""
+    """Writes the aligned middles of pieces into output files with O_DIRECT, one descriptor per file, on a
+    thread of its own. `available` turns False for good when the filesystem refuses."""
 
     def __init__(self, available: bool):
         self.available = available and hasattr(os, "O_DIRECT")  # Linux
+        self.proven = False  # a first write went through: the filesystem takes them
         self.fds: dict[Path, int] = {}
         self.opening = threading.Lock()
-        self.local = threading.local()
+        self.pool: ThreadPoolExecutor | None = None
+        # The bounce buffers not in flight, how many there are, the writes in flight and the first one that
+        # failed: the sink's writer thread hands writes over, the write thread finishes them, and a checksum
+        # thread may wait for them (flush).
+        self.done = threading.Condition()
+        self.free: list[memoryview] = []
+        self.made = 0
+        self.pending = 0
+        self.error: OSError | None = None
 
     def split(self, at: int, size: int) -> tuple[int, int] | None:
         """[start, end) of bytes [at, at + size) of a file to write directly (aligned), None for none."""
@@ -54,24 +69,73 @@ class DirectWrites:
         return (start, end) if end > start else None
 
     def write(self, path: Path, data: memoryview, at: int) -> int:
-        """Write `data` (aligned: split's range) at `at` of `path`; the bytes written, less than all of them only
-        when the filesystem refused (the rest then goes buffered, as everything after it)."""
-        done = 0
+        """Hand over `data` (aligned: split's range) to be written at `at` of `path`; the bytes handed over, less
+        than all of them only when the filesystem refused (the rest then goes buffered, as everything after it).
+        An error of an earlier write is raised here or by flush."""
         try:
             fd = self._fd(path)
-            bounce = self._bounce()
-            while done < len(data):
-                n = min(CHUNK, len(data) - done)
-                bounce[:n] = data[done:done + n]
-                written = os.pwrite(fd, bounce[:n], at + done)
-                done += written
-                if written % ALIGN:  # a short write left the rest unaligned: buffered from here on
-                    break
         except OSError as e:
             if e.errno not in _REFUSED:
                 raise
             self.available = False
+            return 0
+        done = 0
+        while done < len(data):
+            n = min(CHUNK, len(data) - done)
+            bounce = self._bounce()
+            bounce[:n] = data[done:done + n]
+            if not self.proven:  # the first write waits: a filesystem may refuse it
+                try:
+                    _pwrite_all(fd, path, bounce[:n], at + done)
+                except OSError as e:
+                    if e.errno not in _REFUSED:
+                        raise
+                    self.available = False
+                    return done
+                finally:
+                    self._finished(bounce, None, started=False)
+                self.proven = True
+            else:
+                with self.done:
+                    self.pending += 1
+                self.pool.submit(self._write, fd, path, bounce, n, at + done)
+            done += n
         return done
+
+    def _write(self, fd: int, path: Path, bounce: memoryview, n: int, at: int) -> None:
+        error = None
+        try:
+            _pwrite_all(fd, path, bounce[:n], at)
+        except OSError as e:
+            error = e
+        self._finished(bounce, error)
+
+    def _finished(self, bounce: memoryview, error: OSError | None, started: bool = True) -> None:
+        with self.done:
+            self.free.append(bounce)
+            self.pending -= started
+            self.error = self.error or error
+            self.done.notify_all()
+
+    def _bounce(self) -> memoryview:
+        """A free bounce buffer, waiting for a write to finish when every one is in flight."""
+        with self.done:
+            if not self.free and self.made < DEPTH:  # an anonymous mapping: page-aligned, as O_DIRECT needs
+                self.made += 1
+                if self.pool is None:
+                    self.pool = ThreadPoolExecutor(1, thread_name_prefix="merger-direct")
+                return memoryview(mmap.mmap(-1, CHUNK))
+            self.done.wait_for(lambda: self.free or self.error)
+            if self.error is not None:
+                raise self.error
+            return self.free.pop()
+
+    def flush(self) -> None:
+        """Wait for every write handed over; raise the first that failed."""
+        with self.done:
+            self.done.wait_for(lambda: not self.pending)
+            if self.error is not None:
+                raise self.error
 
     def _fd(self, path: Path) -> int:
         with self.opening:
@@ -79,14 +143,32 @@ class DirectWrites:
                 self.fds[path] = os.open(path, os.O_WRONLY | os.O_DIRECT)
             return self.fds[path]
 
-    def _bounce(self) -> memoryview:
-        bounce = getattr(self.local, "bounce", None)
-        if bounce is None:  # an anonymous mapping: page-aligned, as O_DIRECT needs the memory to be
-            bounce = self.local.bounce = memoryview(mmap.mmap(-1, CHUNK))
-        return bounce
-
     def close(self, path: Path) -> None:
+        """After flush: close `path`'s descriptor."""
         with self.opening:
             fd = self.fds.pop(path, None)
         if fd is not None:
             os.close(fd)
+
+    def close_all(self) -> None:
+        """After shutdown: close every descriptor still open."""
+        for path in list(self.fds):
+            self.close(path)
+
+    def shutdown(self) -> None:
+        """Wait for the writes in flight (their errors are flush's to report) and end the write thread."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+
+def _pwrite_all(fd: int, path: Path, data: memoryview, at: int) -> None:
+    """Write all of `data` at `at`; an error names `path` (raised on another thread, it is reported later)."""
+    done = 0
+    while done < len(data):
+        try:
+            written = os.pwrite(fd, data[done:], at + done)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        done += written
+        if done < len(data) and (written == 0 or written % ALIGN):  # the rest would be unaligned
+            raise OSError(errno.EIO, f"a direct write stopped short at byte {at + done}", str(path))

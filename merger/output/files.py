@@ -180,16 +180,24 @@ class FileSink:
                 done = self.direct.write(path, data[start - at:end - at], start)
                 data, at = data[start - at + done:], start + done  # the tail, or what the filesystem refused
             self._write_buffered(fd, data, at)
-        except OSError as e:
-            raise MergerError(f"cannot write the merged model ({e.strerror}), {path}") from e
+        except OSError as e:  # an earlier direct write's, into another file perhaps: it names its file
+            raise MergerError(f"cannot write the merged model ({e.strerror}), {e.filename or path}") from e
 
     def _write_buffered(self, fd: int, data: memoryview, at: int) -> None:
         while len(data):
             n = write_at(fd, data[:WRITE_CHUNK], at, self.take_turns)
             data, at = data[n:], at + n
 
+    def flush_writes(self) -> None:
+        """Wait for the direct writes in flight: the bytes handed over so far are then in their files."""
+        try:
+            self.direct.flush()
+        except OSError as e:
+            raise MergerError(f"cannot write the merged model ({e.strerror}), {e.filename}") from e
+
     def sync(self, indices) -> None:
         """Flush and close the files this rank wrote among `indices` (they are complete: none writes them again)."""
+        self.flush_writes()
         for index in indices:
             with self.opening:
                 fd = self.fds.pop(index, None)
@@ -212,7 +220,16 @@ class FileSink:
             start_writeback(fd)
 
     def close(self) -> None:
-        self.sync(list(self.fds))
+        """Flush and close every file still open; after a failure, the files left open are closed all the same."""
+        try:
+            self.sync(list(self.fds))
+        finally:
+            self.direct.shutdown()
+            with self.opening:
+                fds, self.fds = list(self.fds.values()), {}
+            for fd in fds:
+                os.close(fd)
+            self.direct.close_all()
 
 
 def _write_into(stage: Path, name: str, data: bytes) -> None:

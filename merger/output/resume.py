@@ -416,7 +416,11 @@ class FileTracker:
             start, end = block_span(f.size, self.block, k)
             spans = self.spans.pop((index, k), None)
             crc = spans.covered(start, end) if spans is not None else None
-            digest = crc32_hex(crc) if crc is not None else crc32_range(self.stage / f.name, start, end, self.buffer)
+            if crc is not None:
+                digest = crc32_hex(crc)
+            else:  # read back, once the direct writes in flight (into this block perhaps) are done
+                self.sink.flush_writes()
+                digest = crc32_range(self.stage / f.name, start, end, self.buffer)
         else:
             digest = self.sender.part_written(self.stage / f.name, f.name, f.size, block_span(f.size, self.block, k),
                                               part)

@@ -31,9 +31,9 @@ def _libdeflate() -> Callable | None:
     return fn
 
 
-def crc32(view: memoryview, crc: int = 0) -> int:
-    """zlib.crc32(view, crc), through libdeflate where `view` is writable (as ctypes needs to pass it)."""
-    fast = _libdeflate()
+def crc32(data, crc: int = 0) -> int:
+    """zlib.crc32(data, crc) of a buffer, through libdeflate where it is writable (as ctypes needs to pass it)."""
+    fast, view = _libdeflate(), memoryview(data)
     if fast is None or not len(view) or view.readonly:
         return zlib.crc32(view, crc)
     return fast(crc, ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view))

@@ -4,10 +4,12 @@ each piece's aligned middle through O_DIRECT, its edges buffered.
 Oracles: torch's own indexing for where each piece's rows land, and the kernel's page cache (mincore) for
 whether bytes went past it: written directly, a page is not cached; written buffered, it is.
 """
+import contextlib
 import ctypes
 import errno
 import mmap
 import os
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from merger.engine.plan import block_runs
+from merger.errors import MergerError
 from merger.io.local import LIBC
 from merger.output import direct_writes
 from merger.output.files import FileSink
@@ -80,16 +83,19 @@ def _takes_o_direct(folder: Path) -> bool:
         os.unlink(folder / "probe")
 
 
-def _write(tmp_path: Path, direct: bool) -> tuple[Path, torch.Tensor]:
+def _write(tmp_path: Path, direct: bool, ranks: list[FileSink] | None = None) -> tuple[Path, torch.Tensor]:
+    """The tensor's row blocks written by two sinks (two ranks; made here unless given) taking turns; both closed,
+    whatever happens."""
     whole = torch.randn(SHAPE).to(torch.bfloat16)
     plan = _OneTensor()
     path = plan.create(tmp_path)
-    ranks = [FileSink(tmp_path, plan, direct=direct) for _ in range(2)]
-    for k, (lo, hi) in enumerate(ROWS):
-        piece = SimpleNamespace(offsets=(lo, 0), sizes=(hi - lo, SHAPE[1]))
-        ranks[k % 2].put_part(SPEC, block_runs(SHAPE, piece), whole[lo:hi].contiguous())
-    for sink in ranks:
-        sink.close()
+    ranks = ranks if ranks is not None else [FileSink(tmp_path, plan, direct=direct) for _ in range(2)]
+    with contextlib.ExitStack() as closing:
+        for sink in ranks:
+            closing.callback(sink.close)
+        for k, (lo, hi) in enumerate(ROWS):
+            piece = SimpleNamespace(offsets=(lo, 0), sizes=(hi - lo, SHAPE[1]))
+            ranks[k % 2].put_part(SPEC, block_runs(SHAPE, piece), whole[lo:hi].contiguous())
     return path, whole
 
 
@@ -134,3 +140,25 @@ def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(tmp_path, monke
     monkeypatch.undo()
     assert all(_cached_pages(path))
     assert path.read_bytes() == HEADER + whole.view(torch.uint8).numpy().tobytes()
+
+
+def test_a_direct_write_that_fails_on_its_thread_is_one_clear_error(tmp_path):
+    """On a 768 KiB tmpfs, which takes the first 640 KiB piece (written and waited for: the filesystem takes
+    O_DIRECT) but not the 1.5 MiB tensor, the disk fills up under a write in flight on the direct-write thread:
+    it is reported as one MergerError naming the file, as a buffered write that fails is."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=768k", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        if not _takes_o_direct(mnt):
+            pytest.skip(f"this kernel's tmpfs refuses O_DIRECT writes (Linux 6.6 and later take them), {mnt}")
+        ranks = [FileSink(mnt, _OneTensor(), direct=True) for _ in range(2)]
+        with pytest.raises(MergerError) as failed:
+            _write(mnt, True, ranks)
+        assert ranks[0].direct.proven and ranks[0].direct.error is not None  # failed after the first, on the thread
+        path = mnt / "model.safetensors"
+        assert str(failed.value) == f"cannot write the merged model (No space left on device), {path}"
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
