@@ -21,6 +21,7 @@ from .api.flags import build_parser, options_from_args
 from .engine.source_check import SourceCheck
 from .engine.torchrun_error import record_for_torchrun
 from .errors import AgreedError, Interrupted, MergerError, UsageError, show_error_line
+from .io import scratch_folders
 from .units import format_size
 
 
@@ -121,6 +122,7 @@ def command() -> NoReturn:
             stream.flush()
         except (OSError, ValueError):  # the reader is gone (`merger inspect ... | head`) or the stream closed
             pass
+    scratch_folders.remove_all()  # their atexit handler never runs
     os._exit(code)
 
 

@@ -126,11 +126,17 @@ def files_to_copy(folder: Path) -> list[Path]:
     return files
 
 
+def _not_weights(name: str) -> bool:
+    # One function for every call: fetched_folder caches per (folder, predicate), and a new lambda at each call
+    # fetched the folder again (twice per merge from a bucket).
+    return not is_weight_file(name)
+
+
 def local_config_folder(folder: Path | ObjectPath) -> Path:
     """A model's folder where transformers can read its config: itself, or for a folder in a bucket, a local copy
     of its config, tokenizer and other small files (its weights are read where they lie)."""
     if is_remote(folder):
-        return fetched_folder(folder, lambda name: not is_weight_file(name))
+        return fetched_folder(folder, _not_weights)
     return folder
 
 

@@ -21,7 +21,7 @@ from merger.catalog import Catalog
 from tests.helpers.files import assert_same_files
 from tests.helpers.in_process import single_error_line
 from tests.helpers.object_store import KEY_ID, SECRET, ObjectStore, moto_server
-from tests.helpers.processes import free_port, run_merger, subprocess_env
+from tests.helpers.processes import free_port, run_merger, start_merger, subprocess_env
 from tests.helpers.weights import assert_same_weights
 
 pytest.importorskip("moto", reason="moto[server] (a test extra) runs the S3 server these tests read from")
@@ -144,6 +144,26 @@ def test_verl_fsdp_rank_files_from_a_bucket(store, fsdp_checkpoint, nproc, tmp_p
     rank_bytes = sum(p.stat().st_size for p in actor.glob("model_world_size_*.pt"))
     fetched = sum(json.loads((tmp_path / "summary.json").read_text())["fetched_bytes_per_rank"])
     assert rank_bytes <= fetched <= 1.05 * rank_bytes + (1 << 20)
+
+
+def test_a_merge_from_a_bucket_leaves_no_local_copy_behind(store, fsdp_checkpoint, tmp_path):
+    """The local copy of the bucket's config folder (fetched once) and the sparse shadows of its rank files are
+    removed when the `merger` command ends (with os._exit, which runs no atexit handler), not left in $TMPDIR."""
+    actor, reference = fsdp_checkpoint()
+    url = store.upload(actor, "ckpt", "runs/fsdp_scratch/global_step_1/actor")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = start_merger("merge", "--local_dir", url, "--target_dir", tmp_path / "out",
+                        env={**store.env, "TMPDIR": str(scratch)})
+    made = set()  # the folders seen while it runs (each lives until the end): the merge must make both kinds
+    while proc.poll() is None:
+        made |= {folder.name for folder in scratch.glob("merger-*")}
+        time.sleep(0.01)
+    assert proc.returncode == 0, proc.communicate()[1]
+    kinds = [name.rsplit("-", 1)[0] for name in made]
+    assert kinds.count("merger-fetched") == 1 and set(kinds) == {"merger-fetched", "merger-shadow"}, made
+    assert_same_weights(tmp_path / "out", reference, torch.bfloat16)
+    assert not list(scratch.glob("merger-*")), list(scratch.iterdir())
 
 
 @pytest.mark.parametrize("fmt", ["dist", "legacy"])

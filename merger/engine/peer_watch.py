@@ -36,6 +36,7 @@ from dataclasses import asdict
 from typing import Callable
 
 from ..errors import show_error_line
+from ..io import scratch_folders
 from .process_id import ProcessId
 from .torchrun_error import record_for_torchrun
 
@@ -281,4 +282,5 @@ class PeerWatch:
                 show_error_line(line)
             record_for_torchrun(line)  # every rank that ends here: torchrun's report names the loss
             sys.stdout.flush()
+            scratch_folders.remove_all()  # their atexit handler never runs
             os._exit(status)

@@ -2,14 +2,12 @@
 local folder, so that transformers reads them and the output copies them as it does a local config folder."""
 from __future__ import annotations
 
-import atexit
-import shutil
-import tempfile
 from functools import cache
 from pathlib import Path
 
 from ..errors import MergerError
 from .locations import ObjectPath
+from .scratch_folders import scratch_folder
 
 _LARGEST = 64 << 20  # a file past this is no config or tokenizer: not fetched
 _ORIGINS: dict[Path, ObjectPath] = {}  # each local copy -> the folder it was fetched from
@@ -26,8 +24,7 @@ def fetched_folder(folder: ObjectPath, wanted) -> Path:
     process ends. Fetched once per process."""
     if not folder.is_dir():
         raise MergerError(f"HF config folder does not exist, {folder}")
-    local = Path(tempfile.mkdtemp(prefix="merger-fetched-"))
-    atexit.register(shutil.rmtree, local, ignore_errors=True)
+    local = scratch_folder("merger-fetched-")
     storage = folder.storage
     for entry in storage.list(folder.key):
         if entry.is_dir or not wanted(entry.name):

@@ -8,16 +8,14 @@ storage where it lies in the object, and the merge reads its bytes from the obje
 """
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import BinaryIO
 
 from .locations import is_remote, storage_of
 from .range_file import RangeFile
+from .scratch_folders import scratch_folder
 
 _HEADER = 30  # a zip local header's fixed part
 _PADDING = 128  # torch pads a record's extra field so its data starts 64-byte aligned: kept whole with this
@@ -57,9 +55,7 @@ def zip_shadow(file: str) -> str:
             ranges = _kept_ranges(infos, size, directory_start)
         except zipfile.BadZipFile:
             ranges = [(0, min(size, 1 << 16))]
-        folder = tempfile.mkdtemp(prefix="merger-shadow-")
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        shadow = str(Path(folder) / Path(key).name)
+        shadow = str(scratch_folder("merger-shadow-") / Path(key).name)
         with open(shadow, "wb") as f:
             f.truncate(size)
             for (start, _), data in zip(ranges, storage.read_ranges(key, ranges)):
