@@ -30,6 +30,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 ALIGN = 4096
 # Bytes per direct write: large enough that the disk streams (8-64 MiB writes all ran at 1.6-1.9 GB/s here),
@@ -68,10 +69,12 @@ class DirectWrites:
         start, end = -(-at // ALIGN) * ALIGN, (at + size) // ALIGN * ALIGN
         return (start, end) if end > start else None
 
-    def write(self, path: Path, data: memoryview, at: int) -> int:
+    def write(self, path: Path, data: memoryview, at: int,
+              seen: Callable[[memoryview, int], None] | None = None) -> int:
         """Hand over `data` (aligned: split's range) to be written at `at` of `path`; the bytes handed over, less
         than all of them only when the filesystem refused (the rest then goes buffered, as everything after it).
-        An error of an earlier write is raised here or by flush."""
+        `seen(chunk, offset)` is shown each chunk handed over, in order, from the bounce buffer it was just copied
+        into. An error of an earlier write is raised here or by flush."""
         try:
             fd = self._fd(path)
         except OSError as e:
@@ -87,6 +90,8 @@ class DirectWrites:
             if not self.proven:  # the first write waits: a filesystem may refuse it
                 try:
                     _pwrite_all(fd, path, bounce[:n], at + done)
+                    if seen is not None:
+                        seen(bounce[:n], at + done)
                 except OSError as e:
                     if e.errno not in _REFUSED:
                         raise
@@ -96,6 +101,8 @@ class DirectWrites:
                     self._finished(bounce, None, started=False)
                 self.proven = True
             else:
+                if seen is not None:  # while the chunk is in the cache from its copy
+                    seen(bounce[:n], at + done)
                 with self.done:
                     self.pending += 1
                 self.pool.submit(self._write, fd, path, bounce, n, at + done)

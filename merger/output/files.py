@@ -169,21 +169,23 @@ class FileSink:
         return self.crcs
 
     def _write(self, fd: int, index: int, data: memoryview, at: int) -> None:
-        if self.crcs is not None:
-            self.crcs.add(index, data, at)
         path = self.stage / self.plan.files[index].name
         direct = self.direct.split(at, len(data))
         try:
             if direct is not None:
                 start, end = direct
-                self._write_buffered(fd, data[:start - at], at)
-                done = self.direct.write(path, data[start - at:end - at], start)
+                self._write_buffered(fd, index, data[:start - at], at)
+                # the middle's CRC taken from the bounce buffer, each chunk right after its copy, while it is cached
+                seen = None if self.crcs is None else lambda chunk, chunk_at: self.crcs.add(index, chunk, chunk_at)
+                done = self.direct.write(path, data[start - at:end - at], start, seen)
                 data, at = data[start - at + done:], start + done  # the tail, or what the filesystem refused
-            self._write_buffered(fd, data, at)
+            self._write_buffered(fd, index, data, at)
         except OSError as e:  # an earlier direct write's, into another file perhaps: it names its file
             raise MergerError(f"cannot write the merged model ({e.strerror}), {e.filename or path}") from e
 
-    def _write_buffered(self, fd: int, data: memoryview, at: int) -> None:
+    def _write_buffered(self, fd: int, index: int, data: memoryview, at: int) -> None:
+        if self.crcs is not None:
+            self.crcs.add(index, data, at)
         while len(data):
             n = write_at(fd, data[:WRITE_CHUNK], at, self.take_turns)
             data, at = data[n:], at + n

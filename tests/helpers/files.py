@@ -1,8 +1,12 @@
-"""Files on disk: a snapshot to prove nothing was written, the disk space a folder takes, and damage done the way a
-test needs it (found by content or rewritten with torch's own classes, never by merger's idea of the file)."""
+"""Files on disk: a snapshot to prove nothing was written, the disk space a folder takes, which pages of a file the
+page cache holds, and damage done the way a test needs it (found by content or rewritten with torch's own
+classes, never by merger's idea of the file)."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
+import mmap
 import os
 import threading
 import time
@@ -95,3 +99,44 @@ def peak_allocated(folder: Path):
     finally:
         done.set()
         sampler.join()
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def cached_pages(path: Path) -> list[bool]:
+    """Per page (mmap.PAGESIZE) of `path`: whether the page cache holds it, as the kernel's mincore tells of a
+    mapping of the file (mapping it reads nothing in)."""
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+        try:
+            assert _LIBC.mincore(address, size, vec) == 0, ctypes.get_errno()
+        finally:
+            _LIBC.munmap(address, size)
+    finally:
+        os.close(fd)
+    return [bool(v & 1) for v in vec]
+
+
+def takes_o_direct(folder: Path) -> bool:
+    """Whether the filesystem of `folder` takes an aligned O_DIRECT write (asked of the kernel, not of merger)."""
+    buffer = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        fd = os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+    except OSError:
+        return False
+    try:
+        return os.pwrite(fd, buffer, 0) == mmap.PAGESIZE
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(folder / "probe")

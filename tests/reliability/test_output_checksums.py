@@ -9,19 +9,23 @@ the processes' exit codes; single-process cases call the CLI in this process to 
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from pathlib import Path
 
 import pytest
+import torch
 
 from merger.cli import main
 from merger.output.resume import CHECKSUM_BLOCK, deal_blocks
-from tests.helpers.files import block_crc32
+from tests.helpers.files import block_crc32, cached_pages, takes_o_direct
 from tests.helpers.paths import HELPERS
 from tests.helpers.processes import run, run_merger, torchrun_cmd
 from tests.helpers.reliability import SMALL
+from tests.helpers.weights import assert_same_weights
 
 SMALL_BLOCKS_MERGER = HELPERS / "small_blocks_merger.py"
+PAGE = mmap.PAGESIZE
 
 
 def test_every_rank_checksums_its_share_of_the_files(ckpt, tmp_path):
@@ -59,6 +63,40 @@ def test_one_file_is_hashed_by_every_rank(as_written, ckpt, tmp_path):
         assert per_rank == [0, 0]
     else:
         assert sum(per_rank) == size and abs(per_rank[0] - per_rank[1]) <= block, per_rank
+
+
+def test_two_ranks_of_a_host_write_past_the_page_cache_and_checksum_what_they_wrote(fsdp_checkpoint, tmp_path):
+    """A verl checkpoint with 0.5-2 MiB pieces (hidden 512) merged to bf16 by 2 ranks of this host into one file,
+    1 MiB checksum blocks: the weights are the model's own, every block's CRC-32 is zlib's over the finished
+    file, no byte was read back to get them, and the pieces' middles never entered the page cache (written with
+    O_DIRECT: mincore, right after the merge, finds those pages uncached)."""
+    actor, reference = fsdp_checkpoint("llama", 2, extra=("--hidden", "512"))
+    out, hashed, block = tmp_path / "out", tmp_path / "hashed", 1 << 20
+    env = {"MERGER_TEST_CHECKSUM_BLOCK": str(block), "MERGER_TEST_HASHED": str(hashed)}
+    run(torchrun_cmd(2) + [str(SMALL_BLOCKS_MERGER), "merge", "--local_dir", str(actor), "--target_dir", str(out),
+                           "--dtype", "bfloat16", "--max_shard_size", "1GB", "--device", "cpu"], env=env)
+    file = out / "model.safetensors"
+    cached = cached_pages(file)
+    if all(cached):
+        assert not takes_o_direct(tmp_path), "every page of the output went through the page cache"
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT writes")
+    # Each tensor's rows are split between the 2 ranks: the middle of each half, as pages, skipped the cache.
+    middles = [page for a, b in _halves(file) if b - a >= 1 << 18
+               for page in range(-(-a // PAGE) + 1, b // PAGE - 1)]
+    assert middles and not any(cached[page] for page in middles)
+    manifest = json.loads((out / "merge_manifest.json").read_text())
+    assert manifest["output_files"][file.name]["crc32_blocks"] == block_crc32(file, block)
+    assert [int(Path(f"{hashed}.{rank}").read_text()) for rank in range(2)] == [0, 0]
+    assert_same_weights(out, reference, torch.bfloat16)
+
+
+def _halves(file: Path) -> list[tuple[int, int]]:
+    """The byte ranges of each tensor's two halves by rows (what each of 2 ranks writes of an FSDP-sharded tensor)."""
+    halves = []
+    for a, b in _tensor_spans(file).values():
+        mid = a + (b - a) // 2
+        halves += [(a, mid), (mid, b)]
+    return halves
 
 
 @pytest.mark.parametrize("sizes, world", [

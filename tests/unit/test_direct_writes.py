@@ -5,7 +5,6 @@ Oracles: torch's own indexing for where each piece's rows land, and the kernel's
 whether bytes went past it: written directly, a page is not cached; written buffered, it is.
 """
 import contextlib
-import ctypes
 import errno
 import mmap
 import os
@@ -18,9 +17,9 @@ import torch
 
 from merger.engine.plan import block_runs
 from merger.errors import MergerError
-from merger.io.local import LIBC
 from merger.output import direct_writes
 from merger.output.files import FileSink
+from tests.helpers.files import cached_pages, takes_o_direct
 
 pytestmark = pytest.mark.unit
 
@@ -50,39 +49,6 @@ SPEC = SimpleNamespace(name="w", dtype=torch.bfloat16, shape=SHAPE)
 ROWS = [(0, 40), (40, 41), (41, 60), (60, 61), (61, 96)]
 
 
-def _cached_pages(path: Path) -> list[bool]:
-    """Per page of `path`: whether the page cache holds it (mincore on a mapping of the file)."""
-    size = path.stat().st_size
-    LIBC.mmap.restype = ctypes.c_void_p
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        address = LIBC.mmap(None, ctypes.c_size_t(size), mmap.PROT_READ, mmap.MAP_SHARED, fd, ctypes.c_long(0))
-        assert address not in (None, ctypes.c_void_p(-1).value)
-        pages = -(-size // PAGE)
-        vec = (ctypes.c_ubyte * pages)()
-        assert LIBC.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0
-        LIBC.munmap(ctypes.c_void_p(address), ctypes.c_size_t(size))
-    finally:
-        os.close(fd)
-    return [bool(v & 1) for v in vec]
-
-
-def _takes_o_direct(folder: Path) -> bool:
-    """Whether the filesystem of `folder` takes an aligned O_DIRECT write (asked of the kernel, not of merger)."""
-    buffer = mmap.mmap(-1, PAGE)
-    try:
-        fd = os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
-    except OSError:
-        return False
-    try:
-        return os.pwrite(fd, buffer, 0) == PAGE
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        os.unlink(folder / "probe")
-
-
 def _write(tmp_path: Path, direct: bool, ranks: list[FileSink] | None = None) -> tuple[Path, torch.Tensor]:
     """The tensor's row blocks written by two sinks (two ranks; made here unless given) taking turns; both closed,
     whatever happens."""
@@ -102,10 +68,10 @@ def _write(tmp_path: Path, direct: bool, ranks: list[FileSink] | None = None) ->
 def test_two_ranks_write_one_file_past_the_page_cache(tmp_path):
     """The file holds every row where torch's indexing puts it; the pages of the large pieces' middles were never
     cached, those of their edges and of the one-row pieces were."""
-    if not _takes_o_direct(tmp_path):
+    if not takes_o_direct(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT writes")
     path, whole = _write(tmp_path, direct=True)
-    cached = _cached_pages(path)
+    cached = cached_pages(path)
     row = SHAPE[1] * 2
     direct_pages, buffered_pages = set(), set()
     for lo, hi in ROWS:
@@ -121,7 +87,7 @@ def test_two_ranks_write_one_file_past_the_page_cache(tmp_path):
 def test_buffered_writes_stay_in_the_page_cache(tmp_path):
     """The same writes without direct: every page of the file is cached (what the test above tells apart)."""
     path, whole = _write(tmp_path, direct=False)
-    assert all(_cached_pages(path))
+    assert all(cached_pages(path))
     assert path.read_bytes() == HEADER + whole.view(torch.uint8).numpy().tobytes()
 
 
@@ -138,7 +104,7 @@ def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(tmp_path, monke
     monkeypatch.setattr(os, "open", refusing_open)
     path, whole = _write(tmp_path, direct=True)
     monkeypatch.undo()
-    assert all(_cached_pages(path))
+    assert all(cached_pages(path))
     assert path.read_bytes() == HEADER + whole.view(torch.uint8).numpy().tobytes()
 
 
@@ -152,7 +118,7 @@ def test_a_direct_write_that_fails_on_its_thread_is_one_clear_error(tmp_path):
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
     try:
-        if not _takes_o_direct(mnt):
+        if not takes_o_direct(mnt):
             pytest.skip(f"this kernel's tmpfs refuses O_DIRECT writes (Linux 6.6 and later take them), {mnt}")
         ranks = [FileSink(mnt, _OneTensor(), direct=True) for _ in range(2)]
         with pytest.raises(MergerError) as failed:
