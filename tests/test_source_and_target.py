@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 import merger.api.pipeline
 from merger.engine.process_id import ProcessId
 from merger.output.target_lock import STALE_AFTER_S
-from tests.helpers.files import snapshot
+from tests.helpers.files import snapshot, tmpfs
 from tests.helpers.hub_cache import cache_model
 from tests.helpers.in_process import merge_here
 from tests.helpers.processes import run_merger
@@ -138,17 +138,10 @@ def test_a_target_that_cannot_be_renamed_into_place_is_refused_before_streaming(
     assert code == 1 and "symbolic link" in errors[0] and errors[0].endswith(str(link)), errors
     assert link.is_symlink() and list(real.iterdir()) == []
 
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "mnt", "size=1m") as mnt:
         code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", mnt)
         assert code == 1 and "mount point" in errors[0] and errors[0].endswith(str(mnt)), errors
         assert list(mnt.iterdir()) == [] and not list(tmp_path.glob(".mnt.merger*"))
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 # --- one merge per target -------------------------------------------------------------------------------------

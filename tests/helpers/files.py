@@ -8,12 +8,14 @@ import ctypes.util
 import hashlib
 import mmap
 import os
+import subprocess
 import threading
 import time
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -140,3 +142,17 @@ def takes_o_direct(folder: Path) -> bool:
     finally:
         os.close(fd)
         os.unlink(folder / "probe")
+
+
+@contextmanager
+def tmpfs(mnt: Path, options: str):
+    """A fresh tmpfs mounted at `mnt` (created) with mount `options` ("size=64k", "ro,size=1m") for the block
+    inside, unmounted after; the test is skipped where this process may not mount (not root)."""
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -11,12 +11,11 @@ from __future__ import annotations
 import logging
 import resource
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.files import snapshot
+from tests.helpers.files import snapshot, tmpfs
 from tests.helpers.in_process import merge_here
 from tests.helpers.processes import run_merger
 
@@ -24,16 +23,9 @@ from tests.helpers.processes import run_merger
 def _merge_into_tmpfs(capsys, tmp_path, mount_options: str, *args) -> tuple[int, list[str], Path, list[str]]:
     """Merge into `model` on a fresh tmpfs mounted with `mount_options`; returns the exit code, the error lines,
     the mount point and what the merge left there."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", mount_options, "tmpfs", str(mnt)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "mnt", mount_options) as mnt:
         code, errors = merge_here(capsys, *args, "--target_dir", mnt / "model")
         return code, errors, mnt, sorted(p.name for p in mnt.iterdir())
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_read_only_target(ckpt, tmp_path, capsys):

@@ -8,7 +8,6 @@ import contextlib
 import errno
 import mmap
 import os
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +18,7 @@ from merger.engine.plan import block_runs
 from merger.errors import MergerError
 from merger.output import direct_writes
 from merger.output.files import FileSink
-from tests.helpers.files import cached_pages, takes_o_direct
+from tests.helpers.files import cached_pages, takes_o_direct, tmpfs
 
 pytestmark = pytest.mark.unit
 
@@ -112,12 +111,7 @@ def test_a_direct_write_that_fails_on_its_thread_is_one_clear_error(tmp_path):
     """On a 768 KiB tmpfs, which takes the first 640 KiB piece (written and waited for: the filesystem takes
     O_DIRECT) but not the 1.5 MiB tensor, the disk fills up under a write in flight on the direct-write thread:
     it is reported as one MergerError naming the file, as a buffered write that fails is."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=768k", "tmpfs", str(mnt)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "mnt", "size=768k") as mnt:
         if not takes_o_direct(mnt):
             pytest.skip(f"this kernel's tmpfs refuses O_DIRECT writes (Linux 6.6 and later take them), {mnt}")
         ranks = [FileSink(mnt, _OneTensor(), direct=True) for _ in range(2)]
@@ -126,5 +120,3 @@ def test_a_direct_write_that_fails_on_its_thread_is_one_clear_error(tmp_path):
         assert ranks[0].direct.proven and ranks[0].direct.error is not None  # failed after the first, on the thread
         path = mnt / "model.safetensors"
         assert str(failed.value) == f"cannot write the merged model (No space left on device), {path}"
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
