@@ -98,7 +98,8 @@ class DirectWrites:
                     self.available = False
                     return done
                 finally:
-                    self._finished(bounce, None, started=False)
+                    with self.done:  # free again: only this thread waits for bounce buffers
+                        self.free.append(bounce)
                 self.proven = True
             else:
                 if seen is not None:  # while the chunk is in the cache from its copy
@@ -115,12 +116,9 @@ class DirectWrites:
             _pwrite_all(fd, path, bounce[:n], at)
         except OSError as e:
             error = e
-        self._finished(bounce, error)
-
-    def _finished(self, bounce: memoryview, error: OSError | None, started: bool = True) -> None:
         with self.done:
             self.free.append(bounce)
-            self.pending -= started
+            self.pending -= 1
             self.error = self.error or error
             self.done.notify_all()
 

@@ -169,7 +169,6 @@ class FileSink:
         return self.crcs
 
     def _write(self, fd: int, index: int, data: memoryview, at: int) -> None:
-        path = self.stage / self.plan.files[index].name
         direct = self.direct.split(at, len(data))
         try:
             if direct is not None:
@@ -177,11 +176,13 @@ class FileSink:
                 self._write_buffered(fd, index, data[:start - at], at)
                 # the middle's CRC taken from the bounce buffer, each chunk right after its copy, while it is cached
                 seen = None if self.crcs is None else lambda chunk, chunk_at: self.crcs.add(index, chunk, chunk_at)
-                done = self.direct.write(path, data[start - at:end - at], start, seen)
+                done = self.direct.write(self.stage / self.plan.files[index].name, data[start - at:end - at], start,
+                                         seen)
                 data, at = data[start - at + done:], start + done  # the tail, or what the filesystem refused
             self._write_buffered(fd, index, data, at)
-        except OSError as e:  # an earlier direct write's, into another file perhaps: it names its file
-            raise MergerError(f"cannot write the merged model ({e.strerror}), {e.filename or path}") from e
+        except OSError as e:  # an earlier direct write's, into another file perhaps, names its file
+            raise MergerError(f"cannot write the merged model ({e.strerror}), "
+                              f"{e.filename or self.stage / self.plan.files[index].name}") from e
 
     def _write_buffered(self, fd: int, index: int, data: memoryview, at: int) -> None:
         if self.crcs is not None:

@@ -44,8 +44,8 @@ from ..options import MergeOptions
 from ..sources.crc32 import CrcSpans, crc32
 from .files import FileSink
 from .manifest import Manifest, OutputEntry, read_manifest, write_manifest
-from .written_crcs import WrittenCrcs
 from .source_identity import source_folder
+from .written_crcs import WrittenCrcs
 
 log = logging.getLogger("merger")
 

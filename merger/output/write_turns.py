@@ -41,19 +41,16 @@ def filesystem_type(path: Path, mountinfo: str) -> str | None:
     return kind
 
 
-def on_host_filesystem(folder: Path) -> bool:
-    """Whether `folder` lies on a filesystem of this host (HOST_LOCAL): False where that cannot be told."""
-    try:
-        mountinfo = Path("/proc/self/mountinfo").read_text()
-    except OSError:  # not Linux, or no /proc
-        return False
-    return filesystem_type(folder.resolve(), mountinfo) in HOST_LOCAL
-
-
 def should_take_turns(folder: Path, ranks_on_host: int) -> bool:
     """Whether the ranks writing into `folder` should take turns: more than one of them on this host, and a
-    filesystem where flock stays on the host (elsewhere, the kernel's own locking decides)."""
-    return ranks_on_host >= 2 and on_host_filesystem(folder)
+    filesystem where flock stays on the host."""
+    if ranks_on_host < 2:
+        return False
+    try:
+        mountinfo = Path("/proc/self/mountinfo").read_text()
+    except OSError:  # not Linux, or no /proc: the kernel's own locking decides
+        return False
+    return filesystem_type(folder.resolve(), mountinfo) in HOST_LOCAL
 
 
 @contextmanager

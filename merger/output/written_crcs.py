@@ -19,8 +19,8 @@ MOST_PER_BLOCK = 1024
 
 
 class WrittenCrcs:
-    """(file index, offset, bytes, CRC-32) of the stretches of bytes written into `files`, each inside one block
-    of `block` bytes. Written by one thread at a time: the sink's writer, and the tracker between batches."""
+    """(file index, start, end, CRC-32) of the stretches of bytes written into `files`, each inside one block of
+    `block` bytes. Used by one thread at a time: the sink's writer, and the tracker between batches."""
 
     def __init__(self, files: frozenset[int], block: int):
         self.files, self.block = files, block

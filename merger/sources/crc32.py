@@ -6,8 +6,8 @@ function.
 
 `crc32_combine` is zlib's crc32_combine, which Python's zlib does not expose. Pieces of one torch.save record
 may be read out of order, in different batches, and an output block is written piece by piece by several ranks;
-combining their CRCs (`CrcSpans`) checks the record, or checksums the block, without reading any byte twice. CRCs are polynomials over GF(2) in reflected bit order: appending `n` bytes to a message
-multiplies its CRC by x^(8n) modulo the polynomial before the CRC of the appended bytes is added (XORed).
+combining their CRCs (`CrcSpans`) checks the record, or checksums the block, without reading any byte twice.
+CRCs are polynomials over GF(2) in reflected bit order: appending `n` bytes to a message multiplies its CRC by x^(8n) modulo the polynomial before the CRC of the appended bytes is added (XORed).
 """
 from __future__ import annotations
 
