@@ -38,7 +38,7 @@ from ..output.source_identity import check_unchanged, source_identity
 from ..output.summary import merge_summary, write_summary
 from ..output.target import Target, check_config_dir_entries, place, resolve_target
 from ..output.target_lock import TargetLock
-from ..output.write_turns import should_take_turns
+from ..output.write_turns import host_local, should_take_turns
 from ..sources import open_catalog
 from ..units import format_size
 from .bucket_merge import merge_into_bucket
@@ -232,11 +232,14 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
         todo = skip_finished(plan, set(reused))
         hosts = group.all_gather(socket.gethostname())
         one_host = len(set(hosts)) == 1  # one page cache: hash as batches land
-        # Ranks that take turns at a file (several on this host, a host-local filesystem) write past the page cache
-        # (direct_writes.py); a rank alone on its host keeps it, whose writeback overlaps the disk with the merge.
+        # On a host-local filesystem the pieces that lie aligned in the batch buffers are written past the page cache
+        # (direct_writes.py); ranks that take turns at a file (several on this host) write the rest so too, through
+        # bounce buffers, while a rank alone on its host writes it buffered, as cheap as the bounce copy.
         # An s3:// target's parts are read back from the stage as they are sent, where the page cache holds them.
-        turns = should_take_turns(stage, hosts.count(hosts[group.rank]))
-        sink = FileSink(stage, plan, skip=frozenset(reused), take_turns=turns, direct=turns and stream is None)
+        local = host_local(stage)
+        turns = should_take_turns(local, hosts.count(hosts[group.rank]))
+        sink = FileSink(stage, plan, skip=frozenset(reused), take_turns=turns, direct=local and stream is None,
+                        bounce=turns)
         sender = None if stream is None else stream.begin(
             group, {f.name: f.size for f in plan.files if f.name not in reused}, manifest.checksum_block_bytes,
             options.debug)

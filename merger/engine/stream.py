@@ -55,6 +55,27 @@ class CopyingSink(PartSink, Protocol):
         are to be checked against their torch.save record."""
 
 
+PAGE = 4096  # batch buffers start on a page, so that a piece can lie where a page of its file would (AligningSink)
+
+
+@runtime_checkable
+class AligningSink(PartSink, Protocol):
+    """A sink that writes pieces from the batch buffers after it was handed them (FileSink's direct writes, past
+    the page cache), where they lie in memory as they will in the file: modulo a PAGE. The stream lays out a
+    rank's own directly placed pieces so, hands them over with put_lasting, and leaves each batch's buffers
+    unchanged until the sink's flush_writes at the end of the batch."""
+
+    def alignment(self, spec: OutputSpec, runs: Runs, nbytes: int) -> int | None:
+        """Where in a PAGE of memory a piece of `nbytes` of output `spec`, filling `runs`, should start; None for
+        anywhere."""
+
+    def put_lasting(self, spec: OutputSpec, runs: Runs, piece: torch.Tensor) -> None:
+        """put_part for a piece that stays unchanged until flush_writes returns."""
+
+    def flush_writes(self) -> None:
+        """Return once the pieces handed over are written: their memory is then free to reuse."""
+
+
 def read_in_place(runs: Runs, item: int, source: int, source_at: int, file: str,
                   use: Callable[[int, torch.Tensor], None]) -> Placed:
     """For a sink that reads an unchanged piece where it lies instead of copying it (a comparison, a checksum):
@@ -141,23 +162,33 @@ class BatchBuffers:
     fills it; reused buffers are faulted in once. Each is allocated at the largest size any of its batches
     needs (the plan knows them all): grown batch by batch, it would be faulted in anew at every growth. In the
     read buffer the pieces for each peer lie in rank order, so the bytes to send are one block and go out
-    without a gathering copy; the rank's own come last.
+    without a gathering copy; the rank's own come last, each with up to a PAGE before it to lie as its sink
+    asks (AligningSink).
     """
 
     def __init__(self, batches: list[Batch], me: int):
-        def largest(counted: Callable[[Routes], np.ndarray]) -> int:
-            return max((int(_slot(b.routes.nbytes[counted(b.routes)]).sum()) for b in batches), default=0)
+        def largest(counted: Callable[[Routes], np.ndarray], padded: Callable[[Routes], np.ndarray] | None = None
+                    ) -> int:
+            return max((int(_slot(b.routes.nbytes[counted(b.routes)]).sum())
+                        + (PAGE * int(padded(b.routes).sum()) if padded else 0) for b in batches), default=0)
 
-        self.read = torch.empty(largest(lambda r: r.reader == me), dtype=torch.uint8)
+        self.read = _page_aligned(largest(lambda r: r.reader == me, lambda r: (r.reader == me) & (r.writer == me)))
         self.recv = torch.empty(largest(lambda r: (r.writer == me) & (r.reader != me)), dtype=torch.uint8)
 
 
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 buffer of `nbytes` that starts on a PAGE."""
+    whole = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    skip = -whole.data_ptr() % PAGE
+    return whole[skip:skip + nbytes]
+
+
 def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceReads, buffers: BatchBuffers,
-                copy_part: Callable | None, overflows: set[int]
+                copy_part: Callable | None, align: Callable | None, overflows: set[int]
                 ) -> tuple[dict[int, tuple[Route, torch.Tensor | None]], torch.Tensor, list[int]]:
     """This rank's pieces of the batch: those it writes itself, with their routes, by route index (None: copied
     into the output already, see _copier), and the block it sends with the bytes for each peer. Steps whose pieces
-    lost values in the cast are added to `overflows`."""
+    lost values in the cast are added to `overflows`. `align`: an AligningSink's alignment."""
     me = group.rank
     read_here = np.flatnonzero(batch.routes.reader == me)
     writer = batch.routes.writer[read_here]
@@ -178,6 +209,11 @@ def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceRea
         if copier is not None and reads.copy_unchanged(stored, route.copy.key, copier):
             local[i] = route, None  # written: the pieces a rank writes itself come last, so the send block is unchanged
             continue
+        if route.writer == me and align is not None and plan.writers[route.step] is None:
+            spec = plan.steps[route.step].outputs[0]
+            phase = align(spec, block_runs(spec.shape, route.piece), route.nbytes)
+            if phase is not None and phase % route.dtype.itemsize == 0:  # else a view of that dtype could not start there
+                at += (phase - at) % PAGE
         out = buf[at:at + route.nbytes].view(route.dtype).view(route.piece.sizes)
         at += _slot(route.nbytes)
         reads.copy(stored, out, route.copy.key)
@@ -227,6 +263,9 @@ class BatchObserver(Protocol):
 def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int,
                  local: dict[int, tuple[Route, torch.Tensor | None]],
                  sink: Sink, observer: BatchObserver | None, overflows: set[int]) -> None:
+    # pieces in the batch buffers: unchanged until the sink's flush_writes, which the caller calls (a plan that
+    # places no piece directly may go to a sink of whole tensors)
+    put = sink.put_lasting if isinstance(sink, AligningSink) else sink.put_part if isinstance(sink, PartSink) else None
     by_step: dict[int, list[tuple[Route, torch.Tensor]]] = {}
     here = batch.routes.writer == me
     elsewhere = set(batch.routes.step[~here].tolist())  # directly placed steps that other ranks write part of
@@ -243,7 +282,7 @@ def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int,
             spec = plan.steps[si].outputs[0]
             for route, piece in by_step.pop(si):  # cast by the reader already (the route's dtype is spec's)
                 if piece is not None:  # None: copied from the source file while reading
-                    sink.put_part(spec, block_runs(spec.shape, route.piece), piece)
+                    put(spec, block_runs(spec.shape, route.piece), piece)
         else:
             continue
         if observer and si not in elsewhere and all(o.rows is None for o in plan.steps[si].outputs):
@@ -284,6 +323,7 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
     error = None
     overflows: set[int] = set()  # steps whose float16 cast made an inf; added to by both threads
     copy_part = sink.copy_part if isinstance(sink, CopyingSink) else None  # asked once, not for every piece
+    align = sink.alignment if isinstance(sink, AligningSink) else None
     if reader is None:
         reader = catalog.open_reader()
         try:
@@ -294,6 +334,8 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
     def write(index: int, batch: Batch, local: dict[int, tuple[Route, torch.Tensor | None]]) -> str | None:
         try:
             _write_batch(plan, catalog, batch, group.rank, local, sink, observer, overflows)
+            if align is not None:  # the batch's buffers are read into again two batches on
+                sink.flush_writes()
             if observer:
                 observer.written(index)
         except Exception as e:  # noqa: BLE001 - reported at the next sync point
@@ -311,7 +353,7 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
             if error is None:
                 try:
                     local, send, send_split = _read_batch(plan, batch, group, reader, reads, buffers[index % 2],
-                                                          copy_part, overflows)
+                                                          copy_part, align, overflows)
                 except Exception as e:  # noqa: BLE001
                     error = describe_error(e, group.rank, debug)
             if writing is not None:

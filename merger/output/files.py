@@ -22,7 +22,7 @@ from ..hf_folder import INDEX, files_to_copy
 from ..mapping.steps import OutputSpec
 from ..sources.file_reads import Placed, source_shrank
 from ..units import format_size
-from .direct_writes import DirectWrites
+from .direct_writes import ALIGN, DirectWrites
 from .manifest import MANIFEST, Manifest, write_manifest
 from .written_crcs import WrittenCrcs
 from .write_turns import copy_at, write_at
@@ -82,13 +82,14 @@ _CANNOT_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 class FileSink:
     """Writes each output tensor's bytes at its planned offset; several ranks write one file side by side.
 
-    With `direct`, the aligned middle of each piece goes past the page cache (direct_writes.py)."""
+    With `direct`, the aligned middle of each piece that lies aligned in a batch buffer (put_lasting) goes past the
+    page cache, and with `bounce` that of every other piece too (direct_writes.py)."""
 
     def __init__(self, stage: Path, plan: Plan, skip: frozenset[str] = frozenset(), take_turns: bool = False,
-                 direct: bool = False):
+                 direct: bool = False, bounce: bool = True):
         self.stage, self.plan = stage, plan
         self.take_turns = take_turns  # with the other ranks of this host (write_turns.py)
-        self.direct = DirectWrites(direct)
+        self.direct = DirectWrites(direct, bounce)
         self.crcs: WrittenCrcs | None = None  # of the bytes written from memory, once write_crcs asks for them
         self.fds: dict[int, int] = {}
         # Pieces are copied on stream.py's main thread while its writer thread writes: both open files.
@@ -121,7 +122,7 @@ class FileSink:
                               f"do not fit its {planned} planned bytes")
         return index, len(self.plan.files[index].prefix) + entry.begin
 
-    def put_part(self, spec: OutputSpec, runs: Runs, piece: torch.Tensor) -> None:
+    def put_part(self, spec: OutputSpec, runs: Runs, piece: torch.Tensor, lasting: bool = False) -> None:
         """Write `piece`'s bytes into output `spec` where `runs` (plan.py) puts them: one write per run."""
         if self.plan.location[spec.name][0] in self.skip:
             return
@@ -131,7 +132,22 @@ class FileSink:
         fd = self._fd(index)
         size = runs.length * item
         for k, start in enumerate(runs.starts()):
-            self._write(fd, index, data[k * size:(k + 1) * size], base + start * item)
+            self._write(fd, index, data[k * size:(k + 1) * size], base + start * item, lasting)
+
+    def alignment(self, spec: OutputSpec, runs: Runs, nbytes: int) -> int | None:
+        """Where in a page of memory a piece of output `spec` of `nbytes` filling `runs` should start (its first
+        run's file offset modulo direct_writes.ALIGN) for its bytes to be written from there past the page cache;
+        None where no part of it would go direct."""
+        index, entry = self.plan.location[spec.name]
+        at = len(self.plan.files[index].prefix) + entry.begin + runs.start * spec.dtype.itemsize
+        if index in self.skip or self.direct.split(at, runs.length * spec.dtype.itemsize) is None:
+            return None
+        return at % ALIGN
+
+    def put_lasting(self, spec: OutputSpec, runs: Runs, piece: torch.Tensor) -> None:
+        """put_part for a piece in a batch buffer, unchanged until flush_writes returns: its bytes that lie aligned
+        (alignment) are written from where they are, after this returns."""
+        self.put_part(spec, runs, piece, lasting=True)
 
     def copy_part(self, spec: OutputSpec, runs: Runs, source: int, source_at: int,
                   source_name: str) -> Placed | None:
@@ -168,7 +184,7 @@ class FileSink:
         self.crcs = WrittenCrcs(files, block)
         return self.crcs
 
-    def _write(self, fd: int, index: int, data: memoryview, at: int) -> None:
+    def _write(self, fd: int, index: int, data: memoryview, at: int, lasting: bool = False) -> None:
         direct = self.direct.split(at, len(data))
         try:
             if direct is not None:
@@ -177,8 +193,8 @@ class FileSink:
                 # the middle's CRC taken from the bounce buffer, each chunk right after its copy, while it is cached
                 seen = None if self.crcs is None else lambda chunk, chunk_at: self.crcs.add(index, chunk, chunk_at)
                 done = self.direct.write(self.stage / self.plan.files[index].name, data[start - at:end - at], start,
-                                         seen)
-                data, at = data[start - at + done:], start + done  # the tail, or what the filesystem refused
+                                         seen, lasting)
+                data, at = data[start - at + done:], start + done  # the tail, or what went no further
             self._write_buffered(fd, index, data, at)
         except OSError as e:  # an earlier direct write's, into another file perhaps, names its file
             raise MergerError(f"cannot write the merged model ({e.strerror}), "

@@ -363,9 +363,9 @@ class FileTracker:
                 self._catch_up(sending)
 
     def written(self, index: int) -> None:
-        """On the writer thread, after batch `index`: its direct writes finished before the sync point that
-        confirms it (the rank of a block read back may be another one), and the files it completed synced."""
-        self.sink.flush_writes()
+        """On the writer thread, after batch `index`, whose direct writes the stream has waited for (so they are
+        done before the sync point that confirms it, where the rank of a block read back may be another one): the
+        files it completed synced."""
         self.sink.sync([i for i, last in self.last_batch.items() if last == index])
         self.sink.start_writeback()
 

@@ -41,16 +41,20 @@ def filesystem_type(path: Path, mountinfo: str) -> str | None:
     return kind
 
 
-def should_take_turns(folder: Path, ranks_on_host: int) -> bool:
-    """Whether the ranks writing into `folder` should take turns: more than one of them on this host, and a
-    filesystem where flock stays on the host."""
-    if ranks_on_host < 2:
-        return False
+def host_local(folder: Path) -> bool:
+    """Whether `folder` lies on a filesystem of this host (HOST_LOCAL), where flock stays on the host and a direct
+    write goes to a local disk (direct_writes.py)."""
     try:
         mountinfo = Path("/proc/self/mountinfo").read_text()
-    except OSError:  # not Linux, or no /proc: the kernel's own locking decides
+    except OSError:  # not Linux, or no /proc: nothing is known of it
         return False
     return filesystem_type(folder.resolve(), mountinfo) in HOST_LOCAL
+
+
+def should_take_turns(folder_is_host_local: bool, ranks_on_host: int) -> bool:
+    """Whether the ranks writing into a folder should take turns: more than one of them on this host, and a
+    filesystem where flock stays on the host (host_local)."""
+    return ranks_on_host > 1 and folder_is_host_local
 
 
 @contextmanager

@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from merger.cli import main
+from merger.output import direct_writes
 from merger.output.resume import CHECKSUM_BLOCK, deal_blocks
 from tests.helpers.files import block_crc32, cached_pages, takes_o_direct
 from tests.helpers.paths import HELPERS
@@ -65,28 +68,54 @@ def test_one_file_is_hashed_by_every_rank(as_written, ckpt, tmp_path):
         assert sum(per_rank) == size and abs(per_rank[0] - per_rank[1]) <= block, per_rank
 
 
-def test_two_ranks_of_a_host_write_past_the_page_cache_and_checksum_what_they_wrote(fsdp_checkpoint, tmp_path):
-    """A verl checkpoint with 0.5-2 MiB pieces (hidden 512) merged to bf16 by 2 ranks of this host into one file,
-    1 MiB checksum blocks: the weights are the model's own, every block's CRC-32 is zlib's over the finished
-    file, no byte was read back to get them, and the pieces' middles never entered the page cache (written with
-    O_DIRECT: mincore, right after the merge, finds those pages uncached)."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_ranks_of_a_host_write_past_the_page_cache_and_checksum_what_they_wrote(ranks, fsdp_checkpoint, tmp_path):
+    """A verl checkpoint with 0.5-2 MiB pieces (hidden 512) merged to bf16 into one file by 1 rank, or by 2 ranks
+    of this host, 1 MiB checksum blocks: the weights are the model's own, every block's CRC-32 is zlib's over
+    the finished file, no byte was read back to get them, and the pieces' middles never entered the page cache
+    (written with O_DIRECT: mincore, right after the merge, finds those pages uncached). A rank alone writes them
+    from its batch buffers, ranks that share the host through bounce buffers as well."""
     actor, reference = fsdp_checkpoint("llama", 2, extra=("--hidden", "512"))
     out, hashed, block = tmp_path / "out", tmp_path / "hashed", 1 << 20
     env = {"MERGER_TEST_CHECKSUM_BLOCK": str(block), "MERGER_TEST_HASHED": str(hashed)}
-    run(torchrun_cmd(2) + [str(SMALL_BLOCKS_MERGER), "merge", "--local_dir", str(actor), "--target_dir", str(out),
-                           "--dtype", "bfloat16", "--max_shard_size", "1GB", "--device", "cpu"], env=env)
+    start = torchrun_cmd(ranks) if ranks > 1 else [sys.executable]
+    run(start + [str(SMALL_BLOCKS_MERGER), "merge", "--local_dir", str(actor), "--target_dir", str(out),
+                 "--dtype", "bfloat16", "--max_shard_size", "1GB", "--device", "cpu"], env=env)
     file = out / "model.safetensors"
     cached = cached_pages(file)
     if all(cached):
         assert not takes_o_direct(tmp_path), "every page of the output went through the page cache"
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT writes")
-    # Each tensor's rows are split between the 2 ranks: the middle of each half, as pages, skipped the cache.
+    # Each tensor's rows are split between the 2 source ranks: the middle of each half, as pages, skipped the cache.
     middles = [page for a, b in _halves(file) if b - a >= 1 << 18
                for page in range(-(-a // PAGE) + 1, b // PAGE - 1)]
     assert middles and not any(cached[page] for page in middles)
     manifest = json.loads((out / "merge_manifest.json").read_text())
     assert manifest["output_files"][file.name]["crc32_blocks"] == block_crc32(file, block)
-    assert [int(Path(f"{hashed}.{rank}").read_text()) for rank in range(2)] == [0, 0]
+    assert [int(Path(f"{hashed}.{rank}").read_text()) for rank in range(ranks)] == [0] * ranks
+    assert_same_weights(out, reference, torch.bfloat16)
+
+
+def test_a_batch_buffer_is_read_into_again_only_once_its_direct_writes_are_done(fsdp_checkpoint, tmp_path,
+                                                                                monkeypatch):
+    """One rank writes the pieces of each batch straight from its batch buffers, and the buffers of batch k are read
+    into again for batch k + 2. With every direct write held back 20 ms on its thread (a slow disk) and 1 MiB
+    batches (many reuses), the merged weights are still the model's own: no buffer was refilled under a write."""
+    actor, reference = fsdp_checkpoint("llama", 2, extra=("--hidden", "512"))
+    if not takes_o_direct(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT writes")
+    slow, written = direct_writes._pwrite_all, []
+
+    def slow_disk(fd, path, data, at):
+        time.sleep(0.02)
+        written.append(len(data))
+        slow(fd, path, data, at)
+
+    monkeypatch.setattr(direct_writes, "_pwrite_all", slow_disk)
+    out = tmp_path / "out"
+    assert main(["merge", "--local_dir", str(actor), "--target_dir", str(out), "--dtype", "bfloat16",
+                 "--max_inflight", "1MiB", "--device", "cpu"]) == 0
+    assert len(written) > 20
     assert_same_weights(out, reference, torch.bfloat16)
 
 

@@ -120,3 +120,50 @@ def test_a_direct_write_that_fails_on_its_thread_is_one_clear_error(tmp_path):
         assert ranks[0].direct.proven and ranks[0].direct.error is not None  # failed after the first, on the thread
         path = mnt / "model.safetensors"
         assert str(failed.value) == f"cannot write the merged model (No space left on device), {path}"
+
+
+def _lasting(tmp_path: Path, aligned: bool) -> tuple[Path, torch.Tensor]:
+    """The tensor's row blocks handed by one rank alone on its host (no bounce buffers) to put_lasting from a
+    page-aligned buffer, each piece laid out where the sink asks (`alignment`) or a byte off the grid."""
+    whole = torch.randn(SHAPE).to(torch.bfloat16)
+    plan = _OneTensor()
+    path = plan.create(tmp_path)
+    sink = FileSink(tmp_path, plan, direct=True, bounce=False)
+    buffer = memoryview(mmap.mmap(-1, 4 * whole.numel()))  # page-aligned, as the stream's batch buffers are
+    try:
+        at = 0
+        for lo, hi in ROWS:
+            piece = SimpleNamespace(offsets=(lo, 0), sizes=(hi - lo, SHAPE[1]))
+            runs, nbytes = block_runs(SHAPE, piece), (hi - lo) * SHAPE[1] * 2
+            phase = sink.alignment(SPEC, runs, nbytes)
+            at += ((phase if phase is not None else 0) - at) % PAGE + (0 if aligned else 2)
+            slot = torch.frombuffer(buffer[at:at + nbytes], dtype=torch.bfloat16).view(hi - lo, SHAPE[1])
+            slot.copy_(whole[lo:hi])
+            sink.put_lasting(SPEC, runs, slot)
+            at += nbytes
+        sink.flush_writes()
+    finally:
+        sink.close()
+    return path, whole
+
+
+def test_a_rank_alone_writes_pieces_from_its_buffers_past_the_page_cache(tmp_path):
+    """Pieces that lie in memory where the sink asked (their file offsets modulo a page) go direct from there,
+    with no bounce buffer: their middles never entered the page cache; the one-row pieces did."""
+    if not takes_o_direct(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT writes")
+    path, whole = _lasting(tmp_path, aligned=True)
+    cached, row = cached_pages(path), SHAPE[1] * 2
+    for lo, hi in ROWS:
+        start, end = len(HEADER) + lo * row, len(HEADER) + hi * row
+        inside = [cached[p] for p in range(-(-start // PAGE), end // PAGE)]
+        assert not any(inside) if end - start >= direct_writes.SMALLEST else all(inside), (lo, hi)
+    assert path.read_bytes() == HEADER + whole.view(torch.uint8).numpy().tobytes()
+
+
+def test_a_rank_alone_writes_pieces_off_the_grid_buffered(tmp_path):
+    """Without bounce buffers, pieces that lie off the grid in memory are written buffered: the same bytes, every
+    page cached."""
+    path, whole = _lasting(tmp_path, aligned=False)
+    assert all(cached_pages(path))
+    assert path.read_bytes() == HEADER + whole.view(torch.uint8).numpy().tobytes()

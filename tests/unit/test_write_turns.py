@@ -17,7 +17,7 @@ import torch
 
 from merger.engine.plan import Runs
 from merger.output.files import FileSink
-from merger.output.write_turns import HOST_LOCAL, filesystem_type, should_take_turns
+from merger.output.write_turns import HOST_LOCAL, filesystem_type, host_local, should_take_turns
 
 pytestmark = pytest.mark.unit
 
@@ -54,9 +54,10 @@ def test_filesystem_type_takes_the_deepest_and_latest_mount():
 
 def test_turns_only_for_several_ranks_on_a_host_local_filesystem(tmp_path):
     local = _findmnt_type(tmp_path.resolve()) in HOST_LOCAL
-    assert should_take_turns(tmp_path, 2) is local
-    assert should_take_turns(tmp_path, 8) is local
-    assert should_take_turns(tmp_path, 1) is False
+    assert host_local(tmp_path) is local
+    assert should_take_turns(host_local(tmp_path), 2) is local
+    assert should_take_turns(host_local(tmp_path), 8) is local
+    assert should_take_turns(host_local(tmp_path), 1) is False
 
 
 class _OneFile:
