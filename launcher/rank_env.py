@@ -1,5 +1,5 @@
 """The environment torchrun gives each rank (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), for
-launchers that start `python -m merger` themselves: on this machine (`launcher.local`) or in a Ray actor."""
+launchers that start merger's ranks themselves: forked on this machine (`launcher.local`) or in a Ray actor."""
 from __future__ import annotations
 
 import os

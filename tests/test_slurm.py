@@ -167,10 +167,14 @@ def test_launcher_fails_at_once_on_more_memory_than_a_node_has(slurm_env, tmp_pa
 
 
 def test_launcher_local_merges_as_a_gloo_group(fsdp_checkpoint, tmp_path):
+    """2 ranks merge the model's own weights, forked from the launcher once it imported torch: with
+    PYTHONPROFILEIMPORTTIME, which makes every Python process report its imports, torch is imported once in all."""
     actor, reference = fsdp_checkpoint()
-    proc = launcher("local", "--nproc", 2, "--", *merge_args(actor, tmp_path / "out"))
+    proc = launcher("local", "--nproc", 2, "--", *merge_args(actor, tmp_path / "out"),
+                    env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert "2 merge ranks" in proc.stderr
     assert_same_weights(tmp_path / "out", reference, torch.bfloat16)
+    assert len(re.findall(r"^import time:.*\|\s+torch$", proc.stderr, re.MULTILINE)) == 1
 
 
 def test_launcher_local_fails_when_the_merge_fails(broken_checkpoint, tmp_path):

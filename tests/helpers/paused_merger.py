@@ -34,9 +34,14 @@ def _pause_after(batch: int, file: str, only: int | None):
     return confirmed_then_pause
 
 
-if __name__ == "__main__":
+def pause_as_the_environment_says() -> None:
+    """Make every merge this process (or a process forked from it) runs pause as MERGER_TEST_PAUSE_* say."""
     only = os.environ.get("MERGER_TEST_PAUSE_RANK")
     resume.FileTracker.confirmed = _pause_after(int(os.environ["MERGER_TEST_PAUSE_AFTER_BATCH"]),
                                                 os.environ["MERGER_TEST_PAUSE_FILE"],
                                                 int(only) if only is not None else None)
+
+
+if __name__ == "__main__":
+    pause_as_the_environment_says()
     sys.exit(main())
