@@ -225,7 +225,8 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
             if options.resume:
                 log.info("merger: --resume: reusing %d of %d output files (checksums verified) from %s",
                          len(reused), len(plan.files), stage)
-            prepare_files(stage, plan, keep=frozenset(reused))
+            # (an s3:// target's stage keeps on disk only the parts in flight: its blocks are never all reserved)
+            prepare_files(stage, plan, keep=frozenset(reused), allocate=stream is None)
             write_manifest(stage, manifest)
 
         on_rank_zero(group, create_files, options.debug)

@@ -87,6 +87,13 @@ class LocalStorage:
 _PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (linux/falloc.h)
 
 
+def preallocate(fd: int, length: int) -> bool:
+    """Reserve the disk blocks of the first `length` bytes of the open file `fd`, as extents not yet written (they
+    read as zeros, the size unchanged past them). False where the system or filesystem cannot (not Linux, or no
+    fallocate); nothing is written either way, unlike posix_fallocate's fallback."""
+    return LIBC is not None and LIBC.fallocate(fd, 0, ctypes.c_int64(0), ctypes.c_int64(length)) == 0
+
+
 def punch_hole(fd: int, offset: int, length: int) -> bool:
     """Give back the disk blocks of bytes [offset, offset + length) of the open file `fd`, which then read as
     zeros; the file keeps its size. False where the system or filesystem cannot (not Linux, or no

@@ -17,7 +17,7 @@ import torch
 from merger.engine.plan import block_runs
 from merger.errors import MergerError
 from merger.output import direct_writes
-from merger.output.files import FileSink
+from merger.output.files import FileSink, prepare_files
 from tests.helpers.files import cached_pages, takes_o_direct, tmpfs
 
 pytestmark = pytest.mark.unit
@@ -167,3 +167,18 @@ def test_a_rank_alone_writes_pieces_off_the_grid_buffered(tmp_path):
     path, whole = _lasting(tmp_path, aligned=False)
     assert all(cached_pages(path))
     assert path.read_bytes() == HEADER + whole.view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("allocate", [True, False])
+def test_output_files_are_created_with_their_blocks_reserved_for_direct_writes(allocate, tmp_path):
+    """prepare_files with `allocate` reserves every block of the file (the kernel's st_blocks), which reads as the
+    header and zeros all the same; without it the file is a hole past its header."""
+    plan = _OneTensor()
+    size = len(HEADER) + plan.location["w"][1].end
+    plan.files[0].size = size
+    prepare_files(tmp_path, plan, allocate=allocate)
+    path = tmp_path / "model.safetensors"
+    if allocate and path.stat().st_blocks * 512 < size:
+        pytest.skip(f"the filesystem of {tmp_path} has no fallocate")
+    assert (path.stat().st_blocks * 512 >= size) is allocate
+    assert path.read_bytes() == HEADER + bytes(size - len(HEADER))
