@@ -215,7 +215,7 @@ def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceRea
             if phase is not None and phase % route.dtype.itemsize == 0:  # else a view of that dtype could not start there
                 at += (phase - at) % PAGE
         out = buf[at:at + route.nbytes].view(route.dtype).view(route.piece.sizes)
-        at += _slot(route.nbytes)
+        at = _slot(at + route.nbytes)  # the next piece aligned for any dtype again, after one placed off the grid
         reads.copy(stored, out, route.copy.key)
         if may_have_overflowed(out):  # rare: only then is the piece read again, as stored, to compare
             source = torch.empty(route.piece.sizes, dtype=route.stored)

@@ -8,17 +8,24 @@ import contextlib
 import errno
 import mmap
 import os
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from merger.engine.plan import block_runs
+from merger.catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
+from merger.engine.dist import Group
+from merger.engine.plan import block_runs, plan_layout
+from merger.engine.stream import run_plan
+from merger.mapping.steps import OutputSpec, Step
 from merger.errors import MergerError
 from merger.output import direct_writes
 from merger.output.files import FileSink, prepare_files
 from tests.helpers.files import cached_pages, takes_o_direct, tmpfs
+from tests.helpers.synthetic import MemoryReader
 
 pytestmark = pytest.mark.unit
 
@@ -182,3 +189,34 @@ def test_output_files_are_created_with_their_blocks_reserved_for_direct_writes(a
         pytest.skip(f"the filesystem of {tmp_path} has no fallocate")
     assert (path.stat().st_blocks * 512 >= size) is allocate
     assert path.read_bytes() == HEADER + bytes(size - len(HEADER))
+
+
+def test_pieces_of_mixed_dtypes_laid_out_for_direct_writes_load_as_written(tmp_path):
+    """One rank streams a bfloat16 output of 3 elements, so that the next one (large enough to go direct) and the
+    float32 ones after it lie 2 bytes off a 4-byte edge in the file: each piece is laid out in the batch buffer at
+    its file offset modulo a page where its dtype allows, else on a 64-byte edge, and the file safetensors loads
+    holds torch's casts of the sources."""
+    if not takes_o_direct(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT writes")
+    gen = torch.Generator().manual_seed(0)
+    file = "/synthetic/rank0.bin"
+    shapes = {"a.bias": ((3,), torch.bfloat16), "a.weight": ((40000,), torch.bfloat16),
+              "b.weight": ((30000,), torch.float32), "c.weight": ((3, 9000), torch.float32)}
+    store, tensors, steps, expected = {file: {}}, {}, [], {}
+    for name, (shape, dtype) in shapes.items():
+        source = store[file][name] = torch.randn(shape, generator=gen)
+        piece = ShardPiece((0,) * len(shape), shape, (PieceCopy(file, name),))
+        tensors[name] = SourceTensor(name, shape, torch.float32, (piece,))
+        steps.append(Step((name,), (OutputSpec(name, shape, dtype),)))
+        expected[name] = source.to(dtype)
+    catalog = Catalog("synthetic", Path("/synthetic"), tensors, [file], partial(MemoryReader, store=store))
+    plan = plan_layout(catalog, steps, 1, 1 << 30, 1 << 30)
+    prepare_files(tmp_path, plan)
+    sink = FileSink(tmp_path, plan, direct=True, bounce=False)
+    try:
+        run_plan(plan, catalog, Group(), sink)
+    finally:
+        sink.close()
+    assert sink.direct.proven  # the pieces' middles went direct
+    written = load_file(tmp_path / plan.files[0].name)
+    assert written.keys() == expected.keys() and all(torch.equal(written[n], expected[n]) for n in expected)
