@@ -241,9 +241,16 @@ def _paused_merge(store, model: Path, url: str, stage: Path, pause: Path) -> sub
 
 
 def _sent_parts(store, prefix: str) -> int:
+    """The parts of the uploads under `prefix` the store holds, once it holds some (0 after a minute): a paused
+    merge's upload threads go on sending the parts queued before the pause, which may still be on their way."""
     client = store.client()
-    return sum(len(client.list_parts(Bucket="models", Key=u["Key"], UploadId=u["UploadId"]).get("Parts", []))
-               for u in client.list_multipart_uploads(Bucket="models", Prefix=f"{prefix}/").get("Uploads", []))
+    deadline = time.monotonic() + 60
+    while True:
+        sent = sum(len(client.list_parts(Bucket="models", Key=u["Key"], UploadId=u["UploadId"]).get("Parts", []))
+                   for u in client.list_multipart_uploads(Bucket="models", Prefix=f"{prefix}/").get("Uploads", []))
+        if sent or time.monotonic() > deadline:
+            return sent
+        time.sleep(0.1)
 
 
 def _resumed_as_local(store, model: Path, url: str, stage: Path, tmp_path: Path) -> None:
