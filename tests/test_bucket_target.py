@@ -7,6 +7,7 @@ conditional puts, listings), so merger's client calls run as they would against 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -232,12 +233,19 @@ def test_verify_keeps_the_staged_files_whole_for_its_check(store, hf_model, tmp_
     assert_same_files(tmp_path / "local", tmp_path / "remote")
 
 
-def _paused_merge(store, model: Path, url: str, stage: Path, pause: Path) -> subprocess.Popen:
-    """A merge into `url` paused after its 6th batch, once some files' parts are sent (paused_merger.py)."""
+@contextlib.contextmanager
+def _paused_merge(store, model: Path, url: str, stage: Path, pause: Path):
+    """A merge into `url` paused after its 6th batch, once some files' parts are sent (paused_merger.py); killed on
+    the way out if the test left it running (a failed check would leave it paused for an hour)."""
     env = {**store.env, "MERGER_TEST_PAUSE_AFTER_BATCH": "5", "MERGER_TEST_PAUSE_FILE": str(pause)}
     proc = start_merger("merge", "--local_dir", model, "--target_dir", url, "--stage_dir", stage, *STREAMED, env=env)
-    wait_paused([proc], pause, [0])
-    return proc
+    try:
+        wait_paused([proc], pause, [0])
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def _sent_parts(store, prefix: str) -> int:
@@ -269,10 +277,10 @@ def _resumed_as_local(store, model: Path, url: str, stage: Path, tmp_path: Path)
 
 def test_ctrl_c_mid_stream_aborts_the_uploads_and_resume_finishes(store, layered_model, tmp_path):
     url, stage = "s3://models/interrupted", tmp_path / "stage"
-    proc = _paused_merge(store, layered_model, url, stage, tmp_path / "paused")
-    assert _sent_parts(store, "interrupted") > 0  # mid-upload: parts sent, no upload complete
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    with _paused_merge(store, layered_model, url, stage, tmp_path / "paused") as proc:
+        assert _sent_parts(store, "interrupted") > 0  # mid-upload: parts sent, no upload complete
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "merger: error: interrupted by SIGINT" in err, err
     assert open_uploads(store) == []  # every upload begun, aborted
@@ -284,10 +292,10 @@ def test_ctrl_c_mid_stream_aborts_the_uploads_and_resume_finishes(store, layered
 
 def test_kill_9_mid_stream_then_resume(store, layered_model, tmp_path):
     url, stage = "s3://models/killed-streaming", tmp_path / "stage"
-    proc = _paused_merge(store, layered_model, url, stage, tmp_path / "paused")
-    assert _sent_parts(store, "killed-streaming") > 0
-    proc.kill()
-    proc.wait()
+    with _paused_merge(store, layered_model, url, stage, tmp_path / "paused") as proc:
+        assert _sent_parts(store, "killed-streaming") > 0
+        proc.kill()
+        proc.wait()
     client = store.client()
     left = [o["Key"] for o in client.list_objects_v2(Bucket="models", Prefix="killed-streaming/").get("Contents", [])]
     assert not [k for k in left if not k.endswith((".safetensors", ".merger-lock"))], left
