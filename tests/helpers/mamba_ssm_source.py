@@ -36,6 +36,18 @@ def mamba_ssm_source(cache: Path) -> Path:
             pytest.skip(f"pip could not download the mamba-ssm {VERSION} sdist (megatron-core's MambaMixer needs its "
                         f"source): {last[0] if last else proc.returncode}")
         with tarfile.open(archives[0]) as tar:
-            tar.extractall(tmp, filter="data")
+            if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later
+                tar.extractall(tmp, filter="data")
+            else:  # Debian's 3.11.2: the same refusals for what an sdist holds, checked by hand
+                _check_members(tar, archives[0])
+                tar.extractall(tmp)
         os.replace(Path(tmp) / f"mamba_ssm-{VERSION}", folder)  # whole or not at all, for the next session
     return folder
+
+
+def _check_members(tar: tarfile.TarFile, archive: Path) -> None:
+    """Only files and folders inside the archive's own folder: no absolute path, no `..`, no link or device."""
+    for member in tar.getmembers():
+        parts = Path(member.name).parts
+        if Path(member.name).is_absolute() or ".." in parts or not (member.isfile() or member.isdir()):
+            raise AssertionError(f"{archive} holds {member.name!r}, which an sdist should not")
