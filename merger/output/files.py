@@ -122,12 +122,18 @@ class FileSink:
     def _check_fit(self, spec: OutputSpec, runs: Runs, nbytes: int, item: int) -> tuple[int, int]:
         """(file index, byte offset of the tensor in its file) for a part of output `spec` of `nbytes`, to lie in
         `runs` of elements of `item` bytes: an error if it does not fill them or they end past the tensor."""
-        index, entry = self.plan.location[spec.name]
+        index, base = self._placed(spec)
+        entry = self.plan.location[spec.name][1]
         planned = entry.end - entry.begin
         last = runs.start + sum((n - 1) * s for n, s in zip(runs.outer, runs.strides)) + runs.length
         if nbytes != runs.count * runs.length * item or (runs.count and last * item > planned):
             raise MergerError(f"output {spec.name}: {nbytes} bytes in runs ending at byte {last * item} "
                               f"do not fit its {planned} planned bytes")
+        return index, base
+
+    def _placed(self, spec: OutputSpec) -> tuple[int, int]:
+        """(file index, byte offset of output `spec`'s tensor in its file)."""
+        index, entry = self.plan.location[spec.name]
         return index, len(self.plan.files[index].prefix) + entry.begin
 
     def put_part(self, spec: OutputSpec, runs: Runs, piece: torch.Tensor, lasting: bool = False) -> None:
@@ -146,8 +152,8 @@ class FileSink:
         """Where in a page of memory a piece of output `spec` of `nbytes` filling `runs` should start (its first
         run's file offset modulo direct_writes.ALIGN) for its bytes to be written from there past the page cache;
         None where no part of it would go direct."""
-        index, entry = self.plan.location[spec.name]
-        at = len(self.plan.files[index].prefix) + entry.begin + runs.start * spec.dtype.itemsize
+        index, base = self._placed(spec)
+        at = base + runs.start * spec.dtype.itemsize
         if index in self.skip or self.direct.split(at, runs.length * spec.dtype.itemsize) is None:
             return None
         return at % ALIGN
