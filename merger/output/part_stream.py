@@ -75,7 +75,7 @@ class PartSender:
                     ready.discard(number)
                     pos = number * step
                     self.slots.acquire()  # before the read: at most UPLOADS_IN_FLIGHT parts in memory
-                    data = bytearray(min(step, end - pos))  # writable: libdeflate's CRC takes its address
+                    data = bytearray(min(step, end - pos))
                     got = os.preadv(f.fileno(), [data], pos)
                     if got != len(data):
                         self.slots.release()
