@@ -189,13 +189,30 @@ def init_group(device: str = "auto", timeout_s: float = 600) -> Group:
         raise MergerError("--device cuda asked for, but CUDA is not available on this machine")
     timeout = datetime.timedelta(seconds=timeout_s)
     if use_cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = _own_gpu(rank, world)
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
+        try:
+            dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
+        except dist.DistBackendError as e:  # eager init (device_id): NCCL's checks fail here, on every rank
+            raise MergerError(f"--device cuda: NCCL did not start on cuda:{local} (rank {rank} of {world}): "
+                              f"{str(e).splitlines()[0]}. Two ranks on one GPU is one cause (NCCL takes one rank per "
+                              "GPU: see LOCAL_RANK and CUDA_VISIBLE_DEVICES); NCCL_DEBUG=WARN says more") from e
         control = dist.new_group(backend="gloo", timeout=timeout)
         return Group(rank, world, torch.device("cuda", local), control, PeerWatch(rank, world))
     dist.init_process_group("gloo", timeout=timeout)
     return Group(rank, world, torch.device("cpu"), dist.group.WORLD, PeerWatch(rank, world))
+
+
+def _own_gpu(rank: int, world: int) -> int:
+    """The GPU of this rank: its LOCAL_RANK, which must name one this process sees. A node started with more
+    ranks than GPUs fails here, with what to do, rather than in set_device ("invalid device ordinal")."""
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local >= count:
+        raise MergerError(f"--device cuda: rank {rank} of {world} is local rank {local} of its node, where it sees "
+                          f"{count} CUDA device{'s' if count != 1 else ''}: NCCL needs a GPU of its own for each rank, "
+                          f"so start at most {count} rank{'s' if count != 1 else ''} per node (torchrun "
+                          f"--nproc_per_node {count}), or merge over gloo with --device cpu")
+    return local
 
 
 def borrow_group(process_group=None) -> Group:
