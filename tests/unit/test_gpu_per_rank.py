@@ -1,5 +1,6 @@
 """--device cuda on a node started with more ranks than it shows GPUs: each rank without a GPU of its own stops
-with one line that says how many ranks the node takes, before NCCL is asked (engine/dist.py _own_gpu).
+with one line that says how many ranks the node takes, before NCCL is asked (engine/dist.py _own_gpu); and
+NCCL's own failure to start is one line too.
 
 torch's answers about the device stand in for a one-GPU node (the lent H200 machine is one, where two ranks on its
 GPU failed in NCCL's init with "invalid usage", reported as an internal error); no group is started.
@@ -44,3 +45,26 @@ def test_a_rank_on_a_second_node_counts_its_own_node(one_gpu_node, monkeypatch):
     with pytest.raises(RuntimeError, match="stop before NCCL"):
         init_group("cuda")
     assert seen == [0]
+
+
+def test_an_nccl_init_failure_is_one_line_naming_the_gpu_and_the_likely_cause(one_gpu_node, monkeypatch):
+    """NCCL's own error, as it came from two ranks on the lent machine's one GPU, becomes a MergerError (one
+    `merger: error:` line on each rank), not an internal error."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    seen = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, invalid usage (run with "
+            "NCCL_DEBUG=WARN for details), NCCL version 2.28.9\nncclInvalidUsage: This usually reflects invalid "
+            "usage of NCCL library.\nLast error:\n")
+
+    def init_process_group(*args, **kwargs):
+        raise dist.DistBackendError(seen)
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    with pytest.raises(MergerError, match=r"^--device cuda: NCCL did not start on cuda:0 \(rank 0 of 2\): NCCL "
+                                          r"error in: .*invalid usage .*NCCL version 2\.28\.9\. Two ranks on one "
+                                          r"GPU is one cause") as caught:
+        init_group("cuda")
+    assert "\n" not in str(caught.value)
