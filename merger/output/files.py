@@ -113,36 +113,34 @@ class FileSink:
             return self.fds[index]
 
     def put(self, spec: OutputSpec, tensor: torch.Tensor) -> None:
-        entry = self.plan.location[spec.name][1]
+        planned = self._placed(spec)[2]
         size = tensor.numel() * tensor.element_size()
-        if size != entry.end - entry.begin:
-            raise MergerError(f"output {spec.name} has {size} bytes, planned {entry.end - entry.begin}")
+        if size != planned:
+            raise MergerError(f"output {spec.name} has {size} bytes, planned {planned}")
         self.put_part(spec, Runs(0, tensor.numel()), tensor)
 
-    def _check_fit(self, spec: OutputSpec, runs: Runs, nbytes: int, item: int) -> tuple[int, int]:
-        """(file index, byte offset of the tensor in its file) for a part of output `spec` of `nbytes`, to lie in
-        `runs` of elements of `item` bytes: an error if it does not fill them or they end past the tensor."""
-        index, base = self._placed(spec)
-        entry = self.plan.location[spec.name][1]
-        planned = entry.end - entry.begin
+    def _placed(self, spec: OutputSpec) -> tuple[int, int, int]:
+        """(file index, byte offset of output `spec`'s tensor in its file, its planned bytes)."""
+        index, entry = self.plan.location[spec.name]
+        return index, len(self.plan.files[index].prefix) + entry.begin, entry.end - entry.begin
+
+    @staticmethod
+    def _check_fit(spec: OutputSpec, runs: Runs, nbytes: int, item: int, planned: int) -> None:
+        """A part of output `spec` (`planned` bytes) of `nbytes`, to lie in `runs` of elements of `item` bytes: an
+        error if it does not fill them or they end past the tensor."""
         last = runs.start + sum((n - 1) * s for n, s in zip(runs.outer, runs.strides)) + runs.length
         if nbytes != runs.count * runs.length * item or (runs.count and last * item > planned):
             raise MergerError(f"output {spec.name}: {nbytes} bytes in runs ending at byte {last * item} "
                               f"do not fit its {planned} planned bytes")
-        return index, base
-
-    def _placed(self, spec: OutputSpec) -> tuple[int, int]:
-        """(file index, byte offset of output `spec`'s tensor in its file)."""
-        index, entry = self.plan.location[spec.name]
-        return index, len(self.plan.files[index].prefix) + entry.begin
 
     def put_part(self, spec: OutputSpec, runs: Runs, piece: torch.Tensor, lasting: bool = False) -> None:
         """Write `piece`'s bytes into output `spec` where `runs` (plan.py) puts them: one write per run."""
-        if self.plan.location[spec.name][0] in self.skip:
+        index, base, planned = self._placed(spec)
+        if index in self.skip:
             return
         data = memoryview(piece.contiguous().reshape(-1).view(torch.uint8).numpy())
         item = piece.element_size()
-        index, base = self._check_fit(spec, runs, len(data), item)
+        self._check_fit(spec, runs, len(data), item, planned)
         fd = self._fd(index)
         size = runs.length * item
         for k, start in enumerate(runs.starts()):
@@ -152,7 +150,7 @@ class FileSink:
         """Where in a page of memory a piece of output `spec` of `nbytes` filling `runs` should start (its first
         run's file offset modulo direct_writes.ALIGN) for its bytes to be written from there past the page cache;
         None where no part of it would go direct."""
-        index, base = self._placed(spec)
+        index, base, _ = self._placed(spec)
         at = base + runs.start * spec.dtype.itemsize
         if index in self.skip or self.direct.split(at, runs.length * spec.dtype.itemsize) is None:
             return None
@@ -170,10 +168,13 @@ class FileSink:
         never pass through this process. Returns where they went, for a check to read them back; None when nothing
         was copied and the piece must go through memory (`put_part`): its file is reused by a resumed merge, or
         this kernel or filesystem cannot copy between the two files."""
-        if not self.kernel_copies or self.plan.location[spec.name][0] in self.skip:
+        if not self.kernel_copies:
+            return None
+        index, base, planned = self._placed(spec)
+        if index in self.skip:
             return None
         item = spec.dtype.itemsize
-        index, base = self._check_fit(spec, runs, runs.count * runs.length * item, item)
+        self._check_fit(spec, runs, runs.count * runs.length * item, item, planned)
         fd, size, path = self._fd(index), runs.length * item, self.stage / self.plan.files[index].name
         placed = Placed(str(path), fd, [])
         for k, start in enumerate(runs.starts()):
