@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The scaling benchmark in one command, for a many-core GPU machine (issue 34): merger on 1, 2, 4 and 8 ranks over
 # gloo (started by `launcher local`; 2 also by torchrun) and on 1 rank with --device cuda, beside cp, cp + sync and
-# dd + fsync of the same rank files, in one table (benchmarks/run.py). The fsdp checkpoint (fp32, verl's layout,
-# 4.13 GiB at 19 layers) is written by 8 ranks, so 8 merge ranks each have a rank file of their own to read.
+# dd + fsync of the same rank files and a Python start-up importing torch, in one table (benchmarks/run.py). The
+# fsdp checkpoint (fp32, verl's layout, 4.13 GiB at 19 layers) is written by 8 ranks, so 8 merge ranks each have a
+# rank file of their own to read.
 # Needs no network: a Python with torch and transformers (PYTHON, else this repo's .venv, else python3); merger
 # runs from this checkout. Without a CUDA device the cuda row is skipped, its reason in the table.
-# 5.5 minutes on the lent 16-core H200 machine at the defaults (a build, then 36 runs of 5-10 s each with their
-# settle and warm-up reads; more where the disk writes under 1 GB/s: SIZES=7 halves it). Where the Python lacks the
-# isal package (merger's dependency, not pip-installed here), merger's CRC-32 is zlib's: the machine line says which
-# (docs/benchmarks.md: 1 rank took 1.24x as long with zlib's there). A quick check:
+# 5.5 minutes on the lent 16-core H200 machine at the defaults before the `import torch` row came (a build, then
+# 36 runs of 5-10 s each with their settle and warm-up reads; that row adds 4 of about 3.5 s; more where the disk
+# writes under 1 GB/s: SIZES=7 halves it). Where the Python lacks the isal package (merger's dependency, not
+# pip-installed here), merger's CRC-32 is zlib's: the machine line says which (docs/benchmarks.md: 1 rank took
+# 1.24x as long with zlib's there). A quick check:
 #   HIDDEN=256 SIZES=2 REPEATS=1 SETTLE=0 benchmarks/device.sh
 # Settings: SIZES (layers, default 19), HIDDEN (2048), REPEATS (3), SETTLE (seconds, 2), RANKS (1,2,4,8),
 # BUILD_RANKS (8); the table and the log go to $OUT when it is set (the device tool's folder), else /tmp.
