@@ -1,5 +1,7 @@
 # make demo: set up, write a small real FSDP2 checkpoint, merge it with torchrun, load it and generate.
 # make test: set up and run the test suite. Both install everything they need into .venv (VENV).
+# make test MARK=EXPR: one slice of it, by marker (unit, slow, infra, interpreter: docs/development.md, "Test groups").
+#   CI's second interpreter runs `make test MARK=interpreter PYTHON=/usr/bin/python3 VENV=.venv-debian`.
 # make unit: only the unit tests (marked `unit`, in tests/unit): the engine on synthetic checkpoints, in seconds.
 # make bench-scale: plan (inspect) a synthesized 671B-shaped DCP checkpoint at FRACTIONS of its size, metadata only
 #   (SCALE_FLAGS="--format torch_dist": the same model as Megatron-LM's torch_dist save).
@@ -24,11 +26,11 @@ $(VENV_STAMP): pyproject.toml
 	touch $@
 
 # megatron-core 0.17 and later (DeepSeek Sparse Attention) need Python >= 3.12: tests/writers/megatron_dsa.py runs
-# from this venv, whatever VENV is. Without a 3.12 (pyenv's, or python3.12 on PATH) it is not built and those tests
-# skip (tests/helpers/writers312.py looks for one the same way).
+# from this venv, whatever VENV is. Without a 3.12 it is not built and those tests skip. Which 3.12 the machine has is
+# decided in one place, tests/helpers/python_of_version.py (pyenv's 3.12.x through $PYENV_ROOT or ~/.pyenv, else
+# python3.12 on PATH), which the tests ask too.
 WRITERS312 := .venv-writers312
-PYTHON312 ?= $(shell for p in $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python python3.12; do \
-	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
+PYTHON312 ?= $(shell $(PYTHON) tests/helpers/python_of_version.py 3.12)
 
 writers312: $(WRITERS312)/.installed
 
@@ -36,11 +38,16 @@ $(WRITERS312)/.installed: tests/writers/requirements312.txt
 	@if [ -z "$(PYTHON312)" ]; then echo "make: no Python 3.12 (python3.12 or pyenv's 3.12.x): $(WRITERS312) not built, the megatron-core 0.19 tests skip"; \
 	else set -e; $(PYTHON312) -m venv $(WRITERS312); $(WRITERS312)/bin/python -m pip install -q -r $<; touch $@; fi
 
+# The suite runs on one pytest-xdist worker per core (WORKERS=1 for one process). --dist loadfile keeps each module
+# on one worker, so its module fixtures and its service (the Slurm cluster, the Ray cluster) start once. (xdist 3.8's
+# loadgroup does not group under pytest 9.2, whose nodeid no longer reads the _nodeid xdist sets.)
+WORKERS ?= auto
+MARK ?=
 test: setup writers312
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile $(if $(MARK),-m "$(MARK)") tests
 
 unit: setup
-	$(PY) -m pytest -q -m unit tests
+	$(PY) -m pytest -q -m unit tests/unit
 
 demo: setup
 	rm -rf $(DEMO)

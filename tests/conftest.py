@@ -15,6 +15,8 @@ from tests.helpers.megatron_cases import CASES
 from tests.helpers.processes import run_writer
 from tests.helpers.torchtitan_writes import written_by_torchtitan
 
+pytest_plugins = ["tests.helpers.timing_report"]  # the time per group and the slowest tests, after every run
+
 
 # transformers binds FLA's Triton kernels (GPU only) in place of its torch Gated DeltaNet when it imports a model
 # module while `import fla` works, so a Qwen3.5 forward on this CPU would fail or pass depending on which test
@@ -127,3 +129,14 @@ def peft_lora_checkpoint(tmp_path_factory) -> Path:
     run_writer("fsdp_lora_checkpoint.py", "--out", root / "global_step_1" / "actor", "--lora-only", root / "lora_only",
                nproc=2)
     return root
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3-protocol server (moto's) on the loopback, started once per run (per xdist worker that runs an object
+    storage module): the modules share it, each in buckets of its own."""
+    pytest.importorskip("moto", reason="moto[server] (a test extra) runs the S3 server of the object-storage tests")
+    from tests.helpers.object_store import moto_server
+
+    with moto_server() as server:
+        yield server

@@ -16,6 +16,8 @@ from tests.helpers.paths import HELPERS
 from tests.helpers.processes import run, torchrun_cmd
 from tests.helpers.weights import assert_same_weights
 
+pytestmark = pytest.mark.slow
+
 
 def _process_state():
     return (logging.getLogger().handlers[:], logging.getLogger("merger").handlers[:],

@@ -23,21 +23,20 @@ import torch
 from merger.output.bucket_target import MAX_PARTS, PART, parts_of, shares
 from tests.helpers.files import allocated, assert_same_files, peak_allocated
 from tests.helpers.in_process import single_error_line
-from tests.helpers.object_store import KEY_ID, SECRET, moto_server
+from tests.helpers.object_store import KEY_ID, SECRET
 from tests.helpers.processes import run_merger, start_merger
 from tests.helpers.reliability import wait_paused
 from tests.helpers.weights import assert_same_weights
 
-pytest.importorskip("moto", reason="moto[server] (a test extra) runs the S3 server these tests write to")
+pytestmark = [pytest.mark.infra, pytest.mark.slow]
 
 MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def store():
-    with moto_server() as server:
-        server.client().create_bucket(Bucket="models")
-        yield server
+def store(s3_server):
+    s3_server.client().create_bucket(Bucket="models")
+    return s3_server
 
 
 @pytest.fixture(scope="module")

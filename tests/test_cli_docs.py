@@ -15,6 +15,8 @@ from merger.api.flags import build_parser
 from merger.cli import main
 from tests.helpers.paths import ROOT
 
+pytestmark = pytest.mark.interpreter
+
 REQUIRED = ["--local_dir", "ckpt", "--target_dir", "out"]
 
 

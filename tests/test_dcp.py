@@ -17,10 +17,12 @@ import torch
 
 from tests.helpers.enums_by_name import repickle
 from tests.helpers.files import flip_bit_in_tensor, metadata_naming
-from tests.helpers.in_process import single_error_line
+from tests.helpers.in_process import merge_in_process, single_error_line
 from tests.helpers.processes import run_merger, run_writer
 from tests.helpers.skips import need_torchtitan
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")
@@ -32,13 +34,15 @@ def torchtitan_root(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.interpreter  # dcp_root's .metadata holds this interpreter's own pickles
 def test_fsdp2_dcp_save_one_process(dcp_root, tmp_path):
-    run_merger("merge", "--local_dir", dcp_root / "plain", "--target_dir", tmp_path / "out")
+    merge_in_process(dcp_root / "plain", tmp_path / "out")
     assert_same_weights(tmp_path / "out", dcp_root / "reference", torch.bfloat16)
     # the config and tokenizer came from huggingface/ inside the DCP folder
     assert (tmp_path / "out" / "tokenizer.json").is_file()
 
 
+@pytest.mark.interpreter  # the command line end to end, under torchrun
 def test_accelerate_hsdp_torchrun_other_world_size(dcp_root, tmp_path):
     """checkpoint-N given: pytorch_model_fsdp_0/ found, `model.` nesting and the optimizer dropped, 3 ranks.
     FSDP2's Shard(0) chunks are written where they are read: nothing crosses ranks, replicas are read once."""
@@ -76,8 +80,8 @@ def test_tensor_parallel_column_blocks_are_written_where_read(dcp_tp_root, nproc
     assert all(m["written_bytes"] > 0 for m in moved)
 
 def test_accelerate_model_folder_with_prefix_flag(dcp_root, tmp_path):
-    run_merger("merge", "--local_dir", dcp_root / "checkpoint-1" / "pytorch_model_fsdp_0", "--prefix", "model",
-               "--target_dir", tmp_path / "out", "--hf_model_config_path", dcp_root / "hf", "--dtype", "keep")
+    merge_in_process(dcp_root / "checkpoint-1" / "pytorch_model_fsdp_0", tmp_path / "out", "--prefix", "model",
+                     "--hf_model_config_path", dcp_root / "hf", "--dtype", "keep")
     assert_same_weights(tmp_path / "out", dcp_root / "reference", None)
 
 
@@ -101,6 +105,7 @@ class _Payload:
         return os.mkdir, (self.marker,)
 
 
+@pytest.mark.interpreter  # what the restricted unpickler refuses
 def test_hostile_metadata_is_refused_without_running_code(dcp_root, tmp_path):
     folder = tmp_path / "hostile"
     shutil.copytree(dcp_root / "plain", folder)
@@ -112,6 +117,7 @@ def test_hostile_metadata_is_refused_without_running_code(dcp_root, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.interpreter  # enums pickled by name, as 3.11.0-3.11.4 write them
 def test_metadata_with_enums_by_name_merges_the_same(dcp_root, tmp_path):
     """The .metadata as Python 3.11.0-3.11.4 write it (enum members as getattr(EnumClass, NAME)), two ranks."""
     folder = Path(shutil.copytree(dcp_root / "plain", tmp_path / "by_name"))
@@ -189,8 +195,8 @@ def test_a_chunk_file_outside_the_folder_is_refused(how, dcp_root, tmp_path):
 
 def test_torchtitan_llama_to_hf(torchtitan_root, tmp_path):
     """Names and wq/wk permutation equal torchtitan's own to_hf of the unsharded model, bit for bit."""
-    run_merger("merge", "--local_dir", torchtitan_root / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",
-               "--hf_model_config_path", torchtitan_root / "hf", "--dtype", "keep")
+    merge_in_process(torchtitan_root / "checkpoint" / "step-1", tmp_path / "out",
+                     "--hf_model_config_path", torchtitan_root / "hf", "--dtype", "keep")
     assert_same_weights(tmp_path / "out", torchtitan_root / "reference", None)
 
 

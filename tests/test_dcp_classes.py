@@ -31,6 +31,8 @@ from tests.helpers.dcp_fields import plain
 from tests.helpers.enums_by_name import EnumsByName
 from tests.helpers.paths import ROOT
 
+pytestmark = pytest.mark.interpreter
+
 
 def _chunks(*boxes):
     return [metadata.ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]

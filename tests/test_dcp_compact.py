@@ -31,6 +31,8 @@ from merger.sources.dcp_compact import NOT_READ
 from merger.sources.dcp_metadata import load_compact, load_metadata
 from tests.helpers.dcp_fields import plain
 
+pytestmark = pytest.mark.slow
+
 
 def _keys(md) -> list:
     """storage_data's keys in order, with the index hint equality leaves out."""

@@ -21,6 +21,8 @@ from tests.helpers.processes import run_merger, run_writer
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 from tests.writers.peft_adapters import TOKENS
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="session")
 def dcp_peft_root(tmp_path_factory) -> Path:

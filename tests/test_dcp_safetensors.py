@@ -16,6 +16,8 @@ from merger.cli import main as merger_main
 from tests.helpers.processes import run_merger, run_merger_leaving_no_thread, run_writer
 from tests.helpers.weights import assert_same_weights
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="session")
 def st_root(tmp_path_factory) -> Path:

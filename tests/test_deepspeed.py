@@ -19,6 +19,8 @@ from tests.helpers.processes import run, run_merger, run_merger_leaving_no_threa
 from tests.helpers.weights import load_safetensors_folder
 from tests.writers.deepspeed_checkpoint import BUFFER, CASES
 
+pytestmark = pytest.mark.slow
+
 TIED = {name for name, (_, _, tied, _, _) in CASES.items() if tied}
 
 

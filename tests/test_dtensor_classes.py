@@ -22,6 +22,8 @@ from tests.helpers.dtensor_description import describe, describe_catalog
 from tests.helpers.in_process import single_error_line
 from tests.helpers.processes import run, run_merger, run_writer
 
+pytestmark = [pytest.mark.slow, pytest.mark.interpreter]
+
 
 # In a fresh process: merger's loader over each file, the modules it left imported, and the catalog.
 _FRESH = """

@@ -14,10 +14,12 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from tests.helpers.in_process import merge_in_process
+from tests.helpers.in_process import merge_in_process, run_in_process
 from tests.helpers.processes import run_merger
 from tests.helpers.weights import load_safetensors_folder
 from tests.writers.fp8_release import write_release
+
+pytestmark = pytest.mark.slow
 
 DTYPES = ["bfloat16", "float16", "float32"]
 
@@ -77,7 +79,7 @@ def test_torchtitan_deepseek_v3_dtypes_are_save_pretrained_s(deepseek_v3_root, t
     values; the oracle loads merger's float32 merge (only transformers decides the dtypes)."""
     args = ["--local_dir", deepseek_v3_root / "checkpoint" / "step-1", "--hf_model_config_path",
             deepseek_v3_root / "hf"]
-    run_merger("merge", *args, "--target_dir", tmp_path / "fp32", "--dtype", "float32")
+    run_in_process("merge", *args, "--target_dir", tmp_path / "fp32", "--dtype", "float32")
     run_merger("merge", *args, "--target_dir", tmp_path / "bf16", "--dtype", "bfloat16", nproc=2)
     want = save_pretrained_dtypes(tmp_path / "fp32", "bfloat16", tmp_path)
     assert saved_dtypes(tmp_path / "bf16") == want

@@ -24,6 +24,8 @@ from tests.helpers.processes import run_merger
 from tests.helpers.weights import load_safetensors_folder
 from tests.writers.fp8_release import FIRST_SCALE, SHARD1, SHARD2, write_release
 
+pytestmark = pytest.mark.slow
+
 
 def dequantized(release: Path) -> dict[str, torch.Tensor]:
     """The oracle: every non-scale tensor of the release in float32, quantized ones times their block scale."""

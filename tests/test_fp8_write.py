@@ -21,10 +21,12 @@ import transformers
 from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
 from tests.helpers.files import snapshot
-from tests.helpers.in_process import merge_here
+from tests.helpers.in_process import merge_here, merge_in_process, run_in_process
 from tests.helpers.processes import run_merger
 from tests.helpers.weights import load_safetensors_folder
 from tests.writers.fp8_release import write_release
+
+pytestmark = pytest.mark.slow
 
 CASES = [((16, 16), None), ((16, 16), "ue8m0"), ((4, 4), None), ((4, 4), "ue8m0")]
 IDS = ["16x16", "16x16-ue8m0", "4x4", "4x4-ue8m0"]
@@ -152,7 +154,7 @@ def test_torchrun_equals_one_process_over_fsdp_shards(deepseek_v3_root, tmp_path
                for chunk in m.chunks)  # a row shard that starts inside a block
     args = ["--local_dir", deepseek_v3_root / "checkpoint" / "step-1", "--hf_model_config_path",
             deepseek_v3_root / "hf"]
-    run_merger("merge", *args, "--target_dir", tmp_path / "fp32", "--dtype", "float32")
+    run_in_process("merge", *args, "--target_dir", tmp_path / "fp32", "--dtype", "float32")
     release = write_release(tmp_path / "release", (16, 16), model_dir=tmp_path / "fp32", scale_fmt="ue8m0")
     for nproc in (1, 2):
         run_merger("merge", *args, "--target_dir", tmp_path / f"fp8-{nproc}", "--quantize_like", release,
@@ -305,7 +307,7 @@ def test_quantize_like_a_hub_id_reads_the_cached_snapshot(deepseek, tmp_path):
     cache_model(tmp_path / "hub", "merger-test/tiny-deepseek-fp8", release)
     run_merger("merge", "--local_dir", reference, "--target_dir", tmp_path / "hub-out", "--quantize_like",
                "merger-test/tiny-deepseek-fp8", env=offline_env(tmp_path / "hub"))
-    run_merger("merge", "--local_dir", reference, "--target_dir", tmp_path / "out", "--quantize_like", release)
+    merge_in_process(reference, tmp_path / "out", "--quantize_like", release)
     assert snapshot(tmp_path / "hub-out")["model.safetensors"][0] == snapshot(tmp_path / "out")["model.safetensors"][0]
 
     config_only = tmp_path / "config-only"

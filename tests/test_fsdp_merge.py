@@ -9,8 +9,11 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from tests.helpers.in_process import merge_in_process
 from tests.helpers.processes import run_merger
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
+
+pytestmark = pytest.mark.slow
 
 
 def same_logits(merged, reference, dtype) -> None:
@@ -23,6 +26,7 @@ def same_logits(merged, reference, dtype) -> None:
         assert torch.equal(ours(ids).logits, orig(ids).logits)
 
 
+@pytest.mark.interpreter  # the command line end to end, as one process and under torchrun
 @pytest.mark.parametrize("nproc", [1, 2, 3])
 def test_uneven_fsdp2_llama_any_merge_world(fsdp_checkpoint, tmp_path, nproc):
     # W=4 with vocab 101: every embedding shard has a different size, the last one smaller.
@@ -39,7 +43,7 @@ def test_uneven_fsdp2_llama_any_merge_world(fsdp_checkpoint, tmp_path, nproc):
 def test_replicated_buffer_is_kept_once(fsdp_checkpoint, tmp_path):
     actor, reference = fsdp_checkpoint("llama", world=4, extra=("--buffer",))
     out = tmp_path / "merged"
-    run_merger("merge", "--local_dir", actor, "--target_dir", out, "--dtype", "keep")
+    merge_in_process(actor, out, "--dtype", "keep")
     merged = load_safetensors_folder(out)
     assert torch.equal(merged["model.scale_table"], torch.arange(7, dtype=torch.float32) / 7)
     assert_same_weights(out, reference, None)
@@ -56,7 +60,7 @@ def test_hsdp_qwen2_with_qkv_bias_loads_with_identical_logits(fsdp_checkpoint, t
 def test_tied_embeddings_written_once(fsdp_checkpoint, tmp_path):
     actor, reference = fsdp_checkpoint("llama", world=2, tied=True)
     out = tmp_path / "merged"
-    run_merger("merge", "--local_dir", actor, "--target_dir", out, "--dtype", "float32")
+    merge_in_process(actor, out, "--dtype", "float32")
     assert "lm_head.weight" not in load_safetensors_folder(out)
     assert_same_weights(out, reference, torch.float32)
     same_logits(out, reference, torch.float32)
@@ -65,7 +69,7 @@ def test_tied_embeddings_written_once(fsdp_checkpoint, tmp_path):
 def test_single_process_save_of_gpt2_conv1d_plain_tensors(fsdp_checkpoint, tmp_path):
     actor, reference = fsdp_checkpoint("gpt2", world=1, extra=("--no-fsdp-config",))
     out = tmp_path / "merged"
-    run_merger("merge", "--local_dir", actor, "--target_dir", out, "--dtype", "float16")
+    merge_in_process(actor, out, "--dtype", "float16")
     assert_same_weights(out, reference, torch.float16)
     same_logits(out, reference, torch.float16)
 
@@ -95,7 +99,7 @@ def test_sharded_output_index_and_limits(fsdp_checkpoint, tmp_path):
 def test_layer_order_within_files(fsdp_checkpoint, tmp_path):
     actor, _ = fsdp_checkpoint("llama", world=4, extra=("--buffer",))
     out = tmp_path / "merged"
-    run_merger("merge", "--local_dir", actor, "--target_dir", out)
+    merge_in_process(actor, out)
     header_len = int.from_bytes((out / "model.safetensors").read_bytes()[:8], "little")
     header = json.loads((out / "model.safetensors").read_bytes()[8:8 + header_len])
     header.pop("__metadata__")

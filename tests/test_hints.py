@@ -17,6 +17,8 @@ from tests.helpers.in_process import single_error_line
 from tests.helpers.processes import run_merger
 from tests.helpers.weights import assert_same_weights
 
+pytestmark = pytest.mark.slow
+
 
 def test_local_dir_one_level_too_high_names_the_checkpoint_below(fsdp_checkpoint, tmp_path):
     actor, reference = fsdp_checkpoint("llama", world=1)

@@ -18,6 +18,8 @@ from tests.helpers.in_process import single_error_line
 from tests.helpers.processes import run_merger
 from tests.helpers.weights import assert_same_weights
 
+pytestmark = pytest.mark.slow
+
 REPO = "merger-test/tiny-llama"
 
 

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from tests.helpers.processes import run
 from tests.helpers.weights import assert_same_weights
+
+pytestmark = [pytest.mark.slow, pytest.mark.interpreter]
 
 MERGE_IN_PROCESS = """
 import gc, sys

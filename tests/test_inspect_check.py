@@ -17,6 +17,8 @@ import torch
 from tests.helpers.files import flip_bit_in_tensor
 from tests.helpers.processes import run_merger
 
+pytestmark = pytest.mark.slow
+
 WORLD = 2
 
 

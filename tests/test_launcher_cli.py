@@ -9,6 +9,8 @@ import pytest
 
 from launcher.cli import build_parser, default_folder
 
+pytestmark = pytest.mark.interpreter
+
 
 @pytest.mark.parametrize("target", [["--target_dir", "{t}"], ["--target-dir={t}"]])
 def test_logs_default_to_beside_the_target(tmp_path, target):

@@ -20,6 +20,8 @@ from tests.helpers.processes import run_merger
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 from tests.writers.peft_adapters import CASES, TOKENS
 
+pytestmark = pytest.mark.slow
+
 
 def _logits(folder: Path, adapter: Path | None = None) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)

@@ -11,6 +11,8 @@ from transformers.pytorch_utils import Conv1D
 
 from merger.mapping.lora.fold import LoraDelta, fold_module, lora_scale, pattern_value
 
+pytestmark = pytest.mark.slow
+
 
 class Tiny(nn.Module):
     def __init__(self):

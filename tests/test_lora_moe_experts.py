@@ -25,6 +25,8 @@ from tests.helpers.in_process import single_error_line
 from tests.helpers.processes import run_merger
 from tests.helpers.weights import load_safetensors_folder
 
+pytestmark = pytest.mark.slow
+
 TOKENS = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4], [4, 4, 8, 0, 6, 1, 2, 10]])
 SMALL = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
              head_dim=8)

@@ -23,6 +23,8 @@ from tests.helpers.megatron_cases import CASES
 from tests.helpers.processes import run_merger, run_merger_leaving_no_thread
 from tests.helpers.weights import assert_same_weights
 
+pytestmark = [pytest.mark.slow, pytest.mark.interpreter]
+
 MODELS = [c for c in CASES if c != "optim_only"]
 
 

@@ -25,6 +25,8 @@ from tests.helpers.megatron_mtp_models import (assert_megatron_logits, assert_mt
 from tests.helpers.processes import run_merger
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
+pytestmark = pytest.mark.slow
+
 CASES = {
     "dsv3_tp2": "tp=2",  # q-LoRA, layers [dense, MoE], one MTP layer
     "dsv3_no_q_lora_tp2": "tp=2,q_lora=0,mtp=0",  # q_proj instead of q_a/q_b; no MTP layer in the checkpoint

@@ -26,6 +26,8 @@ from tests.helpers.processes import run_writer
 from tests.helpers.weights import load_safetensors_folder
 from tests.helpers.writers312 import writers312_python
 
+pytestmark = pytest.mark.slow
+
 CASES = {
     "dsv32_tp2": "tp=2",  # layers [dense, MoE], routing groups, one MTP layer; half-split RoPE in the indexer
     # the same with GLM-5's interleaved RoPE in the indexer, one group, and the q/kv down projections whole

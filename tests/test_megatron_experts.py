@@ -25,6 +25,8 @@ from tests.helpers.logits import hf_logits
 from tests.helpers.processes import run_merger, run_writer
 from tests.helpers.weights import assert_same_weights
 
+pytestmark = pytest.mark.slow
+
 CASES = {
     # GroupedMLP, TP2 EP2 ETP1: legacy files mp_rank_00_000 and mp_rank_01_001 only, experts whole in each
     "grouped_tp2_ep2_etp1": "arch=qwen3_moe,tp=2,ep=2,etp=1,grouped=1,cross=1",

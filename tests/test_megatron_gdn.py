@@ -35,6 +35,8 @@ from tests.helpers.megatron_mtp_models import (assert_megatron_logits, assert_ra
                                                logits_of, merged_once, oracle, write_cases)
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
+pytestmark = pytest.mark.slow
+
 CASES = {
     "qwen3_5_tp2": "arch=qwen3_5_text,tp=2,pattern=lfl",  # flat in_proj_qkv / _z / _b / _a, a dense MLP
     "qwen3_5_moe_tp2": "arch=qwen3_5_moe_text,tp=2,moe=1,pattern=lf",  # routed experts and a gated shared expert

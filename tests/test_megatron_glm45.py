@@ -19,6 +19,8 @@ from tests.helpers.megatron_mtp_models import (assert_megatron_logits, assert_mt
                                                logits_of, merged_once, mtp_logits, oracle, write_cases)
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
+pytestmark = pytest.mark.slow
+
 CASES = {
     "glm45_tp2": "arch=glm4_moe,tp=2,qk_norm=1",  # GLM-4.5's q/k norms; one MTP layer
     "glm45_no_qk_norm_tp2": "arch=glm4_moe,tp=2,qk_norm=0,mtp=0",  # use_qk_norm false; no MTP layer

@@ -35,6 +35,8 @@ from tests.helpers.processes import run_merger, start_merger
 from tests.helpers.reliability import wait_paused
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
+pytestmark = pytest.mark.slow
+
 CASES = {
     "gpt_oss_tp2_ep2": "arch=gpt_oss",
     "minimax_m2_tp2_ep2": "arch=minimax_m2",

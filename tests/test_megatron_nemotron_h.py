@@ -24,6 +24,8 @@ from tests.helpers.in_process import single_error_line
 from tests.helpers.processes import run_merger, run_writer
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
+pytestmark = pytest.mark.slow
+
 CASES = {"nemotron_h_tp2": "tp=2"}
 CASE = "nemotron_h_tp2"
 TP = 2

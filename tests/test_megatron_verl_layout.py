@@ -24,6 +24,8 @@ from tests.helpers.processes import run_merger, run_writer
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 from tests.writers.verl_megatron_lora import DIST, HF, LORA_DIST, TOKENS, write_actor, write_manifest, write_run
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def megatron_root(tmp_path_factory) -> Path:

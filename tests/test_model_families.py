@@ -15,8 +15,12 @@ import torch
 import transformers
 
 from merger import cli
+import pytest
+
 from tests.helpers.weights import assert_same_weights
 from tests.writers.tiny_models import VISION_TOKENS, build_model
+
+pytestmark = pytest.mark.slow
 
 
 def merge(capsys, actor, target, *flags) -> tuple[int, str]:

@@ -26,6 +26,8 @@ from tests.helpers.processes import run_merger
 from tests.helpers.weights import load_safetensors_folder
 from tests.writers.tiny_models import build_model
 
+pytestmark = pytest.mark.slow
+
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # the e2m1 magnitudes (OCP MX spec)
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,

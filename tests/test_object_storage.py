@@ -20,17 +20,16 @@ import torch
 from merger.catalog import Catalog
 from tests.helpers.files import assert_same_files
 from tests.helpers.in_process import single_error_line
-from tests.helpers.object_store import KEY_ID, SECRET, ObjectStore, moto_server
+from tests.helpers.object_store import KEY_ID, SECRET, ObjectStore
 from tests.helpers.processes import free_port, run_merger, start_merger, subprocess_env
 from tests.helpers.weights import assert_same_weights
 
-pytest.importorskip("moto", reason="moto[server] (a test extra) runs the S3 server these tests read from")
+pytestmark = [pytest.mark.infra, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def store():
-    with moto_server() as server:
-        yield server
+def store(s3_server):
+    return s3_server
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,8 @@ from merger.sources.safe_load import torch_load
 from tests.helpers.dcp_fields import plain
 from tests.helpers.enums_by_name import PICKLE_MODULE, repickle
 
+pytestmark = pytest.mark.interpreter
+
 METADATA = "torch.distributed.checkpoint.metadata"
 ENUM = (METADATA, "_MEM_FORMAT_ENCODING")  # an enum DCP pickles in every tensor's properties
 WRITES_BY_NAME = (3, 11, 0) <= sys.version_info[:3] <= (3, 11, 4)

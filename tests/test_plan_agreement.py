@@ -3,8 +3,12 @@
 the other the same model saved by 4."""
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers.in_process import single_error_line
 from tests.helpers.processes import start_ranks
+
+pytestmark = pytest.mark.slow
 
 
 def test_ranks_shown_different_checkpoints_stop_before_writing(fsdp_checkpoint, tmp_path):

@@ -21,6 +21,7 @@ from tests.helpers.reliability import SMALL, WORLD, lost_line
 from tests.helpers.weights import assert_same_weights
 
 pytest.importorskip("ray", reason="the ray launcher's tests need Ray: pip install 'merger[ray]'")
+pytestmark = [pytest.mark.infra, pytest.mark.slow]
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 RAY_ENV_OFF = ["RAY_ADDRESS"]  # a cluster the caller points at is not this test's

@@ -13,6 +13,8 @@ from merger.errors import MergerError
 from merger.sources.safe_load import torch_load
 from merger.sources.torch_file import load_state
 
+pytestmark = pytest.mark.interpreter
+
 
 @pytest.fixture
 def legacy(tmp_path) -> str:

@@ -24,6 +24,10 @@ from tests.helpers.paths import ROOT
 from tests.helpers.processes import run
 from tests.helpers.weights import assert_same_weights
 
+# One cluster per run (`make test`'s --dist loadfile keeps a module on one worker). The launcher's pickled job runs under the venv's own
+# interpreter on the nodes, so the second interpreter runs these too.
+pytestmark = [pytest.mark.infra, pytest.mark.slow, pytest.mark.interpreter]
+
 SLURM_BINARIES = ("sbatch", "slurmctld", "slurmd", "munged")
 NODES = 2
 

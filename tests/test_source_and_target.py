@@ -30,6 +30,8 @@ from tests.helpers.in_process import merge_here
 from tests.helpers.processes import run_merger
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
+pytestmark = pytest.mark.slow
+
 WORLD = 2
 RANK1 = f"model_world_size_{WORLD}_rank_1.pt"
 

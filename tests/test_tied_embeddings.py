@@ -20,6 +20,8 @@ from tests.helpers.in_process import single_error_line
 from tests.helpers.processes import run_merger
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
+pytestmark = pytest.mark.slow
+
 UNTIES = "both are written, and the output's config.json says tie_word_embeddings: false"
 
 

@@ -24,6 +24,8 @@ from merger.catalog import Stored
 from merger.sources.file_reads import SourceReads
 from merger.sources.torch_save_blob import BlobError, tensor_in_blob
 
+pytestmark = pytest.mark.interpreter
+
 CASES = {
     "slice of a larger storage": torch.arange(10.0, dtype=torch.bfloat16)[2:8],
     "transposed": torch.randn(5, 7).t(),

@@ -14,10 +14,12 @@ import torch
 import transformers
 
 from tests.helpers.expert_slabs import assert_stacks_written_by_expert
-from tests.helpers.in_process import single_error_line
+from tests.helpers.in_process import merge_in_process, single_error_line
 from tests.helpers.processes import run_merger, run_writer
 from tests.helpers.torchtitan_writes import TOKENS, refused_as_kimi_k25, written_by_torchtitan
 from tests.helpers.weights import load_safetensors_folder
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")
@@ -129,8 +131,8 @@ def test_deepseek_v3_mtp_layer_reproduces_torchtitan_mtp_logits(deepseek_v3_mtp_
     logits are torchtitan's too."""
     from transformers.modeling_layers import MtpModel
 
-    run_merger("merge", "--local_dir", deepseek_v3_mtp_root / "checkpoint" / "step-1", "--target_dir",
-               tmp_path / "out", "--hf_model_config_path", deepseek_v3_mtp_root / "hf", "--dtype", "float32")
+    merge_in_process(deepseek_v3_mtp_root / "checkpoint" / "step-1", tmp_path / "out",
+                     "--hf_model_config_path", deepseek_v3_mtp_root / "hf", "--dtype", "float32")
     main, mtp_logits = torch.load(deepseek_v3_mtp_root / "logits.pt", weights_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     layers = model.config.num_hidden_layers
@@ -151,8 +153,8 @@ def test_deepseek_v3_mtp_layer_reproduces_torchtitan_mtp_logits(deepseek_v3_mtp_
 
 
 def test_deepseek_v3_drop_mtp_loads_with_no_stray_key(deepseek_v3_mtp_root, tmp_path):
-    run_merger("merge", "--local_dir", deepseek_v3_mtp_root / "checkpoint" / "step-1", "--target_dir",
-               tmp_path / "out", "--hf_model_config_path", deepseek_v3_mtp_root / "hf", "--drop-mtp")
+    merge_in_process(deepseek_v3_mtp_root / "checkpoint" / "step-1", tmp_path / "out",
+                     "--hf_model_config_path", deepseek_v3_mtp_root / "hf", "--drop-mtp")
     model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.values()), info
     assert model.config.num_nextn_predict_layers == 0
@@ -169,8 +171,8 @@ def test_mtp_layers_with_a_vlm_config_are_refused(deepseek_v3_mtp_root, tmp_path
 
 def test_qwen3_dense_logits_match_torchtitan(tmp_path_factory, tmp_path):
     root = written_by_torchtitan(tmp_path_factory, "qwen3")
-    run_merger("merge", "--local_dir", root / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",
-               "--hf_model_config_path", root / "hf", "--dtype", "float32")
+    merge_in_process(root / "checkpoint" / "step-1", tmp_path / "out", "--hf_model_config_path", root / "hf",
+                     "--dtype", "float32")
     model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32,
                                                                     output_loading_info=True)
     assert type(model).__name__ == "Qwen3ForCausalLM" and not any(info.values()), info

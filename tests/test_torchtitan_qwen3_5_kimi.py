@@ -23,10 +23,13 @@ import pytest
 import torch
 import transformers
 
+from tests.helpers.in_process import merge_in_process
 from tests.helpers.processes import run_merger
 from tests.helpers.skips import need_fla
 from tests.helpers.torchtitan_writes import TOKENS, refused_as_kimi_k25, written_by_torchtitan
 from tests.helpers.weights import load_safetensors_folder
+
+pytestmark = pytest.mark.slow
 
 VLM = transformers.AutoModelForImageTextToText  # qwen3_5's and qwen3_5_moe's Auto class
 
@@ -59,6 +62,12 @@ def qwen3_5_moe_written(tmp_path_factory) -> tuple[Path, Path]:
 def _merge(root: Path, out: Path, *extra, hf: Path | None = None, nproc: int = 1):
     return run_merger("merge", "--local_dir", root / "checkpoint" / "step-1", "--target_dir", out,
                       "--hf_model_config_path", hf or root / "hf", "--dtype", "float32", *extra, nproc=nproc)
+
+
+def _merge_here(root: Path, out: Path, *extra, hf: Path | None = None) -> Path:
+    """_merge's one-process merge, in this process: for a test that reads only the merged folder."""
+    return merge_in_process(root / "checkpoint" / "step-1", out, "--hf_model_config_path", hf or root / "hf",
+                            "--dtype", "float32", *extra)
 
 
 def _loaded(out: Path, cls: str, auto=transformers.AutoModelForCausalLM):
@@ -94,7 +103,7 @@ def test_qwen3_5_gated_deltanet_gives_torchtitan_logits(qwen3_5_root, tmp_path):
 def test_qwen3_5_torchrun_equals_one_process(qwen3_5_root, tmp_path):
     """3 merge ranks over a 2-rank checkpoint, small files: each join reads its parts where they lie, the same
     bytes."""
-    _merge(qwen3_5_root, tmp_path / "one")
+    _merge_here(qwen3_5_root, tmp_path / "one")
     _merge(qwen3_5_root, tmp_path / "three", "--max_shard_size", "20KB", nproc=3)
     one, three = load_safetensors_folder(tmp_path / "one"), load_safetensors_folder(tmp_path / "three")
     assert one.keys() == three.keys() and all(torch.equal(one[n], three[n]) for n in one)
@@ -131,7 +140,7 @@ def test_qwen3_5_moe_experts_give_torchtitan_logits(qwen3_5_moe_written, tmp_pat
     assert ("written as HF qwen3_5_moe_text; 6 stacked expert tensors split per expert; left out: "
             "layers.0.moe.expert_bias_E (Qwen3.5-MoE routes") in proc.stderr
     # and as the MoE VLM, with its vision tower
-    _merge(root, tmp_path / "vlm", hf=vlm / "hf")
+    _merge_here(root, tmp_path / "vlm", hf=vlm / "hf")
     vlm_logits = _logits(tmp_path / "vlm", "Qwen3_5MoeForConditionalGeneration", VLM)
     assert (vlm_logits - titan).abs().max().item() < 0.02 * titan.abs().max().item()
     _as_save_pretrained_writes(tmp_path / "vlm", vlm / "hf", tmp_path / "vlm_saved", VLM)

@@ -17,6 +17,8 @@ import pytest
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import run, run_merger, torchrun_cmd
 
+pytestmark = pytest.mark.slow
+
 MiB = 1 << 20
 MARGIN = 48 * MiB  # a few 1 MiB chunks and allocator slack; the checkpoint is 364 MB, its largest tensor 131 MB
 

@@ -28,6 +28,8 @@ from tests.helpers.paths import HELPERS
 from tests.helpers.processes import free_port, run, run_merger, torchrun_cmd
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def checkpoint(fsdp_checkpoint):

@@ -22,6 +22,8 @@ from tests.helpers.processes import run_merger, run_writer
 from tests.helpers.skips import need_torchtitan
 from tests.helpers.weights import load_safetensors_folder
 
+pytestmark = pytest.mark.slow
+
 TOKENS = [[1, 5, 7, 9, 11, 3, 42, 100]]  # both writers' TOKENS
 STEP = 3
 

@@ -22,6 +22,8 @@ from tests.helpers.paths import ROOT
 from tests.helpers.processes import run_merger, start_merger, subprocess_env
 from tests.helpers.weights import assert_same_weights
 
+pytestmark = pytest.mark.slow
+
 SMALL = ["--max_shard_size", "20KB", "--max_inflight", "1"]
 
 

@@ -10,6 +10,8 @@ import pytest
 from tests.helpers import written_cache
 from tests.helpers.files import snapshot
 
+pytestmark = pytest.mark.interpreter
+
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ Tests get copies, never the entry's own files: a test that damages its checkpoin
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -111,12 +112,21 @@ def write_through_cache(script: str, args: Sequence, nproc: int, env: dict | Non
         write()
         return
     entry = CACHE / _key(script, args, folders, nproc, env, python, per_interpreter)
-    if entry.is_dir():
-        for i, folder in enumerate(folders):
-            shutil.copytree(entry / str(i), folder, symlinks=True, dirs_exist_ok=True)
-        return
-    write()
     CACHE.mkdir(parents=True, exist_ok=True)
+    # One writer per entry at a time: the suite's parallel workers (xdist) ask for the same checkpoints, and a
+    # worker that asks second waits for the first one's entry instead of writing it again beside it.
+    with open(entry.with_name(entry.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if entry.is_dir():
+            for i, folder in enumerate(folders):
+                shutil.copytree(entry / str(i), folder, symlinks=True, dirs_exist_ok=True)
+            return
+        write()
+        _keep(entry, folders)
+
+
+def _keep(entry: Path, folders: list[Path]) -> None:
+    """Copy what a writer wrote into `entry`, through a staging folder renamed into place."""
     staging = Path(tempfile.mkdtemp(prefix=".writing-", dir=CACHE))
     try:
         for i, folder in enumerate(folders):

@@ -27,6 +27,8 @@ from tests.helpers.processes import run_merger, start_merger
 from tests.helpers.reliability import RANK0, RANK1, SMALL
 from tests.helpers.weights import assert_same_weights
 
+pytestmark = [pytest.mark.slow, pytest.mark.interpreter]
+
 
 def assert_nothing_written(parent: Path, before: set[str]) -> None:
     """No model, no staging folder, nothing new beside the target."""

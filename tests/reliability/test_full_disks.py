@@ -19,6 +19,8 @@ from tests.helpers.files import snapshot, tmpfs
 from tests.helpers.in_process import merge_here
 from tests.helpers.processes import run_merger
 
+pytestmark = pytest.mark.slow
+
 
 def _merge_into_tmpfs(capsys, tmp_path, mount_options: str, *args) -> tuple[int, list[str], Path, list[str]]:
     """Merge into `model` on a fresh tmpfs mounted with `mount_options`; returns the exit code, the error lines,

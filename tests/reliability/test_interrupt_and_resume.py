@@ -30,6 +30,8 @@ from tests.helpers.processes import run_merger, start_merger, subprocess_env
 from tests.helpers.reliability import RANK0, SMALL, WORLD, kill_rank_mid_merge, wait_paused
 from tests.helpers.weights import assert_same_weights
 
+pytestmark = pytest.mark.slow
+
 
 def _kept_and_resumed(ckpt: Path, reference: Path, out: Path, stage: Path, err: str) -> None:
     """A merge stopped by Ctrl-C kept its staging folder and said how to go on; a rerun without --resume or
@@ -49,6 +51,7 @@ def _kept_and_resumed(ckpt: Path, reference: Path, out: Path, stage: Path, err: 
     assert_same_weights(out, reference, torch.bfloat16)
 
 
+@pytest.mark.interpreter  # SIGINT becomes KeyboardInterrupt by the interpreter's own handler
 def test_ctrl_c_keeps_the_partial_merge_and_says_so(ckpt, reference, tmp_path):
     pause = tmp_path / "paused"
     out, stage = tmp_path / "out", tmp_path / ".out.merger-partial"

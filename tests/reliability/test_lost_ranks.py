@@ -24,6 +24,8 @@ from tests.helpers.reliability import (RANK0, RANK1, SMALL, WORLD, children, kil
                                        start_merge, wait_all)
 from tests.helpers.weights import assert_same_weights
 
+pytestmark = pytest.mark.slow
+
 
 def test_error_on_one_rank_stops_every_rank(ckpt, tmp_path):
     # Only merge rank 1 of 2 opens rank file 1; rank 0 must not wait for it forever.

@@ -27,6 +27,8 @@ from tests.helpers.processes import run, run_merger, torchrun_cmd
 from tests.helpers.reliability import SMALL
 from tests.helpers.weights import assert_same_weights
 
+pytestmark = pytest.mark.slow
+
 SMALL_BLOCKS_MERGER = HELPERS / "small_blocks_merger.py"
 PAGE = mmap.PAGESIZE
 
