@@ -34,7 +34,8 @@ def report_lines(runs: dict[str, dict]) -> list[str]:
             per_group[group_of(test["markers"])].append(test["seconds"])
             if "interpreter" in test["markers"]:
                 per_group["(interpreter)"].append(test["seconds"])
-        lines.append(f"time per group, {name} ({run['wall_s']:.0f} s wall, {run['workers']} worker(s)):")
+        lines.append(f"time per group, {name} ({run['wall_s']:.0f} s wall on {run['workers']} worker(s); each test's "
+                     "own seconds, added up):")
         for group in (*GROUPS, "other", "(interpreter)"):
             seconds = per_group.get(group, [])
             lines.append(f"  {group:<14} {len(seconds):>4} tests {sum(seconds):>8.1f} s")
