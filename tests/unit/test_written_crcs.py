@@ -12,6 +12,8 @@ from merger.output import written_crcs
 from merger.output.written_crcs import WrittenCrcs
 from merger.sources.crc32 import CrcSpans
 
+pytestmark = pytest.mark.unit
+
 BLOCK = 4096
 
 
