@@ -24,14 +24,6 @@ pytest_plugins = ["tests.helpers.timing_report"]  # the time per group and the s
 # processes of their own.
 sys.modules["fla"] = None
 
-# `make test` runs a pytest-xdist worker per core: each worker's own torch ops (in-process merges, the oracles' forward
-# passes) run on one thread, as the processes the tests start do (OMP_NUM_THREADS=1, tests/helpers/processes.py), so
-# two workers' intra-op pools do not spin on the same two cores.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    import torch
-
-    torch.set_num_threads(1)
-
 # Tests send Ctrl-C (SIGINT) to the merger processes they start. A shell that starts the suite in the background
 # (`make test &`, a CI step's `cmd &`) has it ignore SIGINT, and a child inherits an ignored signal, so merger would
 # never see the Ctrl-C: Python's own handler makes the children start with SIGINT at its default again.
