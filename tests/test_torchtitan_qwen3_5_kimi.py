@@ -23,7 +23,7 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.in_process import merge_in_process
+from tests.helpers.in_process import run_in_process
 from tests.helpers.processes import run_merger
 from tests.helpers.skips import need_fla
 from tests.helpers.torchtitan_writes import TOKENS, refused_as_kimi_k25, written_by_torchtitan
@@ -59,15 +59,18 @@ def qwen3_5_moe_written(tmp_path_factory) -> tuple[Path, Path]:
     return written_by_torchtitan(tmp_path_factory, "qwen3_5_moe_text", *flags), vlm
 
 
+def _merge_args(root: Path, out: Path, *extra, hf: Path | None = None) -> list:
+    return ["merge", "--local_dir", root / "checkpoint" / "step-1", "--target_dir", out,
+            "--hf_model_config_path", hf or root / "hf", "--dtype", "float32", *extra]
+
+
 def _merge(root: Path, out: Path, *extra, hf: Path | None = None, nproc: int = 1):
-    return run_merger("merge", "--local_dir", root / "checkpoint" / "step-1", "--target_dir", out,
-                      "--hf_model_config_path", hf or root / "hf", "--dtype", "float32", *extra, nproc=nproc)
+    return run_merger(*_merge_args(root, out, *extra, hf=hf), nproc=nproc)
 
 
-def _merge_here(root: Path, out: Path, *extra, hf: Path | None = None) -> Path:
+def _merge_here(root: Path, out: Path, *extra, hf: Path | None = None) -> None:
     """_merge's one-process merge, in this process: for a test that reads only the merged folder."""
-    return merge_in_process(root / "checkpoint" / "step-1", out, "--hf_model_config_path", hf or root / "hf",
-                            "--dtype", "float32", *extra)
+    run_in_process(*_merge_args(root, out, *extra, hf=hf))
 
 
 def _loaded(out: Path, cls: str, auto=transformers.AutoModelForCausalLM):

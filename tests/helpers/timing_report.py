@@ -55,9 +55,9 @@ class TimingReport:
         self.tests: dict[str, dict] = {}
 
     def pytest_runtest_logreport(self, report):
-        test = self.tests.setdefault(report.nodeid, {"seconds": 0.0, "markers": []})
+        test = self.tests.setdefault(report.nodeid, {"seconds": 0.0, "markers": sorted(
+            k for k in report.keywords if k in (*GROUPS, "interpreter"))})  # every phase's report has the item's
         test["seconds"] += report.duration
-        test["markers"] = sorted({*test["markers"], *(k for k in report.keywords if k in (*GROUPS, "interpreter"))})
 
     def pytest_terminal_summary(self, terminalreporter):
         if not self.tests:

@@ -115,7 +115,7 @@ def write_through_cache(script: str, args: Sequence, nproc: int, env: dict | Non
     CACHE.mkdir(parents=True, exist_ok=True)
     # One writer per entry at a time: the suite's parallel workers (xdist) ask for the same checkpoints, and a
     # worker that asks second waits for the first one's entry instead of writing it again beside it.
-    locks = CACHE.with_name(CACHE.name + ".locks")  # beside the cache: an entry's folder holds only its files
+    locks = CACHE.with_name(CACHE.name + ".locks")  # beside the cache, which holds entries and nothing else
     locks.mkdir(exist_ok=True)
     with open(locks / entry.name, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
