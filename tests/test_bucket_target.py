@@ -22,7 +22,7 @@ import torch
 
 from merger.output.bucket_target import MAX_PARTS, PART, parts_of, shares
 from tests.helpers.files import allocated, assert_same_files, peak_allocated
-from tests.helpers.in_process import single_error_line
+from tests.helpers.in_process import run_in_process, single_error_line
 from tests.helpers.object_store import KEY_ID, SECRET
 from tests.helpers.processes import run_merger, start_merger
 from tests.helpers.reliability import wait_paused
@@ -70,6 +70,22 @@ def layered_model(tmp_path_factory) -> Path:
 STREAMED = ("--dtype", "float32", "--max_shard_size", "20MB", "--max_inflight", "16MB")
 
 
+@pytest.fixture(scope="module")
+def hf_local(hf_model, tmp_path_factory) -> Path:
+    """The oracle: hf_model merged as float32 into a local folder."""
+    local = tmp_path_factory.mktemp("bucket_target") / "local"
+    run_in_process("merge", "--local_dir", hf_model, "--target_dir", local, "--dtype", "float32")
+    return local
+
+
+@pytest.fixture(scope="module")
+def layered_local(layered_model, tmp_path_factory) -> Path:
+    """The oracle: layered_model merged with STREAMED's flags into a local folder."""
+    local = tmp_path_factory.mktemp("bucket_stream") / "local"
+    run_in_process("merge", "--local_dir", layered_model, "--target_dir", local, *STREAMED)
+    return local
+
+
 def download(store, prefix: str, into: Path) -> list[str]:
     """Every object under s3://models/prefix/ into a folder; their names."""
     client = store.client()
@@ -97,15 +113,14 @@ def no_secret(proc: subprocess.CompletedProcess, folder: Path) -> None:
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_a_merge_into_a_bucket_writes_what_a_local_merge_writes(store, hf_model, nproc, tmp_path):
-    local, remote = tmp_path / "local", tmp_path / "remote"
-    run_merger("merge", "--local_dir", hf_model, "--target_dir", local, "--dtype", "float32")
+def test_a_merge_into_a_bucket_writes_what_a_local_merge_writes(store, hf_model, hf_local, nproc, tmp_path):
+    remote = tmp_path / "remote"
     url = f"s3://models/llama-x{nproc}"
     proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", url, "--dtype", "float32",
                       "--summary_json", tmp_path / "summary.json", nproc=nproc, env=store.env)
     names = download(store, f"llama-x{nproc}", remote)
     assert ".merger-lock" not in names and open_uploads(store) == []
-    assert_same_files(local, remote)
+    assert_same_files(hf_local, remote)
     assert_same_weights(remote, hf_model, None)  # float32 as save_pretrained wrote them
     assert json.loads((tmp_path / "summary.json").read_text())["target_dir"] == url
     assert f"to {url}" in proc.stderr and "uploaded 4 files" in proc.stderr, proc.stderr
@@ -115,7 +130,7 @@ def test_a_merge_into_a_bucket_writes_what_a_local_merge_writes(store, hf_model,
 def test_a_dcp_checkpoint_from_one_bucket_into_another_under_torchrun(store, dcp_root, tmp_path):
     local, remote = tmp_path / "local", tmp_path / "remote"
     source = store.upload(dcp_root, "ckpt", "runs/dcp")
-    run_merger("merge", "--local_dir", dcp_root / "plain", "--target_dir", local)
+    run_in_process("merge", "--local_dir", dcp_root / "plain", "--target_dir", local)
     run_merger("merge", "--local_dir", f"{source}/plain", "--target_dir", "s3://models/dcp", nproc=2,
                env=store.env)
     download(store, "dcp", remote)
@@ -126,22 +141,22 @@ def test_a_dcp_checkpoint_from_one_bucket_into_another_under_torchrun(store, dcp
 def test_peft_adapters_folded_into_a_base_model_in_a_bucket(store, adapter_cases, tmp_path):
     """`merger lora` into a bucket: the same bytes as into a folder (whose tests check PEFT's merge_and_unload)."""
     root = adapter_cases / "llama"
-    run_merger("lora", "--base", root / "base", "--adapter", root / "patterns", "--target_dir", tmp_path / "local")
-    run_merger("lora", "--base", root / "base", "--adapter", root / "patterns", "--target_dir", "s3://models/lora",
-               env=store.env)
+    run_in_process("lora", "--base", root / "base", "--adapter", root / "patterns", "--target_dir", tmp_path / "local")
+    run_in_process("lora", "--base", root / "base", "--adapter", root / "patterns", "--target_dir",
+                   "s3://models/lora", env=store.env)
     download(store, "lora", tmp_path / "remote")
     assert_same_files(tmp_path / "local", tmp_path / "remote")
 
 
 def test_an_earlier_merge_is_replaced_only_with_overwrite(store, hf_model, tmp_path):
     url = "s3://models/again"
-    run_merger("merge", "--local_dir", hf_model, "--target_dir", url, "--max_shard_size", "20MB", env=store.env)
+    run_in_process("merge", "--local_dir", hf_model, "--target_dir", url, "--max_shard_size", "20MB", env=store.env)
     proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", url, env=store.env, check=False)
     assert proc.returncode == 1
     assert single_error_line(proc.stderr) == f"merger: error: target holds an earlier merge: pass --overwrite to " \
                                               f"replace it, {url}"
-    run_merger("merge", "--local_dir", hf_model, "--target_dir", url, "--overwrite", env=store.env)
-    run_merger("merge", "--local_dir", hf_model, "--target_dir", tmp_path / "local")
+    run_in_process("merge", "--local_dir", hf_model, "--target_dir", url, "--overwrite", env=store.env)
+    run_in_process("merge", "--local_dir", hf_model, "--target_dir", tmp_path / "local")
     remote = tmp_path / "remote"
     download(store, "again", remote)  # the earlier merge's two shards and index are gone: one file now
     assert_same_files(tmp_path / "local", remote)
@@ -174,7 +189,7 @@ def test_a_merge_running_elsewhere_holds_the_target(store, hf_model):
     assert keys == ["busy/.merger-lock"]
 
 
-def test_a_killed_merge_leaves_no_model_and_the_next_one_cleans_up(store, hf_model, tmp_path):
+def test_a_killed_merge_leaves_no_model_and_the_next_one_cleans_up(store, hf_model, hf_local, tmp_path):
     """kill -9 during the upload: the parts sent are invisible, nothing reads as a model; the next merge finds the
     lock stale (its process is gone), aborts the unfinished upload and writes the model."""
     url, stage = "s3://models/killed", tmp_path / "stage"
@@ -192,21 +207,20 @@ def test_a_killed_merge_leaves_no_model_and_the_next_one_cleans_up(store, hf_mod
     left = [o["Key"] for o in client.list_objects_v2(Bucket="models", Prefix="killed/").get("Contents", [])]
     assert set(left) <= {"killed/.merger-lock"}, left  # no weights, config, index or manifest
     assert open_uploads(store) == ["killed/model.safetensors"]
-    run_merger("merge", "--local_dir", hf_model, "--target_dir", url, "--stage_dir", stage, "--dtype", "float32",
-               "--resume", env=store.env)
+    run_in_process("merge", "--local_dir", hf_model, "--target_dir", url, "--stage_dir", stage, "--dtype", "float32",
+                   "--resume", env=store.env)
     assert open_uploads(store) == []
-    run_merger("merge", "--local_dir", hf_model, "--target_dir", tmp_path / "local", "--dtype", "float32")
     download(store, "killed", tmp_path / "remote")
-    assert_same_files(tmp_path / "local", tmp_path / "remote")
+    assert_same_files(hf_local, tmp_path / "remote")
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_the_upload_streams_and_the_stage_never_holds_the_model(store, layered_model, nproc, tmp_path):
+def test_the_upload_streams_and_the_stage_never_holds_the_model(store, layered_model, layered_local, nproc,
+                                                                 tmp_path):
     """Each file's parts are sent as soon as its blocks are written and their disk space given back: the staging
     folder's allocated blocks, sampled through the merge, stay far below the model's size; the objects hold what a
     local merge writes."""
-    local, work = tmp_path / "local", tmp_path / "work"
-    run_merger("merge", "--local_dir", layered_model, "--target_dir", local, *STREAMED)
+    local, work = layered_local, tmp_path / "work"
     weights = sum(p.stat().st_size for p in local.glob("*.safetensors"))
     assert len(list(local.glob("*.safetensors"))) >= 25 and weights > 500 * MIB
     url = f"s3://models/streamed-x{nproc}"
@@ -222,14 +236,13 @@ def test_the_upload_streams_and_the_stage_never_holds_the_model(store, layered_m
     assert allocated(work) < MIB  # what stays in --stage_dir: the small files, the weight files hollow
 
 
-def test_verify_keeps_the_staged_files_whole_for_its_check(store, hf_model, tmp_path):
+def test_verify_keeps_the_staged_files_whole_for_its_check(store, hf_model, hf_local, tmp_path):
     """--verify re-reads the staged model after the merge: its parts are sent during the merge but not released."""
-    run_merger("merge", "--local_dir", hf_model, "--target_dir", tmp_path / "local", "--dtype", "float32")
     proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", "s3://models/verified", "--dtype", "float32",
                       "--verify", env=store.env)
     assert "comparing 100%" in proc.stderr, proc.stderr  # the check ran, and passed on the staged bytes
     download(store, "verified", tmp_path / "remote")
-    assert_same_files(tmp_path / "local", tmp_path / "remote")
+    assert_same_files(hf_local, tmp_path / "remote")
 
 
 @contextlib.contextmanager
@@ -260,21 +273,20 @@ def _sent_parts(store, prefix: str) -> int:
         time.sleep(0.1)
 
 
-def _resumed_as_local(store, model: Path, url: str, stage: Path, tmp_path: Path) -> None:
+def _resumed_as_local(store, model: Path, local: Path, url: str, stage: Path, tmp_path: Path) -> None:
     """--resume writes again what was sent and released (its blocks fail their checksums), and the objects end
     as a local merge's."""
     proc = run_merger("merge", "--local_dir", model, "--target_dir", url, "--stage_dir", stage, *STREAMED,
                       "--resume", env=store.env)
     reused = re.search(r"--resume: reusing (\d+) of (\d+) output files", proc.stderr)
     assert reused and int(reused[1]) < int(reused[2]), proc.stderr  # the files sent (and released) are written again
-    run_merger("merge", "--local_dir", model, "--target_dir", tmp_path / "local", *STREAMED)
     prefix = url.removeprefix("s3://models/")
     download(store, prefix, tmp_path / "remote")
-    assert_same_files(tmp_path / "local", tmp_path / "remote")
+    assert_same_files(local, tmp_path / "remote")
     assert open_uploads(store) == []
 
 
-def test_ctrl_c_mid_stream_aborts_the_uploads_and_resume_finishes(store, layered_model, tmp_path):
+def test_ctrl_c_mid_stream_aborts_the_uploads_and_resume_finishes(store, layered_model, layered_local, tmp_path):
     url, stage = "s3://models/interrupted", tmp_path / "stage"
     with _paused_merge(store, layered_model, url, stage, tmp_path / "paused") as proc:
         assert _sent_parts(store, "interrupted") > 0  # mid-upload: parts sent, no upload complete
@@ -286,10 +298,10 @@ def test_ctrl_c_mid_stream_aborts_the_uploads_and_resume_finishes(store, layered
     client = store.client()
     left = [o["Key"] for o in client.list_objects_v2(Bucket="models", Prefix="interrupted/").get("Contents", [])]
     assert not [k for k in left if not k.endswith(".safetensors")], left  # no lock, config, index or manifest
-    _resumed_as_local(store, layered_model, url, stage, tmp_path)
+    _resumed_as_local(store, layered_model, layered_local, url, stage, tmp_path)
 
 
-def test_kill_9_mid_stream_then_resume(store, layered_model, tmp_path):
+def test_kill_9_mid_stream_then_resume(store, layered_model, layered_local, tmp_path):
     url, stage = "s3://models/killed-streaming", tmp_path / "stage"
     with _paused_merge(store, layered_model, url, stage, tmp_path / "paused") as proc:
         assert _sent_parts(store, "killed-streaming") > 0
@@ -298,7 +310,7 @@ def test_kill_9_mid_stream_then_resume(store, layered_model, tmp_path):
     client = store.client()
     left = [o["Key"] for o in client.list_objects_v2(Bucket="models", Prefix="killed-streaming/").get("Contents", [])]
     assert not [k for k in left if not k.endswith((".safetensors", ".merger-lock"))], left
-    _resumed_as_local(store, layered_model, url, stage, tmp_path)
+    _resumed_as_local(store, layered_model, layered_local, url, stage, tmp_path)
 
 
 def test_a_missing_bucket_is_one_line(store, hf_model, tmp_path):

@@ -13,7 +13,7 @@ import torch
 
 from merger.cli import main
 from merger.sources import BACKENDS
-from tests.helpers.in_process import single_error_line
+from tests.helpers.in_process import run_in_process, single_error_line
 from tests.helpers.processes import run_merger
 from tests.helpers.weights import assert_same_weights
 
@@ -31,7 +31,7 @@ def test_local_dir_one_level_too_high_names_the_checkpoint_below(fsdp_checkpoint
     assert not (tmp_path / "out").exists()
     # following the hint merges the model
     suggested = re.search(r"actor/ below it .*?: pass --local_dir (\S+)", line).group(1)
-    run_merger("merge", "--local_dir", suggested, "--target_dir", tmp_path / "out", "--dtype", "keep")
+    run_in_process("merge", "--local_dir", suggested, "--target_dir", tmp_path / "out", "--dtype", "keep")
     assert_same_weights(tmp_path / "out", reference, None)
 
 
@@ -62,7 +62,7 @@ def test_run_folder_points_to_the_step_its_tracker_names(fsdp_checkpoint, tmp_pa
     assert proc.returncode == 1 and line.endswith(
         f"{run}; it looks like a training run's folder: pass its latest checkpoint (fsdp), --local_dir "
         f"{run / 'global_step_1' / 'actor'}")
-    run_merger("merge", "--local_dir", _suggested(line), "--target_dir", tmp_path / "out", "--dtype", "keep")
+    run_in_process("merge", "--local_dir", _suggested(line), "--target_dir", tmp_path / "out", "--dtype", "keep")
     assert_same_weights(tmp_path / "out", reference, None)
 
 
@@ -119,6 +119,6 @@ def test_a_url_is_refused_with_the_scheme_named(fsdp_checkpoint, tmp_path, flag,
                                              ("float", torch.float32)])
 def test_dtype_as_hf_and_verl_spell_it(fsdp_checkpoint, tmp_path, spelling, dtype):
     actor, reference = fsdp_checkpoint("llama", world=1)
-    run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", "--dtype", spelling)
+    run_in_process("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", "--dtype", spelling)
     assert_same_weights(tmp_path / "out", reference, dtype)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")

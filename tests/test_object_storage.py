@@ -19,7 +19,7 @@ import torch
 
 from merger.catalog import Catalog
 from tests.helpers.files import assert_same_files
-from tests.helpers.in_process import single_error_line
+from tests.helpers.in_process import run_in_process, single_error_line, stdout_in_process
 from tests.helpers.object_store import KEY_ID, SECRET, ObjectStore
 from tests.helpers.processes import free_port, run_merger, start_merger, subprocess_env
 from tests.helpers.weights import assert_same_weights
@@ -40,7 +40,7 @@ def dcp_in_bucket(store, dcp_root) -> str:
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_dcp_from_a_bucket_writes_what_the_local_merge_writes(store, dcp_root, dcp_in_bucket, nproc, tmp_path):
     local, remote = tmp_path / "local", tmp_path / "remote"
-    run_merger("merge", "--local_dir", dcp_root / "plain", "--target_dir", local, nproc=nproc)
+    run_in_process("merge", "--local_dir", dcp_root / "plain", "--target_dir", local)
     proc = run_merger("merge", "--local_dir", f"{dcp_in_bucket}/plain", "--target_dir", remote,
                       "--summary_json", tmp_path / "summary.json", nproc=nproc, env=store.env)
     assert_same_files(local, remote)
@@ -56,20 +56,20 @@ def test_dcp_from_a_bucket_writes_what_the_local_merge_writes(store, dcp_root, d
 def test_nested_dcp_with_its_config_folder_in_the_bucket(store, dcp_root, dcp_in_bucket, tmp_path):
     """accelerate's checkpoint-N/pytorch_model_fsdp_0 found below the URL given, the config from a bucket too."""
     out = tmp_path / "out"
-    run_merger("merge", "--local_dir", f"{dcp_in_bucket}/checkpoint-1", "--target_dir", out,
-               "--hf_model_config_path", f"{dcp_in_bucket}/hf", "--dtype", "keep", env=store.env)
+    run_in_process("merge", "--local_dir", f"{dcp_in_bucket}/checkpoint-1", "--target_dir", out,
+                   "--hf_model_config_path", f"{dcp_in_bucket}/hf", "--dtype", "keep", env=store.env)
     assert_same_weights(out, dcp_root / "reference", None)
     assert json.loads((out / "config.json").read_text())["model_type"] == \
         json.loads((dcp_root / "hf" / "config.json").read_text())["model_type"]
 
 
-def test_inspect_and_its_check_from_a_bucket(store, dcp_root, dcp_in_bucket):
+def test_inspect_and_its_check_from_a_bucket(store, dcp_root, dcp_in_bucket, capsys):
     """`inspect --check` reads every record from the bucket and checks its CRC-32, as a merge would."""
     url = f"{dcp_in_bucket}/plain"
-    proc = run_merger("inspect", "--local_dir", url, "--check", env=store.env)
+    checked = stdout_in_process(capsys, "inspect", "--local_dir", url, "--check", env=store.env)
     files = len(list((dcp_root / "plain").glob("*.distcp")))
-    assert f"checked {files} source files" in proc.stdout and "all fine" in proc.stdout, proc.stdout
-    described = run_merger("inspect", "--local_dir", url, env=store.env).stdout
+    assert f"checked {files} source files" in checked and "all fine" in checked, checked
+    described = stdout_in_process(capsys, "inspect", "--local_dir", url, env=store.env)
     assert f"root: {url}\n" in described and f"hf_dir: {url}/huggingface\n" in described, described
 
 
@@ -77,8 +77,8 @@ def test_hf_folder_from_a_bucket(store, dcp_root, tmp_path):
     """A HF safetensors folder (the reference save_pretrained wrote) read from a bucket: the same bytes as local."""
     url = store.upload(dcp_root / "reference", "ckpt", "runs/hf")
     local, remote = tmp_path / "local", tmp_path / "remote"
-    run_merger("merge", "--local_dir", dcp_root / "reference", "--target_dir", local)
-    run_merger("merge", "--local_dir", url, "--target_dir", remote, env=store.env)
+    run_in_process("merge", "--local_dir", dcp_root / "reference", "--target_dir", local)
+    run_in_process("merge", "--local_dir", url, "--target_dir", remote, env=store.env)
     assert_same_files(local, remote)
 
 
@@ -135,7 +135,7 @@ def test_verl_fsdp_rank_files_from_a_bucket(store, fsdp_checkpoint, nproc, tmp_p
     actor, reference = fsdp_checkpoint()
     url = store.upload(actor, "ckpt", "runs/fsdp/global_step_1/actor")
     local, remote = tmp_path / "local", tmp_path / "remote"
-    run_merger("merge", "--local_dir", actor, "--target_dir", local)
+    run_in_process("merge", "--local_dir", actor, "--target_dir", local)
     run_merger("merge", "--local_dir", url, "--target_dir", remote, "--summary_json", tmp_path / "summary.json",
                nproc=nproc, env=store.env)
     assert_same_files(local, remote)
@@ -172,7 +172,7 @@ def test_megatron_from_a_bucket(store, megatron_root, fmt, tmp_path):
     case = megatron_root / "tp2_gqa_bias"
     url = store.upload(case, "ckpt", "runs/megatron")
     local, remote = tmp_path / "local", tmp_path / "remote"
-    run_merger("merge", "--local_dir", case / fmt, "--target_dir", local, "--hf_model_config_path", case / "hf")
+    run_in_process("merge", "--local_dir", case / fmt, "--target_dir", local, "--hf_model_config_path", case / "hf")
     run_merger("merge", "--local_dir", f"{url}/{fmt}", "--target_dir", remote, "--hf_model_config_path",
                f"{url}/hf", nproc=2, env=store.env)
     assert_same_files(local, remote)
@@ -183,9 +183,9 @@ def test_deepspeed_zero3_from_a_bucket(store, ds_root, tmp_path):
     case = ds_root / "s3_fp32_tied_frozen"
     url = store.upload(case, "ckpt", "runs/deepspeed")
     local, remote = tmp_path / "local", tmp_path / "remote"
-    run_merger("merge", "--local_dir", case / "out", "--target_dir", local, "--hf_model_config_path", case / "hf")
-    run_merger("merge", "--local_dir", f"{url}/out", "--target_dir", remote, "--hf_model_config_path", f"{url}/hf",
-               env=store.env)
+    run_in_process("merge", "--local_dir", case / "out", "--target_dir", local, "--hf_model_config_path", case / "hf")
+    run_in_process("merge", "--local_dir", f"{url}/out", "--target_dir", remote, "--hf_model_config_path",
+                   f"{url}/hf", env=store.env)
     assert_same_files(local, remote)
 
 
@@ -194,10 +194,10 @@ def test_peft_adapters_into_a_base_model_from_a_bucket(store, adapter_cases, tmp
     root = adapter_cases / "llama"
     url = store.upload(root, "ckpt", "models/llama")
     local, remote = tmp_path / "local", tmp_path / "remote"
-    run_merger("lora", "--base", root / "base", "--adapter", root / "patterns", "--adapter", root / "dora",
-               "--target_dir", local)
-    run_merger("lora", "--base", f"{url}/base", "--adapter", f"{url}/patterns", "--adapter", f"{url}/dora",
-               "--target_dir", remote, env=store.env)
+    run_in_process("lora", "--base", root / "base", "--adapter", root / "patterns", "--adapter", root / "dora",
+                   "--target_dir", local)
+    run_in_process("lora", "--base", f"{url}/base", "--adapter", f"{url}/patterns", "--adapter", f"{url}/dora",
+                   "--target_dir", remote, env=store.env)
     assert_same_files(local, remote)
 
 
@@ -207,8 +207,8 @@ def test_an_adapter_config_in_a_bucket(store, peft_lora_checkpoint, tmp_path):
     actor, adapter = peft_lora_checkpoint / "global_step_1" / "actor", peft_lora_checkpoint / "reference" / "adapter"
     url = store.upload(adapter, "ckpt", "adapters/fsdp_lora")
     local, remote = tmp_path / "local", tmp_path / "remote"
-    run_merger("merge", "--local_dir", actor, "--target_dir", local, "--adapter_config", adapter)
-    run_merger("merge", "--local_dir", actor, "--target_dir", remote, "--adapter_config", url, env=store.env)
+    run_in_process("merge", "--local_dir", actor, "--target_dir", local, "--adapter_config", adapter)
+    run_in_process("merge", "--local_dir", actor, "--target_dir", remote, "--adapter_config", url, env=store.env)
     assert_same_files(local, remote)
 
 
@@ -220,9 +220,9 @@ def test_quantize_like_a_release_in_a_bucket(store, tmp_path):
     release = write_release(tmp_path / "release", (16, 16), family="deepseek_v3", reference=tmp_path / "ref")
     url = store.upload(release, "ckpt", "releases/fp8")
     local, remote = tmp_path / "local", tmp_path / "remote"
-    run_merger("merge", "--local_dir", tmp_path / "ref", "--target_dir", local, "--quantize_like", release)
-    run_merger("merge", "--local_dir", tmp_path / "ref", "--target_dir", remote, "--quantize_like", url,
-               env=store.env)
+    run_in_process("merge", "--local_dir", tmp_path / "ref", "--target_dir", local, "--quantize_like", release)
+    run_in_process("merge", "--local_dir", tmp_path / "ref", "--target_dir", remote, "--quantize_like", url,
+                   env=store.env)
     assert_same_files(local, remote)
     assert any(name.endswith("_scale_inv") for name in json.loads((remote / "model.safetensors").read_bytes()[
         8:8 + int.from_bytes((remote / "model.safetensors").read_bytes()[:8], "little")]))

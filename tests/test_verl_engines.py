@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.in_process import single_error_line
+from tests.helpers.in_process import run_in_process, single_error_line, stdout_in_process
 from tests.helpers.processes import run_merger, run_writer
 from tests.helpers.skips import need_torchtitan
 from tests.helpers.weights import load_safetensors_folder
@@ -58,32 +58,31 @@ def test_torchtitan_save_lies_beside_actor_and_merges_from_it(torchtitan_ppo, tm
 
 def test_torchtitan_global_step_folder_under_torchrun_equals_one_process(torchtitan_ppo, tmp_path):
     step_dir = torchtitan_ppo / "ckpt" / f"global_step_{STEP}"
-    for name, nproc, folder in (("one", 1, step_dir / "actor"), ("three", 3, step_dir)):
-        run_merger("merge", "--local_dir", folder, "--target_dir", tmp_path / name, "--hf_model_config_path",
-                   torchtitan_ppo / "hf", "--dtype", "float32", "--max_shard_size", "20KB", nproc=nproc)
+    flags = ("--hf_model_config_path", torchtitan_ppo / "hf", "--dtype", "float32", "--max_shard_size", "20KB")
+    run_in_process("merge", "--local_dir", step_dir / "actor", "--target_dir", tmp_path / "one", *flags)
+    run_merger("merge", "--local_dir", step_dir, "--target_dir", tmp_path / "three", *flags, nproc=3)
     one, three = load_safetensors_folder(tmp_path / "one"), load_safetensors_folder(tmp_path / "three")
     assert one.keys() == three.keys() and all(torch.equal(one[n], three[n]) for n in one)
 
 
-def test_torchtitan_inspect_names_the_folder_read(torchtitan_ppo):
+def test_torchtitan_inspect_names_the_folder_read(torchtitan_ppo, capsys):
     step_dir = torchtitan_ppo / "ckpt" / f"global_step_{STEP}"
-    proc = run_merger("inspect", "--local_dir", step_dir / "actor", "--hf_model_config_path", torchtitan_ppo / "hf",
-                      "--json")
-    info = json.loads(proc.stdout)
+    info = json.loads(stdout_in_process(capsys, "inspect", "--local_dir", step_dir / "actor", "--hf_model_config_path",
+                                        torchtitan_ppo / "hf", "--json"))
     assert info["root"] == str(step_dir / f"step-{STEP}")
     assert info["verl_engine"] == (f"torchtitan: global_step_{STEP}/step-{STEP}/ (saved for global_step_N/actor: "
                                    f"the PPO trainer's)")
     assert info["tensors"] == 25  # the model's; optimizer, scheduler and train state are left out
 
 
-def test_torchtitan_sft_layout_found_from_global_step(torchtitan_ppo, tmp_path):
+def test_torchtitan_sft_layout_found_from_global_step(torchtitan_ppo, tmp_path, capsys):
     """verl's SFT trainer passes global_step_N itself: torchtitan's step-N lands beside it."""
     ckpt = tmp_path / "ckpt"
     (ckpt / f"global_step_{STEP}").mkdir(parents=True)
     shutil.copytree(torchtitan_ppo / "ckpt" / f"global_step_{STEP}" / f"step-{STEP}", ckpt / f"step-{STEP}")
-    proc = run_merger("inspect", "--local_dir", ckpt / f"global_step_{STEP}", "--hf_model_config_path",
-                      torchtitan_ppo / "hf", "--json")
-    assert json.loads(proc.stdout)["root"] == str(ckpt / f"step-{STEP}")
+    said = stdout_in_process(capsys, "inspect", "--local_dir", ckpt / f"global_step_{STEP}", "--hf_model_config_path",
+                             torchtitan_ppo / "hf", "--json")
+    assert json.loads(said)["root"] == str(ckpt / f"step-{STEP}")
 
 
 def test_torchtitan_without_config_names_the_option(torchtitan_ppo, tmp_path):
@@ -125,20 +124,20 @@ def test_automodel_consolidated_merges_from_actor(automodel_actor, tmp_path):
     assert written.keys() == consolidated.keys() and all(torch.equal(written[n], consolidated[n]) for n in written)
 
 
-def test_automodel_inspect_names_what_is_skipped(automodel_actor):
-    info = json.loads(run_merger("inspect", "--local_dir", automodel_actor, "--json").stdout)
+def test_automodel_inspect_names_what_is_skipped(automodel_actor, capsys):
+    info = json.loads(stdout_in_process(capsys, "inspect", "--local_dir", automodel_actor, "--json"))
     assert info["verl_engine"] == "automodel: model/consolidated/ (HF safetensors)"
     assert info["skipped"] == {"optim/": "optimizer and scheduler state (automodel engine)",
                                "model/shard-*.safetensors": "the same tensors before consolidation (automodel engine)"}
 
 
-def test_automodel_found_from_its_model_folder_and_strays_named(automodel_actor, tmp_path):
+def test_automodel_found_from_its_model_folder_and_strays_named(automodel_actor, tmp_path, capsys):
     """actor/model/ leads to the same save; files its Checkpointer does not write are listed, not read."""
     actor = tmp_path / "actor"
     shutil.copytree(automodel_actor, actor)
     (actor / "notes.txt").write_text("mine")
     (actor / "model" / "extra.safetensors").write_bytes(b"")
-    info = json.loads(run_merger("inspect", "--local_dir", actor / "model", "--json").stdout)
+    info = json.loads(stdout_in_process(capsys, "inspect", "--local_dir", actor / "model", "--json"))
     assert info["root"] == str(actor / "model" / "consolidated") and info["tensors"] == 26
     stray = "not written by verl's automodel engine, left alone"
     assert info["skipped"]["notes.txt"] == stray and info["skipped"]["model/extra.safetensors"] == stray
@@ -160,14 +159,14 @@ def test_automodel_unconsolidated_shards_merge_with_hf_metadata_config(automodel
                                                                            "tensors missing, e.g. model.layers.1."),
     (("model-00002-of-00002.safetensors",), "consolidation unreadable (safetensors file is missing, "),
 ])
-def test_automodel_cut_short_consolidation_reads_the_shards(automodel_actor, tmp_path, lost, why):
+def test_automodel_cut_short_consolidation_reads_the_shards(automodel_actor, tmp_path, lost, why, capsys):
     """A consolidation that died before its second file (and the index): the shards are read, and inspect says
     why."""
     actor = tmp_path / "actor"
     shutil.copytree(automodel_actor, actor)
     for name in lost:
         (actor / "model" / "consolidated" / name).unlink()
-    info = json.loads(run_merger("inspect", "--local_dir", actor, "--json").stdout)
+    info = json.loads(stdout_in_process(capsys, "inspect", "--local_dir", actor, "--json"))
     assert info["format"] == "dcp_hf" and info["root"] == str(actor / "model")
     assert info["skipped"]["model/consolidated/"].startswith(why), info["skipped"]
 

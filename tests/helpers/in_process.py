@@ -3,15 +3,41 @@
 code, a signal, stderr or the process itself starts merger as a process (tests/helpers/processes.py)."""
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
 
 
-def run_in_process(*args) -> None:
-    """`merger ARGS` (any command: merge, lora, inspect, test) in this process; it must succeed."""
+def run_in_process(*args, env: dict | None = None) -> None:
+    """`merger ARGS` (any command: merge, lora, inspect, test) in this process, with the variables of `env` set
+    for its length (an object store's endpoint and keys); it must succeed."""
     from merger.cli import main
 
     argv = [str(arg) for arg in args]
-    assert main(argv) == 0, f"merger {' '.join(argv)} failed in process"
+    with environment(env or {}):
+        assert main(argv) == 0, f"merger {' '.join(argv)} failed in process"
+
+
+def stdout_in_process(capsys, *args, env: dict | None = None) -> str:
+    """What `merger ARGS` (inspect, say) prints on stdout, run as run_in_process runs it."""
+    capsys.readouterr()
+    run_in_process(*args, env=env)
+    return capsys.readouterr().out
+
+
+@contextmanager
+def environment(variables: dict):
+    """os.environ with `variables` set, as it was again afterwards."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def merge_in_process(source: Path, target: Path, *extra) -> Path:
