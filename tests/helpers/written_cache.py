@@ -20,16 +20,21 @@ import functools
 import hashlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 from pathlib import Path
 from typing import Callable, Sequence
 
 from tests.helpers.paths import ROOT, WRITERS
 
 CACHE = ROOT / ".test-cache" / "written"
+# What each writer run cost, a file per run (tests/helpers/timing_report.py adds up those of its own run).
+WRITER_TIMES = ROOT / ".test-cache" / "times" / "writers"
 
 # The distributions whose code runs in the writers (absent ones key as null).
 LIBRARIES = ("torch", "megatron-core", "deepspeed", "torchtitan", "transformers", "peft", "accelerate", "safetensors",
@@ -109,7 +114,7 @@ def write_through_cache(script: str, args: Sequence, nproc: int, env: dict | Non
     """Run `write()` (the writer SCRIPT with ARGS) unless the cache holds its output; then copy that into place."""
     folders = _output_folders(args) if enabled() else None
     if folders is None:
-        write()
+        _timed(script, nproc, write)
         return
     entry = CACHE / _key(script, args, folders, nproc, env, python, per_interpreter)
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -123,8 +128,19 @@ def write_through_cache(script: str, args: Sequence, nproc: int, env: dict | Non
             for i, folder in enumerate(folders):
                 shutil.copytree(entry / str(i), folder, symlinks=True, dirs_exist_ok=True)
             return
-        write()
+        _timed(script, nproc, write)
         _keep(entry, folders)
+
+
+def _timed(script: str, nproc: int, write: Callable[[], object]) -> None:
+    """write(), its wall time and the CPU time of the processes it ran (torchrun, its ranks) kept in WRITER_TIMES."""
+    started, cpu = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    write()
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    WRITER_TIMES.mkdir(parents=True, exist_ok=True)
+    (WRITER_TIMES / f"{uuid.uuid4().hex}.json").write_text(json.dumps({
+        "writer": script, "nproc": nproc, "ended": time.time(), "wall_s": time.monotonic() - started,
+        "cpu_s": used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime}))
 
 
 def _keep(entry: Path, folders: list[Path]) -> None:
