@@ -22,7 +22,7 @@ from tests.helpers.files import snapshot
 from tests.helpers.in_process import merge_here
 from tests.helpers.processes import run_merger
 from tests.helpers.weights import load_safetensors_folder
-from tests.writers.fp8_release import FIRST_SCALE, SHARD1, SHARD2, write_release
+from tests.writers.fp8_release import FIRST_SCALE, SHARD1, SHARD2, TINY, write_release
 
 pytestmark = pytest.mark.slow
 
@@ -189,20 +189,35 @@ def test_a_bad_block_size_is_an_error(release, tmp_path, capsys, block):
                      f"integers, {release / 'config.json'}")
 
 
-def test_another_quant_method_is_left_as_it_is(releases, tmp_path, capsys):
-    """Not FP8 blocks: the folder is copied as the plain HF mapping does, tensors and config unchanged."""
-    release, out = releases(quant_method="some-other-method"), tmp_path / "out"
-    assert merge_here(capsys, "--local_dir", release, "--target_dir", out, "--dtype", "keep") == (0, [])
-    source, got = load_safetensors_folder(release), load_safetensors_folder(out)
-    assert sorted(got) == sorted(source) and all(torch.equal(got[n].view(torch.uint8), t.view(torch.uint8))
-                                                 for n, t in source.items())
-    config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"]["quant_method"] == "some-other-method"
-
-
-def test_float8_weights_of_another_quant_method_are_not_cast_without_their_scales(releases, tmp_path, capsys):
-    """--dtype bfloat16 on float8 weights merger does not dequantize would write values off by their scales."""
+def test_another_quant_method_is_refused(releases, tmp_path, capsys):
+    """Not FP8 blocks: its tensors copied as they are would be written as if they were weights, even under --dtype
+    keep (tests/test_quantized_refusals.py: the formats of 2026, written by compressed-tensors)."""
     release = releases(quant_method="some-other-method")
+    error = _refused(capsys, release, tmp_path, "--dtype", "keep")
+    assert error.startswith("merger: error: quant_method 'some-other-method' weights (config.json's "
+                            "quantization_config), a quantized format merger does not handle") and \
+        error.endswith(f", {release / 'config.json'}"), error
+
+
+@pytest.mark.parametrize("key, value, what", [
+    ("expert_dtype", "fp4", "FP8 weights with fp4 experts, DeepSeek-V4's layout"),
+    ("weight_block_size", None, "FP8 weights scaled per tensor or per channel, without weight_block_size")])
+def test_an_fp8_layout_without_blocks_of_float8_everywhere_is_refused(release, key, value, what, tmp_path, capsys):
+    """DeepSeek-V4's FP4 experts and FP8 scaled per tensor are not the block layout dequantized above."""
+    config = json.loads((release / "config.json").read_text())
+    config["quantization_config"][key] = value
+    if value is None:
+        del config["quantization_config"][key]
+    (release / "config.json").write_text(json.dumps(config))
     error = _refused(capsys, release, tmp_path)
+    assert error.startswith(f"merger: error: {what} (config.json's quantization_config), a quantized format merger "
+                            f"does not handle") and error.endswith(f", {release / 'config.json'}"), error
+
+
+def test_float8_weights_that_no_config_describes_are_not_cast_without_their_scales(tmp_path, capsys):
+    """--dtype bfloat16 on float8 weights merger does not dequantize would write values off by their scales."""
+    folder = tmp_path / "float8"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).to(torch.float8_e4m3fn).save_pretrained(folder)
+    error = _refused(capsys, folder, tmp_path)
     assert error.startswith("merger: error: tensor ") and " is stored as float8_e4m3fn, and a cast to bfloat16 " \
-        "without its scales would change its values" in error and error.endswith(str(release / "config.json")), error
+        "without its scales would change its values" in error and error.endswith(str(folder / "config.json")), error

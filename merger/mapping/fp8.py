@@ -25,30 +25,23 @@ from ..catalog import Catalog, SourceTensor
 from ..errors import MergerError
 from ..options import MergeOptions
 from .hf import model_config
+from .quantized_formats import FP8_BLOCK, QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config, stored_format
 from .saved_names import rename_outputs, saved_names
 from .steps import FLOAT8, Mapping, OutputSpec, Step, cast
 
-SCALE_SUFFIX = "_scale_inv"
-QUANTIZATION_CONFIG = "quantization_config"
 DEQUANTIZED = torch.float32  # the dtype the dequantization computes in: a dequantized weight's natural dtype
 
 
-def quantization(config: dict) -> dict | None:
-    """config.json's quantization_config when it names FP8 block scaling, else None."""
-    qc = config.get(QUANTIZATION_CONFIG)
-    if isinstance(qc, dict) and qc.get("quant_method") == "fp8" and qc.get("weight_block_size") is not None:
-        return qc
-    return None
-
-
 def claims(catalog: Catalog, options: MergeOptions) -> bool:
+    """HF names stored as an FP8 block-scaled release. Asked before plain HF names, so this is where a HF-named
+    checkpoint's quantized format is decided (quantized_formats.py): one merger does not read is refused here."""
     if catalog.naming != "hf" or options.model not in ("auto", "hf"):
         return False
     try:
-        _, config = model_config(catalog, options)
+        hf_dir, config = model_config(catalog, options)
     except MergerError:
         return False  # no config: no FP8 release; the hf mapper says what is missing
-    return quantization(config) is not None
+    return stored_format(hf_dir, config, catalog.tensors) == FP8_BLOCK
 
 
 def dequantize(block: tuple[int, int], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -132,7 +125,7 @@ def dequantizing_inputs(steps: list[Step], tensors: dict[str, SourceTensor], blo
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
-    block = block_size(quantization(config), hf_dir / "config.json")
+    block = block_size(fp8_block_config(config), hf_dir / "config.json")
     names = catalog.tensors
     steps = []
     for name, t in names.items():

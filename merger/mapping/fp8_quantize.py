@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .fp8 import SCALE_SUFFIX, scale_shape
+from .fp8 import scale_shape
+from .quantized_formats import SCALE_SUFFIX
 from .steps import OutputSpec
 
 FP8 = torch.float8_e4m3fn

@@ -15,9 +15,10 @@ import torch
 from ..errors import MergerError
 from ..hf_folder import read_config, weight_files
 from ..safetensors_io import DTYPES_BY_NAME, read_header
-from .fp8 import QUANTIZATION_CONFIG, SCALE_SUFFIX, block_size, quantization
+from .fp8 import block_size
 from .fp8_quantize import FP8, Fp8Output
 from .hub_folders import hub_id_of
+from .quantized_formats import QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config
 
 FLAG = "--quantize_like"
 
@@ -65,7 +66,7 @@ def release_headers(folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...
 def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Fp8Output:
     """How to write `outputs` (name -> shape) as the release in `folder` stores them."""
     config = read_config(folder)
-    qc = quantization(config)
+    qc = fp8_block_config(config)
     if qc is None:
         raise MergerError(f"{FLAG} needs an FP8 block-scaled release: its config.json's {QUANTIZATION_CONFIG} must "
                           f"say quant_method fp8 with a weight_block_size, {folder / 'config.json'}")

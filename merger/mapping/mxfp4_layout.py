@@ -8,21 +8,15 @@ from pathlib import Path
 
 from ..errors import MergerError
 from ..hf_folder import read_config
-from .fp8 import QUANTIZATION_CONFIG
 from .fp8_release_layout import release_headers
 from .mxfp4_quantize import BLOCK, BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Output, packed_shapes
+from .quantized_formats import MXFP4, QUANTIZATION_CONFIG
 
 SCHEME = "mxfp4"
-METHOD = "mxfp4"
 EXPERT_WEIGHTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 # what openai/gpt-oss-20b and -120b list in their quantization_config: everything but the experts
 RELEASE_QUANTIZATION_CONFIG = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                          "model.embed_tokens", "lm_head"], "quant_method": METHOD}
-
-
-def is_mxfp4_release(folder: Path) -> bool:
-    qc = read_config(folder).get(QUANTIZATION_CONFIG)
-    return isinstance(qc, dict) and qc.get("quant_method") == METHOD
+                                                          "model.embed_tokens", "lm_head"], "quant_method": MXFP4}
 
 
 def _check_blocks(quantized: list[str], outputs: dict[str, tuple[int, ...]], where: Path) -> None:

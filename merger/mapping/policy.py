@@ -21,14 +21,15 @@ import re
 import torch
 
 from ..errors import MergerError
+from ..hf_folder import read_config
 from ..io import location
 from ..options import MergeOptions
 from . import mxfp4_layout
-from .fp8 import QUANTIZATION_CONFIG
 from .fp8_default_modules import default_layout
 from .fp8_release_layout import release_layout
 from .model_class import keep_in_fp32
 from .mxfp4_quantize import Mxfp4Output
+from .quantized_formats import MXFP4, QUANTIZATION_CONFIG, config_format
 from .quantized_steps import quantize_steps, quantized_count
 from .steps import FLOAT8, Mapping, OutputSpec, Step, Tie, output_dtype
 
@@ -129,8 +130,9 @@ def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[in
     quantization_config): --quantize_like's release (FP8 or gpt-oss MXFP4), or --quantize's scheme."""
     if options.quantize_like is not None:
         folder = location(options.quantize_like)  # a folder, a Hub snapshot's, or a bucket's
-        layout = (mxfp4_layout.release_layout if mxfp4_layout.is_mxfp4_release(folder) else release_layout)(
-            folder, outputs)
+        # a format merger does not write is refused here; a release with none, by the FP8 layout's own check
+        stored = config_format(folder, read_config(folder))
+        layout = (mxfp4_layout.release_layout if stored == MXFP4 else release_layout)(folder, outputs)
         return layout, f"like {options.quantize_like}", "", "copied into"
     if options.quantize == mxfp4_layout.SCHEME:
         layout = mxfp4_layout.default_layout(mapping.hf_dir, mapping.config, outputs)

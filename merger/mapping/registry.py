@@ -45,7 +45,9 @@ MAPPERS = (
            LORA_FLAGS - {"base_model"}),
     Mapper("megatron", megatron.claims, megatron.build),
     Mapper("torchtitan", torchtitan.claims, torchtitan.build),
-    Mapper("FP8 block-scaled HF", fp8.claims, fp8.build),  # HF names whose config.json says FP8 blocks
+    # HF names whose config.json says FP8 blocks; asking decides the stored format (quantized_formats.py), and one
+    # merger does not read is refused there
+    Mapper("FP8 block-scaled HF", fp8.claims, fp8.build),
     Mapper("hf", hf.claims, hf.build),
 )
 

@@ -46,13 +46,18 @@ def merge_in_process(source: Path, target: Path, *extra) -> Path:
     return target
 
 
-def merge_here(capsys, *args) -> tuple[int, list[str]]:
-    """Run `merger merge ARGS` in this process; returns the exit code and the `merger: error:` lines."""
+def command_here(capsys, *args) -> tuple[int, list[str]]:
+    """Run `merger ARGS` (any command) in this process; returns the exit code and the `merger: error:` lines."""
     from merger.cli import main
 
-    code = main(["merge", *map(str, args)])
+    code = main([str(arg) for arg in args])
     err = capsys.readouterr().err
     return code, [line for line in err.splitlines() if line.startswith("merger: error:")]
+
+
+def merge_here(capsys, *args) -> tuple[int, list[str]]:
+    """Run `merger merge ARGS` in this process; returns the exit code and the `merger: error:` lines."""
+    return command_here(capsys, "merge", *args)
 
 
 def single_error_line(stderr: str) -> str:

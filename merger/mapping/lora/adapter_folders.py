@@ -21,6 +21,7 @@ from ...sources.union import union_catalog
 from .. import fp8
 from ..hub_folders import hub_id_of
 from ..policy import ties
+from ..quantized_formats import FP8_BLOCK, QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config, stored_format
 from ..steps import Mapping, Step
 from .adapter import LoraAdapter, adapter_from_folder
 from .experts_orientation import experts_transposed
@@ -60,8 +61,10 @@ def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[Lora
     catalog = union_catalog({"": base, **parts}, base_dir, fmt)
     config = read_config(base_dir)
     written = {o.name for s in folds for o in s.outputs}
-    qc = fp8.quantization(config)  # an FP8 release: its weights are dequantized, folded, then requantized or cast
-    weights = [n for n in base.tensors if n not in written and not (qc and n.endswith(fp8.SCALE_SUFFIX))]
+    # an FP8 release: its weights are dequantized, folded, then requantized or cast; a format the fold cannot
+    # read is refused (quantized_formats.py)
+    qc = fp8_block_config(config) if stored_format(base_dir, config, base.tensors) == FP8_BLOCK else None
+    weights = [n for n in base.tensors if n not in written and not (qc and n.endswith(SCALE_SUFFIX))]
     result = fold_steps({n: n for n in weights}, adapters, catalog.tensors, ties(config, options),
                         experts_transposed(local_config_folder(base_dir), config, options.trust_remote_code))
     steps = result.steps + list(folds)
@@ -71,7 +74,7 @@ def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[Lora
                          "fold (--dtype keep writes them back as FP8 in its layout)")
     return Mapping(steps + list(side_steps), base_dir, config,
                    config_updates={"tie_word_embeddings": False} if result.untied else {},
-                   config_removals=(fp8.QUANTIZATION_CONFIG,) if qc else (),
+                   config_removals=(QUANTIZATION_CONFIG,) if qc else (),
                    extra_files=dict(extra_files or {}), notes=notes, catalog=catalog,
                    quantize_like=base_dir if qc else None)
 

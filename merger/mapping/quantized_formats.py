@@ -1,0 +1,112 @@
+"""Which quantized format a HF folder's weights are stored in, decided here for every command that reads one: a
+merge of the folder (or of any checkpoint under HF names), a LoRA base, `--quantize_like`'s release.
+
+merger handles two: FP8 block-scaled releases (`quant_method: "fp8"` with a `weight_block_size`, dequantized by
+fp8.py, written by fp8_quantize.py) and gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`, written by
+mxfp4_quantize.py; as a source its `_blocks` and `_scales` are kept as stored, with the quantization_config that
+says what they are). Every other format is refused with one line naming it and the file that says it:
+compressed-tensors (`pack-quantized` INT4, `nvfp4-pack-quantized`, `mxfp4-pack-quantized`, `mxfp8-quantized`,
+...), ModelOpt (`hf_quant_config.json`), transformers' `mxfp8`, DeepSeek-V4's FP8 with FP4 experts, FP8 without
+blocks, GPTQ, AWQ, bitsandbytes and any other `quant_method`. Merged as plain tensors, their packed weights and
+scales would be written as if they were weights: a model that loads wrong or not at all, with exit 0. A tensor
+named as such a format names a weight's part (`weight_packed`, `weight_scale`, ...) in a folder whose config does
+not describe that part is refused too: without the config, nothing says how to read it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..catalog import SourceTensor
+from ..errors import MergerError
+from .mxfp4_quantize import BLOCKS_SUFFIX, SCALES_SUFFIX
+
+QUANTIZATION_CONFIG = "quantization_config"
+MODELOPT_CONFIG = "hf_quant_config.json"  # ModelOpt's own description of its export, beside config.json
+FP8_BLOCK = "fp8"  # the quant_method values merger handles, as the formats' names
+MXFP4 = "mxfp4"
+HANDLED = ("a quantized format merger does not handle: it reads and writes FP8 block-scaled releases (quant_method "
+           "fp8 with weight_block_size) and gpt-oss MXFP4 (quant_method mxfp4)")
+# The last part of a name that compressed-tensors, ModelOpt and FP8 releases give a quantized weight's pieces
+# (FORMATS.md, "Quantized release formats of 2026"); exact names, since plain models have `layer_scale_2` and such.
+PACKED_PARTS = frozenset({"weight_packed", "weight_scale", "weight_shape", "weight_global_scale",
+                          "weight_zero_point", "weight_scale_2", "input_scale", "input_global_scale"})
+SCALE_SUFFIX = "_scale_inv"  # FP8's scale of `<name>`: `weight_scale_inv`, a fused expert's `gate_up_proj_scale_inv`
+# what each handled format calls itself in a message, and the packed parts it stores
+DESCRIBED = {FP8_BLOCK: ("FP8 block-scaled", (SCALE_SUFFIX,)), MXFP4: ("gpt-oss MXFP4", (BLOCKS_SUFFIX, SCALES_SUFFIX))}
+
+
+def fp8_block_config(config: dict) -> dict | None:
+    """config.json's quantization_config when it names FP8 block scaling (with no FP4 experts), else None."""
+    qc = config.get(QUANTIZATION_CONFIG)
+    if (isinstance(qc, dict) and qc.get("quant_method") == FP8_BLOCK and qc.get("weight_block_size") is not None
+            and qc.get("expert_dtype") is None):
+        return qc
+    return None
+
+
+def _unhandled(qc: object) -> str | None:
+    """What the weights a quantization_config merger does not handle describes are called (None: it handles it)."""
+    if not isinstance(qc, dict) or not isinstance(qc.get("quant_method"), str):
+        return "weights quantized with no quant_method"
+    method = qc["quant_method"]
+    if method == MXFP4 or fp8_block_config({QUANTIZATION_CONFIG: qc}) is not None:
+        return None
+    if method == "compressed-tensors":
+        return f"compressed-tensors {qc.get('format') or 'quantized'} weights"  # mixed-precision: groups differ
+    if method == FP8_BLOCK and qc.get("weight_block_size") is not None:
+        return f"FP8 weights with {qc.get('expert_dtype')} experts, DeepSeek-V4's layout"
+    if method == FP8_BLOCK:
+        return "FP8 weights scaled per tensor or per channel, without weight_block_size"
+    if method == "modelopt":
+        return f"ModelOpt {qc.get('quant_algo') or 'quantized'} weights"
+    return f"quant_method {method!r} weights"
+
+
+def _modelopt(path: Path) -> str:
+    try:
+        algo = json.loads(path.read_text()).get("quantization", {}).get("quant_algo")
+    except (OSError, ValueError, AttributeError):
+        algo = None  # unreadable or malformed: still ModelOpt's file, still refused
+    return f"ModelOpt {algo if isinstance(algo, str) else 'quantized'} weights ({MODELOPT_CONFIG})"
+
+
+def config_format(folder: Path, config: dict) -> str | None:
+    """The quantized format `folder`'s config.json (`config`) says its weights are in: FP8_BLOCK, MXFP4, or None
+    (not quantized); any other is refused, naming the file that says it."""
+    if (folder / MODELOPT_CONFIG).is_file():
+        raise MergerError(f"{_modelopt(folder / MODELOPT_CONFIG)}, {HANDLED}, {folder / MODELOPT_CONFIG}")
+    if config.get(QUANTIZATION_CONFIG) is None:
+        return None
+    what = _unhandled(config[QUANTIZATION_CONFIG])
+    if what is not None:
+        raise MergerError(f"{what} (config.json's {QUANTIZATION_CONFIG}), {HANDLED}, {folder / 'config.json'}")
+    return FP8_BLOCK if fp8_block_config(config) is not None else MXFP4
+
+
+def _packed_part(name: str, names: dict[str, SourceTensor]) -> str | None:
+    """The quantized-weight part `name` is (`weight_packed`, `_scale_inv`, `_blocks`, ...), else None."""
+    part = name.rsplit(".", 1)[-1]
+    if part in PACKED_PARTS:
+        return part
+    if part.endswith(SCALE_SUFFIX):
+        return SCALE_SUFFIX
+    for suffix, pair in ((BLOCKS_SUFFIX, SCALES_SUFFIX), (SCALES_SUFFIX, BLOCKS_SUFFIX)):  # gpt-oss's pair
+        if part.endswith(suffix) and name.removesuffix(suffix) + pair in names:
+            return suffix
+    return None
+
+
+def stored_format(folder: Path, config: dict, tensors: dict[str, SourceTensor]) -> str | None:
+    """config_format of the folder whose config describes `tensors`, every packed part among them checked to be
+    one that format stores (FP8's `_scale_inv`, MXFP4's `_blocks` and `_scales`): another is no weight to write."""
+    found = config_format(folder, config)
+    described, parts = DESCRIBED.get(found, (None, ()))
+    for name, tensor in tensors.items():
+        part = _packed_part(name, tensors)
+        if part is not None and part not in parts:
+            said = f"its {QUANTIZATION_CONFIG} says {described}" if described else f"it has no {QUANTIZATION_CONFIG}"
+            raise MergerError(f"tensor {name} is part of a quantized weight ({part}) that config.json does not "
+                              f"describe ({said}): merger does not write a packed tensor as a weight, "
+                              f"{tensor.pieces[0].copies[0].file}")
+    return found

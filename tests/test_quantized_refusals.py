@@ -1,0 +1,154 @@
+"""Quantized formats merger does not read are refused with one line naming the format and the file, by every
+command that reads such a folder: `merge` of it, `lora` into it as the base, `--quantize_like` it. Their packed
+tensors are never copied through as if they were weights.
+
+The releases are written by compressed-tensors itself (tests/writers/compressed_tensors_release.py: a tiny Llama
+quantized as INT4 `pack-quantized` in groups of 32, `mxfp4-pack-quantized`, `nvfp4-pack-quantized` and
+`mxfp8-quantized`, saved as llmcompressor saves one). Oracles: what compressed-tensors wrote (the format its
+config.json names, the packed tensors in its files), PEFT's adapter folder for the LoRA base, the process's exit
+code and stderr, and the target's parent left as it was.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from tests.helpers.files import snapshot
+from tests.helpers.in_process import command_here, merge_here, single_error_line
+from tests.helpers.processes import run_merger
+from tests.writers.compressed_tensors_release import FORMATS, TINY, write_release
+
+pytestmark = pytest.mark.slow
+
+NOT_HANDLED = "a quantized format merger does not handle"
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    cache: dict[str, Path] = {}
+
+    def make(fmt: str) -> Path:
+        if fmt not in cache:
+            cache[fmt] = write_release(tmp_path_factory.mktemp("compressed_tensors") / fmt, fmt)
+        return cache[fmt]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> Path:
+    """The tiny Llama of the releases, unquantized: a source to quantize like one, and a ModelOpt export's base."""
+    folder = tmp_path_factory.mktemp("plain") / "llama"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def release_format(release: Path) -> str:
+    """The format compressed-tensors named in the release's config.json."""
+    return json.loads((release / "config.json").read_text())["quantization_config"]["format"]
+
+
+def scales(release: Path) -> list[str]:
+    """The scales compressed-tensors wrote beside the quantized weights, in every format."""
+    with safe_open(str(release / "model.safetensors"), "pt") as f:
+        return [n for n in f.keys() if n.endswith(".weight_scale")]
+
+
+def assert_refused(code: int, errors: list[str], what: str, file: Path, parent: Path, before: set[str]) -> None:
+    """One error line naming `what` and ending with `file`, and nothing new in the target's parent."""
+    assert code == 1 and len(errors) == 1 and what in errors[0] and errors[0].endswith(f", {file}"), errors
+    assert {p.name for p in parent.iterdir()} == before
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "keep"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_merge_of_a_compressed_tensors_release_is_refused(fmt, dtype, releases, tmp_path, capsys):
+    """`--dtype keep` too: a reshard would copy the packed tensors as they are."""
+    release = releases(fmt)
+    assert release_format(release) == fmt and scales(release)  # compressed-tensors wrote quantized weights
+    source, before = snapshot(release), {p.name for p in tmp_path.iterdir()}
+    code, errors = merge_here(capsys, "--local_dir", release, "--target_dir", tmp_path / "out", "--dtype", dtype)
+    assert_refused(code, errors, f"compressed-tensors {fmt} weights (config.json's quantization_config), "
+                   f"{NOT_HANDLED}", release / "config.json", tmp_path, before)
+    assert snapshot(release) == source
+
+
+def test_inspect_of_a_release_is_refused(releases, capsys):
+    release = releases("nvfp4-pack-quantized")
+    code, errors = command_here(capsys, "inspect", "--local_dir", release)
+    assert code == 1 and len(errors) == 1 and "compressed-tensors nvfp4-pack-quantized weights" in errors[0]
+    assert errors[0].endswith(f", {release / 'config.json'}")
+
+
+@pytest.mark.interpreter
+def test_the_refusal_is_one_line_and_no_traceback_from_a_process(releases, tmp_path):
+    release = releases("pack-quantized")
+    proc = run_merger("merge", "--local_dir", release, "--target_dir", tmp_path / "out", check=False)
+    error = single_error_line(proc.stderr)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "compressed-tensors pack-quantized weights" in error and error.endswith(f", {release / 'config.json'}")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", ["pack-quantized", "mxfp4-pack-quantized"])
+def test_a_lora_into_a_release_is_refused(fmt, releases, tmp_path, capsys):
+    """`merger lora --base_model RELEASE`: the base's packed weights are no weights to fold an adapter into."""
+    release = releases(fmt)
+    adapter = tmp_path / "adapter"
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    peft.get_peft_model(model, config).save_pretrained(adapter)
+    before = {p.name for p in tmp_path.iterdir()}
+    code, errors = command_here(capsys, "lora", "--base_model", release, "--adapter", adapter, "--target_dir",
+                                tmp_path / "out")
+    assert_refused(code, errors, f"compressed-tensors {fmt} weights", release / "config.json", tmp_path, before)
+
+
+def test_quantize_like_a_release_is_refused(releases, plain, tmp_path, capsys):
+    release = releases("mxfp4-pack-quantized")
+    before = {p.name for p in tmp_path.iterdir()}
+    code, errors = merge_here(capsys, "--local_dir", plain, "--target_dir", tmp_path / "out", "--quantize_like",
+                              release)
+    assert_refused(code, errors, "compressed-tensors mxfp4-pack-quantized weights", release / "config.json",
+                   tmp_path, before)
+
+
+def test_packed_tensors_that_no_config_describes_are_refused(releases, tmp_path, capsys):
+    """The INT4 release with its quantization_config taken out: nothing then says how to read `weight_packed`,
+    `weight_scale`, `weight_shape`, and none of them is a weight."""
+    release = Path(shutil.copytree(releases("pack-quantized"), tmp_path / "release"))
+    config = json.loads((release / "config.json").read_text())
+    del config["quantization_config"]
+    (release / "config.json").write_text(json.dumps(config))
+    before = {p.name for p in tmp_path.iterdir()}
+    code, errors = merge_here(capsys, "--local_dir", release, "--target_dir", tmp_path / "out")
+    assert_refused(code, errors, "is part of a quantized weight (weight_", release / "model.safetensors", tmp_path,
+                   before)
+    assert "that config.json does not describe (it has no quantization_config)" in errors[0]
+
+
+def test_a_modelopt_export_is_refused(plain, tmp_path, capsys):
+    """ModelOpt says what it exported in hf_quant_config.json, as FORMATS.md records nvidia-modelopt 0.47 writing
+    it (modelopt installs only with --no-deps, which the test extras cannot say, so the file is written here, beside
+    the plain model): that file is the one named."""
+    export = Path(shutil.copytree(plain, tmp_path / "export"))
+    config = json.loads((export / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    (export / "config.json").write_text(json.dumps(config))
+    (export / "hf_quant_config.json").write_text(json.dumps({
+        "producer": {"name": "modelopt", "version": "0.47.0"},
+        "quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+                         "exclude_modules": ["lm_head"]}}))
+    before = {p.name for p in tmp_path.iterdir()}
+    code, errors = merge_here(capsys, "--local_dir", export, "--target_dir", tmp_path / "out")
+    assert_refused(code, errors, f"ModelOpt NVFP4 weights (hf_quant_config.json), {NOT_HANDLED}",
+                   export / "hf_quant_config.json", tmp_path, before)

@@ -1,0 +1,84 @@
+"""Write a tiny HF release quantized by compressed-tensors itself, saved as llmcompressor saves one.
+
+    python -m tests.writers.compressed_tensors_release --out DIR --format pack-quantized
+
+A seeded tiny transformers Llama (bfloat16, lm_head left out as llmcompressor's recipes leave it) whose Linear
+layers get one of the schemes of FORMATS: INT4 `pack-quantized` in symmetric groups of 32 (Kimi-K2-Thinking's
+scheme), and compressed-tensors' own presets for `mxfp4-pack-quantized`, `nvfp4-pack-quantized` and
+`mxfp8-quantized`. Everything past the model is compressed-tensors' code: `apply_quantization_config` attaches the
+scheme, `compute_dynamic_scales_and_zp` computes each weight's scales from its groups' min and max
+(`generate_gparam` NVFP4's global scale, from the whole weight's), and `ModelCompressor` packs the weights and writes
+config.json's quantization_config, in the order its own docstring gives for llmcompressor's save_pretrained. No
+calibration data: the releases are what merger must refuse, not models to run.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import transformers
+from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                             QuantizationStatus, apply_quantization_config, preset_name_to_scheme)
+from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp, generate_gparam
+
+# hidden and intermediate sizes in whole groups of 32 (MX, INT4) and of 16 (NVFP4)
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=False)
+INT4_GROUP_32 = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
+# format -> compressed-tensors' preset scheme (weights only), or the weights' arguments
+FORMATS = {"pack-quantized": INT4_GROUP_32, "mxfp4-pack-quantized": "MXFP4A16",
+           "nvfp4-pack-quantized": "NVFP4A16", "mxfp8-quantized": "MXFP8A16"}
+
+
+def _scheme(fmt: str):
+    preset = FORMATS[fmt]
+    if isinstance(preset, str):
+        return preset_name_to_scheme(preset, ["Linear"])
+    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**preset))
+
+
+@torch.no_grad()
+def _calibrate(model: torch.nn.Module) -> None:
+    """Each quantized Linear's weight scales (and NVFP4's global scale), from the weight alone."""
+    for module in model.modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None:
+            continue
+        weight = module.weight
+        global_scale = None
+        if hasattr(module, "weight_global_scale"):
+            global_scale = generate_gparam(weight.amin(), weight.amax())
+            module.weight_global_scale.copy_(global_scale)
+        scale, zero_point = compute_dynamic_scales_and_zp(weight, scheme.weights, module, global_scale=global_scale)
+        module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.copy_(zero_point.reshape(module.weight_zero_point.shape))
+
+
+def write_release(folder: Path, fmt: str, seed: int = 0) -> Path:
+    """The tiny Llama quantized in `fmt` (a key of FORMATS), saved in `folder`."""
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).to(torch.bfloat16)
+    config = QuantizationConfig(config_groups={"group_0": _scheme(fmt)}, ignore=["lm_head"],
+                                quantization_status=QuantizationStatus.INITIALIZED)
+    apply_quantization_config(model, config, show_progress=False)
+    _calibrate(model)
+    compressor = ModelCompressor.from_pretrained_model(model, fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(folder)
+    compressor.update_config(folder)
+    return folder
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--format", choices=list(FORMATS), default="pack-quantized")
+    args = p.parse_args()
+    print(write_release(args.out, args.format))
+
+
+if __name__ == "__main__":
+    main()
