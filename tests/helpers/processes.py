@@ -28,6 +28,10 @@ def subprocess_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
+    # The training libraries' torch.compile'd functions (megatron-core's fused kernels, torchtitan's flex attention)
+    # run eagerly: the same functions, without dynamo tracing them in every rank and inductor compiling C++ for a
+    # CPU that runs each once. merger itself compiles nothing.
+    env.setdefault("TORCHDYNAMO_DISABLE", "1")
     env["PYTHONWARNINGS"] = "ignore"
     for key, value in (extra or {}).items():
         env[key] = value + os.pathsep + env[key] if key == "PYTHONPATH" else value
