@@ -16,6 +16,7 @@ pytestmark = pytest.mark.interpreter
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setattr(written_cache, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(written_cache, "WRITER_TIMES", tmp_path / "times")  # not the run's own writers' figures
     monkeypatch.delenv("MERGER_TEST_CACHE", raising=False)
     return tmp_path / "cache"
 
