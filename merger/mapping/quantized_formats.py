@@ -36,13 +36,16 @@ SCALE_SUFFIX = "_scale_inv"  # FP8's scale of `<name>`: `weight_scale_inv`, a fu
 DESCRIBED = {FP8_BLOCK: ("FP8 block-scaled", (SCALE_SUFFIX,)), MXFP4: ("gpt-oss MXFP4", (BLOCKS_SUFFIX, SCALES_SUFFIX))}
 
 
+def _is_fp8_block(qc: object) -> bool:
+    """A quantization_config of FP8 block scaling (with no FP4 experts)."""
+    return (isinstance(qc, dict) and qc.get("quant_method") == FP8_BLOCK and qc.get("weight_block_size") is not None
+            and qc.get("expert_dtype") is None)
+
+
 def fp8_block_config(config: dict) -> dict | None:
-    """config.json's quantization_config when it names FP8 block scaling (with no FP4 experts), else None."""
+    """config.json's quantization_config when it names FP8 block scaling, else None."""
     qc = config.get(QUANTIZATION_CONFIG)
-    if (isinstance(qc, dict) and qc.get("quant_method") == FP8_BLOCK and qc.get("weight_block_size") is not None
-            and qc.get("expert_dtype") is None):
-        return qc
-    return None
+    return qc if _is_fp8_block(qc) else None
 
 
 def _unhandled(qc: object) -> str | None:
@@ -50,7 +53,7 @@ def _unhandled(qc: object) -> str | None:
     if not isinstance(qc, dict) or not isinstance(qc.get("quant_method"), str):
         return "weights quantized with no quant_method"
     method = qc["quant_method"]
-    if method == MXFP4 or fp8_block_config({QUANTIZATION_CONFIG: qc}) is not None:
+    if method == MXFP4 or _is_fp8_block(qc):
         return None
     if method == "compressed-tensors":
         return f"compressed-tensors {qc.get('format') or 'quantized'} weights"  # mixed-precision: groups differ
@@ -81,7 +84,7 @@ def config_format(folder: Path, config: dict) -> str | None:
     what = _unhandled(config[QUANTIZATION_CONFIG])
     if what is not None:
         raise MergerError(f"{what} (config.json's {QUANTIZATION_CONFIG}), {HANDLED}, {folder / 'config.json'}")
-    return FP8_BLOCK if fp8_block_config(config) is not None else MXFP4
+    return FP8_BLOCK if _is_fp8_block(config[QUANTIZATION_CONFIG]) else MXFP4
 
 
 def _packed_part(name: str, names: dict[str, SourceTensor]) -> str | None:
