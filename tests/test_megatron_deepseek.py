@@ -115,6 +115,30 @@ def test_drop_mtp_merges_a_family_without_mtp(deepseek_root, merged):
     assert_same_weights(merged(case, "dist", "--drop_mtp"), out, None)
 
 
+# DeepSeek-V3's own release says its weights are FP8 in 128x128 blocks (its config.json on the Hub)
+DEEPSEEK_V3_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def test_the_config_of_an_fp8_release_gives_a_model_without_its_quantization_config(deepseek_root, merged, tmp_path,
+                                                                                   caplog):
+    """Megatron trains from the FP8 release's folder, and that folder is the config handed to the merge: the merged
+    weights are plain floats, so quantization_config stays out of config.json (kept, transformers would look for
+    FP8 weights and their scales). The model loads and gives Megatron's logits, with the same weights as from a
+    config without it."""
+    caplog.set_level(logging.INFO, logger="merger")
+    case = "dsv3_tp2"
+    hf = Path(shutil.copytree(deepseek_root / case / "hf", tmp_path / "release"))
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "quantization_config": DEEPSEEK_V3_FP8}))
+    out = merge(deepseek_root / case / "legacy", tmp_path / "out", "--hf_model_config_path", hf, "--dtype", "float32")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert (f"merger: quantization_config of {hf / 'config.json'} left out of config.json: the output holds no "
+            "quantized weight") in caplog.text
+    assert_same_weights(out, merged(case, "legacy"), None)
+    expected = oracle(deepseek_root, case)
+    assert_megatron_logits(logits_of(load_beside_mtp(out, expected), expected["tokens"]), expected["logits"])
+
+
 def test_mla_ranks_that_disagree_with_config_are_an_error(deepseek_root, tmp_path, capsys):
     """A down projection whose rows are not config.json's LoRA rank (another model's config, or a TP layout read
     wrong) stops the merge, naming the tensor, rather than writing a model that cannot load."""

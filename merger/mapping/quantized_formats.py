@@ -15,6 +15,7 @@ not describe that part is refused too: without the config, nothing says how to r
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 from ..catalog import SourceTensor
@@ -87,7 +88,7 @@ def config_format(folder: Path, config: dict) -> str | None:
     return FP8_BLOCK if _is_fp8_block(config[QUANTIZATION_CONFIG]) else MXFP4
 
 
-def _packed_part(name: str, names: dict[str, SourceTensor]) -> str | None:
+def _packed_part(name: str, names: Collection[str]) -> str | None:
     """The quantized-weight part `name` is (`weight_packed`, `_scale_inv`, `_blocks`, ...), else None."""
     part = name.rsplit(".", 1)[-1]
     if part in PACKED_PARTS:
@@ -113,3 +114,11 @@ def stored_format(folder: Path, config: dict, tensors: dict[str, SourceTensor]) 
                               f"describe ({said}): merger does not write a packed tensor as a weight, "
                               f"{tensor.pieces[0].copies[0].file}")
     return found
+
+
+def describes_none_of(config: dict, written: Collection[str]) -> bool:
+    """Whether config.json has a quantization_config although none of the tensors `written` is part of a quantized
+    weight: a bf16 model whose config came from a release (a Megatron or torchtitan checkpoint merged with
+    `--hf_model_config_path` of an FP8 release's folder). Left in, it would make transformers load the plain
+    weights as that format, looking for scales that are not there."""
+    return config.get(QUANTIZATION_CONFIG) is not None and not any(_packed_part(n, written) for n in written)

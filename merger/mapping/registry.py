@@ -22,6 +22,7 @@ from .lora import adapter_folders, adapter_state, megatron_lora_model, megatron_
 from .lora.flags import LORA_FLAGS, refuse_unused
 from .model_class import config_updates
 from .policy import apply_policy
+from .quantized_formats import QUANTIZATION_CONFIG, describes_none_of
 from .steps import Mapping
 
 
@@ -67,8 +68,20 @@ def build_mapping(catalog: Catalog, options: MergeOptions) -> Mapping:
     if mapping.hf_dir is not None:
         mapping.hf_dir = local_config_folder(mapping.hf_dir)  # a base model in a bucket: its config, fetched
     mapping = apply_policy(mapping, options)
+    if mapping.hf_dir is not None and _keeps_a_stale_quantization_config(mapping):
+        mapping.config_removals += (QUANTIZATION_CONFIG,)
+        mapping.notes += (f"merger: {QUANTIZATION_CONFIG} of {mapping.hf_dir / 'config.json'} left out of "
+                          f"config.json: the output holds no quantized weight",)
     if mapping.hf_dir is not None:  # a model: its config.json may need another class, labels, ...
         outputs = {o.name: o.shape for s in mapping.steps for o in s.outputs}
         mapping.config_updates = {**config_updates(mapping.config, outputs, options.is_value_model, mapping.hf_dir),
                                   **mapping.config_updates}
     return mapping
+
+
+def _keeps_a_stale_quantization_config(mapping: Mapping) -> bool:
+    """The config's quantization_config would be copied (no mapper set or removed it) though the output holds
+    no quantized tensor (quantized_formats.describes_none_of)."""
+    if QUANTIZATION_CONFIG in mapping.config_updates or QUANTIZATION_CONFIG in mapping.config_removals:
+        return False
+    return describes_none_of(mapping.config, {o.name for s in mapping.steps for o in s.outputs if o.file is None})
