@@ -69,6 +69,11 @@ class SourceTensor:
             n *= s
         return n
 
+    @property
+    def file(self) -> str:
+        """The file holding its first piece: the one an error about the tensor names."""
+        return self.pieces[0].copies[0].file
+
 
 @dataclass(frozen=True)
 class ZipRecord:

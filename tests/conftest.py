@@ -123,6 +123,22 @@ def deepseek_v3_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def ct_release(tmp_path_factory):
+    """ct_release(fmt) -> a tiny Llama quantized by compressed-tensors in `fmt`, written once each
+    (tests/writers/compressed_tensors_release.py: a key of its FORMATS or VARIANTS)."""
+    from tests.writers.compressed_tensors_release import write_release
+
+    cache: dict[str, Path] = {}
+
+    def make(fmt: str) -> Path:
+        if fmt not in cache:
+            cache[fmt] = write_release(tmp_path_factory.mktemp("compressed_tensors") / "release", fmt)
+        return cache[fmt]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def peft_lora_checkpoint(tmp_path_factory) -> Path:
     """global_step_1/actor (verl FSDP, 2 ranks, a PEFT LoRA inside), lora_only/, reference/{adapter,merged}."""
     root = tmp_path_factory.mktemp("fsdp_lora")

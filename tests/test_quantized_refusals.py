@@ -1,12 +1,14 @@
 """Quantized formats merger does not read are refused with one line naming the format and the file, by every
-command that reads such a folder: `merge` of it, `lora` into it as the base, `--quantize_like` it. Their packed
-tensors are never copied through as if they were weights.
+command that reads such a folder: `merge` of it, `inspect` of it, `lora` into it as the base, `--quantize_like` it.
+Their packed tensors are never copied through as if they were weights. The compressed-tensors formats merger reads
+(test_compressed_tensors_read.py) are refused as a LoRA base and as a layout to write, which it does not do yet.
 
 The releases are written by compressed-tensors itself (tests/writers/compressed_tensors_release.py: a tiny Llama
-quantized as INT4 `pack-quantized` in groups of 32, `mxfp4-pack-quantized`, `nvfp4-pack-quantized` and
-`mxfp8-quantized`, saved as llmcompressor saves one). Oracles: what compressed-tensors wrote (the format its
-config.json names, the packed tensors in its files), PEFT's adapter folder for the LoRA base, the process's exit
-code and stderr, and the target's parent left as it was.
+quantized as INT4 `pack-quantized` in groups of 32, `mxfp4-pack-quantized`, `nvfp4-pack-quantized`,
+`mxfp8-quantized`, and the schemes merger does not read: `mxfp6-pack-quantized`, INT4 with zero points; saved as
+llmcompressor saves one), or are such a release with its config.json edited to a scheme merger does not read.
+Oracles: what compressed-tensors wrote (the format its config.json names, the packed tensors in its files), PEFT's
+adapter folder for the LoRA base, the process's exit code and stderr, and the target's parent left as it was.
 """
 from __future__ import annotations
 
@@ -23,23 +25,11 @@ from safetensors import safe_open
 from tests.helpers.files import snapshot
 from tests.helpers.in_process import command_here, merge_here, single_error_line
 from tests.helpers.processes import run_merger
-from tests.writers.compressed_tensors_release import FORMATS, TINY, write_release
+from tests.writers.compressed_tensors_release import TINY
 
 pytestmark = pytest.mark.slow
 
 NOT_HANDLED = "a quantized format merger does not handle"
-
-
-@pytest.fixture(scope="module")
-def releases(tmp_path_factory):
-    cache: dict[str, Path] = {}
-
-    def make(fmt: str) -> Path:
-        if fmt not in cache:
-            cache[fmt] = write_release(tmp_path_factory.mktemp("compressed_tensors") / fmt, fmt)
-        return cache[fmt]
-
-    return make
 
 
 @pytest.fixture(scope="module")
@@ -69,39 +59,90 @@ def assert_refused(code: int, errors: list[str], what: str, file: Path, parent: 
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "keep"])
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_merge_of_a_compressed_tensors_release_is_refused(fmt, dtype, releases, tmp_path, capsys):
+@pytest.mark.parametrize("case, what", [
+    ("mxfp6-pack-quantized", "compressed-tensors mxfp6-pack-quantized weights"),
+    ("asymmetric pack-quantized", "compressed-tensors pack-quantized weights with symmetric=False in config group "
+                                  "group_0")])
+def test_merge_of_a_release_merger_does_not_read_is_refused(case, what, dtype, ct_release, tmp_path, capsys):
     """`--dtype keep` too: a reshard would copy the packed tensors as they are."""
-    release = releases(fmt)
-    assert release_format(release) == fmt and scales(release)  # compressed-tensors wrote quantized weights
+    release = ct_release(case)
+    assert release_format(release) in case and scales(release)  # compressed-tensors wrote quantized weights
     source, before = snapshot(release), {p.name for p in tmp_path.iterdir()}
     code, errors = merge_here(capsys, "--local_dir", release, "--target_dir", tmp_path / "out", "--dtype", dtype)
-    assert_refused(code, errors, f"compressed-tensors {fmt} weights (config.json's quantization_config), "
-                   f"{NOT_HANDLED}", release / "config.json", tmp_path, before)
+    assert_refused(code, errors, f"{what} (config.json's quantization_config), {NOT_HANDLED}",
+                   release / "config.json", tmp_path, before)
     assert snapshot(release) == source
 
 
-def test_inspect_of_a_release_is_refused(releases, capsys):
-    release = releases("nvfp4-pack-quantized")
+def _group(config: dict) -> dict:
+    return config["quantization_config"]["config_groups"]["group_0"]
+
+
+# a scheme merger does not read, written into the config.json of a release it reads -> what the error names
+EDITS = {
+    "group_size 128": (lambda c: _group(c)["weights"].update(group_size=128),
+                       "with group_size=128 in config group group_0"),
+    "actorder": (lambda c: _group(c)["weights"].update(actorder="group"),
+                 "with actorder=group in config group group_0"),
+    "a group of another format": (lambda c: c["quantization_config"]["config_groups"].update(
+        group_1={**_group(c), "format": "float-quantized"}), "whose config group group_1 is another format"),
+    "rotations": (lambda c: c["quantization_config"].update(transform_config={"config_groups": {"u": {}}}),
+                  "with a transform_config"),
+    "quantized KV cache": (lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8}),
+                           "with a kv_cache_scheme"),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_a_scheme_merger_does_not_read_is_refused(edit, ct_release, tmp_path, capsys):
+    """The INT4 release's config.json edited: what it then says its weights are is what merger would have to read."""
+    release = Path(shutil.copytree(ct_release("pack-quantized"), tmp_path / "release"))
+    config = json.loads((release / "config.json").read_text())
+    change, what = EDITS[edit]
+    change(config)
+    (release / "config.json").write_text(json.dumps(config))
+    before = {p.name for p in tmp_path.iterdir()}
+    code, errors = merge_here(capsys, "--local_dir", release, "--target_dir", tmp_path / "out")
+    assert_refused(code, errors, f"compressed-tensors pack-quantized weights {what} (config.json's "
+                   f"quantization_config), {NOT_HANDLED}", release / "config.json", tmp_path, before)
+
+
+def test_a_part_the_format_does_not_store_is_refused(ct_release, tmp_path, capsys):
+    """The asymmetric INT4 release with its config.json saying symmetric: its `weight_zero_point`s are then parts
+    no step reads, and no weights either."""
+    release = Path(shutil.copytree(ct_release("asymmetric pack-quantized"), tmp_path / "release"))
+    config = json.loads((release / "config.json").read_text())
+    _group(config)["weights"]["symmetric"] = True
+    (release / "config.json").write_text(json.dumps(config))
+    before = {p.name for p in tmp_path.iterdir()}
+    code, errors = merge_here(capsys, "--local_dir", release, "--target_dir", tmp_path / "out")
+    assert_refused(code, errors, "is part of a quantized weight (weight_zero_point) that config.json does not "
+                   "describe (its quantization_config says compressed-tensors pack-quantized)",
+                   release / "model.safetensors", tmp_path, before)
+
+
+def test_inspect_of_a_release_is_refused(ct_release, capsys):
+    release = ct_release("mxfp6-pack-quantized")
     code, errors = command_here(capsys, "inspect", "--local_dir", release)
-    assert code == 1 and len(errors) == 1 and "compressed-tensors nvfp4-pack-quantized weights" in errors[0]
+    assert code == 1 and len(errors) == 1 and "compressed-tensors mxfp6-pack-quantized weights" in errors[0]
     assert errors[0].endswith(f", {release / 'config.json'}")
 
 
 @pytest.mark.interpreter
-def test_the_refusal_is_one_line_and_no_traceback_from_a_process(releases, tmp_path):
-    release = releases("pack-quantized")
+def test_the_refusal_is_one_line_and_no_traceback_from_a_process(ct_release, tmp_path):
+    release = ct_release("asymmetric pack-quantized")
     proc = run_merger("merge", "--local_dir", release, "--target_dir", tmp_path / "out", check=False)
     error = single_error_line(proc.stderr)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert "compressed-tensors pack-quantized weights" in error and error.endswith(f", {release / 'config.json'}")
-    assert not (tmp_path / "out").exists()
+    assert "compressed-tensors pack-quantized weights with symmetric=False" in error
+    assert error.endswith(f", {release / 'config.json'}") and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("fmt", ["pack-quantized", "mxfp4-pack-quantized"])
-def test_a_lora_into_a_release_is_refused(fmt, releases, tmp_path, capsys):
-    """`merger lora --base_model RELEASE`: the base's packed weights are no weights to fold an adapter into."""
-    release = releases(fmt)
+def test_a_lora_into_a_release_is_refused(fmt, ct_release, tmp_path, capsys):
+    """`merger lora --base_model RELEASE` of a release merger reads: it does not fold into one yet, and the base's
+    packed weights are no weights to fold an adapter into."""
+    release = ct_release(fmt)
     adapter = tmp_path / "adapter"
     torch.manual_seed(1)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
@@ -110,22 +151,23 @@ def test_a_lora_into_a_release_is_refused(fmt, releases, tmp_path, capsys):
     before = {p.name for p in tmp_path.iterdir()}
     code, errors = command_here(capsys, "lora", "--base_model", release, "--adapter", adapter, "--target_dir",
                                 tmp_path / "out")
-    assert_refused(code, errors, f"compressed-tensors {fmt} weights", release / "config.json", tmp_path, before)
+    assert_refused(code, errors, f"compressed-tensors {fmt} weights (config.json's quantization_config) as a LoRA "
+                   "base", release / "config.json", tmp_path, before)
 
 
-def test_quantize_like_a_release_is_refused(releases, plain, tmp_path, capsys):
-    release = releases("mxfp4-pack-quantized")
+def test_quantize_like_a_release_is_refused(ct_release, plain, tmp_path, capsys):
+    release = ct_release("mxfp4-pack-quantized")
     before = {p.name for p in tmp_path.iterdir()}
     code, errors = merge_here(capsys, "--local_dir", plain, "--target_dir", tmp_path / "out", "--quantize_like",
                               release)
-    assert_refused(code, errors, "compressed-tensors mxfp4-pack-quantized weights", release / "config.json",
-                   tmp_path, before)
+    assert_refused(code, errors, "compressed-tensors mxfp4-pack-quantized weights (config.json's quantization_config) "
+                   "as --quantize_like's release", release / "config.json", tmp_path, before)
 
 
-def test_packed_tensors_that_no_config_describes_are_refused(releases, tmp_path, capsys):
+def test_packed_tensors_that_no_config_describes_are_refused(ct_release, tmp_path, capsys):
     """The INT4 release with its quantization_config taken out: nothing then says how to read `weight_packed`,
     `weight_scale`, `weight_shape`, and none of them is a weight."""
-    release = Path(shutil.copytree(releases("pack-quantized"), tmp_path / "release"))
+    release = Path(shutil.copytree(ct_release("pack-quantized"), tmp_path / "release"))
     config = json.loads((release / "config.json").read_text())
     del config["quantization_config"]
     (release / "config.json").write_text(json.dumps(config))

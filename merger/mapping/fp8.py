@@ -27,9 +27,7 @@ from ..options import MergeOptions
 from .hf import model_config
 from .quantized_formats import FP8_BLOCK, QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config, stored_format
 from .saved_names import rename_outputs, saved_names
-from .steps import FLOAT8, Mapping, OutputSpec, Step, cast
-
-DEQUANTIZED = torch.float32  # the dtype the dequantization computes in: a dequantized weight's natural dtype
+from .steps import DEQUANTIZED, FLOAT8, Mapping, OutputSpec, Step, cast
 
 
 def claims(catalog: Catalog, options: MergeOptions) -> bool:
@@ -58,10 +56,6 @@ def dequantize(block: tuple[int, int], tensors: list[torch.Tensor]) -> list[torc
     return [out]
 
 
-def _file(t: SourceTensor) -> str:
-    return t.pieces[0].copies[0].file
-
-
 def block_size(qc: dict, where) -> tuple[int, int]:
     block = qc["weight_block_size"]
     if (not isinstance(block, (list, tuple)) or len(block) != 2
@@ -79,14 +73,14 @@ def _check_scale(name: str, tensors: dict[str, SourceTensor], block: tuple[int, 
     weight, scale = tensors[name], tensors[name + SCALE_SUFFIX]
     if weight.dtype not in FLOAT8:
         raise MergerError(f"tensor {name} has a block scale but is stored as {str(weight.dtype).removeprefix('torch.')}"
-                          f", not float8, {_file(weight)}")
+                          f", not float8, {weight.file}")
     if len(weight.shape) < 2 or scale.shape != scale_shape(weight.shape, block):
         want = list(scale_shape(weight.shape, block)) if len(weight.shape) >= 2 else "a weight of 2 dims or more"
         raise MergerError(f"scale {scale.name} is {list(scale.shape)}, but weight {name} {list(weight.shape)} in "
-                          f"blocks of {block[0]}x{block[1]} needs {want}, {_file(scale)}")
+                          f"blocks of {block[0]}x{block[1]} needs {want}, {scale.file}")
     if not scale.dtype.is_floating_point:
         raise MergerError(f"scale {scale.name} is stored as {str(scale.dtype).removeprefix('torch.')}, not as "
-                          f"floats, {_file(scale)}")
+                          f"floats, {scale.file}")
     return scale
 
 
@@ -131,12 +125,12 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     for name, t in names.items():
         if name.endswith(SCALE_SUFFIX):
             if name.removesuffix(SCALE_SUFFIX) not in names:
-                raise MergerError(f"scale {name} has no weight {name.removesuffix(SCALE_SUFFIX)} beside it, {_file(t)}")
+                raise MergerError(f"scale {name} has no weight {name.removesuffix(SCALE_SUFFIX)} beside it, {t.file}")
         elif name + SCALE_SUFFIX in names:
             steps.append(_dequantize_step(name, catalog, block))
         elif t.dtype in FLOAT8:
             raise MergerError(f"tensor {name} is stored as {str(t.dtype).removeprefix('torch.')} with no "
-                              f"{name + SCALE_SUFFIX} beside it, {_file(t)}")
+                              f"{name + SCALE_SUFFIX} beside it, {t.file}")
         else:
             steps.append(cast(name, name, t.shape, t.dtype))
     count = sum(not s.is_cast for s in steps)

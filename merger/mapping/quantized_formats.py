@@ -1,16 +1,19 @@
 """Which quantized format a HF folder's weights are stored in, decided here for every command that reads one: a
 merge of the folder (or of any checkpoint under HF names), a LoRA base, `--quantize_like`'s release.
 
-merger handles two: FP8 block-scaled releases (`quant_method: "fp8"` with a `weight_block_size`, dequantized by
-fp8.py, written by fp8_quantize.py) and gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`, written by
+merger handles three: FP8 block-scaled releases (`quant_method: "fp8"` with a `weight_block_size`, dequantized by
+fp8.py, written by fp8_quantize.py), gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`, written by
 mxfp4_quantize.py; as a source its `_blocks` and `_scales` are kept as stored, with the quantization_config that
-says what they are). Every other format is refused with one line naming it and the file that says it:
-compressed-tensors (`pack-quantized` INT4, `nvfp4-pack-quantized`, `mxfp4-pack-quantized`, `mxfp8-quantized`,
-...), ModelOpt (`hf_quant_config.json`), transformers' `mxfp8`, DeepSeek-V4's FP8 with FP4 experts, FP8 without
-blocks, GPTQ, AWQ, bitsandbytes and any other `quant_method`. Merged as plain tensors, their packed weights and
-scales would be written as if they were weights: a model that loads wrong or not at all, with exit 0. A tensor
-named as such a format names a weight's part (`weight_packed`, `weight_scale`, ...) in a folder whose config does
-not describe that part is refused too: without the config, nothing says how to read it.
+says what they are) and compressed-tensors releases in `nvfp4-pack-quantized`, INT4 `pack-quantized`,
+`mxfp4-pack-quantized` or `mxfp8-quantized` with the scheme compressed_tensors_scheme.py names (read, dequantized
+by compressed_tensors.py; not a LoRA base nor a layout to write, yet: those say so in one line). Every other format
+is refused with one line naming it and the file that says it: compressed-tensors' other formats and schemes
+(`mxfp6-pack-quantized`, zero points, other group sizes, ...), ModelOpt (`hf_quant_config.json`), transformers'
+`mxfp8`, DeepSeek-V4's FP8 with FP4 experts, FP8 without blocks, GPTQ, AWQ, bitsandbytes and any other
+`quant_method`. Merged as plain tensors, their packed weights and scales would be written as if they were weights:
+a model that loads wrong or not at all, with exit 0. A tensor named as such a format names a weight's part
+(`weight_packed`, `weight_scale`, ...) in a folder whose config does not describe that part is refused too:
+without the config, nothing says how to read it.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from ..catalog import SourceTensor
 from ..errors import MergerError
+from .compressed_tensors_scheme import COMPRESSED_TENSORS, READ, stored_parts, unread
 from .mxfp4_quantize import BLOCKS_SUFFIX, SCALES_SUFFIX
 
 QUANTIZATION_CONFIG = "quantization_config"
@@ -27,7 +31,8 @@ MODELOPT_CONFIG = "hf_quant_config.json"  # ModelOpt's own description of its ex
 FP8_BLOCK = "fp8"  # the quant_method values merger handles, as the formats' names
 MXFP4 = "mxfp4"
 HANDLED = ("a quantized format merger does not handle: it reads and writes FP8 block-scaled releases (quant_method "
-           "fp8 with weight_block_size) and gpt-oss MXFP4 (quant_method mxfp4)")
+           "fp8 with weight_block_size) and gpt-oss MXFP4 (quant_method mxfp4), and reads compressed-tensors "
+           f"{', '.join(READ)} (symmetric, in groups of 16 for NVFP4 and of 32 for the others)")
 # The last part of a name that compressed-tensors, ModelOpt and FP8 releases give a quantized weight's pieces
 # (FORMATS.md, "Quantized release formats of 2026"); exact names, since plain models have `layer_scale_2` and such.
 PACKED_PARTS = frozenset({"weight_packed", "weight_scale", "weight_shape", "weight_global_scale",
@@ -56,8 +61,8 @@ def _unhandled(qc: object) -> str | None:
     method = qc["quant_method"]
     if method == MXFP4 or _is_fp8_block(qc):
         return None
-    if method == "compressed-tensors":
-        return f"compressed-tensors {qc.get('format') or 'quantized'} weights"  # mixed-precision: groups differ
+    if method == COMPRESSED_TENSORS:
+        return unread(qc)
     if method == FP8_BLOCK and qc.get("weight_block_size") is not None:
         return f"FP8 weights with {qc.get('expert_dtype')} experts, DeepSeek-V4's layout"
     if method == FP8_BLOCK:
@@ -76,8 +81,9 @@ def _modelopt(path: Path) -> str:
 
 
 def config_format(folder: Path, config: dict) -> str | None:
-    """The quantized format `folder`'s config.json (`config`) says its weights are in: FP8_BLOCK, MXFP4, or None
-    (not quantized); any other is refused, naming the file that says it."""
+    """The quantized format `folder`'s config.json (`config`) says its weights are in: FP8_BLOCK, MXFP4,
+    COMPRESSED_TENSORS (a format and scheme merger reads), or None (not quantized); any other is refused, naming the
+    file that says it."""
     if (folder / MODELOPT_CONFIG).is_file():
         raise MergerError(f"{_modelopt(folder / MODELOPT_CONFIG)}, {HANDLED}, {folder / MODELOPT_CONFIG}")
     if config.get(QUANTIZATION_CONFIG) is None:
@@ -85,7 +91,24 @@ def config_format(folder: Path, config: dict) -> str | None:
     what = _unhandled(config[QUANTIZATION_CONFIG])
     if what is not None:
         raise MergerError(f"{what} (config.json's {QUANTIZATION_CONFIG}), {HANDLED}, {folder / 'config.json'}")
-    return FP8_BLOCK if _is_fp8_block(config[QUANTIZATION_CONFIG]) else MXFP4
+    qc = config[QUANTIZATION_CONFIG]
+    return FP8_BLOCK if _is_fp8_block(qc) else COMPRESSED_TENSORS if qc["quant_method"] == COMPRESSED_TENSORS else MXFP4
+
+
+def _described(found: str | None, config: dict) -> tuple[str | None, tuple[str, ...]]:
+    """What format `found` (config_format's answer) calls itself in a message, and the packed parts it stores."""
+    if found == COMPRESSED_TENSORS:
+        qc = config[QUANTIZATION_CONFIG]
+        return f"{COMPRESSED_TENSORS} {qc['format']}", stored_parts(qc)
+    return DESCRIBED.get(found, (None, ()))
+
+
+def read_only(use: str, folder: Path, config: dict) -> MergerError:
+    """The error for a release merger reads but cannot serve as `use` (a LoRA base, a layout to write) yet."""
+    described, _ = _described(COMPRESSED_TENSORS, config)
+    return MergerError(f"{described} weights (config.json's {QUANTIZATION_CONFIG}) as {use}: merger reads such a "
+                       f"release (merger merge dequantizes it) but does not take one as {use} yet, "
+                       f"{folder / 'config.json'}")
 
 
 def _packed_part(name: str, names: Collection[str]) -> str | None:
@@ -103,16 +126,17 @@ def _packed_part(name: str, names: Collection[str]) -> str | None:
 
 def stored_format(folder: Path, config: dict, tensors: dict[str, SourceTensor]) -> str | None:
     """config_format of the folder whose config describes `tensors`, every packed part among them checked to be
-    one that format stores (FP8's `_scale_inv`, MXFP4's `_blocks` and `_scales`): another is no weight to write."""
+    one that format stores (FP8's `_scale_inv`, MXFP4's `_blocks` and `_scales`, compressed-tensors' format's own):
+    another is no weight to write."""
     found = config_format(folder, config)
-    described, parts = DESCRIBED.get(found, (None, ()))
+    described, parts = _described(found, config)
     for name, tensor in tensors.items():
         part = _packed_part(name, tensors)
         if part is not None and part not in parts:
             said = f"its {QUANTIZATION_CONFIG} says {described}" if described else f"it has no {QUANTIZATION_CONFIG}"
             raise MergerError(f"tensor {name} is part of a quantized weight ({part}) that config.json does not "
                               f"describe ({said}): merger does not write a packed tensor as a weight, "
-                              f"{tensor.pieces[0].copies[0].file}")
+                              f"{tensor.file}")
     return found
 
 

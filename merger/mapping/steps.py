@@ -21,6 +21,9 @@ from ..safetensors_io import nbytes_of
 
 Transform = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # stored scaled: a cast alone loses the scale
+# the dtype merger dequantizes a quantized release's weights in (fp8.py, compressed_tensors.py): a dequantized
+# weight's natural dtype, which the dtype policy then casts to --dtype
+DEQUANTIZED = torch.float32
 
 
 @dataclass(frozen=True)

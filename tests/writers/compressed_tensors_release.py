@@ -3,13 +3,14 @@
     python -m tests.writers.compressed_tensors_release --out DIR --format pack-quantized
 
 A seeded tiny transformers Llama (bfloat16, lm_head left out as llmcompressor's recipes leave it) whose Linear
-layers get one of the schemes of FORMATS: INT4 `pack-quantized` in symmetric groups of 32 (Kimi-K2-Thinking's
-scheme), and compressed-tensors' own presets for `mxfp4-pack-quantized`, `nvfp4-pack-quantized` and
-`mxfp8-quantized`. Everything past the model is compressed-tensors' code: `apply_quantization_config` attaches the
+layers get one of the schemes of FORMATS, the ones merger reads: INT4 `pack-quantized` in symmetric groups of 32
+(Kimi-K2-Thinking's scheme), and compressed-tensors' own presets for `mxfp4-pack-quantized`, `nvfp4-pack-quantized`
+and `mxfp8-quantized`; or of VARIANTS: the NVFP4 preset with activations (W4A4, its `input_global_scale`s written
+uncalibrated), and schemes merger refuses: the `mxfp6-pack-quantized` preset, INT4 with zero points. Everything past the model is compressed-tensors' code: `apply_quantization_config` attaches the
 scheme, `compute_dynamic_scales_and_zp` computes each weight's scales from its groups' min and max
 (`generate_gparam` NVFP4's global scale, from the whole weight's), and `ModelCompressor` packs the weights and writes
 config.json's quantization_config, in the order its own docstring gives for llmcompressor's save_pretrained. No
-calibration data: the releases are what merger must refuse, not models to run.
+calibration data: the weights' own groups give the scales, as for a weights-only (A16) scheme.
 """
 from __future__ import annotations
 
@@ -30,10 +31,13 @@ INT4_GROUP_32 = dict(num_bits=4, type="int", symmetric=True, strategy="group", g
 # format -> compressed-tensors' preset scheme (weights only), or the weights' arguments
 FORMATS = {"pack-quantized": INT4_GROUP_32, "mxfp4-pack-quantized": "MXFP4A16",
            "nvfp4-pack-quantized": "NVFP4A16", "mxfp8-quantized": "MXFP8A16"}
+# what a test calls another scheme -> (its format, the preset or the weights' arguments)
+VARIANTS = {"nvfp4 W4A4": ("nvfp4-pack-quantized", "NVFP4"),
+            "mxfp6-pack-quantized": ("mxfp6-pack-quantized", "MXFP6A16"),
+            "asymmetric pack-quantized": ("pack-quantized", dict(INT4_GROUP_32, symmetric=False))}
 
 
-def _scheme(fmt: str):
-    preset = FORMATS[fmt]
+def _scheme(preset: str | dict):
     if isinstance(preset, str):
         return preset_name_to_scheme(preset, ["Linear"])
     return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**preset))
@@ -58,10 +62,11 @@ def _calibrate(model: torch.nn.Module) -> None:
 
 
 def write_release(folder: Path, fmt: str, seed: int = 0) -> Path:
-    """The tiny Llama quantized in `fmt` (a key of FORMATS), saved in `folder`."""
+    """The tiny Llama quantized in `fmt` (a key of FORMATS or of VARIANTS), saved in `folder`."""
+    fmt, preset = VARIANTS.get(fmt, (fmt, FORMATS.get(fmt)))
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).to(torch.bfloat16)
-    config = QuantizationConfig(config_groups={"group_0": _scheme(fmt)}, ignore=["lm_head"],
+    config = QuantizationConfig(config_groups={"group_0": _scheme(preset)}, ignore=["lm_head"],
                                 quantization_status=QuantizationStatus.INITIALIZED)
     apply_quantization_config(model, config, show_progress=False)
     _calibrate(model)
@@ -75,7 +80,7 @@ def write_release(folder: Path, fmt: str, seed: int = 0) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--format", choices=list(FORMATS), default="pack-quantized")
+    p.add_argument("--format", choices=[*FORMATS, *VARIANTS], default="pack-quantized")
     args = p.parse_args()
     print(write_release(args.out, args.format))
 

@@ -21,7 +21,8 @@ from ...sources.union import union_catalog
 from .. import fp8
 from ..hub_folders import hub_id_of
 from ..policy import ties
-from ..quantized_formats import FP8_BLOCK, QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config, stored_format
+from ..quantized_formats import (COMPRESSED_TENSORS, FP8_BLOCK, QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config,
+                                 read_only, stored_format)
 from ..steps import Mapping, Step
 from .adapter import LoraAdapter, adapter_from_folder
 from .experts_orientation import experts_transposed
@@ -63,7 +64,10 @@ def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[Lora
     written = {o.name for s in folds for o in s.outputs}
     # an FP8 release: its weights are dequantized, folded, then requantized or cast; a format the fold cannot
     # read is refused (quantized_formats.py)
-    qc = fp8_block_config(config) if stored_format(base_dir, config, base.tensors) == FP8_BLOCK else None
+    stored = stored_format(base_dir, config, base.tensors)
+    if stored == COMPRESSED_TENSORS:
+        raise read_only("a LoRA base", base_dir, config)
+    qc = fp8_block_config(config) if stored == FP8_BLOCK else None
     weights = [n for n in base.tensors if n not in written and not (qc and n.endswith(SCALE_SUFFIX))]
     result = fold_steps({n: n for n in weights}, adapters, catalog.tensors, ties(config, options),
                         experts_transposed(local_config_folder(base_dir), config, options.trust_remote_code))
