@@ -127,7 +127,7 @@ def test_a_merge_into_a_bucket_writes_what_a_local_merge_writes(store, hf_model,
     no_secret(proc, remote)
 
 
-def test_a_dcp_checkpoint_from_one_bucket_into_another_under_torchrun(store, dcp_root, tmp_path):
+def test_a_dcp_checkpoint_from_one_bucket_into_another_on_two_ranks(store, dcp_root, tmp_path):
     local, remote = tmp_path / "local", tmp_path / "remote"
     source = store.upload(dcp_root, "ckpt", "runs/dcp")
     run_in_process("merge", "--local_dir", dcp_root / "plain", "--target_dir", local)

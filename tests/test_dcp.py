@@ -48,7 +48,7 @@ def test_accelerate_hsdp_torchrun_other_world_size(dcp_root, tmp_path):
     FSDP2's Shard(0) chunks are written where they are read: nothing crosses ranks, replicas are read once."""
     run_merger("merge", "--local_dir", dcp_root / "checkpoint-1", "--target_dir", tmp_path / "out",
                "--hf_model_config_path", dcp_root / "hf", "--dtype", "keep", "--device", "cpu",
-               "--summary_json", tmp_path / "summary.json", nproc=3)
+               "--summary_json", tmp_path / "summary.json", nproc=3, torchrun=True)
     assert_same_weights(tmp_path / "out", dcp_root / "reference", None)
     moved = json.loads((tmp_path / "summary.json").read_text())["bytes_per_rank"]
     assert [m["sent_bytes"] + m["received_bytes"] for m in moved] == [0, 0, 0]

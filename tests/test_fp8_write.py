@@ -6,7 +6,7 @@ the same model unquantized. Oracles: transformers' own quantizer (`Fp8Quantize._
 bfloat16 weights, byte for byte, weights and scales (transformers quantizes only whole blocks: a weight with
 partial edge blocks is handed to it padded with zeros, which changes no amax, and its result cut back); the
 release itself for every other tensor's dtype and for quantization_config; transformers loading the output, whose
-logits stay within FP8's error of the bfloat16 model's; the one-process merge for torchrun's.
+logits stay within FP8's error of the bfloat16 model's; the one-process merge for the merge ranks'.
 """
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def test_a_release_that_is_not_fp8_is_refused(deepseek, tmp_path, capsys):
                                     f"weight_block_size, {reference / 'config.json'}"]
 
 
-def test_torchrun_equals_one_process_over_fsdp_shards(deepseek_v3_root, tmp_path):
+def test_merge_ranks_equal_one_process_over_fsdp_shards(deepseek_v3_root, tmp_path):
     """torchtitan's DeepSeek-V3 saved on 2 FSDP ranks: its weights' row shards end inside 16-row blocks, so a
     block's amax spans the two files. 2 merge ranks write the bytes 1 does."""
     from torch.distributed.checkpoint import FileSystemReader

@@ -32,7 +32,7 @@ def test_uneven_fsdp2_llama_any_merge_world(fsdp_checkpoint, tmp_path, nproc):
     # W=4 with vocab 101: every embedding shard has a different size, the last one smaller.
     actor, reference = fsdp_checkpoint("llama", world=4, extra=("--buffer",))
     out = tmp_path / "merged"
-    run_merger("merge", "--backend", "fsdp", "--local_dir", actor, "--target_dir", out, nproc=nproc)
+    run_merger("merge", "--backend", "fsdp", "--local_dir", actor, "--target_dir", out, nproc=nproc, torchrun=True)
     assert_same_weights(out, reference, torch.bfloat16)
     config = json.loads((out / "config.json").read_text())
     assert config["dtype"] == "bfloat16"

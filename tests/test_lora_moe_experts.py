@@ -182,7 +182,7 @@ def test_two_adapters_on_experts_equal_peft_merging_one_after_another(case, tmp_
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
-def test_lora_on_fused_experts_under_torchrun(tmp_path):
+def test_lora_on_fused_experts_on_two_ranks(tmp_path):
     """Two ranks write the bytes one process writes."""
     make_config, lora = CASES["gpt_oss"]
     base = _base(tmp_path / "base", make_config(), torch.bfloat16)

@@ -114,7 +114,7 @@ def test_bfloat16_dtypes_are_those_save_pretrained_writes(dsa_root, merged, tmp_
 
 
 def test_two_merge_ranks_write_the_one_process_bytes(dsa_root, tmp_path):
-    """Under torchrun x2 each rank writes its share (the indexer's rows, MLA, experts, the MTP layer), in several
+    """On two merge ranks each rank writes its share (the indexer's rows, MLA, experts, the MTP layer), in several
     files: the files one process writes, byte for byte."""
     case = "glm5_tp2"
     assert_ranks_write_one_process_files(dsa_root / case / "dist", dsa_root / case / "hf", tmp_path / "out", 2)

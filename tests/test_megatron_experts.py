@@ -148,7 +148,7 @@ def test_inspect_lists_what_is_skipped_and_why(fmt, moe_root, capsys):
     assert extra and skipped == {k: "extra_state" for k in extra}
 
 
-def test_torchrun_merge_of_expert_tp_files_equals_single_process(moe_root, merged_moe, tmp_path):
+def test_merge_ranks_of_expert_tp_files_equal_single_process(moe_root, merged_moe, tmp_path):
     """Two merge ranks open one rank file each: TP shards, grouped experts' strided views and gated halves are
     read on one rank and sent to the other's writer."""
     case = "mixtral_grouped_tp2_ep2"

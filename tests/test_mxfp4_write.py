@@ -228,7 +228,7 @@ def test_an_expert_dim_that_is_not_whole_blocks_is_refused(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_torchrun_equals_one_process_over_fsdp_shards(fsdp_checkpoint, tmp_path):
+def test_merge_ranks_equal_one_process_over_fsdp_shards(fsdp_checkpoint, tmp_path):
     """A verl FSDP2 checkpoint of a bf16 gpt-oss saved on 2 ranks, merged by 1 and by 2 ranks with a budget that
     splits the batches: the same bytes."""
     actor, _ = fsdp_checkpoint("gpt_oss", world=2, extra=("--hidden", "64", "--dtype", "bfloat16"))

@@ -2,7 +2,7 @@
 was left out (issue #35, item 1).
 
 Real FSDP2 checkpoints (2 ranks, fully_shard + torch.save, tests/writers/fsdp_checkpoint.py) of the same tiny
-Llama untied and tied, merged on 2 torchrun ranks so every rank must reach the same decision; the oracle is
+Llama untied and tied, merged on 2 ranks so every rank must reach the same decision; the oracle is
 each model's own save_pretrained output (lm_head written when untied, left out when tied) and transformers'
 loading of ours.
 """

@@ -39,7 +39,7 @@ def merged_once(root: Path, tmp_path_factory):
 
 
 def assert_ranks_write_one_process_files(src: Path, hf: Path, out: Path, nproc: int) -> None:
-    """torchrun x`nproc` merges SRC (config HF) into OUT/ranks, over at least as many files as ranks, and one process
+    """`nproc` merge ranks merge SRC (config HF) into OUT/ranks, over at least as many files as ranks, and one process
     into OUT/one with the same flags: the same files, byte for byte."""
     flags = ("--hf_model_config_path", hf, "--dtype", "float32", "--max_shard_size", "100KB")
     run_merger("merge", "--local_dir", src, "--target_dir", out / "ranks", *flags, nproc=nproc)

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.helpers.paths import HELPERS, ROOT
@@ -52,15 +53,28 @@ def run(cmd: list[str], timeout: float = 300, check: bool = True, env: dict | No
         preexec_fn=None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=cwd, env=subprocess_env(env), capture_output=True, text=True, timeout=timeout,
                           preexec_fn=preexec_fn)
+    return checked(cmd, proc, check)
+
+
+def checked(cmd: list, proc: subprocess.CompletedProcess, check: bool) -> subprocess.CompletedProcess:
+    """`proc`, or with `check` an AssertionError saying what it printed if it failed."""
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n--- stdout\n{proc.stdout}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
 
 
-def run_merger(*args, nproc: int = 1, check: bool = True, timeout: float = 300,
-               env: dict | None = None, preexec_fn=None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """`python -m merger ARGS` as one process, or under torchrun with `nproc` gloo ranks, in folder `cwd`."""
+def run_merger(*args, nproc: int = 1, check: bool = True, timeout: float = 300, env: dict | None = None,
+               preexec_fn=None, cwd: Path = ROOT, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """`python -m merger ARGS` as one process, or as `nproc` gloo ranks, in folder `cwd`: plain env:// ranks, as
+    Slurm tasks and `launcher local` start them, or under torchrun where torchrun is the point (`torchrun=True`:
+    its agent, its report, its SIGTERM). A torchrun agent is one more Python start-up that imports torch, about
+    2 s of CPU for each multi-rank merge of the suite. The ranks' stdout and stderr come back in rank order, their
+    exit status is the first failure's."""
+    if nproc > 1 and not torchrun:
+        cmd = [sys.executable, *merger_entry(env), *map(str, args)]
+        procs = start_ranks(*args, nproc=nproc, env=env, preexec_fn=preexec_fn, cwd=cwd)
+        return checked(cmd, wait_ranks(procs, cmd, timeout), check)
     prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
     return run(prefix + [*merger_entry(env), *map(str, args)], timeout=timeout, check=check, env=env,
                preexec_fn=preexec_fn, cwd=cwd)
@@ -85,21 +99,46 @@ def start_merger(*args, nproc: int = 1, env: dict | None = None) -> subprocess.P
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def start_ranks(*args, nproc: int, env: dict | None = None, wrap: dict | None = None,
-                args_of_rank: dict | None = None) -> list[subprocess.Popen]:
-    """`python -m merger ARGS` as the `nproc` ranks of a plain env:// gloo group, as Slurm tasks or
-    `launcher local` start them: no torchrun agent, rank 0 hosts the store. `wrap` maps a rank to a command
-    prefix (e.g. `unshare ...`), `args_of_rank` a rank to arguments of its own in place of ARGS."""
+def start_group(command_of_rank, nproc: int, env: dict | None = None, preexec_fn=None, cwd: Path = ROOT
+                ) -> list[subprocess.Popen]:
+    """The `nproc` ranks of a plain env:// gloo group, rank r running `command_of_rank(r)`, as Slurm tasks or
+    `launcher local` start them: no torchrun agent, rank 0 hosts the store."""
     port = free_port()
     procs = []
     for rank in range(nproc):
         ranked = {**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        own = (args_of_rank or {}).get(rank, args)
-        cmd = [*(wrap or {}).get(rank, []), sys.executable, *merger_entry(env), *map(str, own)]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(ranked), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen(command_of_rank(rank), cwd=cwd, env=subprocess_env(ranked),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      preexec_fn=preexec_fn))
     return procs
+
+
+def start_ranks(*args, nproc: int, env: dict | None = None, wrap: dict | None = None,
+                args_of_rank: dict | None = None, preexec_fn=None, cwd: Path = ROOT) -> list[subprocess.Popen]:
+    """`python -m merger ARGS` as the ranks of a plain env:// group (start_group). `wrap` maps a rank to a command
+    prefix (e.g. `unshare ...`), `args_of_rank` a rank to arguments of its own in place of ARGS."""
+    def command(rank: int) -> list[str]:
+        own = (args_of_rank or {}).get(rank, args)
+        return [*(wrap or {}).get(rank, []), sys.executable, *merger_entry(env), *map(str, own)]
+
+    return start_group(command, nproc, env, preexec_fn, cwd)
+
+
+def wait_ranks(procs: list[subprocess.Popen], args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Every rank waited for, their pipes drained side by side (a rank blocked on a full pipe would stall its peers
+    in a collective); their stdout and stderr in rank order and the first failure's exit status. Past `timeout`,
+    every rank is killed and TimeoutExpired raised, as subprocess.run does."""
+    with ThreadPoolExecutor(len(procs)) as pool:
+        waits = [pool.submit(p.communicate, timeout=timeout) for p in procs]
+        try:
+            outs = [w.result() for w in waits]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    return subprocess.CompletedProcess(args, code, "".join(o for o, _ in outs), "".join(e for _, e in outs))
 
 
 def writer_module(script: str) -> list[str]:
@@ -110,10 +149,16 @@ def writer_module(script: str) -> list[str]:
 
 def run_writer(script: str, *args, nproc: int = 1, env: dict | None = None, python: str = sys.executable,
                per_interpreter: bool = False) -> None:
-    """The test writer tests/writers/SCRIPT as one process, or under torchrun with `nproc` gloo ranks, run by
-    `python` (another venv's, for the writers tests/helpers/writers312.py runs); its output copied from the clone's
-    cache of written checkpoints when that has it (tests/helpers/written_cache.py, which says what
+    """The test writer tests/writers/SCRIPT as one process, or as `nproc` gloo ranks of a plain env:// group (the
+    writers read their rank and world from the environment, as under torchrun, whose agent would only add a
+    start-up), run by `python` (another venv's, for the writers tests/helpers/writers312.py runs); its output copied
+    from the clone's cache of written checkpoints when that has it (tests/helpers/written_cache.py, which says what
     `per_interpreter` is for)."""
-    prefix = [python] if nproc == 1 else torchrun_cmd(nproc, python)
-    write_through_cache(script, args, nproc, env, python, per_interpreter,
-                        lambda: run(prefix + [*writer_module(script), *map(str, args)], env=env))
+    command = [python, *writer_module(script), *map(str, args)]
+
+    def write() -> subprocess.CompletedProcess:
+        if nproc == 1:
+            return run(command, env=env)
+        return checked(command, wait_ranks(start_group(lambda rank: command, nproc, env), command, timeout=300), True)
+
+    write_through_cache(script, args, nproc, env, python, per_interpreter, write)

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.helpers.processes import start_merger, start_ranks
+from tests.helpers.processes import start_merger, start_ranks, wait_ranks
 
 WORLD = 2
 RANK0, RANK1 = (f"model_world_size_{WORLD}_rank_{r}.pt" for r in range(WORLD))
@@ -37,10 +37,8 @@ def wait_all(procs: list[subprocess.Popen], args) -> tuple[subprocess.CompletedP
     """Wait for every process; their exit status (the first failure's) and stderr together, and the
     seconds until the last one ended."""
     started = time.monotonic()
-    outs = [p.communicate(timeout=120) for p in procs]
-    took = time.monotonic() - started
-    code = next((p.returncode for p in procs if p.returncode), 0)
-    return subprocess.CompletedProcess(args, code, "".join(o for o, _ in outs), "".join(e for _, e in outs)), took
+    proc = wait_ranks(procs, args)
+    return proc, time.monotonic() - started
 
 
 def wait_paused(procs: list[subprocess.Popen], pause: Path, ranks) -> None:

@@ -32,7 +32,7 @@ def test_error_on_one_rank_stops_every_rank(ckpt, tmp_path):
     (ckpt / RANK1).write_bytes(os.urandom(4096))
     started = time.monotonic()
     proc = run_merger("merge", "--local_dir", ckpt, "--target_dir", tmp_path / "out", "--dist_timeout", "60",
-                      nproc=2, check=False, timeout=120)
+                      nproc=2, check=False, timeout=120, torchrun=True)
     assert time.monotonic() - started < 90
     errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
     assert proc.returncode != 0
@@ -47,7 +47,8 @@ def test_torchrun_report_names_the_error_as_root_cause(ckpt, tmp_path):
     """torchrun ends a failed job with its own report: it must show merger's line, read from the error record
     (TORCHELASTIC_ERROR_FILE) each failing rank wrote, not `error_file: <N/A>`."""
     (ckpt / RANK0).write_bytes(b"")
-    proc = run_merger("merge", "--local_dir", ckpt, "--target_dir", tmp_path / "out", nproc=2, check=False)
+    proc = run_merger("merge", "--local_dir", ckpt, "--target_dir", tmp_path / "out", nproc=2, check=False,
+                      torchrun=True)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr
     assert "cannot load rank file: the file is empty" in errors[0] and errors[0].endswith(str(ckpt / RANK0))
