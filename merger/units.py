@@ -21,6 +21,15 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def positive_size(text: str) -> int:
+    """parse_size, of 1 byte or more: an argparse type for a bound such as --max_shard_size, where 0 would say
+    nothing the smallest size does not (each tensor in a file of its own) and is more likely a slip."""
+    size = parse_size(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"cannot use size {text!r}: give 1 byte or more (e.g. 5GB)")
+    return size
+
+
 def positive_int(text: str) -> int:
     """An argparse type: a count of at least 1."""
     if not str(text).strip().isdigit() or int(text) < 1:

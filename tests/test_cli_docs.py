@@ -102,6 +102,12 @@ def test_every_option_has_help_text():
     (["test", "--local_dir", "ckpt", "--test-hf-dri", "ref"], "(did you mean --test-hf-dir?)"),
     (["merge", *REQUIRED, "--backend", "fdsp"], "invalid choice: 'fdsp'"),
     (["merge", *REQUIRED, "--max_shard_size", "2XB"], "argument --max_shard_size/--max-shard-size: cannot read size"),
+    (["merge", *REQUIRED, "--max_shard_size", "0"], "argument --max_shard_size/--max-shard-size: cannot use size '0': "
+                                                    "give 1 byte or more"),
+    (["merge", *REQUIRED, "--dtype", "fp8"], "argument --dtype: 'fp8' is a quantized format, not a dtype to cast to: "
+                                             "--quantize fp8-block writes it"),
+    (["lora", "--base_model", "b", "--adapter", "a", "--target_dir", "out", "--dtype", "MXFP4"],
+     "--quantize mxfp4 writes it"),
 ])
 def test_a_mistyped_flag_or_value_fails_at_parse_time_with_a_hint(args, expected, capsys):
     assert main(args) == 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,26 @@ def test_checking_a_tie_the_config_claims_stays_near_the_merge_peak(checkpoint, 
     checked = _peak(lying, tmp_path / "checked")
     assert json.loads((tmp_path / "checked" / "out" / "config.json").read_text())["tie_word_embeddings"] is False
     assert checked - plain < MARGIN, (plain / MiB, checked / MiB)
+
+
+# A trainer that holds 2 GiB, then runs merger in its place (exec), as a job script or a launcher may.
+BALLAST_THEN_MERGER = """
+import os, sys
+ballast = bytearray(2 << 30)
+for page in range(0, len(ballast), 4096):
+    ballast[page] = 1  # touched: resident
+os.execv(sys.executable, [sys.executable, "-m", "merger", *sys.argv[1:]])
+"""
+
+
+def test_the_peak_reported_is_the_merge_own_not_what_started_it(checkpoint, tmp_path):
+    """Linux carries getrusage's ru_maxrss across exec: a merge started in place of a 2 GiB process reported the
+    2 GiB as its own peak. The peak it reports is the one a merge started afresh reports (the kernel's high-water
+    mark of the merge's own address space)."""
+    plain = _peak(checkpoint, tmp_path / "plain")
+    summary = tmp_path / "summary.json"
+    run([sys.executable, "-c", BALLAST_THEN_MERGER, "merge", "--local_dir", str(checkpoint), "--target_dir",
+         str(tmp_path / "exec"), "--dtype", "keep", "--max_inflight", "16MiB", "--summary-json", str(summary)],
+        timeout=600)
+    after_exec = max(json.loads(summary.read_text())["peak_rss_bytes_per_rank"])
+    assert plain < (1 << 30) and abs(after_exec - plain) < 4 * MARGIN, (plain / MiB, after_exec / MiB)

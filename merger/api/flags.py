@@ -19,7 +19,7 @@ from ..io.locations import ObjectPath
 from ..mapping.torchtitan import MODELS
 from ..options import DTYPES, MergeOptions, dtype_name
 from ..sources import BACKENDS
-from ..units import parse_size, positive_int
+from ..units import parse_size, positive_int, positive_size
 from ..version import __version__
 
 
@@ -171,9 +171,24 @@ def _add_source_args(p: argparse.ArgumentParser, what: str = "the checkpoint fol
                         "lora_train_meta.json and the tensors for verl)")
 
 
+# --dtype spellings of formats that are no dtype to cast to: each is written with its scales by a flag of its own
+_QUANTIZED_DTYPES = {"fp8": "--quantize fp8-block", "float8": "--quantize fp8-block",
+                     "float8_e4m3fn": "--quantize fp8-block", "mxfp4": "--quantize mxfp4"}
+
+
+def _dtype(text: str) -> str:
+    """--dtype's canonical name (argparse then checks it against the choices); a quantized format's name points to
+    the flag that writes it."""
+    name = dtype_name(text)
+    if name in _QUANTIZED_DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is a quantized format, not a dtype to cast to: "
+                                         f"{_QUANTIZED_DTYPES[name]} writes it with its scales (or --quantize_like "
+                                         f"RELEASE, in a release's layout)")
+    return name
+
+
 def _add_dtype_args(p: argparse.ArgumentParser, default: str, why: str) -> None:
-    # argparse converts first, then checks the canonical name against the choices
-    p.add_argument("--dtype", type=dtype_name, choices=list(DTYPES), default=default,
+    p.add_argument("--dtype", type=_dtype, choices=list(DTYPES), default=default,
                    help=f"output dtype of floating tensors (default {default}: {why}; also spelt bf16, fp16, half, "
                         f"fp32, float); keep = each tensor's own dtype")
     p.add_argument(*_flag("--allow_overflow"), dest="allow_overflow", action="store_true",
@@ -224,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dtype_args(merge, "bfloat16", "as verl writes it")
     _add_quantize_args(merge)
     _add_target_args(merge)
-    merge.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
+    merge.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=positive_size, default="5GB",
                        help=SHARD_HELP)
     merge.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     merge.add_argument(*_flag("--keep_partial"), dest="keep_partial", action="store_true",
@@ -256,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="PEFT adapter folder; repeat to apply several in order")
     _add_target_args(lora)
     _add_dtype_args(lora, "keep", "the base's own, as PEFT's merge_and_unload")
-    lora.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
+    lora.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=positive_size, default="5GB",
                       help=SHARD_HELP)
     lora.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     _add_run_args(lora)
@@ -283,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--interval", type=float, default=60.0,
                        help="seconds between looks at the run folder (default 60)")
     _add_dtype_args(watch, "bfloat16", "as verl writes it")
-    watch.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
+    watch.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=positive_size, default="5GB",
                        help=SHARD_HELP)
     watch.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     _add_run_args(watch)
@@ -292,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_source_args(inspect)
     _add_dtype_args(inspect, "bfloat16", "as verl writes it")
     _add_quantize_args(inspect)
-    inspect.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=parse_size, default="5GB",
+    inspect.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=positive_size, default="5GB",
                          help=SHARD_HELP)
     inspect.add_argument(*_flag("--merge_ranks"), dest="merge_ranks", type=positive_int, default=1, metavar="N",
                          help="plan for N merge ranks (torchrun's --nproc_per_node times --nnodes): what each "

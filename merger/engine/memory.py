@@ -20,7 +20,16 @@ def start_writeback(fd: int) -> None:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (ru_maxrss is KiB on Linux)."""
+    """This process's own peak resident set size so far: the kernel's VmHWM, the high-water mark of its address
+    space, which starts anew at exec. Linux carries ru_maxrss across fork and exec, so a merge started by a 3 GiB
+    trainer would report 3 GiB; it is the answer only where there is no /proc (KiB on Linux)."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
