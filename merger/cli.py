@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import threading
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from .api import check_with, inspect_with, merge_with, verify_with, watch_with
 from .api.flags import build_parser, options_from_args
@@ -72,6 +72,17 @@ def _print_skipped(skipped: dict[str, str]) -> None:
         print(f"  {rule}: {len(names)}, e.g. {names[0]}")
 
 
+def _printed(report: Callable[[], int]) -> int:
+    """report(), which prints what it found to stdout. A reader that stopped reading (`merger inspect --json |
+    head`) ends it quietly, as it ends `cat`: its exit status, and stdout pointed at /dev/null so that no later
+    flush fails too."""
+    try:
+        return report()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "upload":
         from .output.publish import publish_folder
@@ -80,9 +91,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     options = options_from_args(args)
     if args.command == "inspect" and args.check:
-        return _print_check(check_with(options))
+        return _printed(lambda: _print_check(check_with(options)))
     if args.command == "inspect":
-        return _print_inspection(inspect_with(options, args.merge_ranks), args.json)
+        return _printed(lambda: _print_inspection(inspect_with(options, args.merge_ranks), args.json))
     if args.command == "test":
         return 0 if verify_with(options, args.test_hf_dir, args.atol, args.rtol).ok else 1
     if args.command == "watch":

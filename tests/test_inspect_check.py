@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers.files import flip_bit_in_tensor
-from tests.helpers.processes import run_merger
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import run_merger, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -93,3 +96,13 @@ def test_each_bad_file_gets_its_own_line_on_any_number_of_ranks(actor, nproc):
     assert len(errors) == 2, proc.stderr
     assert "checksum mismatch" in errors[0] and errors[0].endswith(str(rank_file(actor, 0)))
     assert errors[1].endswith(str(rank_file(actor, 1)))
+
+
+def test_a_reader_that_stops_reading_ends_inspect_quietly(actor):
+    """`merger inspect --json | head`: the reader is gone before merger prints (its end of the pipe closed at
+    once), and merger ends as `cat` would, with no error line."""
+    proc = subprocess.Popen([sys.executable, "-m", "merger", "inspect", "--local_dir", str(actor), "--json"],
+                            cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    stderr = proc.communicate(timeout=120)[1].decode()
+    assert proc.returncode == 0 and "error" not in stderr, stderr
