@@ -82,7 +82,7 @@ def test_hf_folder_from_a_bucket(store, dcp_root, tmp_path):
     assert_same_files(local, remote)
 
 
-def test_wrong_credentials_are_one_line_and_never_shown(tmp_path):
+def test_wrong_credentials_are_one_line_and_never_shown(dcp_root, tmp_path):
     """A server that checks keys, as AWS does (moto's, with no unauthenticated request allowed): ours is unknown."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
@@ -102,7 +102,12 @@ def test_wrong_credentials_are_one_line_and_never_shown(tmp_path):
             f"AWS_PROFILE...), {url}")
         debug = run_merger("merge", "--local_dir", url, "--target_dir", tmp_path / "out", "--debug", env=env,
                            check=False)
-        for text in (proc.stderr, proc.stdout, debug.stderr, debug.stdout):
+        # a bucket as the target: the same line, not "no such bucket" for a bucket the keys may not see
+        target = run_merger("merge", "--local_dir", dcp_root / "plain", "--target_dir", "s3://models/x", env=env,
+                            check=False)
+        assert target.returncode == 1 and single_error_line(target.stderr).startswith(
+            "merger: error: access denied by the object store (check the credentials"), target.stderr
+        for text in (proc.stderr, proc.stdout, debug.stderr, debug.stdout, target.stderr, target.stdout):
             assert SECRET not in text and KEY_ID not in text
         assert not (tmp_path / "out").exists()
     finally:

@@ -137,8 +137,15 @@ class ObjectStorage:
         if key in self.kinds:
             return self.kinds[key]
         if not key.strip("/") or "/" not in key.strip("/"):
-            # a bucket: there when it can be listed
-            return "dir" if self._call(key, self.fs.exists, key) else None
+            # a bucket: there when it can be listed. exists() also says False for one the credentials may not
+            # read; the listing then says why (access denied), and only a missing bucket is None
+            if self._call(key, self.fs.exists, key):
+                return "dir"
+            try:
+                self._call(key, self.fs.ls, key, refresh=True)
+            except FileNotFoundError:
+                return None
+            return "dir"
         try:
             info = self._info(key)
         except FileNotFoundError:
