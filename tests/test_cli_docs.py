@@ -108,6 +108,12 @@ def test_every_option_has_help_text():
                                              "--quantize fp8-block writes it"),
     (["lora", "--base_model", "b", "--adapter", "a", "--target_dir", "out", "--dtype", "MXFP4"],
      "--quantize mxfp4 writes it"),
+    (["merge", "--local_dir", "ckpt", "--target_dir", "hf://someone/model"],
+     "argument --target_dir/--target-dir: merged models are written to a local folder or an s3:// bucket, not to "
+     "hf:// (gs:// and az:// are read, not written) (--hf_upload_path USER/NAME publishes the merged model to the "
+     "Hub), hf://someone/model"),
+    (["merge", "--local_dir", "ckpt", "--target_dir", "https://example.com/m"], "not to https://"),
+    (["merge", *REQUIRED, "--quantize_like", "hf://org/release"], "hf:// paths are not supported"),
 ])
 def test_a_mistyped_flag_or_value_fails_at_parse_time_with_a_hint(args, expected, capsys):
     assert main(args) == 2

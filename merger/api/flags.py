@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..errors import MergerError, UsageError
-from ..io import is_remote, location
+from ..io import location
 from ..io.locations import ObjectPath
 from ..mapping.torchtitan import MODELS
 from ..options import DTYPES, MergeOptions, dtype_name
@@ -77,15 +77,18 @@ def local_path(text: str) -> Path:
 
 def target_path(text: str) -> Path | str:
     """Where a merge writes: a local or mounted folder, or an s3:// prefix, kept as the URL given."""
-    if not is_remote(text):
+    scheme = _SCHEME.match(text)
+    if scheme is None or scheme.group(1).lower() == "file":
         return local_path(text)
+    if scheme.group(1).lower() != "s3":
+        hub = " (--hf_upload_path USER/NAME publishes the merged model to the Hub)" if \
+            scheme.group(1).lower() in ("hf", "http", "https") else ""
+        raise argparse.ArgumentTypeError(f"merged models are written to a local folder or an s3:// bucket, not to "
+                                         f"{scheme.group(1)}:// (gs:// and az:// are read, not written){hub}, {text}")
     try:
-        location(text)  # an unknown scheme, or a URL naming no bucket, is refused here
+        location(text)  # a URL naming no bucket is refused here
     except MergerError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
-    if not text.lower().startswith("s3://"):
-        raise argparse.ArgumentTypeError(f"merged models are written to s3:// buckets only (gs:// and az:// are "
-                                         f"read, not written), {text}")
     return text.rstrip("/")
 
 
@@ -99,7 +102,7 @@ def source_path(text: str) -> Path | ObjectPath:
 
 def folder_url_or_hub_id(text: str) -> str:
     """A folder (a bucket's too) or a Hub model id, kept as given (folder_or_hub_id)."""
-    if is_remote(text):
+    if _SCHEME.match(text):
         source_path(text)  # an unknown scheme is refused here
         return text
     return folder_or_hub_id(text)
