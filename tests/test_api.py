@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,8 @@ def test_merge_returns_the_summary_and_leaves_the_process_as_found(fsdp_checkpoi
     (lambda tmp: merger.merge(local_dir=tmp, target_dir=tmp / "out", dtyp="bf16"),
      "unknown option dtyp (did you mean dtype?)"),
     (lambda tmp: merger.merge(local_dir=tmp, target_dir=tmp / "out", dtype="fp8"),
-     "argument --dtype: invalid choice: 'fp8' (choose from 'bfloat16', 'float16', 'float32', 'keep')"),
+     "argument --dtype: 'fp8' is a quantized format, not a dtype to cast to: --quantize fp8-block writes it with its "
+     "scales (or --quantize_like RELEASE, in a release's layout)"),
     (lambda tmp: merger.merge(local_dir=tmp, target_dir=tmp / "out", summary_json="s3://bucket/summary.json"),
      "argument --summary_json/--summary-json: s3:// paths are not supported here: this flag takes a local folder, or "
      "one of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2); --local_dir, --hf_model_config_path, --base_model, "
@@ -83,3 +85,25 @@ def test_merge_inside_a_training_scripts_process_group(fsdp_checkpoint, tmp_path
     assert reports == [{"rank": r, "status": "ok", "world": 2, "raised": missing, "group_sum": 2.0, "unchanged": True}
                        for r in range(2)], proc.stderr[-3000:]
     assert_same_weights(tmp_path / "out", reference, torch.float32)
+
+
+QUIET_MERGE = """
+import logging, sys
+import merger
+if sys.argv[3] == "info":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+merger.merge(local_dir=sys.argv[1], target_dir=sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("logging_on", [False, True])
+def test_a_library_call_says_nothing_unless_logging_asks(logging_on, fsdp_checkpoint, tmp_path):
+    """merger.merge inside a trainer that configured no logging writes nothing to stderr, progress included; one
+    whose logging shows INFO gets merger's lines and its progress, as the command line does."""
+    actor, _ = fsdp_checkpoint("llama", world=2)
+    proc = run([sys.executable, "-c", QUIET_MERGE, str(actor), str(tmp_path / "out"), "info" if logging_on else "-"])
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    if logging_on:
+        assert "merger: writing 100%" in proc.stderr and "merger: wrote " in proc.stderr, proc.stderr
+    else:
+        assert proc.stderr == "", proc.stderr

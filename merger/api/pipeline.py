@@ -21,7 +21,7 @@ from ..engine.memory import peak_rss_per_rank
 from ..engine.peer_watch import Cleanup
 from ..engine.plan import Plan, plan_layout
 from ..engine.plan_agreement import agree_on_plan, source_files
-from ..engine.progress import Progress
+from ..engine.progress import Progress, shown as progress_shown
 from ..engine.stream import run_plan
 from ..engine.tie_check import settle_tie
 from ..errors import AgreedError, Interrupted, MergerError
@@ -245,7 +245,7 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
             group, {f.name: f.size for f in plan.files if f.name not in reused}, manifest.checksum_block_bytes,
             options.debug)
         tracker = FileTracker(todo, sink, group, stage, manifest, one_host, sender)
-        progress = Progress(sum(b.out_bytes for b in todo.batches)) if group.rank == 0 else None
+        progress = Progress(sum(b.out_bytes for b in todo.batches)) if group.rank == 0 and progress_shown() else None
         run_plan(todo, prepared.catalog, group, sink, progress, options.debug, reader=reader, observer=tracker,
                  allow_overflow=options.allow_overflow)
 

@@ -31,7 +31,7 @@ from ..safetensors_io import TensorEntry, read_header
 from ..sources.file_reads import CHUNK, Placed, pread_into
 from .dist import Group, on_every_rank
 from .plan import Plan, Runs, plan_layout
-from .progress import Progress
+from .progress import Progress, shown as progress_shown
 from .stream import read_in_place, run_plan
 
 
@@ -289,7 +289,7 @@ def compare_with_folder(plan: Plan, catalog: Catalog, group: Group, folder: Path
             compared = on_every_rank(group, lambda: plan_layout(catalog, [*plan.steps, plan.tie.step], plan.world,
                                                                 plan.total_bytes, plan.max_inflight), debug)
         sink = CompareSink(reference, atol, rtol, cast, aliases)
-        progress = Progress(compared.total_bytes, "comparing") if group.rank == 0 else None
+        progress = Progress(compared.total_bytes, "comparing") if group.rank == 0 and progress_shown() else None
         run_plan(compared, catalog, group, sink, progress, debug, allow_overflow=allow_overflow)
     finally:
         reference.close()

@@ -1,10 +1,20 @@
-"""Bytes-written progress on rank 0: a live bar on a terminal, a line every 10% in logs."""
+"""Bytes-written progress on rank 0: a live bar on a terminal, a line every 10% in logs; shown where merger's INFO
+lines are (`shown`)."""
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
 from ..units import format_size
+
+
+def shown() -> bool:
+    """Whether to show progress: it is one of merger's INFO lines, shown where something handles those. The command
+    line configures logging; merger called as a library inside a trainer says nothing unless the trainer's logging
+    asks for merger's INFO."""
+    log = logging.getLogger("merger")
+    return log.isEnabledFor(logging.INFO) and log.hasHandlers()
 
 
 class Progress:
