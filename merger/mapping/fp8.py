@@ -4,7 +4,9 @@ Such a release stores each quantized weight `W` as float8 beside `W_scale_inv` (
 one float per block of `weight_block_size` [b0, b1] elements of the last two dims, the factor that turns the
 stored values back into the weight: w[i, j] = q[i, j] * scale_inv[i // b0, j // b1]. The last block of a row
 or column may be partial, so the scale grid is ceil(rows / b0) x ceil(cols / b1). config.json names the
-scheme in `quantization_config` (`quant_method: "fp8"`, transformers' FineGrainedFP8Config).
+scheme in `quantization_config` (`quant_method: "fp8"`, transformers' FineGrainedFP8Config). With `scale_fmt:
+"ue8m0"` a scale may be stored as its e8m0 exponent byte (uint8, 2^(byte - 127)): transformers' `mxfp8`
+(`quant_method: "mxfp8"`, blocks of [1, 32]) stores them so; a uint8 scale is refused under any other config.
 
 Each quantized weight is one step reading the weight and its scale (both small: one byte per weight element),
 dequantized in float32 where it is written; the policy then casts it to --dtype. Tensors without a scale
@@ -18,16 +20,21 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from math import prod
 
 import torch
 
 from ..catalog import Catalog, SourceTensor
 from ..errors import MergerError
 from ..options import MergeOptions
+from .compressed_tensors_codec import e8m0
 from .hf import model_config
-from .quantized_formats import FP8_BLOCK, QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config, stored_format
+from .quantized_formats import FP8_BLOCK, MXFP8, QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config, stored_format
 from .saved_names import rename_outputs, saved_names
 from .steps import DEQUANTIZED, FLOAT8, Mapping, OutputSpec, Step, cast
+
+E8M0_BYTES = torch.uint8  # a ue8m0 scale stored as its exponent byte
+BAND_ELEMENTS = 1 << 22  # about how many elements one band of the block-wise work takes (16 MiB in float32)
 
 
 def claims(catalog: Catalog, options: MergeOptions) -> bool:
@@ -42,17 +49,29 @@ def claims(catalog: Catalog, options: MergeOptions) -> bool:
     return stored_format(hf_dir, config, catalog.tensors) == FP8_BLOCK
 
 
+def band_rows(shape: tuple[int, ...], block: tuple[int, int]) -> int:
+    """How many block rows one band of the work on a tensor of `shape` takes: one at least, and as many as keep a
+    band near BAND_ELEMENTS (blocks of 1x32 a row at a time would be one Python step per row)."""
+    per_block_row = block[0] * -(-shape[-1] // block[1]) * block[1] * max(1, prod(shape[:-2]))
+    return max(1, BAND_ELEMENTS // per_block_row)
+
+
 def dequantize(block: tuple[int, int], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[weight, scale_inv] -> [weight * scale_inv of its block] in float32, one block row at a time (in
-    place: beside the float32 result only one row of scales is held)."""
+    """[weight, scale_inv] -> [weight * scale_inv of its block] in float32, one band of block rows at a time (in
+    place: beside the float32 result only one band's scales are held). A uint8 scale is e8m0 bytes (_check_scale
+    lets one through only under scale_fmt ue8m0): exact powers of two, so each product is exact."""
     weight, scale = tensors
+    if scale.dtype == E8M0_BYTES:
+        scale = e8m0(scale)
     b0, b1 = block
     out = weight.to(DEQUANTIZED)
     cols = out.shape[-1]
-    for i in range(scale.shape[-2]):
-        rows = out[..., i * b0:(i + 1) * b0, :]
-        row_scale = scale[..., i, :].to(DEQUANTIZED).repeat_interleave(b1, dim=-1)[..., :cols]
-        rows.mul_(row_scale.unsqueeze(-2))
+    step = band_rows(tuple(out.shape), block)
+    for first in range(0, scale.shape[-2], step):
+        band = out[..., first * b0:(first + step) * b0, :]
+        band_scale = (scale[..., first:first + step, :].to(DEQUANTIZED).repeat_interleave(b1, dim=-1)[..., :cols]
+                      .repeat_interleave(b0, dim=-2)[..., :band.shape[-2], :])
+        band.mul_(band_scale)
     return [out]
 
 
@@ -64,12 +83,18 @@ def block_size(qc: dict, where) -> tuple[int, int]:
     return block[0], block[1]
 
 
+def ue8m0_scales(qc: dict) -> bool:
+    """Whether the config says the scales are powers of two, which may then be stored as e8m0 bytes."""
+    return qc.get("scale_fmt") == "ue8m0"
+
+
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     return (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
 
 
-def _check_scale(name: str, tensors: dict[str, SourceTensor], block: tuple[int, int]) -> SourceTensor:
-    """The scale of quantized weight `name`, checked against it."""
+def _check_scale(name: str, tensors: dict[str, SourceTensor], block: tuple[int, int], ue8m0: bool) -> SourceTensor:
+    """The scale of quantized weight `name`, checked against it (`ue8m0`: the config's scale_fmt, which makes a
+    uint8 scale e8m0 bytes)."""
     weight, scale = tensors[name], tensors[name + SCALE_SUFFIX]
     if weight.dtype not in FLOAT8:
         raise MergerError(f"tensor {name} has a block scale but is stored as {str(weight.dtype).removeprefix('torch.')}"
@@ -78,14 +103,14 @@ def _check_scale(name: str, tensors: dict[str, SourceTensor], block: tuple[int, 
         want = list(scale_shape(weight.shape, block)) if len(weight.shape) >= 2 else "a weight of 2 dims or more"
         raise MergerError(f"scale {scale.name} is {list(scale.shape)}, but weight {name} {list(weight.shape)} in "
                           f"blocks of {block[0]}x{block[1]} needs {want}, {scale.file}")
-    if not scale.dtype.is_floating_point:
+    if not scale.dtype.is_floating_point and not (ue8m0 and scale.dtype == E8M0_BYTES):
         raise MergerError(f"scale {scale.name} is stored as {str(scale.dtype).removeprefix('torch.')}, not as "
-                          f"floats, {scale.file}")
+                          f"floats{' nor as e8m0 bytes (uint8)' if ue8m0 else ''}, {scale.file}")
     return scale
 
 
-def _dequantize_step(name: str, catalog: Catalog, block: tuple[int, int]) -> Step:
-    scale = _check_scale(name, catalog.tensors, block)
+def _dequantize_step(name: str, catalog: Catalog, block: tuple[int, int], ue8m0: bool) -> Step:
+    scale = _check_scale(name, catalog.tensors, block, ue8m0)
     return Step((name, scale.name), (OutputSpec(name, catalog.tensors[name].shape, DEQUANTIZED),),
                 partial(dequantize, block))
 
@@ -100,7 +125,8 @@ def _dequantized_first(block: tuple[int, int], quantized: tuple[bool, ...], tran
     return inputs if transform is None else transform(inputs)
 
 
-def dequantizing_inputs(steps: list[Step], tensors: dict[str, SourceTensor], block: tuple[int, int]) -> list[Step]:
+def dequantizing_inputs(steps: list[Step], tensors: dict[str, SourceTensor], block: tuple[int, int],
+                        ue8m0: bool = False) -> list[Step]:
     """`steps` over an FP8 release's weights (a LoRA folded into its base) reading each quantized weight with its
     scale, dequantized before the step's own transform; what would have been written as float8 is then the
     dequantized float32."""
@@ -111,7 +137,7 @@ def dequantizing_inputs(steps: list[Step], tensors: dict[str, SourceTensor], blo
             out.append(step)
             continue
         inputs = tuple(n for name, q in zip(step.inputs, quantized)
-                       for n in ((name, _check_scale(name, tensors, block).name) if q else (name,)))
+                       for n in ((name, _check_scale(name, tensors, block, ue8m0).name) if q else (name,)))
         outputs = tuple(dataclasses.replace(o, dtype=DEQUANTIZED) if o.dtype in FLOAT8 else o for o in step.outputs)
         out.append(Step(inputs, outputs, partial(_dequantized_first, block, quantized, step.transform)))
     return out
@@ -119,7 +145,8 @@ def dequantizing_inputs(steps: list[Step], tensors: dict[str, SourceTensor], blo
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
-    block = block_size(fp8_block_config(config), hf_dir / "config.json")
+    qc = fp8_block_config(config)
+    block, ue8m0 = block_size(qc, hf_dir / "config.json"), ue8m0_scales(qc)
     names = catalog.tensors
     steps = []
     for name, t in names.items():
@@ -127,15 +154,18 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
             if name.removesuffix(SCALE_SUFFIX) not in names:
                 raise MergerError(f"scale {name} has no weight {name.removesuffix(SCALE_SUFFIX)} beside it, {t.file}")
         elif name + SCALE_SUFFIX in names:
-            steps.append(_dequantize_step(name, catalog, block))
+            steps.append(_dequantize_step(name, catalog, block, ue8m0))
         elif t.dtype in FLOAT8:
             raise MergerError(f"tensor {name} is stored as {str(t.dtype).removeprefix('torch.')} with no "
                               f"{name + SCALE_SUFFIX} beside it, {t.file}")
         else:
             steps.append(cast(name, name, t.shape, t.dtype))
     count = sum(not s.is_cast for s in steps)
-    note = (f"merger: FP8 block-scaled weights (block {block[0]}x{block[1]}), {count} tensors dequantized; "
-            f"{QUANTIZATION_CONFIG} left out of config.json")
+    scheme = f"{MXFP8}: " if qc["quant_method"] == MXFP8 else ""
+    e8m0_bytes = any(t.dtype == E8M0_BYTES for n, t in names.items() if n.endswith(SCALE_SUFFIX))
+    note = (f"merger: FP8 block-scaled weights ({scheme}block {block[0]}x{block[1]}"
+            f"{', e8m0 scales' if e8m0_bytes else ''}), {count} tensors dequantized; {QUANTIZATION_CONFIG} left out "
+            f"of config.json")
     kept = [name for name in names if not name.endswith(SCALE_SUFFIX)]
     return Mapping(rename_outputs(steps, saved_names(hf_dir, config, kept, options.trust_remote_code)), hf_dir,
                    config, config_removals=(QUANTIZATION_CONFIG,), notes=(note,))

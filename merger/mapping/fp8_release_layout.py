@@ -2,9 +2,11 @@
 
 What is read of the release is its config.json (`quantization_config`: quant_method fp8 with weight_block_size,
 `scale_fmt`) and its safetensors headers, never a weight: the tensors that have a `<name>_scale_inv` are the
-ones quantized, every other tensor takes the dtype the release stores it in. A local folder's headers are read
-from its files; a Hub snapshot (mapping/hub_folders.py fetches only its config files) has its headers read from
-the Hub by huggingface_hub's `get_safetensors_metadata` (ranged reads of each file's first bytes).
+ones quantized, every other tensor takes the dtype the release stores it in. The scales are written float32, or
+as e8m0 bytes (uint8) where the release stores them so (transformers' `mxfp8`, `scale_fmt: "ue8m0"`). A local
+folder's headers are read from its files; a Hub snapshot (mapping/hub_folders.py fetches only its config files)
+has its headers read from the Hub by huggingface_hub's `get_safetensors_metadata` (ranged reads of each file's
+first bytes).
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import torch
 from ..errors import MergerError
 from ..hf_folder import read_config, weight_files
 from ..safetensors_io import DTYPES_BY_NAME, read_header
-from .fp8 import block_size
-from .fp8_quantize import FP8, Fp8Output
+from .fp8 import E8M0_BYTES, block_size, ue8m0_scales
+from .fp8_quantize import FP8, SCALE_DTYPE, Fp8Output
 from .hub_folders import hub_id_of
 from .quantized_formats import QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config
 
@@ -82,4 +84,11 @@ def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Fp8Outp
                           f"none of them here): {FLAG} needs the release of this model, {folder}")
     dtypes = {name: dtype for name, (dtype, _) in tensors.items()
               if name not in quantized and dtype.is_floating_point and dtype != FP8 and not name.endswith(SCALE_SUFFIX)}
-    return Fp8Output(block, qc.get("scale_fmt") == "ue8m0", quantized, dtypes, qc)
+    scale_dtypes = {tensors[name + SCALE_SUFFIX][0] for name in quantized}
+    if E8M0_BYTES in scale_dtypes and (len(scale_dtypes) > 1 or not ue8m0_scales(qc)):
+        stored = ", ".join(sorted(str(d).removeprefix("torch.") for d in scale_dtypes))
+        raise MergerError(f"the release stores its scales as {stored} with scale_fmt {qc.get('scale_fmt')!r}: "
+                          f"{FLAG} writes uint8 (e8m0) scales only where every scale is one and scale_fmt is "
+                          f"'ue8m0', {folder}")
+    return Fp8Output(block, ue8m0_scales(qc), quantized, dtypes, qc,
+                     E8M0_BYTES if E8M0_BYTES in scale_dtypes else SCALE_DTYPE)

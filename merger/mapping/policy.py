@@ -152,7 +152,8 @@ def _format(layout) -> tuple[str, str]:
     """(the format's name, how its tensors are stored), for the log."""
     if isinstance(layout, Mxfp4Output):
         return "MXFP4", "uint8 _blocks of e2m1 pairs, uint8 _scales e8m0 per 32 elements"
-    return "FP8", (f"float8_e4m3fn, block {layout.block[0]}x{layout.block[1]}, weight_scale_inv float32"
+    scales = "uint8 (e8m0)" if layout.scale_dtype == torch.uint8 else "float32"
+    return "FP8", (f"float8_e4m3fn, block {layout.block[0]}x{layout.block[1]}, weight_scale_inv {scales}"
                    f"{', scale_fmt ue8m0' if layout.ue8m0 else ''}")
 
 

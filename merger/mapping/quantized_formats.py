@@ -9,11 +9,14 @@ says what they are) and compressed-tensors releases in `nvfp4-pack-quantized`, I
 by compressed_tensors.py; not a LoRA base nor a layout to write, yet: those say so in one line). Every other format
 is refused with one line naming it and the file that says it: compressed-tensors' other formats and schemes
 (`mxfp6-pack-quantized`, zero points, other group sizes, ...), ModelOpt (`hf_quant_config.json`), transformers'
-`mxfp8`, DeepSeek-V4's FP8 with FP4 experts, FP8 without blocks, GPTQ, AWQ, bitsandbytes and any other
+`mxfp8` in other blocks, DeepSeek-V4's FP8 with FP4 experts, FP8 without blocks, GPTQ, AWQ, bitsandbytes and any other
 `quant_method`. Merged as plain tensors, their packed weights and scales would be written as if they were weights:
 a model that loads wrong or not at all, with exit 0. A tensor named as such a format names a weight's part
 (`weight_packed`, `weight_scale`, ...) in a folder whose config does not describe that part is refused too:
 without the config, nothing says how to read it.
+
+transformers' `mxfp8` (`quant_method: "mxfp8"`, `weight_block_size: [1, 32]`, `scale_fmt: "ue8m0"`, its scales
+stored as e8m0 bytes) is FP8 block-scaled: read by fp8.py and written by fp8_quantize.py as such.
 """
 from __future__ import annotations
 
@@ -30,8 +33,12 @@ QUANTIZATION_CONFIG = "quantization_config"
 MODELOPT_CONFIG = "hf_quant_config.json"  # ModelOpt's own description of its export, beside config.json
 FP8_BLOCK = "fp8"  # the quant_method values merger handles, as the formats' names
 MXFP4 = "mxfp4"
+# transformers' MXFP8 (FineGrainedFP8Config): FP8 blocks in the one scheme transformers writes, read as FP8_BLOCK
+MXFP8 = "mxfp8"
+MXFP8_SCHEME = {"weight_block_size": [1, 32], "scale_fmt": "ue8m0"}
 HANDLED = ("a quantized format merger does not handle: it reads and writes FP8 block-scaled releases (quant_method "
-           "fp8 with weight_block_size) and gpt-oss MXFP4 (quant_method mxfp4), and reads compressed-tensors "
+           "fp8 with weight_block_size, or mxfp8 in blocks of 1x32 with scale_fmt ue8m0) and gpt-oss MXFP4 "
+           "(quant_method mxfp4), and reads compressed-tensors "
            f"{', '.join(READ)} (symmetric, in groups of 16 for NVFP4 and of 32 for the others)")
 # The last part of a name that compressed-tensors, ModelOpt and FP8 releases give a quantized weight's pieces
 # (FORMATS.md, "Quantized release formats of 2026"); exact names, since plain models have `layer_scale_2` and such.
@@ -43,9 +50,13 @@ DESCRIBED = {FP8_BLOCK: ("FP8 block-scaled", (SCALE_SUFFIX,)), MXFP4: ("gpt-oss 
 
 
 def _is_fp8_block(qc: object) -> bool:
-    """A quantization_config of FP8 block scaling (with no FP4 experts)."""
-    return (isinstance(qc, dict) and qc.get("quant_method") == FP8_BLOCK and qc.get("weight_block_size") is not None
-            and qc.get("expert_dtype") is None)
+    """A quantization_config of FP8 block scaling (with no FP4 experts; transformers' own config says `expert_dtype:
+    "fp8"`): quant_method fp8 with blocks, or mxfp8 in MXFP8_SCHEME."""
+    if not isinstance(qc, dict) or qc.get("expert_dtype") not in (None, "fp8"):
+        return False
+    if qc.get("quant_method") == MXFP8:
+        return all(qc.get(key) == value for key, value in MXFP8_SCHEME.items())
+    return qc.get("quant_method") == FP8_BLOCK and qc.get("weight_block_size") is not None
 
 
 def fp8_block_config(config: dict) -> dict | None:
@@ -67,6 +78,9 @@ def _unhandled(qc: object) -> str | None:
         return f"FP8 weights with {qc.get('expert_dtype')} experts, DeepSeek-V4's layout"
     if method == FP8_BLOCK:
         return "FP8 weights scaled per tensor or per channel, without weight_block_size"
+    if method == MXFP8:
+        found = ", ".join(f"{key} {qc.get(key)!r}" for key in (*MXFP8_SCHEME, "expert_dtype") if key in qc)
+        return f"transformers' mxfp8 weights ({found or 'no weight_block_size nor scale_fmt'})"
     if method == "modelopt":
         return f"ModelOpt {qc.get('quant_algo') or 'quantized'} weights"
     return f"quant_method {method!r} weights"

@@ -73,7 +73,8 @@ def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[Lora
                         experts_transposed(local_config_folder(base_dir), config, options.trust_remote_code))
     steps = result.steps + list(folds)
     if qc is not None:  # folds by other rules (Megatron-Bridge's shards) read the base too
-        steps = fp8.dequantizing_inputs(steps, catalog.tensors, fp8.block_size(qc, base_dir / "config.json"))
+        steps = fp8.dequantizing_inputs(steps, catalog.tensors, fp8.block_size(qc, base_dir / "config.json"),
+                                        fp8.ue8m0_scales(qc))
         notes = (*notes, "merger: the base is an FP8 block-scaled release: its weights are dequantized before the "
                          "fold (--dtype keep writes them back as FP8 in its layout)")
     return Mapping(steps + list(side_steps), base_dir, config,

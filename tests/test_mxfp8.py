@@ -1,0 +1,183 @@
+"""transformers' `mxfp8` releases (`quant_method: "mxfp8"`: float8_e4m3fn weights, one e8m0 byte per block of 1x32,
+`weight_scale_inv` uint8 [out, in / 32]) read by `merge` and written back by `--quantize_like`.
+
+The release is written by transformers itself (tests/writers/mxfp8_release.py: its `Fp8Quantize` on a tiny bfloat16
+Llama, saved by save_pretrained). Oracles, none of them merger's code:
+- reading: transformers loading the release on CPU (it dequantizes FP8 there; its `Fp8Dequantize` reads uint8
+  scales as 2^(byte - 127) and takes the block from the scale grid), and the e8m0 definition computed below in
+  float64 on whole tensors (exact: a float8 value times a power of two), both bit for bit (compared as integers, so
+  -0.0 counts) at bfloat16 and float32;
+- writing: transformers' `Fp8Quantize` with the release's own config on the same weights, byte for byte, and the
+  release itself (quantized from the same bfloat16 weights by that op) for names, dtypes, bytes and config;
+- the round trip release -> plain model -> `--quantize_like` the release: every byte of the release, except in
+  the blocks FORMATS.md warns of, each checked here to be exactly that case (see test_round_trip_...).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from tests.helpers.in_process import merge_here, merge_in_process, stdout_in_process
+from tests.helpers.weights import load_safetensors_folder
+from tests.writers.mxfp8_release import transformers_quantized, write_release
+
+pytestmark = pytest.mark.slow
+
+SCALE = "_scale_inv"
+BLOCK = 32
+INTS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """(the mxfp8 release, the model it quantizes: bfloat16)."""
+    root = tmp_path_factory.mktemp("mxfp8")
+    return write_release(root / "release", reference=root / "model"), root / "model"
+
+
+def e8m0_dequantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The oracle by definition, in float64: each weight with a scale times 2^(byte - 127) of its 1x32 block."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith(SCALE):
+            continue
+        scale = state.get(name + SCALE)
+        out[name] = t.double() if scale is None else \
+            t.double() * torch.pow(2.0, scale.double() - 127).repeat_interleave(BLOCK, dim=-1)
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(INTS[t.dtype]) if t.dtype in INTS else t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_dequantizes_as_transformers_and_the_e8m0_definition(release, tmp_path, capsys, dtype):
+    folder, _ = release
+    out = merge_in_process(folder, tmp_path / "out", "--dtype", dtype)
+    got, stored = load_safetensors_folder(out), load_safetensors_folder(folder)
+    assert sum(n.endswith(SCALE) and t.dtype == torch.uint8 for n, t in stored.items()) == 14
+    want = e8m0_dequantized(stored)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == DTYPES[dtype] and torch.equal(bits(got[name]), bits(t.to(DTYPES[dtype]))), name
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype],
+                                                                    output_loading_info=True)
+    assert not any(info.values()), info
+    loaded = model.state_dict()
+    assert sorted(loaded) == sorted(got)
+    for name, t in got.items():
+        assert torch.equal(bits(loaded[name]), bits(t)), name
+    notes = json.loads(stdout_in_process(capsys, "inspect", "--local_dir", folder, "--json"))["notes"]
+    assert notes == ["FP8 block-scaled weights (mxfp8: block 1x32, e8m0 scales), 14 tensors dequantized; "
+                     "quantization_config left out of config.json"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_like_is_transformers_quantizer_and_the_release_itself(release, tmp_path, capsys, dtype):
+    """The model the release quantizes, written like it: transformers' quantize op on the weights at --dtype,
+    byte for byte, which here is every byte of the release (bfloat16 weights hold the same values in float32)."""
+    folder, model = release
+    out = tmp_path / "out"
+    assert merge_here(capsys, "--local_dir", model, "--target_dir", out, "--quantize_like", folder,
+                      "--dtype", dtype) == (0, [])
+    got, stored, weights = (load_safetensors_folder(f) for f in (out, folder, model))
+    assert sorted(got) == sorted(stored)
+    quantized = [n for n in stored if n + SCALE in stored]
+    assert len(quantized) == 14
+    for name in quantized:
+        weight, scale = transformers_quantized(name, weights[name].to(DTYPES[dtype]))
+        assert torch.equal(bits(got[name]), bits(weight)) and torch.equal(got[name + SCALE], scale), name
+    for name, t in stored.items():
+        assert got[name].dtype == t.dtype and torch.equal(bits(got[name]), bits(t)), name
+    config, release_config = (json.loads((f / "config.json").read_text()) for f in (out, folder))
+    assert config["quantization_config"] == release_config["quantization_config"]
+    assert release_config["quantization_config"]["quant_method"] == "mxfp8"
+    notes = json.loads(stdout_in_process(capsys, "inspect", "--local_dir", model, "--quantize_like", folder,
+                                         "--json"))["notes"]
+    assert (f"14 tensors written as FP8 like {folder} (float8_e4m3fn, block 1x32, weight_scale_inv uint8 (e8m0), "
+            f"scale_fmt ue8m0); quantization_config copied into config.json") in notes
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_keeps_every_byte_but_the_blocks_whose_largest_code_is_224(release, tmp_path, dtype):
+    """release -> plain model at --dtype -> `--quantize_like` the release. A block's scale is the smallest power of
+    two 2^e with amax <= 448 * 2^e, so the amax code of the release, amax / 2^e rounded to float8, lies in (224, 448]
+    before rounding; where it rounded down to 224 (amax / 2^e in (224, 232]), the dequantized amax is 224 * 2^e
+    = 448 * 2^(e - 1), and transformers' rule (the quantizer's oracle) picks 2^(e - 1): the scale byte one less and
+    every code doubled, exactly (codes <= 224). The same values, other bytes; every other block comes back as it was.
+    The plain model holds the dequantized values exactly in bfloat16 as in float32, so both give the same bytes."""
+    folder, _ = release
+    plain = merge_in_process(folder, tmp_path / "plain", "--dtype", dtype)
+    back = merge_in_process(plain, tmp_path / "back", "--quantize_like", folder, "--dtype", dtype)
+    got, stored, merged = (load_safetensors_folder(f) for f in (back, folder, plain))
+    assert sorted(got) == sorted(stored)
+    changed = total = 0
+    for name, t in stored.items():
+        if name + SCALE not in stored:
+            if not name.endswith(SCALE):
+                assert torch.equal(bits(got[name]), bits(t)), name
+            continue
+        weight, scale = transformers_quantized(name, merged[name])
+        assert torch.equal(bits(got[name]), bits(weight)) and torch.equal(got[name + SCALE], scale), name
+        codes, new_codes = (x.float().unflatten(-1, (-1, BLOCK)) for x in (t, got[name]))
+        same = (bits(t).unflatten(-1, (-1, BLOCK)) == bits(got[name]).unflatten(-1, (-1, BLOCK))).all(-1)
+        same &= stored[name + SCALE] == got[name + SCALE]
+        lowered = ((codes.abs().amax(-1) == 224) & (got[name + SCALE].int() == stored[name + SCALE].int() - 1)
+                   & (new_codes == 2 * codes).all(-1))
+        assert (same | lowered).all(), name
+        changed, total = changed + int(lowered.sum()), total + lowered.numel()
+        assert torch.equal(e8m0_dequantized({"w": got[name], "w" + SCALE: got[name + SCALE]})["w"],
+                           e8m0_dequantized({"w": t, "w" + SCALE: stored[name + SCALE]})["w"]), name
+    assert total == 1920 and 0 < changed < total / 10, (changed, total)
+
+
+@pytest.mark.parametrize("key, value, error", [
+    ("weight_block_size", [1, 16], "transformers' mxfp8 weights (weight_block_size [1, 16], scale_fmt 'ue8m0', "
+                                   "expert_dtype 'fp8')"),
+    ("scale_fmt", "float", "transformers' mxfp8 weights (weight_block_size [1, 32], scale_fmt 'float', "
+                           "expert_dtype 'fp8')"),
+], ids=["other-blocks", "float-scales"])
+def test_mxfp8_in_another_scheme_is_refused(release, tmp_path, capsys, key, value, error):
+    folder = shutil.copytree(release[0], tmp_path / "release")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"][key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    code, errors = merge_here(capsys, "--local_dir", folder, "--target_dir", tmp_path / "out")
+    assert code == 1 and len(errors) == 1 and errors[0].startswith(
+        f"merger: error: {error} (config.json's quantization_config), a quantized format merger does not handle"), \
+        errors
+    assert errors[0].endswith(f", {folder / 'config.json'}") and not (tmp_path / "out").exists()
+
+
+def test_e8m0_bytes_under_fp8_without_ue8m0_are_refused(release, tmp_path, capsys):
+    """A uint8 scale is e8m0 bytes only where scale_fmt says ue8m0: elsewhere nothing says what it is."""
+    folder = shutil.copytree(release[0], tmp_path / "release")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"].update(quant_method="fp8", scale_fmt="float")
+    (folder / "config.json").write_text(json.dumps(config))
+    code, errors = merge_here(capsys, "--local_dir", folder, "--target_dir", tmp_path / "out")
+    assert code == 1 and len(errors) == 1 and errors[0].startswith("merger: error: scale model.") and \
+        errors[0].endswith(f"_scale_inv is stored as uint8, not as floats, {folder / 'model.safetensors'}"), errors
+
+
+def test_weights_larger_than_a_band_give_the_same_bytes():
+    """merger works on bands of block rows (about 4M elements); a stacked weight that spans three bands, the last
+    partial, quantizes to transformers' bytes and dequantizes to the e8m0 definition."""
+    from merger.mapping.fp8 import band_rows, dequantize
+    from merger.mapping.fp8_quantize import quantize
+
+    torch.manual_seed(1)
+    weight = (torch.randn(2, 4136, 1056) / 50).to(torch.bfloat16)
+    assert 1 < -(-weight.shape[-2] // band_rows(tuple(weight.shape), (1, BLOCK))) == 3
+    codes, scale = quantize((1, BLOCK), True, weight, torch.uint8)
+    want_codes, want_scale = transformers_quantized("w.weight", weight)
+    assert torch.equal(bits(codes), bits(want_codes)) and torch.equal(scale, want_scale)
+    (values,) = dequantize((1, BLOCK), [codes, scale])
+    assert torch.equal(bits(values), bits(e8m0_dequantized({"w": codes, "w" + SCALE: scale})["w"].float()))
