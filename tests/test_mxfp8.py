@@ -10,7 +10,8 @@ Llama, saved by save_pretrained). Oracles, none of them merger's code:
 - writing: transformers' `Fp8Quantize` with the release's own config on the same weights, byte for byte, and the
   release itself (quantized from the same bfloat16 weights by that op) for names, dtypes, bytes and config;
 - the round trip release -> plain model -> `--quantize_like` the release: every byte of the release, except in
-  the blocks FORMATS.md warns of, each checked here to be exactly that case (see test_round_trip_...).
+  the blocks FORMATS.md warns of, each checked here to be exactly that case (see test_round_trip_...);
+- a LoRA folded into the release: PEFT's merge on the base transformers dequantizes, then `Fp8Quantize`.
 """
 from __future__ import annotations
 
@@ -181,3 +182,30 @@ def test_weights_larger_than_a_band_give_the_same_bytes():
     assert torch.equal(bits(codes), bits(want_codes)) and torch.equal(scale, want_scale)
     (values,) = dequantize((1, BLOCK), [codes, scale])
     assert torch.equal(bits(values), bits(e8m0_dequantized({"w": codes, "w" + SCALE: scale})["w"].float()))
+
+
+def test_lora_folded_into_an_mxfp8_base_is_peft_merge_then_transformers_quantizer(release, tmp_path):
+    """The oracle: transformers loads the release dequantized (float32, on CPU), PEFT merges the adapter into it,
+    transformers' quantize op quantizes the result; `merger lora` keeps the base's mxfp8 layout (uint8 scales)."""
+    import peft
+    from merger.cli import main
+
+    folder, _ = release
+    torch.manual_seed(1)
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "down_proj"])
+    peft.get_peft_model(base, config).save_pretrained(tmp_path / "adapter")
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    want = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().state_dict()
+    assert main(["lora", "--base_model", str(folder), "--adapter", str(tmp_path / "adapter"), "--target_dir",
+                 str(tmp_path / "out")]) == 0
+    got, stored = load_safetensors_folder(tmp_path / "out"), load_safetensors_folder(folder)
+    assert {n: t.dtype for n, t in got.items()} == {n: t.dtype for n, t in stored.items()}
+    quantized = [n for n in stored if n + SCALE in stored]
+    adapted = [n for n in quantized if n.split(".")[-2] in ("q_proj", "down_proj")]
+    assert len(adapted) == 4 and not any(torch.equal(bits(got[n]), bits(stored[n])) for n in adapted)
+    for name in quantized:
+        weight, scale = transformers_quantized(name, want[name])
+        assert torch.equal(bits(got[name]), bits(weight)) and torch.equal(got[name + SCALE], scale), name
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"] == \
+        json.loads((folder / "config.json").read_text())["quantization_config"]
