@@ -50,26 +50,62 @@ def _tracked_step(run: Path) -> int | None:
         return None
 
 
+STEP_FOLDER = re.compile(r"(global_step_|iter_|checkpoint-|step-)(\d+)")
+
+
+def _tracked(tracked: int | None, n: int) -> str | None:
+    """Why step `n` of a run whose tracker names `tracked` is not finished yet (None: it is)."""
+    if tracked is None:
+        return f"no {TRACKER} yet"
+    return None if tracked >= n else f"{TRACKER} says {tracked}"
+
+
+def scan(run: Path, role: str) -> tuple[list[Step], dict[str, str]]:
+    """The run's steps whose save is complete, in step order, and each other step folder's name with why it is not
+    complete yet."""
+    tracked = _tracked_step(run)
+    steps, waiting = [], {}
+    for folder in sorted(run.iterdir()) if run.is_dir() else ():
+        m = STEP_FOLDER.fullmatch(folder.name)
+        if not folder.is_dir() or m is None:
+            continue
+        kind, n = m.group(1), int(m.group(2))
+        source = folder / role if kind == "global_step_" else folder
+        if kind in ("global_step_", "iter_"):
+            why = _tracked(tracked, n) or (None if source.is_dir() else f"no {role}/ folder in it")
+        elif kind == "checkpoint-":
+            why = None if (folder / "trainer_state.json").is_file() else "no trainer_state.json yet, the Trainer's " \
+                                                                           "last file"
+        else:
+            why = None if (folder / ".metadata").is_file() else "no .metadata yet, dcp.save's last file"
+        if why is None:
+            steps.append(Step(n, folder.name, source))
+        else:
+            waiting[folder.name] = why
+    return sorted(steps, key=lambda s: s.number), waiting
+
+
 def finished_steps(run: Path, role: str) -> list[Step]:
     """The run's steps whose save is complete, in step order."""
-    tracked = _tracked_step(run)
-    steps = []
-    for folder in run.iterdir() if run.is_dir() else ():
-        if not folder.is_dir():
-            continue
-        if m := re.fullmatch(r"global_step_(\d+)", folder.name):
-            done, source = tracked is not None and tracked >= int(m.group(1)), folder / role
-        elif m := re.fullmatch(r"iter_(\d+)", folder.name):
-            done, source = tracked is not None and tracked >= int(m.group(1)), folder
-        elif m := re.fullmatch(r"checkpoint-(\d+)", folder.name):
-            done, source = (folder / "trainer_state.json").is_file(), folder
-        elif m := re.fullmatch(r"step-(\d+)", folder.name):
-            done, source = (folder / ".metadata").is_file(), folder
-        else:
-            continue
-        if done and source.is_dir():
-            steps.append(Step(int(m.group(1)), folder.name, source))
-    return sorted(steps, key=lambda s: s.number)
+    return scan(run, role)[0]
+
+
+# files that make a folder a checkpoint (verl FSDP rank files, DCP, Megatron, safetensors), not a run of them
+CHECKPOINT_FILES = ("model_world_size_*_rank_*.pt", "*.distcp", ".metadata", "mp_rank_*", "*.safetensors")
+
+
+def not_a_run(run: Path) -> str | None:
+    """Why `run` is a part of a run or a checkpoint rather than the folder a trainer saves its steps into, with
+    what to give instead; None when it may be a run (its steps, or none yet)."""
+    if STEP_FOLDER.fullmatch(run.name):
+        return f"this is one saved step, not the run: watch the run folder {run.parent}, or merge the step with " \
+               f"merger merge"
+    if STEP_FOLDER.fullmatch(run.parent.name):
+        return f"this is the {run.name}/ folder of one saved step: watch the run folder {run.parent.parent}"
+    if not any(STEP_FOLDER.fullmatch(p.name) for p in run.iterdir()) and \
+            any(next(run.glob(pattern), None) for pattern in CHECKPOINT_FILES):
+        return "this folder holds a checkpoint, not a run's saved steps: merge it with merger merge"
+    return None
 
 
 def converted(target: Path) -> bool:
@@ -78,14 +114,16 @@ def converted(target: Path) -> bool:
     return manifest is not None and manifest.complete is True
 
 
-def convert_pending(options: MergeOptions, role: str, group: Group) -> list[str]:
-    """One pass: merge every finished step not converted yet, in step order; the names of those that failed."""
+def convert_pending(options: MergeOptions, role: str, group: Group) -> tuple[list[str], dict[str, str], int]:
+    """One pass: merge every finished step not converted yet, in step order. Returns the names of those that
+    failed, the step folders still being saved (name: why), and how many steps are converted already."""
     run, out = Path(options.local_dir), Path(options.target_dir)
-    steps = group.all_gather(finished_steps(run, role) if group.rank == 0 else None)[0]
-    failed = []
+    steps, waiting = group.all_gather(scan(run, role) if group.rank == 0 else None)[0]
+    failed, done = [], 0
     for step in steps:
         target = out / step.name
         if converted(target):
+            done += 1
             continue
         # An attempt cut short (a failure, a killed watcher) kept its staging folder: its finished files are reused.
         step_options = dataclasses.replace(options, local_dir=step.source, target_dir=target, keep_partial=True,
@@ -97,15 +135,26 @@ def convert_pending(options: MergeOptions, role: str, group: Group) -> list[str]
             if group.rank == 0:
                 log.warning("merger: watch: %s failed, retried on the next pass: %s", step.name, e)
             continue
+        done += 1
         if group.rank == 0:
             log.info("merger: watch: %s -> %s (%s in %.1f s)", step.source, target, format_size(summary["bytes"]),
                      summary["wall_time_s"])
-    return failed
+    return failed, waiting, done
+
+
+def _say_waiting(run: Path, waiting: dict[str, str], done: int) -> None:
+    """What the watcher waits for: each step folder not finished and why, or that it has none to wait for."""
+    if waiting:
+        log.info("merger: watch: waiting for %s", "; ".join(f"{name}: {why}" for name, why in waiting.items()))
+    else:
+        log.info("merger: watch: %s step%s converted, none being saved in %s (its step folders: verl global_step_N, "
+                 "HF Trainer checkpoint-N, Megatron-LM iter_N, torchtitan step-N)", done, "" if done == 1 else "s",
+                 run)
 
 
 def watch(options: MergeOptions, role: str, once: bool, interval: float, group: Group) -> list[str]:
     """Convert the run's finished steps now, then (unless `once`) again every `interval` seconds, until stopped;
-    with `once`, the steps whose conversion failed."""
+    with `once`, the steps whose conversion failed. What it waits for is said at the start and when it changes."""
     if group.rank == 0:
         log.info("merger: watch: %s, every step whose save is complete (verl global_step_N/%s, HF Trainer "
                  "checkpoint-N, Megatron-LM iter_N, torchtitan step-N) -> %s/<step>%s", options.local_dir, role,
@@ -113,10 +162,17 @@ def watch(options: MergeOptions, role: str, once: bool, interval: float, group: 
     if is_remote(options.local_dir):
         raise MergerError(f"merger watch reads a run folder on a local or mounted filesystem, where it learns that a "
                           f"save completed; merge each step from the bucket with merger merge, {options.local_dir}")
-    if not Path(options.local_dir).is_dir():
+    run = Path(options.local_dir)
+    if not run.is_dir():
         raise MergerError(f"run folder does not exist, {options.local_dir}")
+    if (why := not_a_run(run)) is not None:
+        raise MergerError(f"{why}, {options.local_dir}")
+    said = None
     while True:
-        failed = convert_pending(options, role, group)
+        failed, waiting, done = convert_pending(options, role, group)
+        if group.rank == 0 and (waiting, done) != said:
+            _say_waiting(run, waiting, done)
+            said = (waiting, done)
         if once:
             return failed
         time.sleep(interval)

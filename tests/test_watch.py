@@ -6,6 +6,7 @@ step that fails (a truncated rank file) reported and retried on the next pass on
 beside it is converted. A restarted watcher converts nothing twice, and one killed mid-merge resumes its step."""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from merger.watch import finished_steps
+from tests.helpers.in_process import command_here
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import run_merger, start_merger, subprocess_env
 from tests.helpers.weights import assert_same_weights
@@ -119,3 +121,41 @@ def test_each_trainers_mark_of_a_finished_step(tmp_path, layout, finish, source)
     finish(steps[0], run)
     found = finished_steps(run, "actor")
     assert [(s.number, s.name, s.source) for s in found] == [(5, steps[0].name, Path(source.format(step=steps[0])))]
+
+
+def test_watch_says_what_it_waits_for(tmp_path, capsys, caplog):
+    """Each step folder not finished yet, with the trainer's mark it lacks, said once; with nothing to wait for,
+    `--once` says how many steps are converted and what a step folder looks like."""
+    caplog.set_level(logging.INFO, logger="merger")
+    run = tmp_path / "run"
+    for step in ("global_step_2/actor", "iter_0000003", "checkpoint-4", "step-5"):
+        (run / step).mkdir(parents=True)
+    _track(run, 1)
+    code, errors = command_here(capsys, "watch", "--local_dir", run, "--target_dir", tmp_path / "out", "--once")
+    assert code == 0 and errors == []
+    assert ("merger: watch: waiting for checkpoint-4: no trainer_state.json yet, the Trainer's last file; "
+            "global_step_2: latest_checkpointed_iteration.txt says 1; iter_0000003: latest_checkpointed_iteration.txt "
+            "says 1; step-5: no .metadata yet, dcp.save's last file") in caplog.messages
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    caplog.clear()
+    assert command_here(capsys, "watch", "--local_dir", empty, "--target_dir", tmp_path / "out", "--once") == (0, [])
+    assert any(m.startswith(f"merger: watch: 0 steps converted, none being saved in {empty} (its step folders: verl "
+                            "global_step_N") for m in caplog.messages), caplog.messages
+
+
+@pytest.mark.parametrize("given, said", [
+    ("run/global_step_1", "this is one saved step, not the run: watch the run folder {run}, or merge the step with "
+                          "merger merge"),
+    ("run/global_step_1/actor", "this is the actor/ folder of one saved step: watch the run folder {run}"),
+    ("actor", "this folder holds a checkpoint, not a run's saved steps: merge it with merger merge"),
+])
+def test_a_folder_that_is_not_a_run_is_one_line_with_what_to_give(given, said, fsdp_checkpoint, tmp_path, capsys):
+    actor = fsdp_checkpoint("llama", 2)[0]
+    run = tmp_path / "run"
+    _step(run, 1, actor)
+    shutil.copytree(actor, tmp_path / "actor")
+    code, errors = command_here(capsys, "watch", "--local_dir", tmp_path / given, "--target_dir", tmp_path / "out",
+                                "--once")
+    assert code == 1 and errors == [f"merger: error: {said.format(run=run)}, {tmp_path / given}"]
+    assert not (tmp_path / "out").exists()
