@@ -6,6 +6,7 @@ step that fails (a truncated rank file) reported and retried on the next pass on
 beside it is converted. A restarted watcher converts nothing twice, and one killed mid-merge resumes its step."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from merger.watch import finished_steps
+from tests.helpers.files import snapshot
 from tests.helpers.in_process import command_here
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import run_merger, start_merger, subprocess_env
@@ -159,3 +161,21 @@ def test_a_folder_that_is_not_a_run_is_one_line_with_what_to_give(given, said, f
                                 "--once")
     assert code == 1 and errors == [f"merger: error: {said.format(run=run)}, {tmp_path / given}"]
     assert not (tmp_path / "out").exists()
+
+
+def test_quantize_applies_to_every_step(fsdp_checkpoint, tmp_path, capsys):
+    """A flag that shapes the output reaches each step's merge: the watcher's output is `merge`'s with the same flag
+    (which test_fp8_write checks against transformers' own quantizer)."""
+    actor = fsdp_checkpoint("llama", 2)[0]
+    run = tmp_path / "run"
+    _step(run, 1, actor)
+    _track(run, 1)
+    flags = ("--quantize", "fp8-block")
+    assert command_here(capsys, "watch", "--local_dir", run, "--target_dir", tmp_path / "out", "--once",
+                        *flags) == (0, [])
+    assert command_here(capsys, "merge", "--local_dir", run / "global_step_1" / "actor", "--target_dir",
+                        tmp_path / "merged", *flags) == (0, [])
+    watched = snapshot(tmp_path / "out" / "global_step_1")
+    assert "quantization_config" in json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert {n: sha for n, (sha, _, _) in watched.items() if n != "merge_manifest.json"} == \
+        {n: sha for n, (sha, _, _) in snapshot(tmp_path / "merged").items() if n != "merge_manifest.json"}

@@ -301,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--interval", type=float, default=60.0,
                        help="seconds between looks at the run folder (default 60)")
     _add_dtype_args(watch, "bfloat16", "as verl writes it")
+    _add_quantize_args(watch)
     watch.add_argument(*_flag("--max_shard_size"), dest="max_shard_size", type=positive_size, default="5GB",
                        help=SHARD_HELP)
     watch.add_argument("--verify", action="store_true", help=VERIFY_HELP)
