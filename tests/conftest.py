@@ -139,6 +139,24 @@ def ct_release(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def mo_release(tmp_path_factory):
+    """mo_release(fmt, kv_cache=None) -> a tiny Llama quantized and exported by ModelOpt in `fmt` (nvfp4, mxfp8),
+    written once each (tests/writers/modelopt_release.py). A process of its own, through the cache of written
+    checkpoints: importing ModelOpt takes some 20 s, which a test that only reads its export then never pays."""
+    cache: dict[tuple, Path] = {}
+
+    def make(fmt: str, kv_cache: str | None = None) -> Path:
+        if (fmt, kv_cache) not in cache:
+            folder = tmp_path_factory.mktemp("modelopt") / "export"
+            run_writer("modelopt_release.py", "--out", folder, "--format", fmt,
+                       *(("--kv_cache", kv_cache) if kv_cache else ()))
+            cache[fmt, kv_cache] = folder
+        return cache[fmt, kv_cache]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def peft_lora_checkpoint(tmp_path_factory) -> Path:
     """global_step_1/actor (verl FSDP, 2 ranks, a PEFT LoRA inside), lora_only/, reference/{adapter,merged}."""
     root = tmp_path_factory.mktemp("fsdp_lora")

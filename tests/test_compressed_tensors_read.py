@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from compressed_tensors.compressors.mx_utils import decompress_mx_scale
 from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
@@ -35,8 +34,9 @@ from safetensors.torch import load_file
 
 from tests.helpers.files import snapshot
 from tests.helpers.in_process import merge_in_process, stdout_in_process
-from tests.helpers.logits import hf_logits
+from tests.helpers.logits import assert_logits_of
 from tests.helpers.processes import run_merger
+from tests.helpers.weights import assert_bitwise
 from tests.writers.compressed_tensors_release import FORMATS, TINY
 
 pytestmark = pytest.mark.slow
@@ -73,15 +73,6 @@ def oracle_float32(release: Path) -> dict[str, torch.Tensor]:
     return {**out, **state}
 
 
-def assert_bitwise(written: dict[str, torch.Tensor], oracle: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    """The same names, and each tensor the oracle's in `dtype` bit for bit (a view as integers: -0.0 is not 0.0)."""
-    assert set(written) == set(oracle)
-    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[dtype]
-    for name, tensor in written.items():
-        assert tensor.dtype == dtype, name
-        assert torch.equal(tensor.view(bits), oracle[name].to(dtype).view(bits)), name
-
-
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_a_release_is_read_as_compressed_tensors_dequantizes_it(fmt, ct_release, tmp_path):
     release = ct_release(fmt)
@@ -93,12 +84,7 @@ def test_a_release_is_read_as_compressed_tensors_dequantizes_it(fmt, ct_release,
     assert_bitwise(load_file(out / "model.safetensors"), oracle, torch.bfloat16)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
 
-    config = transformers.AutoConfig.from_pretrained(out)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict({n: t.float() for n, t in oracle.items()}, strict=True)
-    tokens = torch.arange(TINY["vocab_size"]).reshape(4, -1)
-    with torch.no_grad():
-        assert torch.equal(hf_logits(out, tokens, critic=False), model.eval()(tokens).logits)
+    assert_logits_of(out, oracle, torch.arange(TINY["vocab_size"]).reshape(4, -1))
 
 
 def test_two_ranks_write_the_bytes_one_process_writes(ct_release, tmp_path):

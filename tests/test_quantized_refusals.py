@@ -1,14 +1,17 @@
 """Quantized formats merger does not read are refused with one line naming the format and the file, by every
 command that reads such a folder: `merge` of it, `inspect` of it, `lora` into it as the base, `--quantize_like` it.
-Their packed tensors are never copied through as if they were weights. The compressed-tensors formats merger reads
-(test_compressed_tensors_read.py) are refused as a LoRA base and as a layout to write, which it does not do yet.
+Their packed tensors are never copied through as if they were weights. The compressed-tensors formats and ModelOpt
+algorithms merger reads (test_compressed_tensors_read.py, test_modelopt_read.py) are refused as a LoRA base and as a
+layout to write, which it does not do yet.
 
 The releases are written by compressed-tensors itself (tests/writers/compressed_tensors_release.py: a tiny Llama
 quantized as INT4 `pack-quantized` in groups of 32, `mxfp4-pack-quantized`, `nvfp4-pack-quantized`,
 `mxfp8-quantized`, and the schemes merger does not read: `mxfp6-pack-quantized`, INT4 with zero points; saved as
 llmcompressor saves one), or are such a release with its config.json edited to a scheme merger does not read.
-Oracles: what compressed-tensors wrote (the format its config.json names, the packed tensors in its files), PEFT's
-adapter folder for the LoRA base, the process's exit code and stderr, and the target's parent left as it was.
+ModelOpt's exports are written by ModelOpt (tests/writers/modelopt_release.py), edited the same way, config.json's
+quantization_config edited to say the same. Oracles: what compressed-tensors wrote (the format its
+config.json names, the packed tensors in its files), PEFT's adapter folder for the LoRA base, the process's exit code
+and stderr, and the target's parent left as it was.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ NOT_HANDLED = "a quantized format merger does not handle"
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory) -> Path:
-    """The tiny Llama of the releases, unquantized: a source to quantize like one, and a ModelOpt export's base."""
+    """The tiny Llama of the releases, unquantized: a source to quantize like one."""
     folder = tmp_path_factory.mktemp("plain") / "llama"
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).to(torch.bfloat16).save_pretrained(folder)
@@ -178,19 +181,83 @@ def test_packed_tensors_that_no_config_describes_are_refused(ct_release, tmp_pat
     assert "that config.json does not describe (it has no quantization_config)" in errors[0]
 
 
-def test_a_modelopt_export_is_refused(plain, tmp_path, capsys):
-    """ModelOpt says what it exported in hf_quant_config.json, as FORMATS.md records nvidia-modelopt 0.47 writing
-    it (modelopt installs only with --no-deps, which the test extras cannot say, so the file is written here, beside
-    the plain model): that file is the one named."""
-    export = Path(shutil.copytree(plain, tmp_path / "export"))
+# hf_quant_config.json's `quantization` key -> where config.json's quantization_config says the same, as
+# ModelOpt 0.47's export writes it (convert_hf_quant_config_format)
+IN_CONFIG_JSON = {"quant_algo": lambda qc: qc, "kv_cache_quant_algo": lambda qc: qc, "exclude_modules": lambda qc: qc,
+                  "group_size": lambda qc: qc["config_groups"]["group_0"]["weights"]}
+CONFIG_JSON_KEY = {"kv_cache_quant_algo": "kv_cache_scheme", "exclude_modules": "ignore"}
+
+
+def _modelopt_edited(release: Path, folder: Path, change: dict, config_too: bool = True) -> Path:
+    """A copy of ModelOpt's export with `change` made to hf_quant_config.json's `quantization` and, with
+    `config_too`, to config.json's quantization_config where that says the same, so that the two agree."""
+    export = Path(shutil.copytree(release, folder))
+    described = json.loads((export / "hf_quant_config.json").read_text())
+    described["quantization"].update(change)
+    (export / "hf_quant_config.json").write_text(json.dumps(described))
     config = json.loads((export / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    for key, value in change.items() if config_too else ():
+        IN_CONFIG_JSON[key](config["quantization_config"])[CONFIG_JSON_KEY.get(key, key)] = value
     (export / "config.json").write_text(json.dumps(config))
-    (export / "hf_quant_config.json").write_text(json.dumps({
-        "producer": {"name": "modelopt", "version": "0.47.0"},
-        "quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
-                         "exclude_modules": ["lm_head"]}}))
+    return export
+
+
+# an algorithm or scheme merger does not read, written into a ModelOpt NVFP4 export's descriptions -> what is named
+MODELOPT_EDITS = {
+    "FP8": (dict(quant_algo="FP8"), "ModelOpt FP8 weights (hf_quant_config.json)"),
+    "W4A8_AWQ": (dict(quant_algo="W4A8_AWQ"), "ModelOpt W4A8_AWQ weights (hf_quant_config.json)"),
+    "groups of 32": (dict(group_size=32), "ModelOpt NVFP4 weights in groups of 32, not 16 (hf_quant_config.json)"),
+    "an NVFP4 KV cache": (dict(kv_cache_quant_algo="NVFP4"),
+                          "ModelOpt NVFP4 weights with kv_cache_quant_algo NVFP4 (hf_quant_config.json)"),
+}
+
+
+@pytest.mark.parametrize("edit", list(MODELOPT_EDITS))
+def test_a_modelopt_algorithm_merger_does_not_read_is_refused(edit, mo_release, tmp_path, capsys):
+    """ModelOpt's NVFP4 export (tests/writers/modelopt_release.py) saying it is another algorithm or scheme:
+    hf_quant_config.json, the file ModelOpt describes its export in, is the one named."""
+    change, what = MODELOPT_EDITS[edit]
+    export = _modelopt_edited(mo_release("nvfp4"), tmp_path / "export", change)
     before = {p.name for p in tmp_path.iterdir()}
     code, errors = merge_here(capsys, "--local_dir", export, "--target_dir", tmp_path / "out")
-    assert_refused(code, errors, f"ModelOpt NVFP4 weights (hf_quant_config.json), {NOT_HANDLED}",
-                   export / "hf_quant_config.json", tmp_path, before)
+    assert_refused(code, errors, f"{what}, {NOT_HANDLED}", export / "hf_quant_config.json", tmp_path, before)
+
+
+def test_modelopt_descriptions_that_disagree_are_refused(mo_release, tmp_path, capsys):
+    """hf_quant_config.json saying MXFP8 where config.json's quantization_config says NVFP4: neither is taken."""
+    export = _modelopt_edited(mo_release("nvfp4"), tmp_path / "export", dict(quant_algo="MXFP8", group_size=32),
+                              config_too=False)
+    before = {p.name for p in tmp_path.iterdir()}
+    code, errors = merge_here(capsys, "--local_dir", export, "--target_dir", tmp_path / "out")
+    assert_refused(code, errors, "ModelOpt weights whose hf_quant_config.json and config.json's quantization_config "
+                   "disagree on quant_algo, group_size", export / "hf_quant_config.json", tmp_path, before)
+
+
+def test_a_quantized_layer_the_export_excludes_is_refused(mo_release, tmp_path, capsys):
+    """exclude_modules naming (by a pattern) layers whose weight_scale the files hold: the files and the
+    description disagree on what is quantized."""
+    export = _modelopt_edited(mo_release("nvfp4"), tmp_path / "export",
+                              dict(exclude_modules=["lm_head", "model.layers.1.mlp.*"]))
+    before = {p.name for p in tmp_path.iterdir()}
+    code, errors = merge_here(capsys, "--local_dir", export, "--target_dir", tmp_path / "out")
+    assert_refused(code, errors, "quantizes model.layers.1.mlp.", export / "model.safetensors", tmp_path, before)
+    assert "which hf_quant_config.json excludes ('model.layers.1.mlp.*')" in errors[0]
+
+
+def test_a_lora_into_a_modelopt_export_and_quantize_like_one_are_refused(mo_release, plain, tmp_path, capsys):
+    """merger reads ModelOpt's MXFP8 export but neither folds an adapter into it nor writes its layout yet."""
+    release = mo_release("mxfp8")
+    adapter = tmp_path / "adapter"
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False)
+    peft.get_peft_model(model, config).save_pretrained(adapter)
+    before = {p.name for p in tmp_path.iterdir()}
+    code, errors = command_here(capsys, "lora", "--base_model", release, "--adapter", adapter, "--target_dir",
+                                tmp_path / "out")
+    assert_refused(code, errors, "ModelOpt MXFP8 weights (hf_quant_config.json) as a LoRA base",
+                   release / "hf_quant_config.json", tmp_path, before)
+    code, errors = merge_here(capsys, "--local_dir", plain, "--target_dir", tmp_path / "out", "--quantize_like",
+                              release)
+    assert_refused(code, errors, "ModelOpt MXFP8 weights (hf_quant_config.json) as --quantize_like's release",
+                   release / "hf_quant_config.json", tmp_path, before)

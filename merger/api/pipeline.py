@@ -53,6 +53,7 @@ class Prepared:
     plan: Plan
     config_updates: dict = field(default_factory=dict)
     config_removals: tuple[str, ...] = ()
+    files_left_out: tuple[str, ...] = ()  # files of hf_dir not copied (Mapping.files_left_out)
     extra_files: dict[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # what the merge found and does, logged once by rank 0
     base_model: Path | None = None  # --base_model's folder (a Hub id's snapshot folder), a source like the others
@@ -77,7 +78,7 @@ def prepare(options: MergeOptions, group: Group, plan_world: int | None = None) 
         plan = plan_layout(catalog, mapping.steps, plan_world or group.world, options.max_shard_size,
                            options.max_inflight, tie=mapping.tie)
         return Prepared(catalog, mapping.hf_dir, plan, mapping.config_updates, mapping.config_removals,
-                        mapping.extra_files, source.notes + mapping.notes, local.base_model)
+                        mapping.files_left_out, mapping.extra_files, source.notes + mapping.notes, local.base_model)
 
     prepared = on_every_rank(group, layout, options.debug)
     agree_on_plan(prepared.catalog, prepared.plan, group, files)  # before anything is written: one merge, not a mix
@@ -261,7 +262,8 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
         def complete():
             finish(stage, plan, None if target.beside_config else prepared.hf_dir, options.torch_dtype,
                    manifest, prepared.config_updates, prepared.extra_files,
-                   list_added=target.beside_config, config_removals=prepared.config_removals)
+                   list_added=target.beside_config, config_removals=prepared.config_removals,
+                   files_left_out=prepared.files_left_out)
 
         on_rank_zero(group, complete, options.debug)
         verified = verify_staged(stage, prepared, group, options) if options.verify else None

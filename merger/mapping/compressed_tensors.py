@@ -45,6 +45,7 @@ class Reader:
     extra: str | None  # INT4's weight_shape (checked, not computed with), NVFP4's weight_global_scale [1]
     extra_dtype: torch.dtype | None
     dequantize: Callable[..., torch.Tensor]
+    extra_shape: tuple[int, ...] = (1,)  # the extra part's shape (weight_shape's: the weight's dims)
 
 
 SHAPE = "weight_shape"
@@ -57,16 +58,22 @@ READERS = {
 }
 
 
-def claims(catalog: Catalog, options: MergeOptions) -> bool:
-    """HF names stored as a compressed-tensors release merger reads (asked after fp8.claims, which has refused the
-    formats merger does not read)."""
+def hf_stored_format(catalog: Catalog, options: MergeOptions) -> str | None:
+    """The quantized format HF names' folder stores them in (quantized_formats.stored_format); None for other
+    names or no config (the hf mapper says what is missing)."""
     if catalog.naming != "hf" or options.model not in ("auto", "hf"):
-        return False
+        return None
     try:
         hf_dir, config = model_config(catalog, options)
     except MergerError:
-        return False  # no config: no release; the hf mapper says what is missing
-    return stored_format(hf_dir, config, catalog.tensors) == COMPRESSED_TENSORS
+        return None
+    return stored_format(hf_dir, config, catalog.tensors)
+
+
+def claims(catalog: Catalog, options: MergeOptions) -> bool:
+    """HF names stored as a compressed-tensors release merger reads (asked after fp8.claims, which has refused the
+    formats merger does not read)."""
+    return hf_stored_format(catalog, options) == COMPRESSED_TENSORS
 
 
 def _dtype(t: SourceTensor) -> str:
@@ -93,7 +100,7 @@ def _checked(module: str, reader: Reader, group: int, tensors: dict[str, SourceT
         if extra is None:
             raise MergerError(f"quantized weight {module}.weight has no {reader.extra} beside its "
                               f"{reader.codes}, {codes.file}")
-        want = (len(shape),) if reader.extra == SHAPE else (1,)
+        want = (len(shape),) if reader.extra == SHAPE else reader.extra_shape
         if extra.shape != want or extra.dtype != reader.extra_dtype:
             raise MergerError(f"tensor {extra.name} is {_dtype(extra)} {list(extra.shape)}, not "
                               f"{str(reader.extra_dtype).removeprefix('torch.')} {list(want)}, {extra.file}")
@@ -111,7 +118,8 @@ def _dequantize(reader: Reader, name: str, shape: tuple[int, ...], tensors: list
     return [reader.dequantize(*tensors)]
 
 
-def _step(module: str, reader: Reader, group: int, tensors: dict[str, SourceTensor]) -> Step:
+def dequantizing_step(module: str, reader: Reader, group: int, tensors: dict[str, SourceTensor]) -> Step:
+    """The step writing quantized weight `<module>.weight` dequantized, from its parts."""
     shape = _checked(module, reader, group, tensors)
     name = f"{module}.weight"
     parts = (reader.codes, SCALE) + ((reader.extra,) if reader.extra else ())
@@ -119,34 +127,56 @@ def _step(module: str, reader: Reader, group: int, tensors: dict[str, SourceTens
                 partial(_dequantize, reader, name, shape))
 
 
-def build(catalog: Catalog, options: MergeOptions) -> Mapping:
-    hf_dir, config = model_config(catalog, options)
-    fmt = config[QUANTIZATION_CONFIG]["format"]
-    (args, parts), reader = READ[fmt], READERS[fmt]
-    names = catalog.tensors
+def dequantizing_steps(names: dict[str, SourceTensor], reader: Reader, group: int, parts: tuple[str, ...],
+                       left_out: tuple[str, ...]) -> tuple[list[Step], dict[str, int]]:
+    """The steps writing a release's tensors `names`: each quantized weight (a `weight_scale` beside its codes)
+    dequantized, every other tensor cast, the parts its weight's step reads (`parts`) and those of `left_out` (no
+    weight) not written; and how many of each left-out part there were."""
     quantized = {name.removesuffix(f".{SCALE}") for name in names if name.endswith(f".{SCALE}")}
     for module in quantized:
         if f"{module}.{reader.codes}" not in names:
             scale = names[f"{module}.{SCALE}"]
             raise MergerError(f"scale {scale.name} has no {reader.codes} beside it, {scale.file}")
-    steps, left_out = [], 0
+    steps, counts = [], dict.fromkeys(left_out, 0)
     for name, t in names.items():
         module, _, part = name.rpartition(".")
-        if part == INPUT_SCALE:
-            left_out += 1
+        if part in left_out:
+            counts[part] += 1
         elif module in quantized and part == reader.codes:
-            steps.append(_step(module, reader, args["group_size"], names))
-        elif part in parts and module not in quantized:  # codes with no scale: no weight to write
+            steps.append(dequantizing_step(module, reader, group, names))
+        elif (part in parts or (part == reader.codes and t.dtype == reader.codes_dtype)) and module not in quantized:
+            # codes with no scale (MXFP8's float8 `weight` is its codes): no weight to write
             raise MergerError(f"tensor {name} is part of a quantized weight ({part}) with no {SCALE} beside it, "
                               f"{t.file}")
         elif part not in parts:  # the other parts are read by their weight's step
             steps.append(cast(name, name, t.shape, t.dtype))
+    return steps, counts
+
+
+def dequantized_note(steps: list[Step], reader: Reader) -> str:
+    """How many weights `steps` dequantize, from which parts, for the log."""
     count = sum(not s.is_cast for s in steps)
     read_with = " and ".join(p for p in (SCALE, reader.extra) if p)
-    note = (f"merger: compressed-tensors {fmt} weights (groups of {args['group_size']}), {count} tensors "
-            f"dequantized from their {reader.codes} with {read_with}, which are not written"
-            f"{f'; {left_out} {INPUT_SCALE} (activation calibration, no weight) left out' if left_out else ''}"
-            f"; {QUANTIZATION_CONFIG} left out of config.json")
+    return f"{count} tensors dequantized from their {reader.codes} with {read_with}, which are not written"
+
+
+def dequantized_mapping(steps: list[Step], hf_dir, config: dict, options: MergeOptions, note: str,
+                        **fields) -> Mapping:
+    """A release's `steps` written under the names the installed transformers saves, config.json without the
+    release's quantization_config (the output holds no quantized weight); `fields`: the Mapping's others."""
     written = [o.name for s in steps for o in s.outputs]
     return Mapping(rename_outputs(steps, saved_names(hf_dir, config, written, options.trust_remote_code)), hf_dir,
-                   config, config_removals=(QUANTIZATION_CONFIG,), notes=(note,))
+                   config, config_removals=(QUANTIZATION_CONFIG,), notes=(note,), **fields)
+
+
+def build(catalog: Catalog, options: MergeOptions) -> Mapping:
+    hf_dir, config = model_config(catalog, options)
+    fmt = config[QUANTIZATION_CONFIG]["format"]
+    (args, parts), reader = READ[fmt], READERS[fmt]
+    steps, counts = dequantizing_steps(catalog.tensors, reader, args["group_size"], parts, (INPUT_SCALE,))
+    left_out = counts[INPUT_SCALE]
+    note = (f"merger: compressed-tensors {fmt} weights (groups of {args['group_size']}), "
+            f"{dequantized_note(steps, reader)}"
+            f"{f'; {left_out} {INPUT_SCALE} (activation calibration, no weight) left out' if left_out else ''}"
+            f"; {QUANTIZATION_CONFIG} left out of config.json")
+    return dequantized_mapping(steps, hf_dir, config, options, note)

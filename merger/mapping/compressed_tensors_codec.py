@@ -13,6 +13,10 @@ rounded at most once, to --dtype, by the writer:
 compressed-tensors itself computes FP4 and MX products in bfloat16 (exact: a code times a power of two) and INT4's
 and NVFP4's in the scale's dtype or float32 and then rounds to bfloat16; merger's float32 values cast to bfloat16
 are its values bit for bit.
+ModelOpt's NVFP4 (modelopt.py) reads the same e2m1 codes but for code 8, which its table has as +0.0, and
+multiplies each value by the product of the group's float8 scale and the tensor's `weight_scale_2`, in float32 as
+ModelOpt 0.47's `NVFP4QTensor.dequantize`; its MXFP8 is compressed-tensors' arithmetic (float8 value times
+2^(byte - 127) in float32, `MXFP8QTensor.dequantize`).
 """
 from __future__ import annotations
 
@@ -27,10 +31,14 @@ INT4_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # element i of a word s
 INT4_OFFSET = 8
 
 
-def fp4_values(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., n / 2] of e2m1 code pairs -> float32 [..., n]."""
+# ModelOpt's reading of the same codes: code 8 is +0.0 (its table has no -0.0)
+E2M1_UNSIGNED_ZERO = torch.where(E2M1 == 0, 0.0, E2M1)
+
+
+def fp4_values(packed: torch.Tensor, table: torch.Tensor = E2M1) -> torch.Tensor:
+    """uint8 [..., n / 2] of e2m1 code pairs -> float32 [..., n], each code's value in `table`."""
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
-    return E2M1[codes.long()]
+    return table[codes.long()]
 
 
 def int4_values(packed: torch.Tensor) -> torch.Tensor:
@@ -52,6 +60,12 @@ def grouped(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     return grouped(fp4_values(packed), scale.to(DEQUANTIZED) / global_scale.to(DEQUANTIZED).reshape(1))
+
+
+def modelopt_nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's NVFP4: the group's float8 `weight_scale` times the tensor's `weight_scale_2` first, then each
+    value times that product, in float32, as ModelOpt's NVFP4QTensor.dequantize does."""
+    return grouped(fp4_values(packed, E2M1_UNSIGNED_ZERO), scale.to(DEQUANTIZED) * scale_2.to(DEQUANTIZED))
 
 
 def mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

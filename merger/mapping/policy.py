@@ -29,7 +29,7 @@ from .fp8_default_modules import default_layout
 from .fp8_release_layout import release_layout
 from .model_class import keep_in_fp32
 from .mxfp4_quantize import Mxfp4Output
-from .quantized_formats import COMPRESSED_TENSORS, MXFP4, QUANTIZATION_CONFIG, config_format, read_only
+from .quantized_formats import MXFP4, QUANTIZATION_CONFIG, READ_ONLY, config_format, read_only
 from .quantized_steps import quantize_steps, quantized_count
 from .steps import FLOAT8, Mapping, OutputSpec, Step, Tie, output_dtype
 
@@ -133,7 +133,7 @@ def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[in
         # a format merger does not write is refused here; a release with none, by the FP8 layout's own check
         config = read_config(folder)
         stored = config_format(folder, config)
-        if stored == COMPRESSED_TENSORS:
+        if stored in READ_ONLY:
             raise read_only("--quantize_like's release", folder, config)
         layout = (mxfp4_layout.release_layout if stored == MXFP4 else release_layout)(folder, outputs)
         return layout, f"like {options.quantize_like}", "", "copied into"

@@ -1,36 +1,37 @@
 """Which quantized format a HF folder's weights are stored in, decided here for every command that reads one: a
 merge of the folder (or of any checkpoint under HF names), a LoRA base, `--quantize_like`'s release.
 
-merger handles three: FP8 block-scaled releases (`quant_method: "fp8"` with a `weight_block_size`, dequantized by
+merger handles four: FP8 block-scaled releases (`quant_method: "fp8"` with a `weight_block_size`, dequantized by
 fp8.py, written by fp8_quantize.py), gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`, written by
 mxfp4_quantize.py; as a source its `_blocks` and `_scales` are kept as stored, with the quantization_config that
-says what they are) and compressed-tensors releases in `nvfp4-pack-quantized`, INT4 `pack-quantized`,
-`mxfp4-pack-quantized` or `mxfp8-quantized` with the scheme compressed_tensors_scheme.py names (read, dequantized
-by compressed_tensors.py; not a LoRA base nor a layout to write, yet: those say so in one line). Every other format
-is refused with one line naming it and the file that says it: compressed-tensors' other formats and schemes
-(`mxfp6-pack-quantized`, zero points, other group sizes, ...), ModelOpt (`hf_quant_config.json`), transformers'
-`mxfp8` in other blocks, DeepSeek-V4's FP8 with FP4 experts, FP8 without blocks, GPTQ, AWQ, bitsandbytes and any other
-`quant_method`. Merged as plain tensors, their packed weights and scales would be written as if they were weights:
-a model that loads wrong or not at all, with exit 0. A tensor named as such a format names a weight's part
-(`weight_packed`, `weight_scale`, ...) in a folder whose config does not describe that part is refused too:
-without the config, nothing says how to read it.
+says what they are), compressed-tensors releases in `nvfp4-pack-quantized`, INT4 `pack-quantized`,
+`mxfp4-pack-quantized` or `mxfp8-quantized` with the scheme compressed_tensors_scheme.py names, and ModelOpt's NVFP4
+and MXFP8 exports (`hf_quant_config.json`, modelopt_scheme.py). The last two are read, dequantized by
+compressed_tensors.py and modelopt.py; not a LoRA base nor a layout to write, yet: those say so in one line. Every
+other format is refused with one line naming it and the file that says it: compressed-tensors' other formats and
+schemes (`mxfp6-pack-quantized`, zero points, other group sizes, ...), ModelOpt's other algorithms (FP8, INT4_AWQ,
+W4A8_AWQ, NVFP4_AWQ, mixed precision, ...), transformers' `mxfp8` in other blocks, DeepSeek-V4's FP8 with FP4
+experts, FP8 without blocks, GPTQ, AWQ, bitsandbytes and any other `quant_method`. Merged as plain tensors, their
+packed weights and scales would be written as if they were weights: a model that loads wrong or not at all, with
+exit 0. A tensor named as such a format names a weight's part (`weight_packed`, `weight_scale`, ...) in a folder
+whose config does not describe that part is refused too: without the config, nothing says how to read it.
 
 transformers' `mxfp8` (`quant_method: "mxfp8"`, `weight_block_size: [1, 32]`, `scale_fmt: "ue8m0"`, its scales
 stored as e8m0 bytes) is FP8 block-scaled: read by fp8.py and written by fp8_quantize.py as such.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Collection
 from pathlib import Path
 
 from ..catalog import SourceTensor
 from ..errors import MergerError
+from . import modelopt_scheme
 from .compressed_tensors_scheme import COMPRESSED_TENSORS, READ, stored_parts, unread
+from .modelopt_scheme import MODELOPT, MODELOPT_CONFIG
 from .mxfp4_quantize import BLOCKS_SUFFIX, SCALES_SUFFIX
 
 QUANTIZATION_CONFIG = "quantization_config"
-MODELOPT_CONFIG = "hf_quant_config.json"  # ModelOpt's own description of its export, beside config.json
 FP8_BLOCK = "fp8"  # the quant_method values merger handles, as the formats' names
 MXFP4 = "mxfp4"
 # transformers' MXFP8 (FineGrainedFP8Config): FP8 blocks in the one scheme transformers writes, read as FP8_BLOCK
@@ -39,7 +40,9 @@ MXFP8_SCHEME = {"weight_block_size": [1, 32], "scale_fmt": "ue8m0"}
 HANDLED = ("a quantized format merger does not handle: it reads and writes FP8 block-scaled releases (quant_method "
            "fp8 with weight_block_size, or mxfp8 in blocks of 1x32 with scale_fmt ue8m0) and gpt-oss MXFP4 "
            "(quant_method mxfp4), and reads compressed-tensors "
-           f"{', '.join(READ)} (symmetric, in groups of 16 for NVFP4 and of 32 for the others)")
+           f"{', '.join(READ)} (symmetric, in groups of 16 for NVFP4 and of 32 for the others) and ModelOpt "
+           f"{' and '.join(f'{algo} (groups of {group})' for algo, (group, _) in modelopt_scheme.READ.items())}")
+READ_ONLY = (COMPRESSED_TENSORS, MODELOPT)  # the formats merger reads but neither folds a LoRA into nor writes
 # The last part of a name that compressed-tensors, ModelOpt and FP8 releases give a quantized weight's pieces
 # (FORMATS.md, "Quantized release formats of 2026"); exact names, since plain models have `layer_scale_2` and such.
 PACKED_PARTS = frozenset({"weight_packed", "weight_scale", "weight_shape", "weight_global_scale",
@@ -81,25 +84,18 @@ def _unhandled(qc: object) -> str | None:
     if method == MXFP8:
         found = ", ".join(f"{key} {qc.get(key)!r}" for key in (*MXFP8_SCHEME, "expert_dtype") if key in qc)
         return f"transformers' mxfp8 weights ({found or 'no weight_block_size nor scale_fmt'})"
-    if method == "modelopt":
-        return f"ModelOpt {qc.get('quant_algo') or 'quantized'} weights"
     return f"quant_method {method!r} weights"
-
-
-def _modelopt(path: Path) -> str:
-    try:
-        algo = json.loads(path.read_text()).get("quantization", {}).get("quant_algo")
-    except (OSError, ValueError, AttributeError):
-        algo = None  # unreadable or malformed: still ModelOpt's file, still refused
-    return f"ModelOpt {algo if isinstance(algo, str) else 'quantized'} weights ({MODELOPT_CONFIG})"
 
 
 def config_format(folder: Path, config: dict) -> str | None:
     """The quantized format `folder`'s config.json (`config`) says its weights are in: FP8_BLOCK, MXFP4,
-    COMPRESSED_TENSORS (a format and scheme merger reads), or None (not quantized); any other is refused, naming the
-    file that says it."""
-    if (folder / MODELOPT_CONFIG).is_file():
-        raise MergerError(f"{_modelopt(folder / MODELOPT_CONFIG)}, {HANDLED}, {folder / MODELOPT_CONFIG}")
+    COMPRESSED_TENSORS (a format and scheme merger reads), MODELOPT (an algorithm merger reads), or None (not
+    quantized); any other is refused, naming the file that says it."""
+    if modelopt_scheme.is_modelopt(folder, config):
+        _, what, path = modelopt_scheme.described(folder, config)
+        if what is not None:
+            raise MergerError(f"{what}, {HANDLED}, {path}")
+        return MODELOPT
     if config.get(QUANTIZATION_CONFIG) is None:
         return None
     what = _unhandled(config[QUANTIZATION_CONFIG])
@@ -109,20 +105,26 @@ def config_format(folder: Path, config: dict) -> str | None:
     return FP8_BLOCK if _is_fp8_block(qc) else COMPRESSED_TENSORS if qc["quant_method"] == COMPRESSED_TENSORS else MXFP4
 
 
-def _described(found: str | None, config: dict) -> tuple[str | None, tuple[str, ...]]:
+def _described(found: str | None, folder: Path, config: dict) -> tuple[str | None, tuple[str, ...]]:
     """What format `found` (config_format's answer) calls itself in a message, and the packed parts it stores."""
     if found == COMPRESSED_TENSORS:
         qc = config[QUANTIZATION_CONFIG]
         return f"{COMPRESSED_TENSORS} {qc['format']}", stored_parts(qc)
+    if found == MODELOPT:
+        algo = modelopt_scheme.described(folder, config)[0]["quant_algo"]
+        return f"ModelOpt {algo}", modelopt_scheme.READ[algo][1]
     return DESCRIBED.get(found, (None, ()))
 
 
 def read_only(use: str, folder: Path, config: dict) -> MergerError:
-    """The error for a release merger reads but cannot serve as `use` (a LoRA base, a layout to write) yet."""
-    described, _ = _described(COMPRESSED_TENSORS, config)
-    return MergerError(f"{described} weights (config.json's {QUANTIZATION_CONFIG}) as {use}: merger reads such a "
-                       f"release (merger merge dequantizes it) but does not take one as {use} yet, "
-                       f"{folder / 'config.json'}")
+    """The error for a release merger reads (READ_ONLY) but cannot serve as `use` (a LoRA base, a layout to write)
+    yet."""
+    found = config_format(folder, config)
+    described, _ = _described(found, folder, config)
+    said = (modelopt_scheme.described(folder, config)[2] if found == MODELOPT else folder / "config.json")
+    where = said.name if said.name == MODELOPT_CONFIG else f"config.json's {QUANTIZATION_CONFIG}"
+    return MergerError(f"{described} weights ({where}) as {use}: merger reads such a release (merger merge "
+                       f"dequantizes it) but does not take one as {use} yet, {said}")
 
 
 def _packed_part(name: str, names: Collection[str]) -> str | None:
@@ -143,7 +145,7 @@ def stored_format(folder: Path, config: dict, tensors: dict[str, SourceTensor]) 
     one that format stores (FP8's `_scale_inv`, MXFP4's `_blocks` and `_scales`, compressed-tensors' format's own):
     another is no weight to write."""
     found = config_format(folder, config)
-    described, parts = _described(found, config)
+    described, parts = _described(found, folder, config)
     for name, tensor in tensors.items():
         part = _packed_part(name, tensors)
         if part is not None and part not in parts:

@@ -2,8 +2,8 @@
 
 A mapper turns the catalog's names into steps (mapping/steps.py): LoRA modes first (adapter folders given to
 `merger lora`, an adapter saved alone, a PEFT-wrapped model), then the naming conventions (Megatron and
-torchtitan through the family's record, families.py; a FP8 block-scaled or compressed-tensors HF release
-dequantized; HF names as they are).
+torchtitan through the family's record, families.py; a FP8 block-scaled, compressed-tensors or ModelOpt HF
+release dequantized; HF names as they are).
 The tie and dtype policy and the config changes the output's class needs are applied once, to whichever
 mapping was built. Adding a naming is one
 module with `claims` and `build`, and a row here.
@@ -17,7 +17,7 @@ from ..catalog import Catalog
 from ..errors import MergerError
 from ..hf_folder import local_config_folder
 from ..options import MergeOptions
-from . import compressed_tensors, fp8, hf, megatron, torchtitan
+from . import compressed_tensors, fp8, hf, megatron, modelopt, torchtitan
 from .lora import adapter_folders, adapter_state, megatron_lora_model, megatron_peft, megatron_shards, peft_state
 from .lora.flags import LORA_FLAGS, refuse_unused
 from .model_class import config_updates
@@ -50,6 +50,7 @@ MAPPERS = (
     # merger does not read is refused there
     Mapper("FP8 block-scaled HF", fp8.claims, fp8.build),
     Mapper("compressed-tensors HF", compressed_tensors.claims, compressed_tensors.build),
+    Mapper("ModelOpt HF", modelopt.claims, modelopt.build),
     Mapper("hf", hf.claims, hf.build),
 )
 

@@ -100,6 +100,9 @@ class Mapping:
     # top-level keys to delete from it: what the written weights no longer are (a dequantized model's
     # quantization_config); a key both set and deleted is deleted
     config_removals: tuple[str, ...] = ()
+    # files of hf_dir not copied beside the weights: what describes weights the output no longer holds (a
+    # dequantized ModelOpt export's hf_quant_config.json)
+    files_left_out: tuple[str, ...] = ()
     extra_files: dict[str, str] = field(default_factory=dict)  # path relative to the target -> text
     notes: tuple[str, ...] = ()  # what the merge found and does, for the log
     catalog: Catalog | None = None  # what the steps read when it is more than the checkpoint (a base model too)

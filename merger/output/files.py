@@ -274,9 +274,11 @@ def _write_into(stage: Path, name: str, data: bytes) -> None:
         raise MergerError(f"cannot write the merged model ({e.strerror}), {stage / name}") from e
 
 
-def _copy_hf_files(hf_dir: Path, stage: Path) -> list[str]:
+def _copy_hf_files(hf_dir: Path, stage: Path, left_out: tuple[str, ...] = ()) -> list[str]:
     copied = []
     for src in files_to_copy(hf_dir):
+        if src.name in left_out:
+            continue
         try:
             data = src.read_bytes()  # config and tokenizer files: small
         except OSError as e:
@@ -302,10 +304,11 @@ def _write_config(stage: Path, dtype_name: str | None, config_updates: dict,
 
 def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype | None, manifest: Manifest,
            config_updates: dict | None = None, extra_files: dict[str, str] | None = None,
-           list_added: bool = False, config_removals: tuple[str, ...] = ()) -> None:
+           list_added: bool = False, config_removals: tuple[str, ...] = (),
+           files_left_out: tuple[str, ...] = ()) -> None:
     """Rank 0, after every rank wrote its bytes: index, config (`config_updates` set, `config_removals`
-    deleted), tokenizer files, extra files (relative path -> text, e.g. an adapter's config), manifest, in the
-    staging folder.
+    deleted), tokenizer files (but `files_left_out`), extra files (relative path -> text, e.g. an adapter's
+    config), manifest, in the staging folder.
 
     `list_added`: the output joins a folder of the source's (target.py), so the manifest lists what it adds there,
     which is all a later merge may replace. The move into place (`target.place`) is separate so that `--verify`
@@ -317,7 +320,7 @@ def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype 
         _write_into(stage, INDEX, (json.dumps(index, indent=2) + "\n").encode())
     copied = []
     if hf_dir is not None:  # None: the target is no HF model (an adapter folder): no config to complete
-        copied = _copy_hf_files(hf_dir, stage)
+        copied = _copy_hf_files(hf_dir, stage, files_left_out)
         if "config.json" not in copied:
             raise MergerError(f"no config.json to copy (pass --hf_model_config_path), {hf_dir}")
         dtype_name = str(out_dtype).removeprefix("torch.") if out_dtype is not None else None

@@ -17,6 +17,15 @@ def load_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def assert_bitwise(written: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """The same names, and each tensor `expected`'s in `dtype` bit for bit (a view as integers: -0.0 is not 0.0)."""
+    assert set(written) == set(expected)
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[dtype]
+    for name, tensor in written.items():
+        assert tensor.dtype == dtype, name
+        assert torch.equal(tensor.view(bits), expected[name].to(dtype).view(bits)), name
+
+
 def assert_same_weights(merged: Path, reference: Path, dtype: torch.dtype | None) -> None:
     """The merge equals the model's own weights (save_pretrained's output) cast to `dtype`, bit for bit."""
     ours, ref = load_safetensors_folder(merged), load_safetensors_folder(reference)

@@ -21,8 +21,8 @@ from ...sources.union import union_catalog
 from .. import fp8
 from ..hub_folders import hub_id_of
 from ..policy import ties
-from ..quantized_formats import (COMPRESSED_TENSORS, FP8_BLOCK, QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config,
-                                 read_only, stored_format)
+from ..quantized_formats import (FP8_BLOCK, QUANTIZATION_CONFIG, READ_ONLY, SCALE_SUFFIX, fp8_block_config, read_only,
+                                 stored_format)
 from ..steps import Mapping, Step
 from .adapter import LoraAdapter, adapter_from_folder
 from .experts_orientation import experts_transposed
@@ -65,7 +65,7 @@ def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[Lora
     # an FP8 release: its weights are dequantized, folded, then requantized or cast; a format the fold cannot
     # read is refused (quantized_formats.py)
     stored = stored_format(base_dir, config, base.tensors)
-    if stored == COMPRESSED_TENSORS:
+    if stored in READ_ONLY:
         raise read_only("a LoRA base", base_dir, config)
     qc = fp8_block_config(config) if stored == FP8_BLOCK else None
     weights = [n for n in base.tensors if n not in written and not (qc and n.endswith(SCALE_SUFFIX))]

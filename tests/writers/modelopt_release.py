@@ -1,0 +1,64 @@
+"""Write a tiny HF export quantized by NVIDIA ModelOpt itself, on CPU, as `export_hf_checkpoint` writes one.
+
+    python -m tests.writers.modelopt_release --out DIR --format nvfp4
+
+The seeded tiny transformers Llama of tests/writers/compressed_tensors_release.py (bfloat16), quantized by
+`mtq.quantize` with ModelOpt's preset (`NVFP4_DEFAULT_CFG` or `MXFP8_DEFAULT_CFG`: weights and activations, the
+lm_head left out as the presets leave it) over a calibration loop of a few fixed token batches, then written by
+`export_hf_checkpoint`: the weights' codes and scales, each quantized layer's activation `input_scale` where the
+algorithm has one, config.json's quantization_config and hf_quant_config.json. Everything past the model is
+ModelOpt's code. `--kv_cache fp8` adds ModelOpt's FP8 KV-cache preset (`k_scale`, `v_scale`).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+
+import modelopt.torch.quantization as mtq
+import torch
+import transformers
+from modelopt.torch.export import export_hf_checkpoint
+from modelopt.torch.quantization.utils import update_quant_cfg_with_kv_cache_quant
+
+from tests.writers.compressed_tensors_release import TINY
+
+PRESETS = {"nvfp4": "NVFP4_DEFAULT_CFG", "mxfp8": "MXFP8_DEFAULT_CFG"}
+CALIBRATION = torch.randint(TINY["vocab_size"], (3, 2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _config(fmt: str, kv_cache: str | None) -> dict:
+    config = copy.deepcopy(getattr(mtq, PRESETS[fmt]))
+    if kv_cache == "fp8":  # ModelOpt's own way of adding a KV-cache scheme to a preset (as its hf_ptq example)
+        config = update_quant_cfg_with_kv_cache_quant(config, mtq.FP8_KV_CFG["quant_cfg"])
+    return config
+
+
+@torch.no_grad()
+def _calibrate(model: torch.nn.Module) -> None:
+    for tokens in CALIBRATION:
+        model(tokens)
+
+
+def write_release(folder: Path, fmt: str, seed: int = 0, kv_cache: str | None = None) -> Path:
+    """The tiny Llama quantized by ModelOpt in `fmt` (a key of PRESETS), exported into `folder`."""
+    torch.manual_seed(seed)
+    # architectures as save_pretrained would write them: ModelOpt's export reads them off the live config
+    config = transformers.LlamaConfig(**TINY, architectures=["LlamaForCausalLM"])
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    mtq.quantize(model, _config(fmt, kv_cache), _calibrate)
+    export_hf_checkpoint(model, export_dir=folder)
+    return folder
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--format", choices=list(PRESETS), default="nvfp4")
+    p.add_argument("--kv_cache", choices=["fp8"], default=None)
+    args = p.parse_args()
+    print(write_release(args.out, args.format, kv_cache=args.kv_cache))
+
+
+if __name__ == "__main__":
+    main()
