@@ -138,20 +138,22 @@ def ct_release(tmp_path_factory):
     return make
 
 
+# the ModelOpt exports the tests read: (format, KV cache) -> the folder's name
+MODELOPT_EXPORTS = {("nvfp4", None): "nvfp4", ("mxfp8", None): "mxfp8", ("nvfp4", "fp8"): "nvfp4_kv_fp8"}
+
+
 @pytest.fixture(scope="session")
 def mo_release(tmp_path_factory):
     """mo_release(fmt, kv_cache=None) -> a tiny Llama quantized and exported by ModelOpt in `fmt` (nvfp4, mxfp8),
-    written once each (tests/writers/modelopt_release.py). A process of its own, through the cache of written
-    checkpoints: importing ModelOpt takes some 20 s, which a test that only reads its export then never pays."""
-    cache: dict[tuple, Path] = {}
+    with an FP8 KV cache or none. Every export of MODELOPT_EXPORTS is written by one process of its own
+    (tests/writers/modelopt_release.py), through the cache of written checkpoints: importing ModelOpt takes some
+    15 s of CPU, which a test that only reads an export then never pays, and the writer pays once."""
+    root = tmp_path_factory.mktemp("modelopt")
+    specs = [f"{name}:{fmt}" + (f":{kv}" if kv else "") for (fmt, kv), name in MODELOPT_EXPORTS.items()]
+    run_writer("modelopt_release.py", "--out", root, *[arg for spec in specs for arg in ("--export", spec)])
 
     def make(fmt: str, kv_cache: str | None = None) -> Path:
-        if (fmt, kv_cache) not in cache:
-            folder = tmp_path_factory.mktemp("modelopt") / "export"
-            run_writer("modelopt_release.py", "--out", folder, "--format", fmt,
-                       *(("--kv_cache", kv_cache) if kv_cache else ()))
-            cache[fmt, kv_cache] = folder
-        return cache[fmt, kv_cache]
+        return root / MODELOPT_EXPORTS[fmt, kv_cache]
 
     return make
 

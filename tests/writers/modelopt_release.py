@@ -56,9 +56,15 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--format", choices=list(PRESETS), default="nvfp4")
     p.add_argument("--kv_cache", choices=["fp8"], default=None)
+    p.add_argument("--export", action="append", default=[], metavar="NAME:FORMAT[:KV_CACHE]",
+                   help="write this export as OUT/NAME instead, as many as given, in one process (importing "
+                        "ModelOpt takes some 15 s of CPU)")
     args = p.parse_args()
-    print(write_release(args.out, args.format, kv_cache=args.kv_cache))
-
+    for spec in args.export:
+        name, fmt, *kv_cache = spec.split(":")
+        print(write_release(args.out / name, fmt, kv_cache=kv_cache[0] if kv_cache else None))
+    if not args.export:
+        print(write_release(args.out, args.format, kv_cache=args.kv_cache))
 
 if __name__ == "__main__":
     main()
