@@ -116,23 +116,33 @@ def test_drop_mtp_merges_a_family_without_mtp(deepseek_root, merged):
 
 
 # DeepSeek-V3's own release says its weights are FP8 in 128x128 blocks (its config.json on the Hub)
-DEEPSEEK_V3_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+DEEPSEEK_V3_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                   "weight_block_size": [128, 128]}
+# a ModelOpt NVFP4 export says so twice: in config.json and in hf_quant_config.json (FORMATS.md)
+MODELOPT_NVFP4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
 
 
-def test_the_config_of_an_fp8_release_gives_a_model_without_its_quantization_config(deepseek_root, merged, tmp_path,
-                                                                                   caplog):
-    """Megatron trains from the FP8 release's folder, and that folder is the config handed to the merge: the merged
-    weights are plain floats, so quantization_config stays out of config.json (kept, transformers would look for
-    FP8 weights and their scales). The model loads and gives Megatron's logits, with the same weights as from a
-    config without it."""
+@pytest.mark.parametrize("release", ["fp8", "modelopt"])
+def test_the_config_of_a_quantized_release_gives_a_model_without_its_quantization_config(release, deepseek_root,
+                                                                                        merged, tmp_path, caplog):
+    """Megatron trains from a quantized release's folder, and that folder is the config handed to the merge: the
+    merged weights are plain floats, so quantization_config stays out of config.json (kept, transformers would
+    look for the quantized weights and their scales), and ModelOpt's hf_quant_config.json is not copied. The model
+    loads and gives Megatron's logits, with the same weights as from a config without them."""
     caplog.set_level(logging.INFO, logger="merger")
     case = "dsv3_tp2"
     hf = Path(shutil.copytree(deepseek_root / case / "hf", tmp_path / "release"))
     config = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**config, "quantization_config": DEEPSEEK_V3_FP8}))
+    qc = DEEPSEEK_V3_FP8 if release == "fp8" else MODELOPT_NVFP4
+    (hf / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    if release == "modelopt":
+        (hf / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
+            "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}}))
     out = merge(deepseek_root / case / "legacy", tmp_path / "out", "--hf_model_config_path", hf, "--dtype", "float32")
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
-    assert (f"merger: quantization_config of {hf / 'config.json'} left out of config.json: the output holds no "
+    assert not (out / "hf_quant_config.json").exists() and (out / "tokenizer_config.json").is_file()
+    said = " (and hf_quant_config.json not copied)" if release == "modelopt" else ""
+    assert (f"merger: quantization_config of {hf / 'config.json'} left out of config.json{said}: the output holds no "
             "quantized weight") in caplog.text
     assert_same_weights(out, merged(case, "legacy"), None)
     expected = oracle(deepseek_root, case)

@@ -22,6 +22,7 @@ from .lora import adapter_folders, adapter_state, megatron_lora_model, megatron_
 from .lora.flags import LORA_FLAGS, refuse_unused
 from .model_class import config_updates
 from .policy import apply_policy
+from .modelopt_scheme import MODELOPT_CONFIG
 from .quantized_formats import QUANTIZATION_CONFIG, describes_none_of
 from .steps import Mapping
 
@@ -72,8 +73,12 @@ def build_mapping(catalog: Catalog, options: MergeOptions) -> Mapping:
     mapping = apply_policy(mapping, options)
     if mapping.hf_dir is not None and _keeps_a_stale_quantization_config(mapping):
         mapping.config_removals += (QUANTIZATION_CONFIG,)
+        # ModelOpt's own description of its export says the same, to loaders that read it (vLLM)
+        modelopt = (MODELOPT_CONFIG,) if (mapping.hf_dir / MODELOPT_CONFIG).is_file() else ()
+        mapping.files_left_out += modelopt
         mapping.notes += (f"merger: {QUANTIZATION_CONFIG} of {mapping.hf_dir / 'config.json'} left out of "
-                          f"config.json: the output holds no quantized weight",)
+                          f"config.json{f' (and {MODELOPT_CONFIG} not copied)' if modelopt else ''}: the output "
+                          f"holds no quantized weight",)
     if mapping.hf_dir is not None:  # a model: its config.json may need another class, labels, ...
         outputs = {o.name: o.shape for s in mapping.steps for o in s.outputs}
         mapping.config_updates = {**config_updates(mapping.config, outputs, options.is_value_model, mapping.hf_dir),
