@@ -103,8 +103,8 @@ def test_a_url_is_refused_with_the_scheme_named(fsdp_checkpoint, tmp_path, flag,
                                     "for s3://), gs://bucket/run\n")
     elif flag == "--target_dir":
         assert status == 2 and err == (
-            "merger: error: argument --target_dir/--target-dir: merged models are written to s3:// buckets only "
-            "(gs:// and az:// are read, not written), gs://bucket/run\n")
+            "merger: error: argument --target_dir/--target-dir: merged models are written to a local folder or an "
+            "s3:// bucket, not to gs:// (gs:// and az:// are read, not written), gs://bucket/run\n")
     else:
         assert status == 2 and err == (
             f"merger: error: argument {flag}/{flag.replace('_', '-')}: gs:// paths are not supported here: this flag "
