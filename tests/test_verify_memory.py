@@ -41,15 +41,20 @@ def _peak(actor: Path, root: Path, *extra) -> int:
     return max(report["peak_rss_bytes_per_rank"])
 
 
-def test_verify_peak_stays_near_the_merge_peak(checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def plain(checkpoint, tmp_path_factory) -> int:
+    """The peak of the merge every test compares with, merged once."""
+    return _peak(checkpoint, tmp_path_factory.mktemp("plain"))
+
+
+def test_verify_peak_stays_near_the_merge_peak(checkpoint, plain, tmp_path):
     nbytes = sum(f.stat().st_size for f in checkpoint.glob("model_world_size_*.pt"))
     assert nbytes > 300 * 10**6
-    plain = _peak(checkpoint, tmp_path / "plain")
     verified = _peak(checkpoint, tmp_path / "verified", "--verify")
     assert verified - plain < MARGIN, (plain / MiB, verified / MiB)
 
 
-def test_checking_a_tie_the_config_claims_stays_near_the_merge_peak(checkpoint, tmp_path):
+def test_checking_a_tie_the_config_claims_stays_near_the_merge_peak(checkpoint, plain, tmp_path):
     """The same checkpoint under a config that ties the embeddings: both 131 MB tensors are read and compared
     before the plan is fixed (they differ: both are written), a chunk at a time, never a batch of them."""
     lying = tmp_path / "actor"
@@ -60,7 +65,6 @@ def test_checking_a_tie_the_config_claims_stays_near_the_merge_peak(checkpoint, 
     shutil.copytree(checkpoint / "huggingface", lying / "huggingface")
     config = json.loads((lying / "huggingface" / "config.json").read_text())
     (lying / "huggingface" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    plain = _peak(checkpoint, tmp_path / "plain")
     checked = _peak(lying, tmp_path / "checked")
     assert json.loads((tmp_path / "checked" / "out" / "config.json").read_text())["tie_word_embeddings"] is False
     assert checked - plain < MARGIN, (plain / MiB, checked / MiB)
@@ -76,11 +80,10 @@ os.execv(sys.executable, [sys.executable, "-m", "merger", *sys.argv[1:]])
 """
 
 
-def test_the_peak_reported_is_the_merge_own_not_what_started_it(checkpoint, tmp_path):
+def test_the_peak_reported_is_the_merge_own_not_what_started_it(checkpoint, plain, tmp_path):
     """Linux carries getrusage's ru_maxrss across exec: a merge started in place of a 2 GiB process reported the
     2 GiB as its own peak. The peak it reports is the one a merge started afresh reports (the kernel's high-water
     mark of the merge's own address space)."""
-    plain = _peak(checkpoint, tmp_path / "plain")
     summary = tmp_path / "summary.json"
     run([sys.executable, "-c", BALLAST_THEN_MERGER, "merge", "--local_dir", str(checkpoint), "--target_dir",
          str(tmp_path / "exec"), "--dtype", "keep", "--max_inflight", "16MiB", "--summary-json", str(summary)],
