@@ -56,7 +56,7 @@ FORMATS = ("fsdp", "dcp", "deepspeed", "megatron_moe", "megatron_qwen35_moe")
 FLOOR = "cp (floor)"
 SYNCED_FLOOR = "cp + sync"
 USER_FLOOR = "dd + fsync"
-# A Python start-up that imports torch, as merger imports it (the cyclic GC off: __main__.py): every merge pays it
+# A Python start-up that imports torch, as merger imports it (the cyclic GC off: cli.load_library): every merge pays it
 # before it reads a byte, and no tool that casts with torch can overlap it with the disk's work.
 STARTUP = "import torch"
 FLOORS = (FLOOR, SYNCED_FLOOR, USER_FLOOR, STARTUP)

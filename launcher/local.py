@@ -1,10 +1,11 @@
 """A local gloo group without the torchrun binary: N ranks of `python -m merger` with the environment torchrun
 would give them (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE).
 
-The ranks are forked from this process once it has imported merger, and with it torch: each starts with them
-loaded instead of importing them again (1-2 s of CPU per rank on a 2-core VM, which a second rank there pays on
-the core the first one streams on). Nothing has started a thread by then (merger.__main__ keeps OpenBLAS to
-one), so the fork is safe; torch.distributed, gloo and CUDA all start in the ranks.
+The ranks are forked from this process once it has imported merger's library, and with it torch
+(merger.cli.load_library): each starts with them loaded instead of importing them again (1-2 s of CPU per rank on
+a 2-core VM, which a second rank there pays on the core the first one streams on). Nothing has started a thread
+by then (load_library keeps OpenBLAS to one), so the fork is safe; torch.distributed, gloo and CUDA all start in
+the ranks.
 """
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ def run_local(nproc: int, merger_args: list[str]) -> int:
     if nproc < 1:
         print("launcher: error: --nproc must be at least 1", file=sys.stderr)
         return 2
-    from merger.__main__ import load_command
+    from merger.cli import command, load_library
 
-    command = load_command()
+    load_library()  # here, once: command() imports it only after parsing, which each rank would do after the fork
     port = free_port()
     args = [*merger_args, "--device", "cpu"]
     return supervise([_fork(command, args, rank_vars(r, nproc, "127.0.0.1", port, r, nproc)) for r in range(nproc)])

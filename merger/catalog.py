@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
-import torch
+if TYPE_CHECKING:
+    # torch's types appear here in annotations only. Not importing it keeps merger.sources' registry of formats,
+    # which the command line's parser reads for --backend, free of torch.
+    import torch
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
 """The command line: `merger merge|test|lora|upload|inspect|watch`, a thin face of the library (merger/api): it parses
-(api/flags.py), calls, prints, and turns the outcome into an exit code.
+(flags.py), calls, prints, and turns the outcome into an exit code. The library, and torch with it, is imported
+once the command line has parsed: `--version`, `--help` and a usage error answer without it.
 
 Runs the same on one process and under torchrun/Slurm: the process group comes from the environment.
 Errors reach the user as one line `merger: error: <what>, <which file>`: exit code 1, 2 for a command line
@@ -8,21 +9,23 @@ that does not parse, 130 when interrupted.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
 import signal
 import sys
 import threading
-from typing import Callable, NoReturn
+from typing import TYPE_CHECKING, Callable, NoReturn
 
-from .api import check_with, inspect_with, merge_with, verify_with, watch_with
-from .api.flags import build_parser, options_from_args
-from .engine.source_check import SourceCheck
 from .engine.torchrun_error import record_for_torchrun
 from .errors import AgreedError, Interrupted, MergerError, UsageError, show_error_line
+from .flags import build_parser, options_from_args
 from .io import scratch_folders
 from .units import format_size
+
+if TYPE_CHECKING:
+    from .engine.source_check import SourceCheck
 
 
 def _print_inspection(info: dict, as_json: bool) -> int:
@@ -83,12 +86,35 @@ def _printed(report: Callable[[], int]) -> int:
         return 0
 
 
-def _run(args: argparse.Namespace) -> int:
+def load_library() -> None:
+    """Import merger's library (merger/api: the engine, and torch) the way a process of merger's own should: the
+    `merger` command does before it runs a command that merges, and `launcher local` before it forks its ranks,
+    so they start with it imported. Not for a process merger shares (main() in a caller's): it freezes every
+    object the process holds."""
+    # merger does no linear algebra: without this, numpy's OpenBLAS starts a thread per core that spins on its own
+    # while torch imports (torchrun sets OMP_NUM_THREADS, which OpenBLAS also reads; a plain run does not).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    # Importing torch makes a few hundred thousand long-lived objects, and the cyclic collector would walk them
+    # over and over while they load (0.3-0.5 s of a 5 s merge on a 2-core machine). It stays off while merger
+    # imports; then those objects move to the permanent generation, so later collections skip them.
+    gc.disable()
+    from . import api  # noqa: F401
+
+    gc.freeze()
+    gc.enable()
+
+
+def _run(args: argparse.Namespace, own_process: bool) -> int:
     if args.command == "upload":
         from .output.publish import publish_folder
 
         print(publish_folder(args.target_dir.absolute(), args.hf_upload_path, args.private))
         return 0
+    if own_process:
+        load_library()
+    # Imported here, not at the top: merger/api imports torch (2 s here), which parsing does not need.
+    from .api import check_with, inspect_with, merge_with, verify_with, watch_with
+
     options = options_from_args(args)
     if args.command == "inspect" and args.check:
         return _printed(lambda: _print_check(check_with(options)))
@@ -121,12 +147,12 @@ def _fail(message: str, code: int = 1, show: bool = True) -> int:
 
 
 def command(argv: list[str] | None = None) -> NoReturn:
-    """The `merger` command and `python -m merger`: main(), then the process ends without tearing down the
-    interpreter. Freeing torch's modules and objects one by one at exit took 0.4 s of every process on this
-    project's 2-core VM (a process that only imports merger: 1.45 s, 1.07 s without the teardown), a second
-    for each pair of ranks. By then main() has closed every file, the process group and its threads; what is
-    left in Python's buffers is flushed here. In-process callers use main(), which returns."""
-    code = main(argv)
+    """The `merger` command and `python -m merger`: main() in a process of merger's own (load_library), then the
+    process ends without tearing down the interpreter. Freeing torch's modules and objects one by one at exit took
+    0.4 s of every process on this project's 2-core VM (a process that only imports merger: 1.45 s, 1.07 s without
+    the teardown), a second for each pair of ranks. By then main() has closed every file, the process group and
+    its threads; what is left in Python's buffers is flushed here. In-process callers use main(), which returns."""
+    code = main(argv, own_process=True)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -137,7 +163,10 @@ def command(argv: list[str] | None = None) -> NoReturn:
     os._exit(code)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
+    """Run the command line `argv` (default: the process's) and return its exit status. `own_process` (command()):
+    the process is merger's alone, so the library is imported as load_library imports it; in-process callers leave
+    it off."""
     try:
         args = build_parser().parse_args(argv)
     except UsageError as e:
@@ -146,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     in_main_thread = threading.current_thread() is threading.main_thread()  # only there can handlers be set
     previous = signal.signal(signal.SIGTERM, _terminated) if in_main_thread else None
     try:
-        return _run(args)
+        return _run(args, own_process)
     except AgreedError as e:
         # Every rank raised the same line at a sync point: print it once, from rank 0.
         return _fail(str(e), show=os.environ.get("RANK", "0") == "0")

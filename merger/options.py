@@ -4,10 +4,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "keep": None}
+# The output dtypes, by torch's names: --dtype's choices. Names rather than torch.dtypes, so that the command line
+# parses (and --help, a usage error, --version answer) without importing torch; MergeOptions.torch_dtype looks
+# the dtype up when a merge needs it.
+DTYPES = ("bfloat16", "float16", "float32", "keep")
 # The spellings HF (`torch_dtype="half"`), verl and mixed-precision configs (`bf16`) use for the same dtypes.
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
@@ -67,7 +72,9 @@ class MergeOptions:
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
-        return DTYPES[self.dtype]
+        import torch  # only a merge asks, and it has imported torch already; see DTYPES
+
+        return None if self.dtype == "keep" else getattr(torch, self.dtype)
 
     def output_shaping(self) -> dict:
         """The options marked as changing the output's bytes, by name."""

@@ -1,6 +1,7 @@
 """The command line against its documentation: each command's options table in docs/options.md and its parser
 agree, every option has help text, a misspelled flag or backend fails at parse time with one line and a hint (the
-launcher's missing `--` too), and every relative link in README.md and docs/ leads to a file that exists."""
+launcher's missing `--` too), what the parser answers alone is answered without importing torch, and every
+relative link in README.md and docs/ leads to a file that exists."""
 from __future__ import annotations
 
 import argparse
@@ -11,9 +12,10 @@ import pytest
 
 import merger
 from launcher.cli import main as launcher_main
-from merger.api.flags import build_parser
 from merger.cli import main
+from merger.flags import build_parser
 from tests.helpers.paths import ROOT
+from tests.helpers.processes import run_merger
 
 pytestmark = pytest.mark.interpreter
 
@@ -135,6 +137,30 @@ def test_version_and_the_top_level_help_name_every_command(capsys):
         main(["--help"])
     shown = capsys.readouterr().out
     assert all(f"    {command} " in shown for command in _subparsers(build_parser())), shown
+
+
+ANSWERED_BY_THE_PARSER = [  # (argv, exit status, how stdout, or else the first line of stderr, starts)
+    (["--version"], 0, f"merger {merger.__version__}"),
+    (["--help"], 0, "usage: merger "),
+    *(([command, "--help"], 0, f"usage: merger {command} ") for command in REQUIRED_OF),
+    (["merge", *REQUIRED, "--bogus"], 2, "merger: error: unknown flag --bogus"),
+    (["merge", *REQUIRED, "--dtype", "int8"], 2, "merger: error: argument --dtype: invalid choice: 'int8'"),
+    (["merge", "--local_dir", "ckpt"], 2, "merger: error: the following arguments are required: --target_dir"),
+]
+
+
+@pytest.mark.parametrize("args, code, shown", [pytest.param(*case, id=" ".join(case[0]))
+                                               for case in ANSWERED_BY_THE_PARSER])
+def test_what_the_parser_answers_imports_no_torch(args, code, shown):
+    """`python -m merger` with --version, a --help or a command line that does not parse answers without importing
+    torch (2 s of CPU here, where these take a tenth of that): the modules the process imports, as Python lists
+    them under PYTHONPROFILEIMPORTTIME (-X importtime), hold no torch."""
+    proc = run_merger(*args, check=False, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    imported = [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == code and (proc.stdout.startswith(shown) if code == 0 else said[0].startswith(shown)), \
+        (proc.stdout, said)
+    assert "merger.cli" in imported and [m for m in imported if m.split(".")[0] == "torch"] == []
 
 
 def test_lora_takes_merges_spelling_of_the_base_and_the_old_one():

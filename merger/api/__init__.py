@@ -1,7 +1,7 @@
 """merger as a library: `merge`, `inspect` and `verify`, in-process, on one process or on every rank of a group.
 
 The command line is a thin face of these functions. Options are keyword arguments with the CLI's names
-(`dtype="bf16"`, `max_shard_size="2GB"`, `overwrite=True`), checked by the same parser actions (api/flags.py).
+(`dtype="bf16"`, `max_shard_size="2GB"`, `overwrite=True`), checked by the same parser actions (merger/flags.py).
 Bad input raises MergerError with the CLI's one-line message; nothing exits the caller's process, and no logging,
 signal handler, process group or torch thread setting is left changed after a call.
 
@@ -21,10 +21,10 @@ from ..engine.dist import Group, borrow_group, init_group
 from ..engine.plan import traffic
 from ..engine.source_check import SourceCheck, check_sources
 from ..errors import MergerError
+from ..flags import keywords_to_args, options_from_args
 from ..io.fetched import origin
 from .pipeline import prepare, run_merge
 from ..options import MergeOptions
-from .flags import keywords_to_args, options_from_args
 
 __all__ = ["MergerError", "inspect", "merge", "verify"]
 

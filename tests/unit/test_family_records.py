@@ -1,6 +1,7 @@
 """Family records and row kinds alone: tables refused at import for an unknown kind, a rename with several
-targets or a reasonless skip; each kind's plan against a hand-built reference of the layout it undoes; and every
-family in the registry written by a test that checks it against the framework's own forward pass.
+targets or a reasonless skip; each kind's plan against a hand-built reference of the layout it undoes; every
+family in the registry written by a test that checks it against the framework's own forward pass; and the command
+line's --model values for torchtitan, one per torchtitan family.
 
 Oracles: the layouts as Megatron and torchtitan build them, assembled here with plain indexing (Megatron's fused
 QKV: per query group its query heads then one key and one value head; its padded vocab; torchtitan's interleaved
@@ -15,9 +16,11 @@ import pytest
 import torch
 
 from merger.errors import MergerError
+from merger.flags import TORCHTITAN_MODELS
 from merger.mapping.families import FAMILIES, MEGATRON_FAMILIES, TORCHTITAN_FAMILIES, checked_together
 from merger.mapping.family import Family, MtpLayout, Row
 from merger.mapping.kinds import KINDS, register, step
+from merger.mapping.torchtitan import MODELS
 
 pytestmark = pytest.mark.unit
 
@@ -331,6 +334,12 @@ def test_every_megatron_family_has_a_test_case():
 
 def test_every_torchtitan_family_has_a_test_case():
     assert {f.name for f in TORCHTITAN_FAMILIES} - _families_of(_torchtitan_cases()) == set()
+
+
+def test_the_parsers_torchtitan_models_are_the_families():
+    """--model's choices are named in flags.py, apart from the records (which import torch): in the same order,
+    which --help shows."""
+    assert TORCHTITAN_MODELS == tuple(MODELS)
 
 
 def test_records_that_disagree_are_refused():

@@ -3,6 +3,10 @@ options through the same actions, so both accept the same values and refuse the 
 
 verl spells flags with underscores (`--local_dir`); the dashed forms (`--local-dir`) work as well. A command line
 that does not parse raises UsageError (exit code 2 in the CLI), never argparse's usage block and exit.
+
+Neither this module nor what it imports imports torch: `merger --version`, `--help` and a command line that does not
+parse answer in a fraction of a second, where importing torch takes about 2 s; a merge imports it after parsing.
+It lies outside merger/api, whose package imports the engine (and torch) as soon as any of its modules is imported.
 """
 from __future__ import annotations
 
@@ -13,14 +17,19 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from ..errors import MergerError, UsageError
-from ..io import location
-from ..io.locations import ObjectPath
-from ..mapping.torchtitan import MODELS
-from ..options import DTYPES, MergeOptions, dtype_name
-from ..sources import BACKENDS
-from ..units import parse_size, positive_int, positive_size
-from ..version import __version__
+from .errors import MergerError, UsageError
+from .io import location
+from .io.locations import ObjectPath
+from .options import DTYPES, MergeOptions, dtype_name
+from .sources import BACKENDS
+from .units import parse_size, positive_int, positive_size
+from .version import __version__
+
+# --model's torchtitan values: mapping/torchtitan.py's MODELS, one per torchtitan family of mapping/families.py.
+# Named here because the family records import torch, which the parser must not (`merger --help` and a usage error
+# answer without it); tests/unit/test_family_records.py checks that the two lists agree.
+TORCHTITAN_MODELS = ("torchtitan-llama", "torchtitan-qwen3", "torchtitan-deepseek-v3", "torchtitan-qwen3-5",
+                     "torchtitan-gpt-oss")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -140,7 +149,7 @@ def _add_source_args(p: argparse.ArgumentParser, what: str = "the checkpoint fol
     p.add_argument("--prefix", default=None,
                    help="DCP: prefix to take off tensor names and keep only those under it, e.g. 'model' "
                         "(default: 'model.' when accelerate nested the state dict; '' keeps names as saved)")
-    p.add_argument("--model", choices=["auto", "hf", *MODELS], default="auto",
+    p.add_argument("--model", choices=["auto", "hf", *TORCHTITAN_MODELS], default="auto",
                    help="naming of the source tensors (default: detect; torchtitan-<family> converts torchtitan's "
                         "names to HF's and needs --hf_model_config_path)")
     p.add_argument(*_flag("--hf_model_config_path"), dest="hf_model_config_path", type=folder_url_or_hub_id,
@@ -191,7 +200,7 @@ def _dtype(text: str) -> str:
 
 
 def _add_dtype_args(p: argparse.ArgumentParser, default: str, why: str) -> None:
-    p.add_argument("--dtype", type=_dtype, choices=list(DTYPES), default=default,
+    p.add_argument("--dtype", type=_dtype, choices=DTYPES, default=default,
                    help=f"output dtype of floating tensors (default {default}: {why}; also spelt bf16, fp16, half, "
                         f"fp32, float); keep = each tensor's own dtype")
     p.add_argument(*_flag("--allow_overflow"), dest="allow_overflow", action="store_true",
