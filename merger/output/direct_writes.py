@@ -23,8 +23,12 @@ about what the page cache does when the VM fills pages fast.
 
 A direct write returns once the disk has the bytes, so the writes run on a thread of their own (bounce buffers
 two deep): the next chunk is copied or cast while the disk takes the last, as the kernel's writeback would
-overlap them for a buffered write. `flush` waits for them: at the end of each batch (its buffers are then
-reused), before a file is synced, and before bytes are read back.
+overlap them for a buffered write. `flush` waits for them all: at the end of each batch (its buffers are then
+reused) and before a file is synced. A thread that needs only the bytes handed over so far in their files (the
+checksum thread, before it records a block's CRC or reads a block back) takes a `mark` when it learns of them and
+waits for it (`wait_written`): the writes are numbered as they are handed over and finish in that order, so the
+wait ends once the writes up to the mark are done, however many are handed over meanwhile, where waiting for an
+empty queue could last as long as the writer keeps it busy.
 
 Only on the filesystems of write_turns.HOST_LOCAL: on NFS an O_DIRECT write is a synchronous round trip to the
 server. Where the filesystem refuses O_DIRECT (tmpfs before Linux 6.6, some FUSE mounts) or an aligned write
@@ -72,6 +76,11 @@ class DirectWrites:
         self.made = 0
         self.pending = 0
         self.error: OSError | None = None
+        # Writes handed to the thread are numbered 1, 2, ... (`handed`); `finished`: every write up to that one is
+        # done (`wait_written`), and `ahead` those done past it (none while one thread writes them in order).
+        self.handed = 0
+        self.finished = 0
+        self.ahead: set[int] = set()
 
     def split(self, at: int, size: int) -> tuple[int, int] | None:
         """[start, end) of bytes [at, at + size) of a file to write directly (aligned), None for none."""
@@ -127,13 +136,16 @@ class DirectWrites:
                     seen(chunk, at + done)
                 with self.done:
                     self.pending += 1
+                    self.handed += 1
+                    number = self.handed
                     if self.pool is None:
                         self.pool = ThreadPoolExecutor(1, thread_name_prefix="merger-direct")
-                self.pool.submit(self._write, fd, path, chunk, bounce, at + done)
+                self.pool.submit(self._write, fd, path, chunk, bounce, at + done, number)
             done += n
         return done
 
-    def _write(self, fd: int, path: Path, chunk: memoryview, bounce: memoryview | None, at: int) -> None:
+    def _write(self, fd: int, path: Path, chunk: memoryview, bounce: memoryview | None, at: int,
+               number: int) -> None:
         error = None
         try:
             _pwrite_all(fd, path, chunk, at)
@@ -144,6 +156,10 @@ class DirectWrites:
                 self.free.append(bounce)
             self.pending -= 1
             self.error = self.error or error
+            self.ahead.add(number)
+            while self.finished + 1 in self.ahead:
+                self.finished += 1
+                self.ahead.remove(self.finished)
             self.done.notify_all()
 
     def _bounce(self) -> memoryview:
@@ -156,6 +172,19 @@ class DirectWrites:
             if self.error is not None:
                 raise self.error
             return self.free.pop()
+
+    def mark(self) -> int:
+        """Where the writes handed over so far end, for `wait_written`."""
+        with self.done:
+            return self.handed
+
+    def wait_written(self, mark: int) -> None:
+        """Wait until every write handed over before `mark` was taken is in its file (writes handed over since
+        may still be in flight); raise the first write that failed."""
+        with self.done:
+            self.done.wait_for(lambda: self.finished >= mark)
+            if self.error is not None:
+                raise self.error
 
     def flush(self) -> None:
         """Wait for every write handed over; raise the first that failed."""

@@ -229,6 +229,20 @@ class FileSink:
         except OSError as e:
             raise MergerError(f"cannot write the merged model ({e.strerror}), {e.filename}") from e
 
+    def written_mark(self) -> int:
+        """A mark of the writes handed over so far, for `wait_written` (taken on any thread)."""
+        return self.direct.mark()
+
+    def wait_written(self, mark: int) -> None:
+        """Wait until the bytes handed over before `mark` was taken are in their files: those written buffered
+        are once their write returned, those written direct once their thread wrote them. Unlike flush_writes, it
+        does not wait for the writes handed over since, so that another thread than the writer (the checksum
+        thread) waits a bounded time while the writer goes on."""
+        try:
+            self.direct.wait_written(mark)
+        except OSError as e:
+            raise MergerError(f"cannot write the merged model ({e.strerror}), {e.filename}") from e
+
     def sync(self, indices) -> None:
         """Flush and close the files this rank wrote among `indices` (they are complete: none writes them again)."""
         self.flush_writes()

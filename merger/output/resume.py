@@ -257,8 +257,12 @@ class FileTracker:
     The checksum blocks of the files still to write are dealt over the ranks (deal_blocks: about 1/M of the
     bytes each, even for a one-file model); rank r hashes its blocks in a background thread while later
     batches stream, so little hashing is left at the end. A block is hashed once every output with bytes in it
-    is known to be written: by this rank itself (as soon as its write returns), or by every rank (a batch
-    confirmed at a sync point). On one host the page cache shows each rank's writes at once; across hosts (a
+    is known to be written: by this rank itself (its writes handed to the sink), or by every rank (a batch
+    confirmed at a sync point). Before the hashing thread records a block's CRC, reads it back or sends its
+    parts, it waits for this rank's writes handed over until then to be in the file (FileSink.wait_written): a
+    direct write returns to the writer before its bytes are written (direct_writes.py), and a CRC recorded
+    before its bytes would make a merge killed in between leave a manifest that its own files contradict, which
+    --resume then reuses nothing of. On one host the page cache shows each rank's writes at once; across hosts (a
     shared filesystem promises only close-to-open consistency) other ranks' outputs count only after the
     file's last batch, when its writers have flushed and closed it. Checksums reach rank 0, which keeps the
     manifest, at the next sync point. For an s3:// target the same read of a block sends its upload parts
@@ -398,9 +402,10 @@ class FileTracker:
         self._hand_over(ready)
 
     def _hand_over(self, units: list[tuple[int, int, int | None]]) -> None:
+        mark = self.sink.written_mark()  # this rank's writes of the units' outputs are all handed over by now
         for unit in units:
             del self.waiting[unit]
-            self.futures.append(self.pool.submit(self._hash, *unit))
+            self.futures.append(self.pool.submit(self._hash, *unit, mark))
             if unit[2] is not None:
                 self.sending.append(self.futures[-1])
 
@@ -413,16 +418,18 @@ class FileTracker:
         with self.handing:
             self.sending = [future for future in self.sending if not future.done()]
 
-    def _hash(self, index: int, k: int, part: int | None) -> None:
+    def _hash(self, index: int, k: int, part: int | None, mark: int) -> None:
         f = self.plan.files[index]
+        # The unit's bytes, written here by the time it was handed over, in the file before its CRC is recorded or
+        # it is read: not every write handed over so far, which a writer that keeps handing them over could delay.
+        self.sink.wait_written(mark)
         if part is None:
             start, end = block_span(f.size, self.block, k)
             spans = self.spans.pop((index, k), None)
             crc = spans.covered(start, end) if spans is not None else None
             if crc is not None:
                 digest = crc32_hex(crc)
-            else:  # read back, once the direct writes in flight (into this block perhaps) are done
-                self.sink.flush_writes()
+            else:  # read back
                 digest = crc32_range(self.stage / f.name, start, end, self.buffer)
         else:
             digest = self.sender.part_written(self.stage / f.name, f.name, f.size, block_span(f.size, self.block, k),

@@ -17,16 +17,17 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from merger.cli import main
-from tests.helpers.files import block_crc32, snapshot
+from tests.helpers.files import assert_same_files, block_crc32, snapshot, takes_o_direct
 from tests.helpers.in_process import single_error_line
 from tests.helpers.paths import HELPERS, ROOT
-from tests.helpers.processes import run_merger, start_merger, subprocess_env
+from tests.helpers.processes import run, run_merger, start_merger, subprocess_env
 from tests.helpers.reliability import RANK0, SMALL, WORLD, kill_rank_mid_merge, wait_paused
 from tests.helpers.weights import assert_same_weights
 
@@ -114,6 +115,63 @@ def test_resume_after_a_killed_rank_reuses_finished_files(flags, ckpt, reference
     assert final["complete"] is True
     for name, info in final["output_files"].items():
         assert info["crc32_blocks"] == block_crc32(out / name, final["checksum_block_bytes"])
+
+
+def _finished(manifest: dict) -> set[str]:
+    """The output files whose every block checksum the manifest records."""
+    return {name for name, info in manifest["output_files"].items() if all(info["crc32_blocks"])}
+
+
+def test_a_block_checksum_enters_the_manifest_only_once_its_bytes_are_in_the_file(fsdp_checkpoint, tmp_path):
+    """Issue #52. One rank writes pieces of 0.5-1 MiB (hidden 512) past the page cache into 1 MB shards with 64 KiB
+    checksum blocks, every direct write held back 50 ms on its thread (a slow disk: tests/helpers/small_blocks_merger.py),
+    so that written pieces queue up behind the disk. Killed with SIGKILL as soon as the manifest in the staging folder
+    names every block checksum of two files (the first holds the embedding, whose pieces are too small to go direct;
+    the second is written direct), the manifest may record only bytes that are in the files: each block CRC it holds
+    is zlib's over that block as it lies on disk. --resume then reuses every file the manifest names finished,
+    and writes the same bytes as a merge never interrupted. Before the fix the CRC of a direct write, taken when the
+    write was handed over, could reach the manifest while the write still waited its turn: the killed merge left
+    files that contradicted their checksums, and --resume reused none of them."""
+    actor, _ = fsdp_checkpoint("llama", 2, extra=("--hidden", "512"))
+    if not takes_o_direct(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT writes")
+    block = 64 << 10
+    out, clean, stage = tmp_path / "out", tmp_path / "clean", tmp_path / ".out.merger-partial"
+    args = ["merge", "--local_dir", str(actor), "--target_dir", str(out), "--dtype", "bfloat16",
+            "--max_shard_size", "1MB", "--device", "cpu"]
+    small_blocks = [sys.executable, str(HELPERS / "small_blocks_merger.py")]
+    env = {"MERGER_TEST_CHECKSUM_BLOCK": str(block)}
+    proc = subprocess.Popen(small_blocks + args, cwd=ROOT, env=subprocess_env({**env, "MERGER_TEST_SLOW_DIRECT_WRITES":
+                                                                                "0.05"}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            try:
+                if len(_finished(json.loads((stage / "merge_manifest.json").read_text()))) >= 2:
+                    break
+            except (FileNotFoundError, json.JSONDecodeError):  # not written yet (replaced atomically once it is)
+                pass
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert not out.exists()
+
+    manifest = json.loads((stage / "merge_manifest.json").read_text())
+    finished, files = _finished(manifest), manifest["output_files"]
+    assert finished and finished != set(files) and manifest["checksum_block_bytes"] == block, manifest
+    for name, info in files.items():
+        on_disk = block_crc32(stage / name, block)
+        recorded = {k: crc for k, crc in enumerate(info["crc32_blocks"]) if crc is not None}
+        assert recorded == {k: on_disk[k] for k in recorded}, name
+
+    resumed = run(small_blocks + args + ["--resume"], env=env)
+    assert f"reusing {len(finished)} of {len(files)} output files" in resumed.stderr, resumed.stderr
+    assert main([*args[:4], str(clean), *args[5:]]) == 0
+    assert_same_files(out, clean)
 
 
 def _newer(ckpt: Path, other: Path) -> Path:

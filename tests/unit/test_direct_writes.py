@@ -8,6 +8,7 @@ import contextlib
 import errno
 import mmap
 import os
+import threading
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -127,6 +128,54 @@ def test_a_direct_write_that_fails_on_its_thread_is_one_clear_error(tmp_path):
         assert ranks[0].direct.proven and ranks[0].direct.error is not None  # failed after the first, on the thread
         path = mnt / "model.safetensors"
         assert str(failed.value) == f"cannot write the merged model (No space left on device), {path}"
+
+
+def test_a_wait_for_the_writes_handed_over_so_far_ends_while_later_ones_are_still_held(tmp_path, monkeypatch):
+    """Three 64 KiB direct writes handed over, a mark taken after the second, each write held on the write thread
+    until the test lets it go. wait_written(mark) waits for the first two only, in order: it ends once the second is
+    in the file, while the third is still held (a writer that keeps handing writes over cannot hold back a checksum
+    thread waiting for its block's, as a wait for an empty queue could); flush then waits for the third."""
+    if not takes_o_direct(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT writes")
+    size = 64 << 10
+    path = tmp_path / "out"
+    path.write_bytes(bytes(3 * size))
+    gates = [threading.Event() for _ in range(3)]
+    turns = iter(gates)  # one write thread: the writes reach it in the order they were handed over
+    pwrite_all = direct_writes._pwrite_all
+
+    def held(fd, file, data, at):
+        assert next(turns).wait(30)
+        pwrite_all(fd, file, data, at)
+
+    monkeypatch.setattr(direct_writes, "_pwrite_all", held)
+    writes = direct_writes.DirectWrites(True)
+    writes.proven = True  # else the first write is made at once, to learn whether the filesystem takes them
+    pieces = []
+    for k, fill in enumerate(b"abc"):
+        piece = memoryview(mmap.mmap(-1, size))  # page-aligned: written from where it is, no bounce buffer
+        piece[:] = bytes([fill]) * size
+        pieces.append(piece)
+        assert writes.write(path, piece, k * size, lasting=True) == size
+        if k == 1:
+            mark = writes.mark()
+    waiter = threading.Thread(target=writes.wait_written, args=(mark,))
+    try:
+        waiter.start()
+        gates[0].set()
+        waiter.join(0.3)
+        assert waiter.is_alive()  # the second write is still held
+        gates[1].set()
+        waiter.join(30)
+        assert not waiter.is_alive()
+        assert path.read_bytes() == b"a" * size + b"b" * size + bytes(size)  # the third is still held
+    finally:
+        for gate in gates:
+            gate.set()
+        writes.flush()
+        writes.shutdown()
+        writes.close_all()
+    assert path.read_bytes() == b"a" * size + b"b" * size + b"c" * size
 
 
 def _lasting(tmp_path: Path, aligned: bool) -> tuple[Path, torch.Tensor]:
