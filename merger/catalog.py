@@ -137,6 +137,11 @@ class Catalog:
     # What reading the checkpoint found that its user should know (an unfinished save...): logged once by rank 0,
     # listed by `inspect`, with the mapping's notes.
     notes: tuple[str, ...] = ()
+    # Raises MergerError when a file holds fewer bytes than its own directory or the checkpoint's metadata place in
+    # it (a torch.save zip without the directory at its end, a .distcp shorter than .metadata says), reading no
+    # tensor's bytes: every plan runs it on each file (`inspect` too, which opens no reader). None: the format
+    # checks sizes while it builds the catalog (safetensors headers).
+    check_file: Callable[[str], None] | None = None
 
     def open_reader(self) -> PieceReader:
         return self.reader_factory(self)

@@ -145,6 +145,10 @@ def test_damaged_chunk_file_names_the_file(damage, dcp_root, tmp_path):
     assert len(errors) == 1 and errors[0].endswith(str(victim)), proc.stderr
     assert ("truncated" if damage == "truncated" else "not a torch.save blob") in errors[0]
     assert not (tmp_path / "out").exists()
+    if damage == "truncated":  # shorter than .metadata says: plain inspect, reading no chunk, names it as well
+        proc = run_merger("inspect", "--local_dir", folder, check=False)
+        assert proc.returncode == 1 and [line for line in proc.stderr.splitlines() if line.startswith("merger:")] \
+            == errors, proc.stderr
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "keep"])

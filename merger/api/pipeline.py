@@ -59,10 +59,11 @@ class Prepared:
     base_model: Path | None = None  # --base_model's folder (a Hub id's snapshot folder), a source like the others
 
 
-def prepare(options: MergeOptions, group: Group, plan_world: int | None = None) -> Prepared:
+def prepare(options: MergeOptions, group: Group, plan_world: int | None = None, check_sizes: bool = True) -> Prepared:
     """Catalog, mapping and plan, identical on every rank, from metadata alone (but for the values of a tied
     lm_head and input embedding, compared when the source holds both): the one place a plan is made.
-    `plan_world`: the merge ranks to plan for, when not the group's (`inspect --merge_ranks` plans in one process)."""
+    `plan_world`: the merge ranks to plan for, when not the group's (`inspect --merge_ranks` plans in one process).
+    `check_sizes` False: the caller checks each file's size itself (`inspect --check` names every bad file)."""
     def build():
         source = open_catalog(location(options.local_dir), options.backend, options.prefix)
         local = with_hub_folders(options)  # Hub ids among the flags: their snapshot folders
@@ -70,6 +71,8 @@ def prepare(options: MergeOptions, group: Group, plan_world: int | None = None) 
 
     source, local, mapping = on_every_rank(group, build, options.debug)
     catalog = mapping.catalog or source
+    if check_sizes:
+        on_every_rank(group, lambda: _check_sizes(catalog, group), options.debug)
     files = source_files(catalog) if group.distributed else []  # stat'ed once, compared twice
     agree_on_plan(catalog, None, group, files)  # the tie check below already exchanges pieces: agree first
     mapping = settle_tie(mapping, catalog, group, options)  # reads lm_head and the input embedding: a collective
@@ -83,6 +86,15 @@ def prepare(options: MergeOptions, group: Group, plan_world: int | None = None) 
     prepared = on_every_rank(group, layout, options.debug)
     agree_on_plan(prepared.catalog, prepared.plan, group, files)  # before anything is written: one merge, not a mix
     return log_prepared(prepared, group)
+
+
+def _check_sizes(catalog: Catalog, group: Group) -> None:
+    """Each rank's files against their own directories or the checkpoint's metadata (Catalog.check_file): a file cut
+    short is one line naming it before the plan, and before anything reads it (the tie check below may).
+    `inspect` plans in one process for any rank count, so it checks every file."""
+    if catalog.check_file:
+        for file in catalog.files_of_rank(group.rank, group.world):
+            catalog.check_file(file)
 
 
 def log_prepared(prepared: Prepared, group: Group) -> Prepared:

@@ -1,10 +1,11 @@
 """`merger inspect --check`: read what a merge would read and the format checksums, merging nothing.
 
-A merge checks torch.save's CRC-32s while it reads, so a damaged or truncated rank file can be found hours
-into a large merge. This check finds it first: every file is opened and checked against the catalog by the
-merge's own reader, every record holding a merged tensor is read whole and its CRC-32 compared
-(SourceReads.verify, the merge's check), and every safetensors tensor must lie within its file. Each file is
-checked separately, so one line names each bad file. Under torchrun each rank checks the files it would
+A merge checks torch.save's CRC-32s while it reads, so a damaged rank file can be found hours into a large
+merge (a plan checks only that each file is as long as its own directory or metadata say: a file cut at its
+end). This check finds it first: every file's size is checked as a plan does, every file is opened and checked
+against the catalog by the merge's own reader, every record holding a merged tensor is read whole and its CRC-32
+compared (SourceReads.verify, the merge's check), and every safetensors tensor must lie within its file. Each
+file is checked separately, so one line names each bad file. Under torchrun each rank checks the files it would
 open in a merge (Catalog.files_of_rank) and every rank learns every result.
 """
 from __future__ import annotations
@@ -33,8 +34,9 @@ def check_sources(catalog: Catalog, group: Group, debug: bool = False) -> Source
             for copy in piece.copies:  # every copy: a replica's file is checked like any other
                 if copy.file in opened:  # this rank's files only: the others are its peers' to check
                     pieces_in.setdefault(copy.file, []).append((t, piece, copy))
+    bad = _cut_short(catalog, mine, group.rank, debug)
     reader = on_every_rank(group, catalog.open_reader, debug)
-    bad = _opened(reader, mine, group.rank, debug)
+    bad.update(_opened(reader, [f for f in mine if f not in bad], group.rank, debug))
     reads = SourceReads()
     checked = 0
     try:
@@ -52,6 +54,17 @@ def check_sources(catalog: Catalog, group: Group, debug: bool = False) -> Source
     lines = {file: line for s in shares for file, line in s[2].items()}
     return SourceCheck(sum(s[0] for s in shares), sum(s[1] for s in shares),
                        {file: lines[file] for file in catalog.files if file in lines})  # in the catalog's order
+
+
+def _cut_short(catalog: Catalog, files: list[str], rank: int, debug: bool) -> dict[str, str]:
+    """The plan's size check (Catalog.check_file), file by file: file -> error line for those it refuses."""
+    bad = {}
+    for file in files if catalog.check_file else ():
+        try:
+            catalog.check_file(file)
+        except Exception as e:  # noqa: BLE001 - each bad file gets its line
+            bad[file] = describe_error(e, rank, debug)
+    return bad
 
 
 def _opened(reader, files: list[str], rank: int, debug: bool) -> dict[str, str]:

@@ -20,7 +20,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
 from ..errors import MergerError
 from ..hf_folder import CONFIG_DIR, config_dir
-from .dcp_chunk_table import ChunkTable, TablePieces, check_stored, load_chunk_table, stored_ends
+from .dcp_chunk_table import ChunkTable, TablePieces, check_end, check_stored, load_chunk_table, stored_ends
 from .dcp_classes import BytesStorageMetadata, TensorStorageMetadata
 from .dcp_metadata import METADATA_FILE
 from .dcp_safetensors import DcpSafetensorsReader, holds_safetensors
@@ -131,6 +131,7 @@ def open_catalog(root: Path, prefix: str | None = None) -> Catalog:
     reader = DcpSafetensorsReader if holds_safetensors(tensors) else partial(DcpReader, ends)
     return Catalog(
         format="dcp", root=folder, tensors=tensors, files=files, reader_factory=reader,
+        check_file=partial(check_end, ends),
         # `huggingface/` inside the DCP folder or the given folder, or beside the DCP folder
         hf_dir=config_dir(folder / CONFIG_DIR, root / CONFIG_DIR, folder.parent / CONFIG_DIR),
         details={"saved_by_ranks": len({_file_order(f)[0] for f in files}),
@@ -161,11 +162,8 @@ class DcpReader:
         self.files = SourceFiles()
 
     def check_files(self, files: list[str]) -> None:
-        for file in files:
-            size = self.files.size(file)
-            if size < self.ends.get(file, 0):
-                raise MergerError(f"DCP chunk file is {size} bytes but .metadata places data up to byte "
-                                  f"{self.ends[file]} (truncated?), {file}")
+        for file in files:  # again when opened: planned from .metadata, the file may have been cut since
+            check_end(self.ends, file)
 
     def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:
         return chunk_stored(self.files, copy)

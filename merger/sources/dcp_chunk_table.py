@@ -19,6 +19,7 @@ import numpy as np
 from ..catalog import PieceCopy, ShardPiece
 from ..errors import MergerError
 from ..hf_folder import named_file
+from ..io import file_size
 from .dcp_classes import TensorStorageMetadata
 from .dcp_compact import CompactRecords, Rows
 from .dcp_metadata import METADATA_FILE, load_compact
@@ -227,6 +228,17 @@ def stored_ends(table: ChunkTable, rows: np.ndarray) -> dict[str, int]:
     ends = np.zeros(len(table.paths), dtype=np.int64)
     np.maximum.at(ends, table.file[rows], table.byte_offset[rows] + table.length[rows])
     return {table.paths[i]: int(ends[i]) for i in np.unique(table.file[rows]).tolist()}
+
+
+def check_end(ends: dict[str, int], file: str) -> None:
+    """`file` holds every byte .metadata places in it (`ends`: stored_ends by full path); a stat, no read."""
+    try:
+        size = file_size(file)
+    except FileNotFoundError as e:
+        raise MergerError(f"DCP chunk file is missing, {file}") from e
+    if size < ends.get(file, 0):
+        raise MergerError(f"truncated: the DCP chunk file holds {size} bytes but .metadata places data up to byte "
+                          f"{ends[file]}, {file}")
 
 
 def chunk_rows(table: ChunkTable, rows: np.ndarray, ndim: int):

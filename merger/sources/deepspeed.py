@@ -28,6 +28,7 @@ from ..hf_folder import config_dir, named_file
 from .deepspeed_states import load_states
 from .flat_runs import run_boxes
 from .mapped_states import MappedStates
+from .safe_load import check_zip_end
 
 OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 MODEL_FILE = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
@@ -287,7 +288,7 @@ def open_catalog(root: Path) -> Catalog:
         if source in tensors:  # written once when config.json ties them, as save_pretrained does
             tensors[tied] = dataclasses.replace(tensors[source], name=tied)
     return Catalog(format="deepspeed", root=root, tensors=tensors, files=optim_files + model_files,
-                   reader_factory=DeepSpeedReader, hf_dir=config_dir(step.parent),
+                   reader_factory=DeepSpeedReader, hf_dir=config_dir(step.parent), check_file=check_zip_end,
                    details={"zero_stage": stage, "dp_world_size": world, "checkpoint": str(step),
                             "ds_version": str(model.get("ds_version")),
                             "param_groups": len(shape_groups), "partition_numels": part_sizes})

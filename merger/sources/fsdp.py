@@ -21,7 +21,7 @@ from ..io import exists
 from ..hf_folder import CONFIG_DIR, config_dir
 from .dtensor_classes import classes_for, dtensor_types
 from .mapped_states import MappedStates
-from .safe_load import torch_load
+from .safe_load import check_zip_end, torch_load
 
 RANK_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
 
@@ -165,7 +165,7 @@ def open_catalog(root: Path) -> Catalog:
     if not tensors:
         raise MergerError(f"rank file holds no tensors, {files[0]}")
     return Catalog(
-        format="fsdp", root=root, tensors=tensors, files=files, reader_factory=FsdpReader,
+        format="fsdp", root=root, tensors=tensors, files=files, reader_factory=FsdpReader, check_file=check_zip_end,
         hf_dir=config_dir(root / CONFIG_DIR),
         details={"world_size": world,
                  "meshes": sorted(f"{shape} {names}" for shape, names in meshes) or ["none (plain tensors)"],

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
 from ..errors import MergerError
 from ..io import is_file
 from .dcp import chunk_stored
-from .dcp_chunk_table import check_stored, chunk_rows, load_chunk_table
+from .dcp_chunk_table import check_end, check_stored, chunk_rows, load_chunk_table, stored_ends
 from .dcp_classes import TensorStorageMetadata
 from .dcp_metadata import load_compact
 from .file_reads import SourceFiles
@@ -87,6 +88,7 @@ def open_catalog(root: Path) -> Catalog:
     shapes: dict[str, tuple] = {}
     dtypes: dict[str, torch.dtype] = {}
     skipped: dict[str, str] = {}
+    used: list[np.ndarray] = []  # the table rows of the tensors merged: the bytes each file must hold
     for fqn, md in meta.state_dict_metadata.items():
         rule = skip_rule(fqn) or (None if isinstance(md, TensorStorageMetadata) else NOT_A_TENSOR)
         if rule:
@@ -95,6 +97,7 @@ def open_catalog(root: Path) -> Catalog:
         axes, name_of = _stacked_axes(fqn)
         rows = np.arange(*table.spans[fqn])
         check_stored(table, fqn, rows, len(md.size), ckpt)
+        used.append(rows)
         for offsets, sizes, file, (offset, length) in chunk_rows(table, rows, len(md.size)):
             key = f"{fqn}@{offset}:{length}"
             # One piece per (layer, expert) the chunk covers: its box without the stacked axes.
@@ -110,6 +113,8 @@ def open_catalog(root: Path) -> Catalog:
     files = sorted({c.file for t in tensors.values() for p in t.pieces for c in p.copies})
     return Catalog(format="megatron_dist", naming="megatron", root=root, tensors=tensors, files=files,
                    reader_factory=DistReader, hf_dir=hf_dir, skipped=skipped,
+                   check_file=partial(check_end, {str(ckpt / name): end for name, end in
+                                                  stored_ends(table, np.concatenate(used)).items()}),
                    details={"checkpoint": str(ckpt), "stored_tensors": len(meta.state_dict_metadata)})
 
 

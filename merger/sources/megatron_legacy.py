@@ -32,7 +32,7 @@ from .megatron_skips import NOT_A_TENSOR, skip_rule
 from .megatron_layout import checkpoint_dir
 from .megatron_sections import local_sections
 from .megatron_tp import tp_dim
-from .safe_load import torch_load
+from .safe_load import check_zip_end, torch_load
 
 FILE = "model_optim_rng.pt"
 MP_DIR = re.compile(r"mp_rank_(\d{2})((?:_\d{3}){0,2})")
@@ -253,7 +253,7 @@ def open_catalog(root: Path) -> Catalog:
     ordered = [files[k] for k in sorted(files, key=lambda k: (k[1], k[2], k[0]))]
     return Catalog(
         format="megatron_legacy", naming="megatron", root=root, tensors=tensors, files=ordered,
-        reader_factory=LegacyReader, hf_dir=hf_dir, skipped=skipped,
+        reader_factory=LegacyReader, hf_dir=hf_dir, skipped=skipped, check_file=check_zip_end,
         details={"checkpoint": str(ckpt), "tp": tp_size, "pp": pp_size, "ep": ep_size, "expert_tp": etp_size,
                  "virtual_chunks": len(chunk_keys), "layers": count})
 

@@ -6,6 +6,7 @@ everywhere, before anything in it is called, and a damaged file names itself.
 """
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import zipfile
@@ -58,18 +59,23 @@ def torch_load(path: str, what: str, mmap: bool = True, safe_globals: tuple = ()
         found = re.search(r"refusing to call getattr\(.*", text)
         if found:
             raise MergerError(f"refusing to load {what}: {found.group(0)}, {path}") from e
-        if _cut_short_zip(path):
-            raise MergerError(f"cannot load {what}: a zip archive whose end (the directory of its records) is "
-                              f"missing or damaged (truncated?), {path}") from e
+        check_zip_end(path)
         first_line = text.strip().splitlines()[0] if text.strip() else type(e).__name__
         raise MergerError(f"cannot load {what} ({first_line}), {path}") from e
 
 
-def _cut_short_zip(path: str) -> bool:
-    """A torch.save zip whose directory, at the end of the file, cannot be found: what a copy cut short or an
-    interrupted save leaves (torch.load then says only "Invalid argument" or the like)."""
+def check_zip_end(path: str) -> None:
+    """Refuse a torch.save zip whose directory, at the end of the file, cannot be found: what a copy cut short or
+    an interrupted save leaves (torch.load then says only "Invalid argument" or the like). It reads the file's
+    first bytes and its end, no tensor's bytes, so a plan checks every source file with it (Catalog.check_file)
+    and `inspect` names a truncated file that it would not otherwise open. A file that is no zip is left to
+    torch_load, which says what it is."""
     try:
         with open_shadow(path) as f:
-            return f.read(4) == _ZIP and not zipfile.is_zipfile(f)
+            if f.read(4) != _ZIP or zipfile.is_zipfile(f):
+                return
+            size = os.fstat(f.fileno()).st_size
     except OSError:
-        return False
+        return  # missing or unreadable: the load says which
+    raise MergerError(f"truncated: the file's {size} bytes end without the zip directory that ends a torch.save "
+                      f"file (copied or saved only in part?), {path}")

@@ -8,7 +8,7 @@ import torch
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
 from ..errors import MergerError
 from .mapped_states import MappedStates
-from .safe_load import torch_load
+from .safe_load import check_zip_end, torch_load
 
 
 def load_state(path: str) -> dict:
@@ -29,7 +29,8 @@ def open_file_catalog(path: Path, fmt: str = "torch_file") -> Catalog:
                for name, v in state.items() if isinstance(v, torch.Tensor)}
     if not tensors:
         raise MergerError(f"no tensors in the file, {path}")
-    return Catalog(format=fmt, root=path.parent, tensors=tensors, files=[str(path)], reader_factory=TorchFileReader)
+    return Catalog(format=fmt, root=path.parent, tensors=tensors, files=[str(path)], reader_factory=TorchFileReader,
+                   check_file=check_zip_end)
 
 
 class TorchFileReader:

@@ -17,8 +17,10 @@ def union_catalog(parts: dict[str, Catalog], root: Path, fmt: str) -> Catalog:
         for name, t in c.tensors.items():
             tensors[prefix + name] = SourceTensor(prefix + name, t.shape, t.dtype, t.pieces)
     files = [f for c in parts.values() for f in c.files]
+    checks = {f: c.check_file for c in parts.values() if c.check_file for f in c.files}
     return Catalog(format=fmt, root=root, tensors=tensors, files=files,
                    reader_factory=partial(UnionReader, list(parts.values())),
+                   check_file=lambda f: checks[f](f) if f in checks else None,
                    details={f"{p or 'base'} files": len(c.files) for p, c in parts.items()})
 
 

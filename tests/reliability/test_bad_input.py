@@ -22,7 +22,7 @@ import torch
 
 from merger.cli import main
 from tests.helpers.files import flip_bit_in_tensor, snapshot
-from tests.helpers.in_process import merge_here, single_error_line
+from tests.helpers.in_process import command_here, merge_here, single_error_line
 from tests.helpers.processes import run_merger, start_merger
 from tests.helpers.reliability import RANK0, RANK1, SMALL
 from tests.helpers.weights import assert_same_weights
@@ -85,8 +85,8 @@ def _config_links_out(c):
 
 BAD_INPUT = {
     "missing rank file": (_delete_rank1, "missing", RANK1),
-    "truncated rank 0": (_truncate(RANK0), "cannot load rank file", RANK0),
-    "truncated rank 1": (_truncate(RANK1), "cannot load rank file", RANK1),
+    "truncated rank 0": (_truncate(RANK0), "truncated: the file's", RANK0),
+    "truncated rank 1": (_truncate(RANK1), "truncated: the file's", RANK1),
     "random bytes": (_random_bytes, "cannot load rank file: not a torch.save file", RANK1),
     "world size contradicted": (_world_size_lie, "world_size 4", "fsdp_config.json"),
     "shards disagree across ranks": (_rank0_as_rank1, "local shape", RANK1),
@@ -109,6 +109,20 @@ def test_bad_input_fails_before_any_output(case, ckpt, tmp_path, capsys):
     assert len(errors) == 1 and what in errors[0] and file in errors[0].rsplit(", ", 1)[1], errors
     assert not out.exists()  # not even the target's parent: every check ran before anything was created
     assert snapshot(ckpt) == source
+
+
+def test_truncated_rank_file_fails_plain_inspect_and_merge(ckpt, tmp_path, capsys):
+    """Rank 1's file cut short by a byte (its zip directory, at its end, gone): plain inspect, which loads only
+    rank 0's file to describe the checkpoint, names it as a merge does before it starts, from the zip's end alone."""
+    os.truncate(ckpt / RANK1, (ckpt / RANK1).stat().st_size - 1)
+    size = (ckpt / RANK1).stat().st_size
+    line = f"merger: error: truncated: the file's {size} bytes end without the zip directory"
+    out = tmp_path / "out"
+    for command in (["inspect", "--local_dir", ckpt], ["merge", "--local_dir", ckpt, "--target_dir", out / "model"]):
+        code, errors = command_here(capsys, *command)
+        assert code == 1 and len(errors) == 1, errors
+        assert errors[0].startswith(line) and errors[0].endswith(f", {ckpt / RANK1}"), errors
+    assert not out.exists()
 
 
 def test_source_that_is_not_a_folder(ckpt, tmp_path, capsys):
