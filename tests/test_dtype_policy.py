@@ -9,6 +9,10 @@ torchtitan DeepSeek-V3 checkpoint (torchtitan keeps its expert bias in float32).
 """
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -108,3 +112,57 @@ def test_the_source_text_check_finds_every_class_that_keeps_modules_in_float32()
         keeping += [model_type] if keeps else []
         skipped += not found
     assert "deepseek_v3" in keeping and skipped > len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) / 2
+
+
+def loads_as_stored(folder) -> bool:
+    """The oracle for config.json's dtype: transformers loading the folder with no dtype (it reads config.json's)
+    gives every parameter the dtype the folder stores it in."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    stored = saved_dtypes(folder)
+    return all(p.dtype == stored[name] for name, p in model.named_parameters() if name in stored)
+
+
+def test_a_config_folder_target_states_the_weights_dtype(fsdp_checkpoint, tmp_path):
+    """verl saves actor/huggingface/config.json with float32, the dtype it trained in; merged into that folder
+    at bfloat16, the config must say bfloat16 (and nothing else in it changes)."""
+    actor = Path(shutil.copytree(fsdp_checkpoint("llama", 2)[0], tmp_path / "actor"))
+    hf = actor / "huggingface"
+    given = json.loads((hf / "config.json").read_text())
+    assert given["dtype"] == "float32"
+    merge_in_process(actor, hf, "--dtype", "bfloat16")
+    assert json.loads((hf / "config.json").read_text()) == {**given, "dtype": "bfloat16"}
+    assert set(saved_dtypes(hf).values()) == {torch.bfloat16} and loads_as_stored(hf)
+    manifest = json.loads((hf / "merge_manifest.json").read_text())
+    assert "config.json" not in manifest["added_files"]  # the source's file: a later merge never removes it
+
+
+@pytest.mark.parametrize("keys", [("dtype",), ("dtype", "torch_dtype"), ("torch_dtype",)])
+def test_keep_states_the_dtype_the_weights_keep(fsdp_checkpoint, tmp_path, keys):
+    """A float32 checkpoint whose config says bfloat16 (copied from the release it was trained from), merged with
+    --dtype keep: the config says float32, in the key or keys it had."""
+    actor = Path(shutil.copytree(fsdp_checkpoint("llama", 2)[0], tmp_path / "actor"))
+    config = {k: v for k, v in json.loads((actor / "huggingface" / "config.json").read_text()).items()
+              if k not in ("dtype", "torch_dtype")}
+    (actor / "huggingface" / "config.json").write_text(json.dumps({**config, **dict.fromkeys(keys, "bfloat16")}))
+    out = merge_in_process(actor, tmp_path / "out", "--dtype", "keep")
+    written = json.loads((out / "config.json").read_text())
+    assert {k: written.get(k) for k in ("dtype", "torch_dtype")} == \
+        {"dtype": "float32", "torch_dtype": "float32" if "torch_dtype" in keys else None}
+    assert set(saved_dtypes(out).values()) == {torch.float32} and loads_as_stored(out)
+
+
+def test_keep_with_mixed_dtypes_states_save_pretrained_s(deepseek_release, tmp_path):
+    """A bfloat16 model with its router kept in float32 (merger's own output), its config edited to say float32,
+    merged again with --dtype keep: the config says what save_pretrained writes for that model, bfloat16 (its
+    first floating-point parameter's), and transformers loads each tensor in the dtype stored."""
+    release, reference = deepseek_release
+    mixed = merge_in_process(release, tmp_path / "mixed", "--dtype", "bfloat16")
+    want = tmp_path / "saved"
+    transformers.AutoModelForCausalLM.from_pretrained(mixed, dtype=torch.bfloat16).save_pretrained(want)
+    config = json.loads((mixed / "config.json").read_text())
+    (mixed / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
+    out = merge_in_process(mixed, tmp_path / "out", "--dtype", "keep")
+    assert {torch.bfloat16, torch.float32} <= set(saved_dtypes(out).values())
+    assert json.loads((out / "config.json").read_text())["dtype"] == json.loads((want / "config.json").read_text())[
+        "dtype"] == "bfloat16"
+    assert loads_as_stored(out)

@@ -69,26 +69,29 @@ def test_a_target_that_is_holds_or_lies_in_the_source_is_refused(where, overwrit
 
 
 def test_merging_into_the_checkpoints_config_folder_adds_the_weights_beside_it(ckpt, reference, capsys):
-    """verl's own CI flow: `--target_dir actor/huggingface`. Weights, index and manifest are added; the config,
-    tokenizer and rank files stay byte for byte."""
+    """verl's own CI flow: `--target_dir actor/huggingface`. Weights, index and manifest are added; the tokenizer
+    and rank files stay byte for byte, config.json but for its dtype (verl's says float32, the weights are bf16)."""
     hf = ckpt / "huggingface"
+    config = json.loads((hf / "config.json").read_text())
     before_hf, before_ranks = snapshot(hf), {k: v for k, v in snapshot(ckpt).items() if "/" not in k}
+    del before_hf["config.json"]
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", hf, "--max_shard_size", "20KB")
     assert code == 0, errors
     assert {k: v for k, v in snapshot(ckpt).items() if "/" not in k} == before_ranks
     after = snapshot(hf)
-    assert {k: after[k] for k in before_hf} == before_hf  # nothing replaced
-    added = set(after) - set(before_hf)
+    assert {k: after[k] for k in before_hf} == before_hf  # nothing else replaced
+    assert json.loads((hf / "config.json").read_text()) == {**config, "dtype": "bfloat16"}
+    added = set(after) - set(before_hf) - {"config.json"}
     assert "model.safetensors.index.json" in added and "merge_manifest.json" in added
     assert added == {"model.safetensors.index.json", "merge_manifest.json",
                      *json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"].values()}
     assert_same_weights(hf, reference, torch.bfloat16)
     assert not [p for p in hf.iterdir() if p.name.startswith(".")]  # no staging folder, no lock left
 
-    # transformers loads the folder as a model (its config kept the training dtype; the weights are bf16).
+    # transformers loads the folder as a model, in the weights' dtype that its config now states.
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(hf)
     ref = load_file(reference / "model.safetensors")
     assert torch.equal(model.state_dict()["model.norm.weight"], ref["model.norm.weight"].to(torch.bfloat16))
 
@@ -99,7 +102,7 @@ def test_merging_into_the_checkpoints_config_folder_adds_the_weights_beside_it(c
     assert code == 0, errors
     final = snapshot(hf)
     assert {k: final[k] for k in before_hf} == before_hf
-    assert set(final) - set(before_hf) == {"model.safetensors", "merge_manifest.json"}  # old shards removed
+    assert set(final) - set(before_hf) == {"config.json", "model.safetensors", "merge_manifest.json"}  # old shards gone
     assert_same_weights(hf, reference, torch.bfloat16)
 
 

@@ -161,7 +161,7 @@ def _open_target(options: MergeOptions, prepared: Prepared) -> Target:
         added = {f.name.split("/")[0] for f in prepared.plan.files} | {n.split("/")[0] for n in prepared.extra_files}
         check_config_dir_entries(target, sorted(added | {"model.safetensors.index.json"}), options.overwrite)
         log.info("merger: adding the weights to the checkpoint's config folder %s, beside its config and tokenizer "
-                 "(config.json is left as it is)", target.path)
+                 "(config.json is left as it is, but for a dtype that is not the weights')", target.path)
     return target
 
 
@@ -272,9 +272,9 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
             stream.etags.update(tracker.etags)
 
         def complete():
-            finish(stage, plan, None if target.beside_config else prepared.hf_dir, options.torch_dtype,
+            finish(stage, plan, prepared.hf_dir, options.torch_dtype,
                    manifest, prepared.config_updates, prepared.extra_files,
-                   list_added=target.beside_config, config_removals=prepared.config_removals,
+                   beside_config=target.beside_config, config_removals=prepared.config_removals,
                    files_left_out=prepared.files_left_out)
 
         on_rank_zero(group, complete, options.debug)

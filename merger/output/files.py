@@ -302,30 +302,39 @@ def _copy_hf_files(hf_dir: Path, stage: Path, left_out: tuple[str, ...] = ()) ->
     return copied
 
 
-def _write_config(stage: Path, dtype_name: str | None, config_updates: dict,
-                  config_removals: tuple[str, ...]) -> None:
-    path = stage / "config.json"
-    config = json.loads(path.read_text())
-    if dtype_name:
-        config["dtype"] = dtype_name
-        if "torch_dtype" in config:
-            config["torch_dtype"] = dtype_name
-    config.update(config_updates)
-    for key in config_removals:
-        config.pop(key, None)
+def _config_dtype(plan: Plan, out_dtype: torch.dtype | None) -> str | None:
+    """The dtype config.json states, as save_pretrained writes it: the model's `dtype`, its first floating-point
+    parameter's. At `--dtype X` that is X (the modules transformers keeps in float32 come after the input
+    embedding); with `keep`, the first floating-point tensor's in the output's layer order (the input embedding's).
+    None: no floating-point weights, nothing to state."""
+    dtype = out_dtype or next((e.dtype for f in plan.model_files for e in f.entries if e.dtype.is_floating_point),
+                              None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _with_dtype(config: dict, dtype_name: str | None) -> dict:
+    """`config` stating `dtype_name` in `dtype` (what transformers 5 writes), and in the older `torch_dtype` too
+    where the config has that key: a loader reads either."""
+    if dtype_name is None:
+        return config
+    return {**config, "dtype": dtype_name, **({"torch_dtype": dtype_name} if "torch_dtype" in config else {})}
+
+
+def _write_config(stage: Path, config: dict) -> None:
     _write_into(stage, "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
 def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype | None, manifest: Manifest,
            config_updates: dict | None = None, extra_files: dict[str, str] | None = None,
-           list_added: bool = False, config_removals: tuple[str, ...] = (),
+           beside_config: bool = False, config_removals: tuple[str, ...] = (),
            files_left_out: tuple[str, ...] = ()) -> None:
     """Rank 0, after every rank wrote its bytes: index, config (`config_updates` set, `config_removals`
     deleted), tokenizer files (but `files_left_out`), extra files (relative path -> text, e.g. an adapter's
     config), manifest, in the staging folder.
 
-    `list_added`: the output joins a folder of the source's (target.py), so the manifest lists what it adds there,
-    which is all a later merge may replace. The move into place (`target.place`) is separate so that `--verify`
+    `beside_config`: the output joins `hf_dir` itself, the source's config folder (target.py): nothing is copied,
+    config.json there is restated only where its dtype is not the weights' (the one change merger makes to it),
+    and the manifest lists what the merge adds, which is all a later merge may replace. The move into place (`target.place`) is separate so that `--verify`
     can check the complete folder first.
     """
     if len(plan.model_files) > 1:
@@ -333,14 +342,21 @@ def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype 
         index = {"metadata": {"total_size": total}, "weight_map": plan.weight_map}
         _write_into(stage, INDEX, (json.dumps(index, indent=2) + "\n").encode())
     copied = []
-    if hf_dir is not None:  # None: the target is no HF model (an adapter folder): no config to complete
+    dtype_name = _config_dtype(plan, out_dtype)
+    if hf_dir is not None and beside_config:
+        config = json.loads((hf_dir / "config.json").read_text())
+        if _with_dtype(config, dtype_name) != config:
+            _write_config(stage, _with_dtype(config, dtype_name))
+    elif hf_dir is not None:  # None: the target is no HF model (an adapter folder): no config to complete
         copied = _copy_hf_files(hf_dir, stage, files_left_out)
         if "config.json" not in copied:
             raise MergerError(f"no config.json to copy (pass --hf_model_config_path), {hf_dir}")
-        dtype_name = str(out_dtype).removeprefix("torch.") if out_dtype is not None else None
-        _write_config(stage, dtype_name, config_updates or {}, config_removals)
+        config = {**_with_dtype(json.loads((stage / "config.json").read_text()), dtype_name), **(config_updates or {})}
+        _write_config(stage, {k: v for k, v in config.items() if k not in config_removals})
     for name, text in (extra_files or {}).items():
         (stage / name).parent.mkdir(parents=True, exist_ok=True)
         _write_into(stage, name, text.encode())
-    added = sorted(p.name for p in stage.iterdir() if not p.name.startswith(MANIFEST)) if list_added else None
+    # config.json beside the weights stays the source's, restated or not: never one a later merge may remove.
+    added = sorted(p.name for p in stage.iterdir() if not p.name.startswith(MANIFEST) and p.name != "config.json") \
+        if beside_config else None
     write_manifest(stage, dataclasses.replace(manifest, copied_files=copied, complete=True, added_files=added))
