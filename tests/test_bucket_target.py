@@ -246,11 +246,13 @@ def test_verify_keeps_the_staged_files_whole_for_its_check(store, hf_model, hf_l
 
 
 @contextlib.contextmanager
-def _paused_merge(store, model: Path, url: str, stage: Path, pause: Path):
+def _paused_merge(store, model: Path, url: str, stage: Path | None, pause: Path, env: dict | None = None):
     """A merge into `url` paused after its 6th batch, once some files' parts are sent (paused_merger.py); killed on
-    the way out if the test left it running (a failed check would leave it paused for an hour)."""
-    env = {**store.env, "MERGER_TEST_PAUSE_AFTER_BATCH": "5", "MERGER_TEST_PAUSE_FILE": str(pause)}
-    proc = start_merger("merge", "--local_dir", model, "--target_dir", url, "--stage_dir", stage, *STREAMED, env=env)
+    the way out if the test left it running (a failed check would leave it paused for an hour). `stage` None: no
+    --stage_dir (a temporary folder)."""
+    env = {**store.env, "MERGER_TEST_PAUSE_AFTER_BATCH": "5", "MERGER_TEST_PAUSE_FILE": str(pause), **(env or {})}
+    staged = ["--stage_dir", stage] if stage else []
+    proc = start_merger("merge", "--local_dir", model, "--target_dir", url, *staged, *STREAMED, env=env)
     try:
         wait_paused([proc], pause, [0])
         yield proc
@@ -299,6 +301,24 @@ def test_ctrl_c_mid_stream_aborts_the_uploads_and_resume_finishes(store, layered
     left = [o["Key"] for o in client.list_objects_v2(Bucket="models", Prefix="interrupted/").get("Contents", [])]
     assert not [k for k in left if not k.endswith(".safetensors")], left  # no lock, config, index or manifest
     _resumed_as_local(store, layered_model, layered_local, url, stage, tmp_path)
+
+
+def test_ctrl_c_without_a_stage_dir_names_no_folder_it_removed(store, layered_model, tmp_path):
+    """Without --stage_dir the merge is staged in a temporary folder, removed on the way out: the interrupted run
+    must not point at a partial merge there for --resume. Every path its lines name exists afterwards."""
+    url, temp = "s3://models/interrupted-unstaged", tmp_path / "tmp"
+    temp.mkdir()
+    with _paused_merge(store, layered_model, url, None, tmp_path / "paused", env={"TMPDIR": str(temp)}) as proc:
+        assert _sent_parts(store, "interrupted-unstaged") > 0
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert single_error_line(err).startswith(f"merger: error: interrupted by SIGINT; nothing was written to {url}")
+    named = [Path(p.rstrip(".,;:)")) for line in err.splitlines() if line.startswith("merger")
+             for p in re.findall(r"(?<![:/\w])/\S+", line)]  # local paths, not the s3:// URL
+    assert [p for p in named if not p.exists()] == [], err
+    assert list(temp.iterdir()) == []  # the temporary folder removed: nothing kept
+    assert open_uploads(store) == []
 
 
 def test_kill_9_mid_stream_then_resume(store, layered_model, layered_local, tmp_path):

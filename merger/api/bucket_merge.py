@@ -26,11 +26,12 @@ MODEL = "model"
 
 
 def merge_into_bucket(options: MergeOptions, group: Group,
-                      stage_and_place: Callable[[MergeOptions, StreamedUpload], CompareResult | None]
+                      stage_and_place: Callable[[MergeOptions, StreamedUpload, bool], CompareResult | None]
                       ) -> CompareResult | None:
-    """Run `stage_and_place` into a local folder (--stage_dir, or a temporary one), streaming the weight files to
-    options.target_dir from every rank as they are written, then upload the rest. Nothing is written in the bucket
-    until the lock is taken there, and nothing there reads as a model until the upload is complete."""
+    """Run `stage_and_place` into a local folder (--stage_dir, or a temporary one, which it is told it is: nothing
+    is kept there to resume), streaming the weight files to options.target_dir from every rank as they are written,
+    then upload the rest. Nothing is written in the bucket until the lock is taken there, and nothing there reads as
+    a model until the upload is complete."""
     url = str(options.target_dir)
     if options.hf_upload_path:
         raise MergerError(f"--hf_upload_path publishes a local folder: merge to one, then `merger upload` it, {url}")
@@ -59,14 +60,16 @@ def merge_into_bucket(options: MergeOptions, group: Group,
                                     overwrite=options.overwrite or options.resume)
         # --verify reads the staged files after the merge: they stay whole until the end.
         stream = StreamedUpload(url, bucket, release=not options.verify)
-        verified = stage_and_place(local, stream)
+        verified = stage_and_place(local, stream, options.stage_dir is None)
         _upload(folder, url, group, bucket, stream, options.debug)
-    except Interrupted as e:
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM
         if bucket is not None:
             bucket.abort()
-        if made is None:  # the partial merge stays in --stage_dir, for --resume
+        if made is None:  # the partial merge stays in --stage_dir, for --resume (the error line says so)
             raise
-        raise Interrupted(str(e), f"nothing was written to {url} (the uploads begun were aborted)") from e
+        raise Interrupted(str(e), f"nothing was written to {url} and nothing is kept (the uploads begun were "
+                                  f"aborted, the temporary staging folder removed): give --stage_dir to keep a "
+                                  f"partial merge that --resume continues") from e
     except BaseException:
         if bucket is not None:
             bucket.abort()

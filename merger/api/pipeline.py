@@ -166,13 +166,14 @@ def _open_target(options: MergeOptions, prepared: Prepared) -> Target:
 
 
 def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, started: float,
-                     stream: StreamedUpload | None = None) -> CompareResult | None:
+                     stream: StreamedUpload | None = None, temporary: bool = False) -> CompareResult | None:
     """Stream into the staging folder, finish it, verify it when asked, rename it into place.
 
     On failure the staging folder is removed (or kept for --keep-partial / --resume, and after Ctrl-C): the
     target only ever holds a complete model; a kept one is replaced only with --overwrite. Rank 0 holds the
     target's lock throughout, so no other merge writes there. `stream`: an s3:// target's uploads, whose parts
-    the checksum threads send while the merge streams (output/part_stream.py).
+    the checksum threads send while the merge streams (output/part_stream.py). `temporary`: the target is a
+    folder the caller removes at the end (an s3:// merge without --stage_dir), so nothing is kept to resume.
     """
     plan = prepared.plan
     lock: TargetLock | None = None
@@ -202,7 +203,8 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
 
     reader = open_checked_reader(prepared, group, options.debug)  # bad input fails before anything is created
     target = sink = tracker = None
-    keep = options.keep_partial or options.resume  # and after Ctrl-C: a user who stops a merge may resume it
+    # and after Ctrl-C: a user who stops a merge may resume it (not from a folder removed at the end)
+    keep = (options.keep_partial or options.resume) and not temporary
 
     def discard() -> None:
         """After a failure: the staging folder kept for --keep-partial / --resume / Ctrl-C, else removed; the
@@ -293,7 +295,7 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
             with contextlib.suppress(Exception):
                 sink.close()
         ctrl_c = isinstance(e, KeyboardInterrupt) and str(e) in ("", "SIGINT")  # the handler's SIGTERM has args
-        keep = keep or ctrl_c
+        keep = keep or (ctrl_c and not temporary)
         if group.rank == 0:
             cleanup()
             if ctrl_c and target is not None and target.stage.exists():
@@ -327,8 +329,8 @@ def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = N
 
     try:
         if is_remote(options.target_dir):
-            verified = merge_into_bucket(
-                options, group, lambda local, stream: _stage_and_place(local, group, prepared, started, stream))
+            verified = merge_into_bucket(options, group, lambda local, stream, temporary: _stage_and_place(
+                local, group, prepared, started, stream, temporary))
         else:
             verified = _stage_and_place(options, group, prepared, started)
         if options.hf_upload_path:
