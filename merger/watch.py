@@ -8,7 +8,8 @@ A run folder holds one folder per saved step, and each trainer says in its own w
 Step N goes to `TARGET/<its folder's name>`. A step whose output holds a complete merge (its manifest says so)
 is skipped without reading it, so a restarted watcher picks up where it was; a merge cut short is resumed from
 its kept staging folder (`--resume`'s checksums decide what is reused). A step that fails is reported in one
-line and retried on the next pass; the steps after it go on.
+line and retried on the next pass; the steps after it go on. A step whose target lock a live process holds (another
+watcher on the same run) is left to it and said once, neither failed nor retried.
 
 Under torchrun every rank takes part in every merge: rank 0 lists the steps and the others follow its list, so
 the ranks never disagree on what is finished.
@@ -27,7 +28,8 @@ from .engine.dist import Group
 from .errors import MergerError
 from .io import is_remote
 from .options import MergeOptions
-from .output.target import earlier_merge, stage_of
+from .output.target import earlier_merge, lock_of, stage_of
+from .output.target_lock import TargetLock
 from .sources.megatron_layout import TRACKER
 from .units import format_size
 
@@ -114,26 +116,59 @@ def converted(target: Path) -> bool:
     return manifest is not None and manifest.complete is True
 
 
-def convert_pending(options: MergeOptions, role: str, group: Group) -> tuple[list[str], dict[str, str], int]:
-    """One pass: merge every finished step not converted yet, in step order. Returns the names of those that
-    failed, the step folders still being saved (name: why), and how many steps are converted already."""
+def _state(target: Path) -> tuple[bool, dict | None, bool]:
+    """Whether step output `target` is converted; the lock record of another process converting it now (None: no
+    one is); whether a staging folder is left to resume. Looked at in this order, each before the next: a merge
+    takes the lock before it stages and renames its output into place before it lets go, so a staging folder seen
+    while the lock was free after it is no live merge's, and a step found unconverted after a free lock was not
+    finished by whoever held it."""
+    stage = stage_of(target).exists()
+    holder = TargetLock(lock_of(target), target).live_holder()
+    return converted(target), holder, stage
+
+
+def _say_busy(name: str, holder: dict, told: set[str], group: Group) -> None:
+    """Once per step: another process converts it (the target lock says which), so this watcher leaves it."""
+    if group.rank == 0 and name not in told:
+        told.add(name)
+        who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "its lock record is unreadable"
+        log.info("merger: watch: %s is being converted by another process (%s), skipping it", name, who)
+
+
+def convert_pending(options: MergeOptions, role: str, group: Group,
+                    told: set[str]) -> tuple[list[str], dict[str, str], int]:
+    """One pass: merge every finished step not converted yet, in step order, but for those another process is
+    converting (its lock on the step's target says so; `told`: the steps this watcher said so of already). Returns
+    the names of those that failed, the step folders still being saved (name: why), and how many steps are
+    converted already."""
     run, out = Path(options.local_dir), Path(options.target_dir)
     steps, waiting = group.all_gather(scan(run, role) if group.rank == 0 else None)[0]
     failed, done = [], 0
     for step in steps:
         target = out / step.name
-        if converted(target):
+        is_done, holder, resume = group.all_gather(_state(target) if group.rank == 0 else None)[0]
+        if is_done:
             done += 1
+            continue
+        if holder is not None:
+            _say_busy(step.name, holder, told, group)
             continue
         # An attempt cut short (a failure, a killed watcher) kept its staging folder: its finished files are reused.
         step_options = dataclasses.replace(options, local_dir=step.source, target_dir=target, keep_partial=True,
-                                           resume=stage_of(target).exists())
+                                           resume=resume)
         try:
             summary = run_merge(step_options, group)
         except MergerError as e:
-            failed.append(step.name)
-            if group.rank == 0:
-                log.warning("merger: watch: %s failed, retried on the next pass: %s", step.name, e)
+            # Another watcher may have taken the step since the look above: its lock stopped this merge.
+            is_done, holder, _ = group.all_gather(_state(target) if group.rank == 0 else None)[0]
+            if is_done:
+                done += 1
+            elif holder is not None:
+                _say_busy(step.name, holder, told, group)
+            else:
+                failed.append(step.name)
+                if group.rank == 0:
+                    log.warning("merger: watch: %s failed, retried on the next pass: %s", step.name, e)
             continue
         done += 1
         if group.rank == 0:
@@ -167,9 +202,9 @@ def watch(options: MergeOptions, role: str, once: bool, interval: float, group: 
         raise MergerError(f"run folder does not exist, {options.local_dir}")
     if (why := not_a_run(run)) is not None:
         raise MergerError(f"{why}, {options.local_dir}")
-    said = None
+    said, told = None, set()
     while True:
-        failed, waiting, done = convert_pending(options, role, group)
+        failed, waiting, done = convert_pending(options, role, group, told)
         if group.rank == 0 and (waiting, done) != said:
             _say_waiting(run, waiting, done)
             said = (waiting, done)

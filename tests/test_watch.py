@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -106,6 +107,42 @@ def test_a_watcher_killed_mid_merge_resumes_the_step(fsdp_checkpoint, tmp_path):
     again = run_merger("watch", "--local_dir", run, "--target_dir", out, *SMALL, "--once")
     assert "--resume: reusing" in again.stderr and "reusing 0 of" not in again.stderr, again.stderr
     assert_same_weights(out / "global_step_1", reference, torch.bfloat16)
+
+
+def test_two_watchers_on_one_run_convert_each_step_once(fsdp_checkpoint, tmp_path, capsys):
+    """Two watchers on one run (two nodes, or a restarted job while the old one still runs): the target lock gives
+    each step to one of them, the other says so once and goes on, and both exit 0. The first is paused in the middle
+    of step 1 while the second runs, then goes on."""
+    actor = fsdp_checkpoint("llama", 2)[0]
+    run, out, pause = tmp_path / "run", tmp_path / "out", tmp_path / "paused"
+    steps = [f"global_step_{n}" for n in (1, 2, 3)]
+    for n in (1, 2, 3):
+        _step(run, n, actor)
+    _track(run, 3)
+    watch = ("watch", "--local_dir", run, "--target_dir", out, "--once", *SMALL)
+    first = start_merger(*watch, env={"MERGER_TEST_PAUSE_AFTER_BATCH": "0", "MERGER_TEST_PAUSE_FILE": str(pause)})
+    paused = Path(f"{pause}.0")
+    deadline = time.monotonic() + 120
+    while not (paused.exists() and paused.read_text()):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.2)
+    second = run_merger(*watch).stderr  # exits 0
+    paused.unlink()  # the first goes on
+    first_err = first.communicate(timeout=120)[1]
+    assert first.returncode == 0, first_err
+    assert sorted(p.name for p in out.iterdir()) == steps  # no staging folder or lock left
+    for step, by in zip(steps, (first_err, second, second)):
+        assert [err.count(f"{step}/actor -> {out / step} (") for err in (first_err, second)] == \
+            [int(by is first_err), int(by is second)], (first_err, second)  # converted once, by one watcher
+    assert second.count(f"merger: watch: global_step_1 is being converted by another process (pid {first.pid} "
+                        f"on {socket.gethostname()}), skipping it") == 1, second
+    assert "another process" not in first_err and "failed" not in first_err + second
+    merged = tmp_path / "merged"
+    assert command_here(capsys, "merge", "--local_dir", run / "global_step_1" / "actor", "--target_dir", merged,
+                        *SMALL) == (0, [])
+    weights = {n: sha for n, (sha, _, _) in snapshot(merged).items() if n.endswith(".safetensors")}
+    for step in steps:
+        assert {n: sha for n, (sha, _, _) in snapshot(out / step).items() if n.endswith(".safetensors")} == weights
 
 
 @pytest.mark.parametrize("layout, finish, source", [

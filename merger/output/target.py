@@ -41,6 +41,11 @@ def stage_of(target: Path) -> Path:
     return target.parent / f".{target.name}{STAGE_SUFFIX}"
 
 
+def lock_of(target: Path) -> Path:
+    """The lock file a merge into `target` holds from its first check to the final rename, beside it."""
+    return target.parent / f".{target.name}.merger-lock"
+
+
 def is_staging(folder: Path) -> bool:
     """A folder a merge writes before it is complete: never a merged model, whatever its manifest says."""
     return folder.name == STAGE_IN_CONFIG_DIR or (folder.name.startswith(".") and folder.name.endswith(STAGE_SUFFIX))
@@ -100,7 +105,7 @@ def resolve_target(target: Path, sources: list[Path], hf_dir: Path | None, data_
         raise MergerError(f"target folder is not empty and holds no merger output (no {MANIFEST}): merger "
                           f"replaces only an empty folder or an earlier merge; choose another --target_dir, {target}")
     _check_parent(target.parent)
-    return Target(target, stage_of(target), target.parent / f".{target.name}.merger-lock", earlier=earlier)
+    return Target(target, stage_of(target), lock_of(target), earlier=earlier)
 
 
 def _check_parent(parent: Path) -> None:

@@ -81,6 +81,12 @@ class TargetLock:
             return
         raise MergerError(f"cannot take the target's lock: it keeps changing hands, {self.path}")
 
+    def live_holder(self) -> dict | None:
+        """The record of a merge that holds the lock and is not stale ({} when its record is unreadable), taking
+        nothing; None when the lock is free or stale."""
+        holder = self._holder()
+        return None if holder is None or self._stale(holder) else holder
+
     def release(self) -> None:
         """Remove the lock if it is still this merge's (never another's that broke it as stale)."""
         self._stop.set()

@@ -3,9 +3,10 @@
 Run in place of `-m merger` (conftest does so when the environment asks for a pause), as one process or under
 torchrun: with MERGER_TEST_PAUSE_AFTER_BATCH=N and MERGER_TEST_PAUSE_FILE=P, once batches 0..N are written on
 every rank (and each rank has checksummed the blocks of its share they completed), each rank writes its pid
-to `P.<rank>` and sleeps, for the test to kill, stop or signal it. MERGER_TEST_PAUSE_RANK=r pauses only rank r:
-the others go on into the next collective and wait there for it. The pause wraps `FileTracker.confirmed`, where
-a rank learns at a sync point that every rank wrote the batches so far; merger itself knows nothing of it.
+to `P.<rank>` and sleeps, for the test to kill, stop or signal it, or to remove `P.<rank>`, which lets it go on.
+MERGER_TEST_PAUSE_RANK=r pauses only rank r: the others go on into the next collective and wait there for it. The
+pause wraps `FileTracker.confirmed`, where a rank learns at a sync point that every rank wrote the batches so far;
+merger itself knows nothing of it.
 """
 import os
 import sys
@@ -24,11 +25,12 @@ def _pause_after(batch: int, file: str, only: int | None):
         if count == batch + 1 and only in (None, self.group.rank):
             for future in self.futures:  # this rank's checksums of the blocks finished so far
                 future.result()
-            Path(f"{file}.{self.group.rank}").write_text(str(os.getpid()))
+            paused = Path(f"{file}.{self.group.rank}")
+            paused.write_text(str(os.getpid()))
             # Short sleeps: a signal that lands after the file is written but before a long sleep starts would
             # only be acted on when that sleep ends; between short ones Python runs its handler at once.
             deadline = time.monotonic() + 3600
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and paused.exists():
                 time.sleep(0.05)
 
     return confirmed_then_pause
