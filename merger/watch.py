@@ -9,7 +9,8 @@ Step N goes to `TARGET/<its folder's name>`. A step whose output holds a complet
 is skipped without reading it, so a restarted watcher picks up where it was; a merge cut short is resumed from
 its kept staging folder (`--resume`'s checksums decide what is reused). A step that fails is reported in one
 line and retried on the next pass; the steps after it go on. A step whose target lock a live process holds (another
-watcher on the same run) is left to it and said once, neither failed nor retried.
+watcher on the same run) is left to it and said once, neither failed nor retried; so is a step deleted before or
+while it is converted (a trainer that keeps its last K checkpoints), whose partial merge is removed.
 
 Under torchrun every rank takes part in every merge: rank 0 lists the steps and the others follow its list, so
 the ranks never disagree on what is finished.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,55 +118,77 @@ def converted(target: Path) -> bool:
     return manifest is not None and manifest.complete is True
 
 
-def _state(target: Path) -> tuple[bool, dict | None, bool]:
-    """Whether step output `target` is converted; the lock record of another process converting it now (None: no
-    one is); whether a staging folder is left to resume. Looked at in this order, each before the next: a merge
-    takes the lock before it stages and renames its output into place before it lets go, so a staging folder seen
-    while the lock was free after it is no live merge's, and a step found unconverted after a free lock was not
+@dataclass(frozen=True)
+class _Look:
+    """What rank 0 finds of a step before (and after) merging it. Looked at in this order, each before the next: a
+    merge takes the lock before it stages and renames its output into place before it lets go, so a staging folder
+    seen while the lock was free after it is no live merge's, and a step found unconverted after a free lock was not
     finished by whoever held it."""
-    stage = stage_of(target).exists()
-    holder = TargetLock(lock_of(target), target).live_holder()
-    return converted(target), holder, stage
+    stage: bool  # a staging folder is left to resume
+    holder: dict | None  # the lock record of another process converting the step now ({}: unreadable); None: none
+    converted: bool
+    source: bool  # the step is still there: a trainer that keeps the last K checkpoints deletes older ones
+
+    @classmethod
+    def of(cls, step: Step, target: Path) -> _Look:
+        stage = stage_of(target).exists()
+        holder = TargetLock(lock_of(target), target).live_holder()
+        return cls(stage, holder, converted(target), step.source.is_dir())
 
 
-def _say_busy(name: str, holder: dict, told: set[str], group: Group) -> None:
-    """Once per step: another process converts it (the target lock says which), so this watcher leaves it."""
-    if group.rank == 0 and name not in told:
-        told.add(name)
-        who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "its lock record is unreadable"
-        log.info("merger: watch: %s is being converted by another process (%s), skipping it", name, who)
+def _busy(name: str, holder: dict) -> str:
+    who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "its lock record is unreadable"
+    return f"merger: watch: {name} is being converted by another process ({who}), skipping it"
+
+
+ROTATED = "(rotated away by the trainer: max_actor_ckpt_to_keep, save_total_limit, ...)"
 
 
 def convert_pending(options: MergeOptions, role: str, group: Group,
                     told: set[str]) -> tuple[list[str], dict[str, str], int]:
     """One pass: merge every finished step not converted yet, in step order, but for those another process is
-    converting (its lock on the step's target says so; `told`: the steps this watcher said so of already). Returns
-    the names of those that failed, the step folders still being saved (name: why), and how many steps are
-    converted already."""
+    converting (its lock on the step's target says so) and those deleted meanwhile; each said once (`told`: what
+    this watcher said already). Returns the names of those that failed, the step folders still being saved
+    (name: why), and how many steps are converted already."""
     run, out = Path(options.local_dir), Path(options.target_dir)
     steps, waiting = group.all_gather(scan(run, role) if group.rank == 0 else None)[0]
     failed, done = [], 0
+
+    def say_once(line: str) -> None:
+        if group.rank == 0 and line not in told:
+            told.add(line)
+            log.info(line)
+
     for step in steps:
         target = out / step.name
-        is_done, holder, resume = group.all_gather(_state(target) if group.rank == 0 else None)[0]
-        if is_done:
+        look = group.all_gather(_Look.of(step, target) if group.rank == 0 else None)[0]
+        if look.converted:
             done += 1
             continue
-        if holder is not None:
-            _say_busy(step.name, holder, told, group)
+        if look.holder is not None:
+            say_once(_busy(step.name, look.holder))
+            continue
+        if not look.source:
+            say_once(f"merger: watch: {step.name} was deleted before its turn {ROTATED}, skipping it")
             continue
         # An attempt cut short (a failure, a killed watcher) kept its staging folder: its finished files are reused.
         step_options = dataclasses.replace(options, local_dir=step.source, target_dir=target, keep_partial=True,
-                                           resume=resume)
+                                           resume=look.stage)
         try:
             summary = run_merge(step_options, group)
         except MergerError as e:
-            # Another watcher may have taken the step since the look above: its lock stopped this merge.
-            is_done, holder, _ = group.all_gather(_state(target) if group.rank == 0 else None)[0]
-            if is_done:
+            # What stopped it: another watcher that took the step since the look above, the step deleted, or itself.
+            look = group.all_gather(_Look.of(step, target) if group.rank == 0 else None)[0]
+            if look.converted:
                 done += 1
-            elif holder is not None:
-                _say_busy(step.name, holder, told, group)
+            elif look.holder is not None:
+                say_once(_busy(step.name, look.holder))
+            elif not look.source:
+                kept = options.keep_partial or options.resume
+                if group.rank == 0 and not kept:
+                    shutil.rmtree(stage_of(target), ignore_errors=True)
+                say_once(f"merger: watch: {step.name} was deleted while it was being converted {ROTATED}; its "
+                         f"partial merge was {f'kept in {stage_of(target)}' if kept else 'removed'}, skipping it")
             else:
                 failed.append(step.name)
                 if group.rank == 0:

@@ -47,6 +47,16 @@ def _wait_for(what, proc: subprocess.Popen, log: Path, timeout: float = 120) -> 
         time.sleep(0.2)
 
 
+def _wait_paused(pause: Path, proc: subprocess.Popen) -> Path:
+    """The pause file of a watcher started through paused_merger.py, once it has paused (removing it lets it go on)."""
+    paused = Path(f"{pause}.0")
+    deadline = time.monotonic() + 120
+    while not (paused.exists() and paused.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    return paused
+
+
 def _identities(folder: Path) -> dict:
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(folder.iterdir())}
 
@@ -97,10 +107,7 @@ def test_a_watcher_killed_mid_merge_resumes_the_step(fsdp_checkpoint, tmp_path):
     _track(run, 1)
     env = {"MERGER_TEST_PAUSE_AFTER_BATCH": "3", "MERGER_TEST_PAUSE_FILE": str(pause)}
     proc = start_merger("watch", "--local_dir", run, "--target_dir", out, *SMALL, env=env)
-    deadline = time.monotonic() + 120
-    while not (Path(f"{pause}.0").exists() and Path(f"{pause}.0").read_text()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
+    _wait_paused(pause, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate()
     assert (out / ".global_step_1.merger-partial").is_dir() and not (out / "global_step_1").exists()
@@ -121,11 +128,7 @@ def test_two_watchers_on_one_run_convert_each_step_once(fsdp_checkpoint, tmp_pat
     _track(run, 3)
     watch = ("watch", "--local_dir", run, "--target_dir", out, "--once", *SMALL)
     first = start_merger(*watch, env={"MERGER_TEST_PAUSE_AFTER_BATCH": "0", "MERGER_TEST_PAUSE_FILE": str(pause)})
-    paused = Path(f"{pause}.0")
-    deadline = time.monotonic() + 120
-    while not (paused.exists() and paused.read_text()):
-        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
-        time.sleep(0.2)
+    paused = _wait_paused(pause, first)
     second = run_merger(*watch).stderr  # exits 0
     paused.unlink()  # the first goes on
     first_err = first.communicate(timeout=120)[1]
@@ -143,6 +146,34 @@ def test_two_watchers_on_one_run_convert_each_step_once(fsdp_checkpoint, tmp_pat
     weights = {n: sha for n, (sha, _, _) in snapshot(merged).items() if n.endswith(".safetensors")}
     for step in steps:
         assert {n: sha for n, (sha, _, _) in snapshot(out / step).items() if n.endswith(".safetensors")} == weights
+
+
+def test_steps_rotated_away_are_skipped_once(fsdp_checkpoint, tmp_path):
+    """A trainer that keeps its last K checkpoints deletes older steps: one deleted while the watcher converts it
+    (paused inside its merge) and one deleted before its turn are each said once and skipped, the partial merge
+    removed; the step after them is converted, and `--once` exits 0: no step failed."""
+    actor = fsdp_checkpoint("llama", 2)[0]
+    run, out, pause = tmp_path / "run", tmp_path / "out", tmp_path / "paused"
+    for n in (1, 2, 3):
+        _step(run, n, actor)
+    _track(run, 3)
+    proc = start_merger("watch", "--local_dir", run, "--target_dir", out, "--once", *SMALL,
+                        env={"MERGER_TEST_PAUSE_AFTER_BATCH": "0", "MERGER_TEST_PAUSE_FILE": str(pause)})
+    paused = _wait_paused(pause, proc)  # inside step 1
+    assert (out / ".global_step_1.merger-partial").is_dir()
+    shutil.rmtree(run / "global_step_1")
+    shutil.rmtree(run / "global_step_2")
+    paused.unlink()
+    _wait_paused(pause, proc).unlink()  # inside step 3
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["global_step_3"]  # step 1's partial merge removed
+    rotated = "(rotated away by the trainer: max_actor_ckpt_to_keep, save_total_limit, ...)"
+    assert err.count(f"merger: watch: global_step_1 was deleted while it was being converted {rotated}; its partial "
+                     f"merge was removed, skipping it") == 1, err
+    assert err.count(f"merger: watch: global_step_2 was deleted before its turn {rotated}, skipping it") == 1, err
+    assert "failed" not in err and "merger: error" not in err, err
+    assert (out / "global_step_3" / "merge_manifest.json").is_file()
 
 
 @pytest.mark.parametrize("layout, finish, source", [
