@@ -147,7 +147,9 @@ def mo_release(tmp_path_factory):
     """mo_release(fmt, kv_cache=None) -> a tiny Llama quantized and exported by ModelOpt in `fmt` (nvfp4, mxfp8),
     with an FP8 KV cache or none. Every export of MODELOPT_EXPORTS is written by one process of its own
     (tests/writers/modelopt_release.py), through the cache of written checkpoints: importing ModelOpt takes some
-    15 s of CPU, which a test that only reads an export then never pays, and the writer pays once."""
+    15 s of CPU, which a test that only reads an export then never pays, and the writer pays once. Beside each
+    export, never inside it, the writer saves ModelOpt's own dequantization of it, test_modelopt_read's oracle
+    (`<folder>.oracle-f32.safetensors`, `<folder>.oracle-bf16.safetensors`)."""
     root = tmp_path_factory.mktemp("modelopt")
     specs = [f"{name}:{fmt}" + (f":{kv}" if kv else "") for (fmt, kv), name in MODELOPT_EXPORTS.items()]
     run_writer("modelopt_release.py", "--out", root, *[arg for spec in specs for arg in ("--export", spec)])

@@ -5,7 +5,11 @@ The exports are written by ModelOpt itself on CPU (tests/writers/modelopt_releas
 NVFP4 or MXFP8 preset over a few fixed token batches, then `export_hf_checkpoint`). The oracle is ModelOpt's own
 dequantizer, `NVFP4QTensor(shape, dtype, weight).dequantize(scale=weight_scale, double_scale=weight_scale_2,
 block_sizes={-1: 16})` and `MXFP8QTensor(...).dequantize(scale=weight_scale)`, never transformers (5.24 loads
-ModelOpt's MXFP8 unscaled and does not load its NVFP4). Compared bit for bit, as integers, so -0.0 is not 0.0:
+ModelOpt's MXFP8 unscaled and does not load its NVFP4). The writer runs it, where ModelOpt is imported anyway, and
+saves its output beside each export folder (`<folder>.oracle-f32.safetensors`, `<folder>.oracle-bf16.safetensors`:
+each quantized weight dequantized, its input_scale left out, every other tensor as stored), cached with the export;
+this module reads those files and never imports ModelOpt (that import cost some 13 s of CPU in the worker).
+Compared bit for bit, as integers, so -0.0 is not 0.0:
 - ModelOpt computes in float32 whatever dtype it is asked for (NVFP4: the e2m1 value times the float32 product of
   the group's float8 scale and weight_scale_2; MXFP8: the float8 value times 2^(byte - 127)) and casts the product
   once to the dtype asked: asked for float32, it gives merger's `--dtype float32` values; asked for bfloat16, the
@@ -23,7 +27,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from modelopt.torch.quantization.qtensor import MXFP8QTensor, NVFP4QTensor
 from safetensors.torch import load_file
 
 from tests.helpers.in_process import merge_in_process, stdout_in_process
@@ -40,22 +43,11 @@ def algo_of(release: Path) -> str:
     return json.loads((release / "hf_quant_config.json").read_text())["quantization"]["quant_algo"]
 
 
-def oracle(release: Path, dtype: torch.dtype, algo: str | None = None) -> dict[str, torch.Tensor]:
-    """ModelOpt's dequantization of each quantized weight (one with a weight_scale) in `dtype`; its input_scale
-    left out; every other tensor as stored."""
-    state = load_file(release / "model.safetensors")
-    nvfp4 = (algo or algo_of(release)) == "NVFP4"
-    out = {}
-    for module in [n.removesuffix(".weight_scale") for n in state if n.endswith(".weight_scale")]:
-        weight, scale = state.pop(f"{module}.weight"), state.pop(f"{module}.weight_scale")
-        state.pop(f"{module}.input_scale", None)
-        if nvfp4:
-            shape = torch.Size((*weight.shape[:-1], weight.shape[-1] * 2))
-            out[f"{module}.weight"] = NVFP4QTensor(shape, dtype, weight).dequantize(
-                dtype=dtype, scale=scale, double_scale=state.pop(f"{module}.weight_scale_2"), block_sizes={-1: 16})
-        else:
-            out[f"{module}.weight"] = MXFP8QTensor(weight.shape, dtype, weight).dequantize(dtype=dtype, scale=scale)
-    return {**out, **state}
+def oracle(export: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """ModelOpt's dequantization of each quantized weight of the export `export` (a folder mo_release gives) in
+    `dtype`, its input_scale left out, every other tensor as stored: what the writer saved beside it."""
+    name = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
+    return load_file(export.with_name(f"{export.name}.oracle-{name}.safetensors"))
 
 
 def minus_zero_codes(release: Path) -> int:
@@ -118,5 +110,7 @@ def test_an_export_described_by_config_json_alone_is_read(mo_release, tmp_path):
     release = Path(shutil.copytree(mo_release("mxfp8"), tmp_path / "export"))
     (release / "hf_quant_config.json").unlink()
     out = merge_in_process(release, tmp_path / "out")
-    assert_bitwise(load_file(out / "model.safetensors"), oracle(release, torch.bfloat16, "MXFP8"), torch.bfloat16)
+    # the writer's oracle reads the export as MXFP8, the algorithm it was asked for and that config.json says
+    assert json.loads((release / "config.json").read_text())["quantization_config"]["quant_algo"] == "MXFP8"
+    assert_bitwise(load_file(out / "model.safetensors"), oracle(mo_release("mxfp8"), torch.bfloat16), torch.bfloat16)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())

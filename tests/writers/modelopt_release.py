@@ -8,22 +8,35 @@ lm_head left out as the presets leave it) over a calibration loop of a few fixed
 `export_hf_checkpoint`: the weights' codes and scales, each quantized layer's activation `input_scale` where the
 algorithm has one, config.json's quantization_config and hf_quant_config.json. Everything past the model is
 ModelOpt's code. `--kv_cache fp8` adds ModelOpt's FP8 KV-cache preset (`k_scale`, `v_scale`).
+
+Beside the export folder, never inside it (merger reads only the folder), the oracle of tests/test_modelopt_read.py:
+`<folder>.oracle-f32.safetensors` and `<folder>.oracle-bf16.safetensors`, ModelOpt's own dequantization of each
+quantized weight (one with a weight_scale) in that dtype, its input_scale left out, every other tensor of the export
+as stored. ModelOpt's dequantizer runs here, where ModelOpt is imported anyway, and not in the test's process
+(importing it there cost some 13 s of CPU per run): `NVFP4QTensor(shape, dtype, weight).dequantize(scale=
+weight_scale, double_scale=weight_scale_2, block_sizes={-1: 16})` or `MXFP8QTensor(...).dequantize(scale=
+weight_scale)`, the algorithm the one this writer was asked for (the one hf_quant_config.json names, checked).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 from pathlib import Path
 
 import modelopt.torch.quantization as mtq
 import torch
 import transformers
 from modelopt.torch.export import export_hf_checkpoint
+from modelopt.torch.quantization.qtensor import MXFP8QTensor, NVFP4QTensor
 from modelopt.torch.quantization.utils import update_quant_cfg_with_kv_cache_quant
+from safetensors.torch import load_file, save_file
 
 from tests.writers.compressed_tensors_release import TINY
 
 PRESETS = {"nvfp4": "NVFP4_DEFAULT_CFG", "mxfp8": "MXFP8_DEFAULT_CFG"}
+# the oracle's dtypes by the names of its files, <folder>.oracle-<name>.safetensors
+ORACLE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 CALIBRATION = torch.randint(TINY["vocab_size"], (3, 2, 8), generator=torch.Generator().manual_seed(1))
 
 
@@ -48,7 +61,29 @@ def write_release(folder: Path, fmt: str, seed: int = 0, kv_cache: str | None = 
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
     mtq.quantize(model, _config(fmt, kv_cache), _calibrate)
     export_hf_checkpoint(model, export_dir=folder)
+    algo = json.loads((folder / "hf_quant_config.json").read_text())["quantization"]["quant_algo"]
+    assert algo == fmt.upper(), (algo, fmt)
+    for key, dtype in ORACLE_DTYPES.items():
+        save_file(oracle(folder, dtype, algo), folder.with_name(f"{folder.name}.oracle-{key}.safetensors"))
     return folder
+
+
+def oracle(folder: Path, dtype: torch.dtype, algo: str) -> dict[str, torch.Tensor]:
+    """ModelOpt's dequantization of each quantized weight (one with a weight_scale) of the export in `folder`, in
+    `dtype`, as `algo` (NVFP4, MXFP8) reads it; its input_scale left out; every other tensor as stored."""
+    state = load_file(folder / "model.safetensors")
+    nvfp4 = algo == "NVFP4"
+    out = {}
+    for module in [n.removesuffix(".weight_scale") for n in state if n.endswith(".weight_scale")]:
+        weight, scale = state.pop(f"{module}.weight"), state.pop(f"{module}.weight_scale")
+        state.pop(f"{module}.input_scale", None)
+        if nvfp4:
+            shape = torch.Size((*weight.shape[:-1], weight.shape[-1] * 2))
+            out[f"{module}.weight"] = NVFP4QTensor(shape, dtype, weight).dequantize(
+                dtype=dtype, scale=scale, double_scale=state.pop(f"{module}.weight_scale_2"), block_sizes={-1: 16})
+        else:
+            out[f"{module}.weight"] = MXFP8QTensor(weight.shape, dtype, weight).dequantize(dtype=dtype, scale=scale)
+    return {name: tensor.contiguous() for name, tensor in {**out, **state}.items()}
 
 
 def main() -> None:
