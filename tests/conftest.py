@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.megatron_cases import CASES
+from tests.helpers import warm_merger
 from tests.helpers.processes import run_writer
 from tests.helpers.torchtitan_writes import written_by_torchtitan
 
@@ -178,3 +179,12 @@ def s3_server():
 
     with moto_server() as server:
         yield server
+
+
+@pytest.fixture(autouse=True)
+def _cold_starts_for_interpreter_tests(request):
+    """Tests marked `interpreter` start merger as a fresh interpreter does; the others fork it warm
+    (tests/helpers/warm_merger.py)."""
+    warm_merger.allowed = request.node.get_closest_marker("interpreter") is None
+    yield
+    warm_merger.allowed = True

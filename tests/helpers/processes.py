@@ -11,6 +11,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tests.helpers import warm_merger
 from tests.helpers.paths import HELPERS, ROOT
 from tests.helpers.written_cache import write_through_cache
 
@@ -69,10 +70,16 @@ def run_merger(*args, nproc: int = 1, check: bool = True, timeout: float = 300, 
     """`python -m merger ARGS` as one process, or as `nproc` gloo ranks, in folder `cwd`: plain env:// ranks, as
     Slurm tasks and `launcher local` start them, or under torchrun where torchrun is the point (`torchrun=True`:
     its agent, its report, its SIGTERM). A torchrun agent is one more Python start-up that imports torch, about
-    2 s of CPU for each multi-rank merge of the suite. The ranks' stdout and stderr come back in rank order, their
-    exit status is the first failure's."""
+    2 s of CPU for each multi-rank merge of the suite. Forked warm where its start-up is not the point
+    (warm_merger.py says where). The ranks' stdout and stderr come back in rank order, their exit status is the first
+    failure's."""
+    cmd = [sys.executable, *merger_entry(env), *map(str, args)]
+    if not torchrun and preexec_fn is None and merger_entry(env) == ["-m", "merger"]:
+        port = free_port()
+        envs = [subprocess_env(env if nproc == 1 else rank_env(env, r, nproc, port)) for r in range(nproc)]
+        if forker := warm_merger.forker_for(envs[0]):
+            return checked(cmd, warm_merger.run_group(forker, cmd, [str(a) for a in args], envs, cwd, timeout), check)
     if nproc > 1 and not torchrun:
-        cmd = [sys.executable, *merger_entry(env), *map(str, args)]
         procs = start_ranks(*args, nproc=nproc, env=env, preexec_fn=preexec_fn, cwd=cwd)
         return checked(cmd, wait_ranks(procs, cmd, timeout), check)
     prefix = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
@@ -106,12 +113,16 @@ def start_group(command_of_rank, nproc: int, env: dict | None = None, preexec_fn
     port = free_port()
     procs = []
     for rank in range(nproc):
-        ranked = {**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                  "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen(command_of_rank(rank), cwd=cwd, env=subprocess_env(ranked),
+        procs.append(subprocess.Popen(command_of_rank(rank), cwd=cwd, env=subprocess_env(rank_env(env, rank, nproc, port)),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       preexec_fn=preexec_fn))
     return procs
+
+
+def rank_env(env: dict | None, rank: int, nproc: int, port: int) -> dict:
+    """`env` with what rank `rank` of an `nproc`-rank env:// group on the loopback reads."""
+    return {**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
 def start_ranks(*args, nproc: int, env: dict | None = None, wrap: dict | None = None,
