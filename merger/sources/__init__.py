@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import re
 from pathlib import Path
 
@@ -82,10 +83,24 @@ def detect_backend(root: Path) -> str:
 def open_catalog(root: Path, backend: str = "auto", prefix: str | None = None) -> Catalog:
     from .verl_engines import locate  # verl's torchtitan and automodel engines save beside or below the folder named
 
-    root.exists()  # the first request to a bucket: a store that refuses it names the folder given, not a probe
-    if (save := locate(root)) is not None:
-        return save.annotate(_open_folder(save.folder, backend, prefix))
-    return _open_folder(root, backend, prefix)
+    try:
+        root.exists()  # the first request to a bucket: a store that refuses it names the folder given, not a probe
+        if (save := locate(root)) is not None:
+            return save.annotate(_open_folder(save.folder, backend, prefix))
+        return _open_folder(root, backend, prefix)
+    except PermissionError as e:
+        if e.filename is None:
+            raise
+        raise _denied(Path(e.filename)) from e
+
+
+def _denied(path: Path) -> MergerError:
+    """The path a denied request could not get past: the probes ask for paths below a folder this user cannot
+    enter (`model/.hf_metadata` of a chmod 000 checkpoint), which the error names although they need not exist."""
+    folder = next((p for p in reversed(path.parents) if not os.access(p, os.X_OK)), None)
+    if folder is not None:
+        return MergerError(f"permission denied: cannot list the folder, {folder}")
+    return MergerError(f"permission denied: cannot {'list the folder' if path.is_dir() else 'read the file'}, {path}")
 
 
 def _open_folder(root: Path, backend: str, prefix: str | None) -> Catalog:

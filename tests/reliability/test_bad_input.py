@@ -14,6 +14,10 @@ import logging
 import os
 import shutil
 import signal
+import stat
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +27,8 @@ import torch
 from merger.cli import main
 from tests.helpers.files import flip_bit_in_tensor, snapshot
 from tests.helpers.in_process import command_here, merge_here, single_error_line
-from tests.helpers.processes import run_merger, start_merger
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import run_merger, start_merger, subprocess_env
 from tests.helpers.reliability import RANK0, RANK1, SMALL
 from tests.helpers.weights import assert_same_weights
 
@@ -129,6 +134,36 @@ def test_source_that_is_not_a_folder(ckpt, tmp_path, capsys):
     code, errors = merge_here(capsys, "--local_dir", ckpt / RANK0, "--target_dir", tmp_path / "out")
     assert code == 1 and errors == [f"merger: error: checkpoint path is not a folder, {ckpt / RANK0}; pass the folder "
                                     f"that holds it: --local_dir {ckpt}"]
+
+
+@pytest.mark.parametrize("unreadable", [".", "huggingface"])
+def test_unreadable_folder_is_named(unreadable, ckpt):
+    """A checkpoint folder (or one of its folders) that this user cannot list is named, not a path below it that
+    merger probed (`model/.hf_metadata`, which need not exist). Root reads any folder, so merger runs as nobody
+    (setpriv) on a copy in a folder that nobody can reach."""
+    drop = [] if os.geteuid() != 0 else ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    if drop and shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed: nothing to run merger as a user that permissions bind")
+    reachable = Path(tempfile.mkdtemp(prefix="unreadable-"))
+    try:
+        reachable.chmod(0o777)
+        source = Path(shutil.copytree(ckpt, reachable / "actor"))
+        denied = (source / unreadable).resolve()
+        denied.chmod(0)
+        out = reachable / "out" / "model"
+        proc = subprocess.run([*drop, sys.executable, "-m", "merger", "merge", "--local_dir", source, "--target_dir", out],
+                              cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 1, proc.stderr
+        line = single_error_line(proc.stderr)
+        named = Path(line.rsplit(", ", 1)[1])
+        assert line.startswith("merger: error: permission denied: cannot list the folder, "), line
+        assert named == denied and named.is_dir() and stat.S_IMODE(named.stat().st_mode) == 0, line
+        assert not out.parent.exists()
+    finally:
+        for folder in reachable.rglob("*"):
+            if folder.is_dir():
+                folder.chmod(0o755)
+        shutil.rmtree(reachable)
 
 
 @pytest.mark.parametrize("target", ["parent is a file", "target is a file", "target not empty"])
