@@ -246,13 +246,14 @@ def test_verify_keeps_the_staged_files_whole_for_its_check(store, hf_model, hf_l
 
 
 @contextlib.contextmanager
-def _paused_merge(store, model: Path, url: str, stage: Path | None, pause: Path, env: dict | None = None):
+def _paused_merge(store, model: Path, url: str, stage: Path | None, pause: Path, env: dict | None = None,
+                  flags: tuple = ()):
     """A merge into `url` paused after its 6th batch, once some files' parts are sent (paused_merger.py); killed on
     the way out if the test left it running (a failed check would leave it paused for an hour). `stage` None: no
     --stage_dir (a temporary folder)."""
     env = {**store.env, "MERGER_TEST_PAUSE_AFTER_BATCH": "5", "MERGER_TEST_PAUSE_FILE": str(pause), **(env or {})}
     staged = ["--stage_dir", stage] if stage else []
-    proc = start_merger("merge", "--local_dir", model, "--target_dir", url, *staged, *STREAMED, env=env)
+    proc = start_merger("merge", "--local_dir", model, "--target_dir", url, *staged, *STREAMED, *flags, env=env)
     try:
         wait_paused([proc], pause, [0])
         yield proc
@@ -277,7 +278,7 @@ def _sent_parts(store, prefix: str) -> int:
 
 def _resumed_as_local(store, model: Path, local: Path, url: str, stage: Path, tmp_path: Path) -> None:
     """--resume writes again what was sent and released (its blocks fail their checksums), and the objects end
-    as a local merge's."""
+    as a local merge's; the files it reused are released once sent, so the stage ends hollow as after any merge."""
     proc = run_merger("merge", "--local_dir", model, "--target_dir", url, "--stage_dir", stage, *STREAMED,
                       "--resume", env=store.env)
     reused = re.search(r"--resume: reusing (\d+) of (\d+) output files", proc.stderr)
@@ -286,6 +287,8 @@ def _resumed_as_local(store, model: Path, local: Path, url: str, stage: Path, tm
     download(store, prefix, tmp_path / "remote")
     assert_same_files(local, tmp_path / "remote")
     assert open_uploads(store) == []
+    held = {p.name: p.stat().st_blocks * 512 for p in stage.glob("*.safetensors") if p.stat().st_blocks}
+    assert allocated(stage) < MIB, held  # the small files, the weight files hollow (docs/object_storage.md)
 
 
 def test_ctrl_c_mid_stream_aborts_the_uploads_and_resume_finishes(store, layered_model, layered_local, tmp_path):
@@ -300,6 +303,20 @@ def test_ctrl_c_mid_stream_aborts_the_uploads_and_resume_finishes(store, layered
     client = store.client()
     left = [o["Key"] for o in client.list_objects_v2(Bucket="models", Prefix="interrupted/").get("Contents", [])]
     assert not [k for k in left if not k.endswith(".safetensors")], left  # no lock, config, index or manifest
+    _resumed_as_local(store, layered_model, layered_local, url, stage, tmp_path)
+
+
+def test_files_a_resume_reuses_are_released_once_sent(store, layered_model, layered_local, tmp_path):
+    """Files written and not yet sent when a merge stops pass their checksums: --resume reuses them and sends them
+    after the merge, giving back their space as it goes, so the stage ends hollow as after any merge. Here an
+    interrupted --verify merge, which sends its parts but keeps the staged files whole, leaves such files."""
+    url, stage = "s3://models/reused", tmp_path / "stage"
+    with _paused_merge(store, layered_model, url, stage, tmp_path / "paused", flags=("--verify",)) as proc:
+        assert _sent_parts(store, "reused") > 0
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert allocated(tmp_path) > PART  # the partial merge beside --stage_dir holds files kept whole
     _resumed_as_local(store, layered_model, layered_local, url, stage, tmp_path)
 
 

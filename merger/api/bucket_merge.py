@@ -91,8 +91,10 @@ def _upload(folder: Path, url: str, group: Group, bucket: BucketTarget | None, s
     rest = parts_of({name: size for name, size in files.items() if name not in LAST and name not in stream.files})
     uploads = group.all_gather(on_every_rank(group, lambda: bucket.begin(rest) if bucket else None, debug))[0]
     mine = shares(rest, group.world)[group.rank]
+    release = stream.weights if stream.release else frozenset()  # reused weight files go hollow as streamed ones
     etags: dict = dict(stream.etags)  # rank 0: the streamed parts'
-    for share in group.all_gather(on_every_rank(group, lambda: upload_share(url, folder, mine, uploads), debug)):
+    for share in group.all_gather(on_every_rank(group, lambda: upload_share(url, folder, mine, uploads, release),
+                                                debug)):
         etags.update(share or {})
     parts = rest + parts_of(stream.files)
     on_rank_zero(group, lambda: bucket.complete(parts, etags, folder), debug)

@@ -257,7 +257,7 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
         sink = FileSink(stage, plan, skip=frozenset(reused), take_turns=turns, direct=local and stream is None,
                         bounce=turns)
         sender = None if stream is None else stream.begin(
-            group, {f.name: f.size for f in plan.files if f.name not in reused}, manifest.checksum_block_bytes,
+            group, {f.name: f.size for f in plan.files}, frozenset(reused), manifest.checksum_block_bytes,
             options.debug)
         tracker = FileTracker(todo, sink, group, stage, manifest, one_host, sender)
         progress = Progress(sum(b.out_bytes for b in todo.batches)) if group.rank == 0 and progress_shown() else None

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..errors import MergerError
 from ..hf_folder import INDEX
+from ..io.local import punch_hole
 from ..io.object_upload import ObjectWriter
 from ..units import format_size
 from .manifest import MANIFEST
@@ -178,9 +179,28 @@ class BucketTarget:
             self.writer.remove([LOCK])
 
 
-def upload_share(url: str, folder: Path, mine: list[Part], uploads: dict[str, str]) -> dict[tuple[str, int], str]:
+def give_back(path: Path, start: int, size: int) -> None:
+    """Punch a sent part's range out of its staging file: it keeps its size, reads as zeros there and takes no disk.
+    A filesystem that cannot is warned of once."""
+    global _cannot_punch
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        punched = punch_hole(fd, start, size)
+    finally:
+        os.close(fd)
+    if not punched and not _cannot_punch:
+        _cannot_punch = True
+        log.warning("merger: this filesystem cannot give back the space of uploaded parts (fallocate "
+                    "PUNCH_HOLE): the staging folder grows to the model's size, %s", path.parent)
+
+
+_cannot_punch = False  # warned once a process
+
+
+def upload_share(url: str, folder: Path, mine: list[Part], uploads: dict[str, str],
+                 release: frozenset[str]) -> dict[tuple[str, int], str]:
     """One rank's parts (LAST files excluded: rank 0 puts those at the end), UPLOADS_IN_FLIGHT at a time: the
-    ETag of each multipart part."""
+    ETag of each multipart part. The parts of the files in `release` are given back once the store has them."""
     writer = ObjectWriter(url)
 
     def send(part: Part) -> tuple[tuple[str, int], str | None]:
@@ -188,10 +208,14 @@ def upload_share(url: str, folder: Path, mine: list[Part], uploads: dict[str, st
             data = os.pread(f.fileno(), part.size, part.start)
         if len(data) != part.size:
             raise MergerError(f"the merged file changed while it was uploaded, {folder / part.name}")
+        etag = None
         if part.parts == 1:
             writer.put(part.name, data)
-            return (part.name, part.number), None
-        return (part.name, part.number), writer.upload_part(part.name, uploads[part.name], part.number, data)
+        else:
+            etag = writer.upload_part(part.name, uploads[part.name], part.number, data)
+        if part.name in release:
+            give_back(folder / part.name, part.start, part.size)
+        return (part.name, part.number), etag
 
     with ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="merger-upload") as pool:
         return {key: etag for key, etag in pool.map(send, mine) if etag is not None}

@@ -12,7 +12,6 @@ model. A resumed merge finds punched blocks failing their checksums and writes t
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,13 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine.dist import Group, on_every_rank
-from ..io.local import punch_hole
 from ..io.object_upload import ObjectWriter
 from ..sources.crc32 import crc32
-from .bucket_target import UPLOADS_IN_FLIGHT, BucketTarget, part_size, parts_of, streams
+from .bucket_target import UPLOADS_IN_FLIGHT, BucketTarget, give_back, part_size, parts_of, streams
 from .resume import crc32_hex
-
-log = logging.getLogger("merger")
 
 
 class PartSender:
@@ -42,7 +38,6 @@ class PartSender:
         self.futures: list[Future] = []
         self.lock = threading.Lock()
         self.etags: dict[tuple[str, int], str] = {}  # sent here, not yet taken for rank 0
-        self.cannot_punch = False
         self.failed: Exception | None = None  # the first upload that failed: nothing more is sent
         # Per block begun here ((name, start) -> ...): its CRC-32 so far and its parts written but not yet read
         # (a part waits for those before it: the CRC runs in order), and the next part to read.
@@ -98,23 +93,12 @@ class PartSender:
             else:  # a file of one part: a plain put
                 self.writer.put(name, data)
             if self.release:
-                self._punch(path, pos, len(data))
+                give_back(path, pos, len(data))
         except Exception as e:
             self.failed = self.failed or e
             raise
         finally:
             self.slots.release()
-
-    def _punch(self, path: Path, pos: int, length: int) -> None:
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            punched = punch_hole(fd, pos, length)
-        finally:
-            os.close(fd)
-        if not punched and not self.cannot_punch:
-            self.cannot_punch = True
-            log.warning("merger: this filesystem cannot give back the space of uploaded parts (fallocate "
-                        "PUNCH_HOLE): the staging folder grows to the model's size, %s", path.parent)
 
     def take(self) -> dict[tuple[str, int], str]:
         """The ETags of the parts sent since the last call."""
@@ -143,13 +127,18 @@ class StreamedUpload:
     bucket: BucketTarget | None  # rank 0's; None on the others
     release: bool
     files: dict[str, int] = field(default_factory=dict)  # name -> size of each file streamed
+    weights: frozenset[str] = frozenset()  # every weight file, streamed or not (reused by --resume, too large)
     etags: dict[tuple[str, int], str] = field(default_factory=dict)  # rank 0, after the merge: every part's
 
-    def begin(self, group: Group, files: dict[str, int], block: int, debug: bool) -> PartSender:
-        """Every rank, before streaming: rank 0 begins the uploads of the files (name -> size) whose parts nest
-        in checksum blocks of `block` bytes; each rank's sender of its share of their parts."""
+    def begin(self, group: Group, files: dict[str, int], reused: frozenset[str], block: int,
+              debug: bool) -> PartSender:
+        """Every rank, before streaming: rank 0 begins the uploads of the weight files (name -> size) to be written,
+        not `reused`, whose parts nest in checksum blocks of `block` bytes; each rank's sender of its share of
+        their parts."""
+        self.weights = frozenset(files)
+
         def start():
-            streamed = {name: size for name, size in files.items() if streams(size, block)}
+            streamed = {name: size for name, size in files.items() if name not in reused and streams(size, block)}
             return streamed, self.bucket.begin(parts_of(streamed))
 
         self.files, uploads = group.all_gather(on_every_rank(group, start if group.rank == 0 else (lambda: None),
