@@ -28,6 +28,8 @@ from .supervise import supervise
 MISSING = "launcher: error: the ray launcher needs Ray: pip install 'merger[ray]'"
 PLACE_NOTICE_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
+NO_TOKEN = ("the Ray cluster at {address} requires an auth token ({why}): set RAY_AUTH_MODE=token and "
+            "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token) to the cluster's token")
 
 
 class RemoteRank:
@@ -85,6 +87,26 @@ def _unreachable(address: str) -> str | None:
     except OSError as e:
         return e.strerror or type(e).__name__
     return None
+
+
+def _refuses_us(address: str) -> bool:
+    """Whether the GCS at a `host:port` address turns away this process's auth token (none, or a wrong one). Ray
+    itself retries such a connection for 20 s and then says only that it could not connect; its log says
+    `InvalidAuthToken`. One GetClusterId call with the token Ray would send answers it: gRPC's UNAUTHENTICATED."""
+    import grpc
+    from ray._private.authentication.grpc_authentication_client_interceptor import (
+        _get_authentication_metadata_tuple)
+
+    _, colon, port = address.rpartition(":")
+    if not colon or not port.isdigit():  # ray://, auto: Ray's own errors say what is wrong
+        return False
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")
+        try:
+            call(b"", timeout=CONNECT_TIMEOUT_S, metadata=_get_authentication_metadata_tuple())
+        except grpc.RpcError as e:
+            return e.code() == grpc.StatusCode.UNAUTHENTICATED
+    return False
 
 
 def _connect(ray, address: str | None, cpus: float, nproc: int) -> None:
@@ -169,9 +191,13 @@ def run_ray(nproc: int, gpus: int, cpus: float, address: str | None, merger_args
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
     if address and (why := _unreachable(address)):
         return _error(f"could not reach the Ray cluster at {address}: {why}")
+    if address and _refuses_us(address):
+        return _error(NO_TOKEN.format(address=address, why="it turned away this process's: none, or a wrong one"))
     try:
         try:
             _connect(ray, address, cpus, nproc)
+        except ray.exceptions.AuthenticationError:  # RAY_AUTH_MODE=token, but no token in any of its places
+            return _error(NO_TOKEN.format(address=address, why="RAY_AUTH_MODE=token, but none was found"))
         except (ConnectionError, RuntimeError, ValueError) as e:
             where = f"reach the Ray cluster at {address}" if address else "start a local Ray cluster"
             return _error(f"could not {where}: {_first_line(e)}")

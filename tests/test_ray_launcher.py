@@ -1,10 +1,13 @@
 """`python -m launcher ray`: merges on a local Ray cluster that the launcher itself starts (ray.init() in its
 process, kept on 127.0.0.1 by RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, gone when the launcher ends; never `ray stop`,
-which would end every Ray process on the machine). The oracle is the model's own save_pretrained output."""
+which would end every Ray process on the machine), and on a token-auth head node the module starts with `ray start
+--head --block` and ends by its process group. The oracle is the model's own save_pretrained output."""
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import socket
 import signal
 import subprocess
 import sys
@@ -24,7 +27,7 @@ pytest.importorskip("ray", reason="the ray launcher's tests need Ray: pip instal
 pytestmark = [pytest.mark.infra, pytest.mark.slow]
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-RAY_ENV_OFF = ["RAY_ADDRESS"]  # a cluster the caller points at is not this test's
+RAY_ENV_OFF = ["RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"]  # nor the caller's token
 
 
 def _ray_env() -> dict:
@@ -101,3 +104,56 @@ def test_launcher_ray_refuses_an_address_where_nothing_answers(capsys):
     assert main(["ray", "--address", address, "--", "merge", "--local_dir", "ckpt", "--target_dir", "out"]) == 1
     assert capsys.readouterr().err == f"launcher: error: could not reach the Ray cluster at {address}: " \
                                       f"Connection refused\n"
+
+
+@pytest.fixture(scope="module")
+def token_cluster(tmp_path_factory):
+    """A head node with token auth, as `ray start --head` makes one (--block: its processes are this process
+    group's, ended with it); yields its address and token."""
+    token, port = secrets.token_hex(16), free_port()
+    env = {**_ray_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+                             "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", str(WORLD),
+                             "--ray-client-server-port", str(free_port()), "--include-dashboard", "false",
+                             "--disable-usage-stats", "--temp-dir", str(tmp_path_factory.mktemp("ray"))],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert head.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}", token
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)  # Ray's processes end their own way; what is left after 10 s is killed
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+
+
+def test_launcher_ray_joins_a_token_auth_cluster_with_its_token(checkpoint, token_cluster, tmp_path):
+    (actor, reference), (address, token) = checkpoint, token_cluster
+    env = {**_ray_env(), "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    proc = subprocess.run(launcher_ray("merge", "--local_dir", actor, "--target_dir", tmp_path / "out"), cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_weights(tmp_path / "out", reference, torch.bfloat16)
+
+
+@pytest.mark.parametrize("auth", [{}, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "not-the-token"}],
+                         ids=["no-token", "wrong-token"])
+def test_launcher_ray_says_a_token_auth_cluster_wants_its_token(token_cluster, auth, tmp_path):
+    # Ray alone would retry for 20 s and then say only that it could not connect; the subprocess timeout is far
+    # below what that plus a merge would take.
+    address = token_cluster[0]
+    proc = subprocess.run(launcher_ray("merge", "--local_dir", tmp_path, "--target_dir", tmp_path / "out"), cwd=ROOT,
+                          env={**_ray_env(), "RAY_ADDRESS": address, **auth}, capture_output=True, text=True,
+                          timeout=15)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert errors[0].startswith(f"launcher: error: the Ray cluster at {address} requires an auth token"), errors
+    assert "RAY_AUTH_TOKEN" in errors[0], errors
