@@ -233,6 +233,22 @@ def test_a_source_rewritten_during_the_merge_is_an_error_and_nothing_is_moved(ck
     assert not out.exists() and not list(tmp_path.glob(".out.merger*"))
 
 
+def test_a_source_deleted_during_the_merge_is_one_line_and_nothing_is_moved(ckpt, tmp_path, capsys, monkeypatch):
+    """A trainer that keeps its last K checkpoints deletes the oldest while a merge reads it (#52 item 2)."""
+    out = tmp_path / "out"
+    real_finish = merger.api.pipeline.finish
+
+    def finish_after_a_rotation(*args, **kwargs):
+        shutil.rmtree(ckpt)
+        return real_finish(*args, **kwargs)
+
+    monkeypatch.setattr(merger.api.pipeline, "finish", finish_after_a_rotation)
+    code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", out)
+    assert code == 1 and len(errors) == 1, errors
+    assert str(ckpt) in errors[0], errors
+    assert not out.exists() and not list(tmp_path.glob(".out.merger*"))
+
+
 # --- casts that lose values -------------------------------------------------------------------------------------
 
 @pytest.fixture
