@@ -74,13 +74,11 @@ class DirectWrites:
         self.done = threading.Condition()
         self.free: list[memoryview] = []
         self.made = 0
-        self.pending = 0
         self.error: OSError | None = None
-        # Writes handed to the thread are numbered 1, 2, ... (`handed`); `finished`: every write up to that one is
-        # done (`wait_written`), and `ahead` those done past it (none while one thread writes them in order).
+        # Writes handed to the thread are numbered 1, 2, ... (`handed`); its one thread does them in that order, so
+        # `finished` is the last one done and every write before it is done too (`wait_written`).
         self.handed = 0
         self.finished = 0
-        self.ahead: set[int] = set()
 
     def split(self, at: int, size: int) -> tuple[int, int] | None:
         """[start, end) of bytes [at, at + size) of a file to write directly (aligned), None for none."""
@@ -135,7 +133,6 @@ class DirectWrites:
                 if seen is not None:  # while the chunk is in the cache from its copy
                     seen(chunk, at + done)
                 with self.done:
-                    self.pending += 1
                     self.handed += 1
                     number = self.handed
                     if self.pool is None:
@@ -154,12 +151,8 @@ class DirectWrites:
         with self.done:
             if bounce is not None:
                 self.free.append(bounce)
-            self.pending -= 1
             self.error = self.error or error
-            self.ahead.add(number)
-            while self.finished + 1 in self.ahead:
-                self.finished += 1
-                self.ahead.remove(self.finished)
+            self.finished = number
             self.done.notify_all()
 
     def _bounce(self) -> memoryview:
@@ -189,7 +182,7 @@ class DirectWrites:
     def flush(self) -> None:
         """Wait for every write handed over; raise the first that failed."""
         with self.done:
-            self.done.wait_for(lambda: not self.pending)
+            self.done.wait_for(lambda: self.finished == self.handed)
             if self.error is not None:
                 raise self.error
 

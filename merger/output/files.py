@@ -334,8 +334,8 @@ def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype 
 
     `beside_config`: the output joins `hf_dir` itself, the source's config folder (target.py): nothing is copied,
     config.json there is restated only where its dtype is not the weights' (the one change merger makes to it),
-    and the manifest lists what the merge adds, which is all a later merge may replace. The move into place (`target.place`) is separate so that `--verify`
-    can check the complete folder first.
+    and the manifest lists what the merge adds, which is all a later merge may replace. The move into place
+    (`target.place`) is separate so that `--verify` can check the complete folder first.
     """
     if len(plan.model_files) > 1:
         total = sum(f.size - len(f.prefix) for f in plan.model_files)
@@ -345,8 +345,8 @@ def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype 
     dtype_name = _config_dtype(plan, out_dtype)
     if hf_dir is not None and beside_config:
         config = json.loads((hf_dir / "config.json").read_text())
-        if _with_dtype(config, dtype_name) != config:
-            _write_config(stage, _with_dtype(config, dtype_name))
+        if (restated := _with_dtype(config, dtype_name)) != config:
+            _write_config(stage, restated)
     elif hf_dir is not None:  # None: the target is no HF model (an adapter folder): no config to complete
         copied = _copy_hf_files(hf_dir, stage, files_left_out)
         if "config.json" not in copied:
