@@ -130,10 +130,13 @@ class _Look:
     source: bool  # the step is still there: a trainer that keeps the last K checkpoints deletes older ones
 
     @classmethod
-    def of(cls, step: Step, target: Path) -> _Look:
+    def of(cls, step: Step, target: Path, group: Group) -> _Look:
+        """Rank 0's look, on every rank."""
+        if group.rank != 0:
+            return group.all_gather(None)[0]
         stage = stage_of(target).exists()
         holder = TargetLock(lock_of(target), target).live_holder()
-        return cls(stage, holder, converted(target), step.source.is_dir())
+        return group.all_gather(cls(stage, holder, converted(target), step.source.is_dir()))[0]
 
 
 def _busy(name: str, holder: dict) -> str:
@@ -161,7 +164,7 @@ def convert_pending(options: MergeOptions, role: str, group: Group,
 
     for step in steps:
         target = out / step.name
-        look = group.all_gather(_Look.of(step, target) if group.rank == 0 else None)[0]
+        look = _Look.of(step, target, group)
         if look.converted:
             done += 1
             continue
@@ -178,7 +181,7 @@ def convert_pending(options: MergeOptions, role: str, group: Group,
             summary = run_merge(step_options, group)
         except MergerError as e:
             # What stopped it: another watcher that took the step since the look above, the step deleted, or itself.
-            look = group.all_gather(_Look.of(step, target) if group.rank == 0 else None)[0]
+            look = _Look.of(step, target, group)
             if look.converted:
                 done += 1
             elif look.holder is not None:
