@@ -1,4 +1,4 @@
-"""The command line: `merger merge|test|lora|upload|inspect|watch`, a thin face of the library (merger/api): it parses
+"""The command line: `merger merge|test|lora|upload|inspect|watch|families`, a thin face of the library (merger/api): it parses
 (flags.py), calls, prints, and turns the outcome into an exit code. The library, and torch with it, is imported
 once the command line has parsed: `--version`, `--help` and a usage error answer without it.
 
@@ -75,6 +75,16 @@ def _print_skipped(skipped: dict[str, str]) -> None:
         print(f"  {rule}: {len(names)}, e.g. {names[0]}")
 
 
+def _print_families(path) -> int:
+    """`merger families`: the built-in families, or the one a family file gives; the records alone, not the
+    library (the records' row kinds import torch, nothing else of a merge)."""
+    from .mapping.family_file import read_family
+    from .mapping.family_list import built_in, from_file
+
+    print("\n".join(from_file(read_family(path)) if path else built_in()))
+    return 0
+
+
 def _printed(report: Callable[[], int]) -> int:
     """report(), which prints what it found to stdout. A reader that stopped reading (`merger inspect --json |
     head`) ends it quietly, as it ends `cat`: its exit status, and stdout pointed at /dev/null so that no later
@@ -110,6 +120,8 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
 
         print(publish_folder(args.target_dir.absolute(), args.hf_upload_path, args.private))
         return 0
+    if args.command == "families":
+        return _printed(lambda: _print_families(args.family))
     if own_process:
         load_library()
     # Imported here, not at the top: merger/api imports torch (2 s here), which parsing does not need.

@@ -152,6 +152,9 @@ def _add_source_args(p: argparse.ArgumentParser, what: str = "the checkpoint fol
     p.add_argument("--model", choices=["auto", "hf", *TORCHTITAN_MODELS], default="auto",
                    help="naming of the source tensors (default: detect; torchtitan-<family> converts torchtitan's "
                         "names to HF's and needs --hf_model_config_path)")
+    p.add_argument("--family", type=local_path, default=None, metavar="FILE",
+                   help="Megatron: map the checkpoint by this family file (TOML or JSON: its model types and layer "
+                        "rows, docs/families.md) instead of the built-in family of config.json's model_type")
     p.add_argument(*_flag("--hf_model_config_path"), dest="hf_model_config_path", type=folder_url_or_hub_id,
                    default=None, help="folder with config.json, tokenizer, processor, chat template, remote code, or "
                                       "a Hub model id (owner/name; default: huggingface/ in the checkpoint)")
@@ -315,6 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help=SHARD_HELP)
     watch.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     _add_run_args(watch)
+
+    families = sub.add_parser("families", help="list the model families merger maps, and the frameworks each is "
+                                               "mapped from (docs/families.md)")
+    families.add_argument("--family", type=local_path, default=None, metavar="FILE",
+                          help="instead, check this family file and show the rows it gives")
+    families.add_argument("--debug", action="store_true", help="show tracebacks")
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint and the planned output, reading no tensor data")
     _add_source_args(inspect)

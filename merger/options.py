@@ -69,6 +69,7 @@ class MergeOptions:
     quantize_like: str | Path | None = _shapes_output(None)  # an FP8 or gpt-oss MXFP4 release (folder or Hub id)
     # fp8-block: FP8 in 128x128 blocks, transformers' choice of modules; mxfp4: gpt-oss's experts in MXFP4
     quantize: str | None = _shapes_output(None)
+    family: Path | None = _shapes_output(None)  # Megatron: a family file (TOML or JSON) to map the checkpoint by
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

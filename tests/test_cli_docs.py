@@ -50,7 +50,8 @@ def _options_table_rows(command: str) -> list[tuple[list[str], list[str], str]]:
 REQUIRED_OF = {"merge": REQUIRED, "test": ["--local_dir", "ckpt", "--test_hf_dir", "ref"],
                "lora": ["--base_model", "base", "--adapter", "a", "--target_dir", "out"],
                "upload": ["--target_dir", "out", "--hf_upload_path", "user/name"],
-               "inspect": ["--local_dir", "ckpt"], "watch": ["--local_dir", "run", "--target_dir", "out"]}
+               "inspect": ["--local_dir", "ckpt"], "watch": ["--local_dir", "run", "--target_dir", "out"],
+               "families": []}
 
 
 def _parsed(command: str, *args: str):

@@ -107,7 +107,8 @@ def _one_family_per_model_type(families: tuple[Family, ...]) -> None:
                 raise ValueError(f"model type {model_type!r} belongs to families {owner[model_type]} and {family.name}")
 
 
-def _tp_split_known(families: tuple[Family, ...]) -> None:
+def tp_split_known(families: tuple[Family, ...]) -> None:
+    """Every Megatron row names a tensor whose TP split is known (family_file.py checks a user's rows too)."""
     tables = [(f"the {f.name} family", f.megatron) for f in families] + [
         ("Megatron's global rows", mr.MEGATRON.globals), ("Megatron's MTP rows", mr.MEGATRON.mtp.rows)]
     for where, rows in tables:
@@ -144,7 +145,7 @@ def _unmarked_torchtitan_family(families: tuple[Family, ...]) -> Family:
 def checked_together(families: tuple[Family, ...]) -> Family:
     """Raises where the records disagree with one another; returns the torchtitan family without marks."""
     _one_family_per_model_type(families)
-    _tp_split_known(families)
+    tp_split_known(families)
     _mtp_own_names_known(families)
     return _unmarked_torchtitan_family(families)
 

@@ -14,7 +14,8 @@ not mapped), what tells its torchtitan checkpoints apart and what of them it lea
 model has no place for), the VLMs whose text model it is, the vision tower it writes for a VLM's config.json,
 where HF keeps its multi-token-prediction layers (none: HF has none for it), the row counts config.json fixes, and
 what tells a hybrid's layer types apart (checked against config.json's `layer_types`). The records are in
-families.py; adding a family is adding a record.
+families.py; adding a family is adding a record, or for one that only renames, writing it as a file
+(family_file.py).
 """
 from __future__ import annotations
 
@@ -147,6 +148,7 @@ class Family:
     # A hybrid's layer types: config.json's `layer_types` value -> the Megatron row only a layer of that type
     # holds. Each checkpoint layer is checked against config.json's pattern, which decides HF's modules.
     layer_types: dict[str, str] = field(default_factory=dict)
+    file: str = ""  # the family file it was read from (family_file.py); "": a record of families.py
 
     def hf_name(self, name: str) -> str:
         return next((new + name[len(old):] for old, new in self.hf_prefixes if name.startswith(old)), name)

@@ -15,6 +15,7 @@ from . import kinds, mtp
 from .families import MEGATRON_FAMILIES as FAMILIES
 from .families import megatron_family
 from .family import Family, Row
+from .family_file import misspelt_row, read_family
 from .hf import model_config
 from .megatron_rows import MEGATRON
 from .naming import Entry, compile_table, lookup
@@ -32,7 +33,23 @@ def _vlm_of(model_type: str) -> Family | None:
         f.torchtitan_vision.model_types if f.torchtitan_vision else ())), None)
 
 
-def family_of(config: dict) -> Family:
+def _file_family(config: dict, options: MergeOptions) -> Family | None:
+    """The family of --family FILE, which replaces the built-in one for the model types it names; None without it."""
+    if options.family is None:
+        return None
+    family = read_family(options.family)
+    model_type = config.get("model_type")
+    if model_type not in family.model_types:
+        raise MergerError(f"the family file maps model types {', '.join(family.model_types)}, but config.json has "
+                          f"model_type {model_type!r} (--hf_model_config_path gives the config of the model to "
+                          f"write), {options.family}")
+    require_model_type(model_type, "config.json")
+    return family
+
+
+def family_of(config: dict, options: MergeOptions) -> Family:
+    if (given := _file_family(config, options)) is not None:
+        return given
     model_type = config.get("model_type")
     family = megatron_family(model_type)
     if family is None and (text := _vlm_of(model_type)):
@@ -117,10 +134,24 @@ def family_table(family: Family) -> list[Entry]:
     return compile_table(MEGATRON, family.megatron, family.mtp)
 
 
+def _unmapped_in_file(table: list[Entry], name: str, family: Family, catalog: Catalog) -> MergerError:
+    """A tensor no row of a family file maps, and the row misspelt for it (it matches nothing) where there is one."""
+    unmatched = misspelt_row(family, table, catalog.tensors, name)
+    if unmatched is None:
+        return MergerError(f"Megatron tensor {name} of {catalog.root} matches no row of the family file (layer rows "
+                           f"are named after {MEGATRON.decoder}{{i}}.), {family.file}")
+    row, expected = unmatched
+    return MergerError(f"row {row.source!r} of the family file matches no tensor of the checkpoint (it expects one "
+                       f"named like {expected}), and Megatron tensor {name} of {catalog.root} has no row, "
+                       f"{family.file}")
+
+
 def row_of(table: list[Entry], name: str, first_mtp: int, family: Family, catalog: Catalog
            ) -> tuple[Row, tuple[str, ...]]:
     """The row of Megatron tensor `name` and the HF names it becomes (MTP layer j is HF layer first_mtp + j)."""
     found = lookup(table, name, first_mtp)
+    if found is None and family.file:
+        raise _unmapped_in_file(table, name, family, catalog)
     if found is None:
         raise MergerError(f"no HF name for Megatron tensor {name} in the {family.name} table, {catalog.root}")
     row, targets = found
@@ -154,7 +185,7 @@ def _stacked_steps(target: str, experts: dict[int, str], row: Row, catalog: Cata
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
-    family = family_of(config)
+    family = family_of(config, options)
     _check_layer_types(catalog, config, family)
     table = family_table(family)
     layers = mtp.mtp_layers(catalog, MEGATRON, family, config, options)
@@ -170,7 +201,13 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
         if row.stacked:
             stacks.setdefault(names[0], (row, {}))[1][int(EXPERT.search(name).group(1))] = name
             continue
-        steps.append(_step(name, tensor.shape, row.kind, names, config, tensor.dtype, family))
+        try:
+            steps.append(_step(name, tensor.shape, row.kind, names, config, tensor.dtype, family))
+        except MergerError as e:
+            if not family.file:
+                raise
+            raise MergerError(f"row {row.source!r} of the family file does not fit the checkpoint: {e}, "
+                              f"{family.file}") from e
     steps += [step for target, (row, experts) in stacks.items()
               for step in _stacked_steps(target, experts, row, catalog, config)]
     steps += mtp.shared_steps(catalog, MEGATRON, family, config, layers)

@@ -33,6 +33,7 @@ class Mapper:
     claims: Callable[[Catalog, MergeOptions], bool]
     build: Callable[[Catalog, MergeOptions], Mapping]
     flags: frozenset[str] = frozenset()  # the LoRA flags it takes; any other one given is an error
+    family: bool = False  # it maps by a Megatron family's rows, which --family FILE may give
 
 
 MAPPERS = (
@@ -42,10 +43,10 @@ MAPPERS = (
     # the adapter's own adapter_config.json gives r, alpha and the rest
     Mapper("verl Megatron LoRA", megatron_peft.claims, megatron_peft.build, frozenset({"base_model", "lora"})),
     # Megatron-Bridge's shards: r off their shapes, lora_alpha from the flags
-    Mapper("verl Megatron LoRA shards", megatron_shards.claims, megatron_shards.build, LORA_FLAGS),
+    Mapper("verl Megatron LoRA shards", megatron_shards.claims, megatron_shards.build, LORA_FLAGS, family=True),
     Mapper("Megatron model with LoRA shards", megatron_lora_model.claims, megatron_lora_model.build,
-           LORA_FLAGS - {"base_model"}),
-    Mapper("megatron", megatron.claims, megatron.build),
+           LORA_FLAGS - {"base_model"}, family=True),
+    Mapper("megatron", megatron.claims, megatron.build, family=True),
     Mapper("torchtitan", torchtitan.claims, torchtitan.build),
     # HF names whose config.json says FP8 blocks; asking decides the stored format (quantized_formats.py), and one
     # merger does not read is refused there
@@ -67,6 +68,9 @@ def build_mapping(catalog: Catalog, options: MergeOptions) -> Mapping:
     """The steps writing `catalog` as the target, after the tie and dtype policy, with the config updates."""
     mapper = mapper_for(catalog, options)
     refuse_unused(mapper.flags, options, catalog)
+    if options.family is not None and not mapper.family:
+        raise MergerError(f"--family gives the rows of a Megatron checkpoint's family, and this {catalog.format} "
+                          f"checkpoint is mapped as {mapper.name}, {catalog.root}")
     mapping = mapper.build(catalog, options)
     if mapping.hf_dir is not None:
         mapping.hf_dir = local_config_folder(mapping.hf_dir)  # a base model in a bucket: its config, fetched

@@ -52,7 +52,7 @@ def _folded(step: Step, lin: AdaptedLinear, catalog: Catalog, scale: float) -> S
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     _, model = model_config(catalog, options)
     where = catalog.details["checkpoint"]
-    linears = adapted_linears(catalog, model, where)
+    linears = adapted_linears(catalog, model, where, options)
     r, alpha = rank_and_alpha(catalog, linears, options, where)
     base = {n: t for n, t in catalog.tensors.items() if not is_adapter_shard(n)}
     mapping = megatron.build(dataclasses.replace(catalog, tensors=base), options)

@@ -54,9 +54,9 @@ def claims(catalog: Catalog, options: MergeOptions) -> bool:
     return catalog.format == SHARDS_FORMAT
 
 
-def adapted_linears(catalog: Catalog, config: dict, where: str) -> list[AdaptedLinear]:
+def adapted_linears(catalog: Catalog, config: dict, where: str, options: MergeOptions) -> list[AdaptedLinear]:
     """Every adapted linear among the catalog's adapter shards; `where` names them in errors."""
-    family = family_of(config)
+    family = family_of(config, options)
     table = family_table(family)
     parts: dict[str, dict[str, str]] = {}
     for name in filter(is_adapter_shard, catalog.tensors):
@@ -166,7 +166,7 @@ def peft_config(linears: list[AdaptedLinear], catalog: Catalog, model: dict, bas
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, model = model_config(catalog, options)
     where = catalog.details["adapter shards"]
-    linears = adapted_linears(catalog, model, where)
+    linears = adapted_linears(catalog, model, where, options)
     r, alpha = rank_and_alpha(catalog, linears, options, where)
     modules = sum(len(lin.weights) for lin in linears)
     base_dir = base_folder(catalog, options)
