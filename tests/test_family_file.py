@@ -64,7 +64,7 @@ def test_a_family_file_for_a_checkpoint_of_hf_names_is_refused(megatron_root, tm
      "row 'mlp.linear_fc2.weight' of the family file does not fit the checkpoint: tensor "),
     (("model_types = [\"qwen2\"]", "model_types = [\"llama\"]"),
      "the family file maps model types llama, but config.json has model_type 'qwen2'"),
-])
+], ids=["a misspelt source", "a row left out", "a kind that does not fit", "another model type"])
 def test_a_file_that_does_not_fit_the_checkpoint_is_one_line_naming_it(edit, expected, megatron_root, tmp_path, capsys):
     family = tmp_path / "family.toml"
     family.write_text(EXAMPLE.read_text().replace(*edit))

@@ -52,7 +52,7 @@ def _row_error(*args) -> str:
      ("mlp.linear_fc2.weight", "gate_upp")),
     (("targets = [\"mlp.down_proj.weight\"]", "targets = [\"mlp.down_proj.weight\", \"mlp.up_proj.weight\"]"),
      ("mlp.linear_fc2.weight", "rename", ("mlp.down_proj.weight", "mlp.up_proj.weight"))),
-])
+], ids=["an unknown kind", "a rename with two targets"])
 def test_a_bad_row_is_refused_as_a_built_in_one_is_naming_its_entry(edit, args, tmp_path):
     text = EXAMPLE.read_text()
     message = _refusal(tmp_path, text.replace(*edit))
@@ -77,7 +77,8 @@ def test_a_bad_row_is_refused_as_a_built_in_one_is_naming_its_entry(edit, args, 
     # a VLM around a built-in family's text model: which family maps it would depend on the file
     (f'name = "x"\nmodel_types = ["kimi_k25"]\n[[megatron]]\n{ROW}\n',
      "model type 'kimi_k25' is the HF VLM around the deepseek_v3 family's text model"),
-])
+], ids=["no rows", "a string for a list", "an unknown row key", "an unknown key", "a row without a kind", "bad TOML",
+        "a TP split unknown", "a source twice", "a VLM's model type"])
 def test_a_malformed_file_is_one_line_naming_the_file_and_the_entry(text, expected, tmp_path):
     assert expected in _refusal(tmp_path, text)
 
