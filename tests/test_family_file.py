@@ -9,6 +9,9 @@ and leaves nothing at the target.
 """
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -19,6 +22,7 @@ from tests.helpers.paths import ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.interpreter]
 
 EXAMPLE = ROOT / "docs" / "families" / "qwen2.toml"
+SMOLLM3 = ROOT / "docs" / "families" / "smollm3.toml"
 CASE = "tp2_gqa_bias"
 
 
@@ -37,6 +41,25 @@ def test_the_docs_example_file_merges_as_the_built_in_family(megatron_root, tmp_
     assert _written(given) == _written(built_in) != {}
     oracle = torch.load(megatron_root / CASE / "logits.pt", weights_only=True)
     assert (hf_logits(given, oracle["tokens"], False) - oracle["logits"]).abs().max().item() < 1e-4
+
+
+def test_a_file_adds_a_model_type_no_built_in_family_maps(megatron_root, tmp_path, capsys):
+    """docs/families/smollm3.toml: Llama's layers under SmolLM3's model type, which merger has no family for. The
+    mistral_tp2 checkpoint (Llama's layout) with its config.json made SmolLM3's of the same function (RoPE in every
+    layer, no sliding window) is refused without the file; with it, the model reproduces Megatron's logits."""
+    case, hf = megatron_root / "mistral_tp2", tmp_path / "hf"
+    shutil.copytree(case / "hf", hf)
+    config = json.loads((hf / "config.json").read_text())
+    config.update(model_type="smollm3", architectures=["SmolLM3ForCausalLM"], use_sliding_window=False,
+                  sliding_window=None, no_rope_layers=[1] * config["num_hidden_layers"])
+    (hf / "config.json").write_text(json.dumps(config))
+    common = ("--local_dir", case / "legacy", "--hf_model_config_path", hf, "--dtype", "float32")
+    code, errors = merge_here(capsys, *common, "--target_dir", tmp_path / "refused")
+    assert code == 1 and "no Megatron mapping for model_type 'smollm3'" in errors[0], errors
+    merge_here_ok = merge_here(capsys, *common, "--target_dir", tmp_path / "out", "--family", SMOLLM3)
+    assert merge_here_ok == (0, [])
+    oracle = torch.load(case / "logits.pt", weights_only=True)
+    assert (hf_logits(tmp_path / "out", oracle["tokens"], False) - oracle["logits"]).abs().max().item() < 1e-4
 
 
 def test_a_family_file_for_a_checkpoint_of_hf_names_is_refused(megatron_root, tmp_path, capsys):

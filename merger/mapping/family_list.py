@@ -24,7 +24,8 @@ def built_in() -> list[str]:
 
 def from_file(family: Family) -> list[str]:
     replaced = sorted({f.name for f in FAMILIES for t in family.model_types if t in f.model_types})
-    instead = f"; replaces the built-in {', '.join(replaced)} family for them" if replaced else ""
+    instead = (f"; replaces the built-in {', '.join(replaced)} family for them" if replaced else
+               "; no built-in family maps them")
     lines = [f"{family.name} (family file {family.file}): model_type {', '.join(family.model_types)}; Megatron "
              f"rows after decoder.layers.{{i}}. -> model.layers.{{i}}.{instead}"]
     width = max(len(row.source) for row in family.megatron)
