@@ -1,5 +1,5 @@
 """Megatron checkpoints (catalog naming "megatron"): the steps from the model family's record (families.py, chosen
-by config.json's model_type) under Megatron's naming (megatron_rows.py), with the transform each row's kind names
+by config.json's model_type, or a family file's with --family: family_file.py) under Megatron's naming (megatron_rows.py), with the transform each row's kind names
 (kinds.py), verl's critic value head, and multi-token-prediction layers (mtp.py: written after the decoder
 layers, or left out with --drop-mtp)."""
 from __future__ import annotations
