@@ -2,7 +2,8 @@
 torch.distributed's environment (submitit's TorchDistributedEnvironment) and runs `merger.cli.main`.
 
 The submitting process waits (unless --no-wait), prints the job's state as Slurm reports it, and on failure
-prints the log tail of a failing task (with its `merger: error:` line) and returns 1. States come from
+prints the log tail of a failing task (with its `merger: error:` line) and returns that task's merger exit status
+(its error's kind: docs/api.md), or 1 when the log does not say it. States come from
 `scontrol show job` and, once Slurm has forgotten the job, `sacct`, so clusters without accounting work too.
 """
 from __future__ import annotations
@@ -28,7 +29,11 @@ SUBMITIT_FAILURE_MARK = "Submitted job triggered an exception"
 
 
 class MergeFailed(Exception):
-    """Raised in a task whose merge failed, so submitit records an error and the task exits non-zero."""
+    """Raised in a task whose merge failed, so submitit records an error and the task exits non-zero. Its message,
+    in the task's log, is where the submitting process reads the merger's exit status (FAILED_STATUS)."""
+
+
+FAILED_STATUS = re.compile(r"merger exited with status (\d+) on rank")
 
 
 def master_port(job) -> int:
@@ -124,16 +129,19 @@ def give_up(job, reason: str) -> None:
           f"{done}; change the request (--nodes, --mem, --time, --partition, --account)", file=sys.stderr)
 
 
-def report_failure(job, state: str) -> None:
-    """Print the log tail of the first task that wrote a `merger: error:` line (else of task 0)."""
+def report_failure(job, state: str) -> int:
+    """Print the log tail of the first task that wrote a `merger: error:` line (else of task 0); return the exit
+    status its merger ended with (1 when its log does not say: a task that died before the merger returned)."""
     logs = [(task, task.stderr() or "") for task in (job.task(t) for t in range(job.num_tasks))]
     task, text = next(((t, s) for t, s in logs if "merger: error:" in s), logs[0])
+    status = FAILED_STATUS.search(text)
     # What the merger said comes before submitit's traceback of MergeFailed, which says nothing more.
     lines = text.rstrip().splitlines()
     lines = lines[:next((i for i, line in enumerate(lines) if SUBMITIT_FAILURE_MARK in line), len(lines))]
     print(f"launcher: job {job.job_id} ended {state}; last lines of {task.paths.stderr}:", file=sys.stderr)
     for line in lines[-TAIL_LINES:]:
         print(line, file=sys.stderr)
+    return int(status.group(1)) if status else 1
 
 
 def make_executor(args: argparse.Namespace):
@@ -182,5 +190,4 @@ def submit(args: argparse.Namespace, merger_args: list[str]) -> int:
     if state == "PENDING":  # wait_for stops on a pending job only when it can never start
         give_up(job, reason)
         return 1
-    report_failure(job, state)
-    return 1
+    return report_failure(job, state)

@@ -3,8 +3,9 @@
 once the command line has parsed: `--version`, `--help` and a usage error answer without it.
 
 Runs the same on one process and under torchrun/Slurm: the process group comes from the environment.
-Errors reach the user as one line `merger: error: <what>, <which file>`: exit code 1, 2 for a command line
-that does not parse, 130 when interrupted.
+Errors reach the user as one line `merger: error: <what>, <which file>`, and end the process with their kind's exit
+code (merger/errors.py, docs/api.md): 1 for errors of no other kind, 2 for a command line that does not parse, 130
+when interrupted.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import threading
 from typing import TYPE_CHECKING, Callable, NoReturn
 
 from .engine.torchrun_error import record_for_torchrun
-from .errors import AgreedError, Interrupted, MergerError, UsageError, show_error_line
+from .errors import Interrupted, MergerError, UsageError, shared_exit_code, show_error_line
 from .flags import build_parser, options_from_args
 from .io import scratch_folders
 from .units import format_size
@@ -57,12 +58,12 @@ def _print_inspection(info: dict, as_json: bool) -> int:
 def _print_check(result: SourceCheck) -> int:
     """`inspect --check`: one error line per bad file, or one line saying what was checked (rank 0 prints)."""
     shown = os.environ.get("RANK", "0") == "0"
-    for line in result.bad.values():
-        _fail(line, show=shown)
+    for failure in result.bad.values():
+        _fail(failure.line, show=shown)
     if not result.bad and shown:
         print(f"checked {result.files} source files, {result.bytes} bytes ({format_size(result.bytes)}) of tensor "
               f"data: all fine")
-    return 1 if result.bad else 0
+    return shared_exit_code([f.exit_code for f in result.bad.values()]) if result.bad else 0
 
 
 def _print_skipped(skipped: dict[str, str]) -> None:
@@ -139,7 +140,7 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
         if failed:
             _fail(f"{len(failed)} finished step{'s' * (len(failed) > 1)} could not be converted ({', '.join(failed)}; "
                   f"each one's error is above), {options.local_dir}")
-        return 1 if failed else 0
+        return shared_exit_code(list(failed.values())) if failed else 0
     merge_with(options)  # `lora`: options.adapters name the adapter folders to fold in
     return 0
 
@@ -182,22 +183,20 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     try:
         args = build_parser().parse_args(argv)
     except UsageError as e:
-        return _fail(str(e), code=2)
+        return _fail(str(e), code=e.exit_code)
     logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(message)s", stream=sys.stderr)
     in_main_thread = threading.current_thread() is threading.main_thread()  # only there can handlers be set
     previous = signal.signal(signal.SIGTERM, _terminated) if in_main_thread else None
     try:
         return _run(args, own_process)
-    except AgreedError as e:
-        # Every rank raised the same line at a sync point: print it once, from rank 0.
-        return _fail(str(e), show=os.environ.get("RANK", "0") == "0")
     except MergerError as e:
-        return _fail(str(e))
+        # An error every rank raised at a sync point is the same line on each: printed once, from rank 0.
+        return _fail(str(e), code=e.exit_code, show=not e.agreed or os.environ.get("RANK", "0") == "0")
     except KeyboardInterrupt as e:
         rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
         outcome = f"; {e.outcome}" if isinstance(e, Interrupted) else ""
         # Ctrl-C's KeyboardInterrupt has no args
-        return _fail(f"interrupted by {str(e) or 'SIGINT'}{rank}{outcome}", code=130)
+        return _fail(f"interrupted by {str(e) or 'SIGINT'}{rank}{outcome}", code=Interrupted.exit_code)
     except Exception as e:  # noqa: BLE001 - a bug still gets one line unless --debug
         if args.debug:
             raise

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import MergerError
+from .errors import MergerError, SourceError
 from .io import is_remote, location
 from .io.locations import ObjectPath
 from .io.fetched import fetched_folder
@@ -37,7 +37,7 @@ def read_index(path: Path) -> dict:
         index = json.loads(path.read_text())
         index["weight_map"] = dict(index["weight_map"])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise MergerError(f"cannot read the safetensors index ({e}), {path}") from e
+        raise SourceError(f"cannot read the safetensors index ({e}), {path}") from e
     if not all(isinstance(name, str) for name in index["weight_map"].values()):
         raise MergerError(f"the safetensors index maps a tensor to something other than a file name, {path}")
     return index
@@ -71,9 +71,9 @@ def read_config(folder: Path) -> dict:
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError as e:
-        raise MergerError(f"no config.json (pass --hf_model_config_path), {folder}") from e
+        raise SourceError(f"no config.json (pass --hf_model_config_path), {folder}") from e
     except (OSError, json.JSONDecodeError) as e:
-        raise MergerError(f"cannot read config.json ({e}), {path}") from e
+        raise SourceError(f"cannot read config.json ({e}), {path}") from e
     if not isinstance(config, dict) or not (config.get("model_type") or config.get("architectures")):
         raise MergerError(f"config.json names no model (no model_type, no architectures): give the model's own "
                           f"config (--hf_model_config_path), {path}")
@@ -145,12 +145,12 @@ def model_config_dir(given: Path | None, found: Path | None, checkpoint: Path) -
     found beside the checkpoint. Checked now, not at the end: only a regular config.json inside it is copied."""
     folder = given or found
     if folder is None:
-        raise MergerError(f"no HF config folder found beside the checkpoint (pass --hf_model_config_path), "
+        raise SourceError(f"no HF config folder found beside the checkpoint (pass --hf_model_config_path), "
                           f"{checkpoint}")
     folder = local_config_folder(location(folder))
     if not folder.is_dir():
-        raise MergerError(f"HF config folder does not exist, {folder}")
+        raise SourceError(f"HF config folder does not exist, {folder}")
     if not any(f.name == CONFIG for f in files_to_copy(folder)):
-        raise MergerError(f"no config.json (a regular file inside the folder; pass --hf_model_config_path), "
+        raise SourceError(f"no config.json (a regular file inside the folder; pass --hf_model_config_path), "
                           f"{folder}")
     return folder

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import MergerError
+from .errors import CorruptSourceError, MergerError, SourceError
 from .io import file_size, read_range
 
 DTYPE_NAMES = {
@@ -77,22 +77,22 @@ def read_header(path: str, start: int = 0) -> tuple[int, dict[str, TensorEntry],
         size = file_size(path)
         prefix = read_range(path, start, 8)
         if len(prefix) < 8:
-            raise MergerError(f"not a safetensors file (shorter than 8 bytes), {path}")
+            raise CorruptSourceError(f"not a safetensors file (shorter than 8 bytes), {path}")
         (n,) = struct.unpack("<Q", prefix)
         if n > MAX_HEADER_BYTES or start + 8 + n > size:
-            raise MergerError(f"safetensors header length {n} runs past the file ({size} bytes), {path}")
+            raise CorruptSourceError(f"safetensors header length {n} runs past the file ({size} bytes), {path}")
         raw = read_range(path, start + 8, n)
     except OSError as e:
-        raise MergerError(f"cannot read {e.strerror.lower() if e.strerror else e}, {path}") from e
+        raise SourceError(f"cannot read {e.strerror.lower() if e.strerror else e}, {path}") from e
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, 5000-digit numbers, deep nesting
-        raise MergerError(f"safetensors header is not valid JSON ({type(e).__name__}), {path}") from e
+        raise CorruptSourceError(f"safetensors header is not valid JSON ({type(e).__name__}), {path}") from e
     if not isinstance(header, dict):
-        raise MergerError(f"safetensors header is not a JSON object, {path}")
+        raise CorruptSourceError(f"safetensors header is not a JSON object, {path}")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise MergerError(f"safetensors __metadata__ must map strings to strings, {path}")
+        raise CorruptSourceError(f"safetensors __metadata__ must map strings to strings, {path}")
     entries = {}
     for name, info in header.items():
         try:
@@ -100,20 +100,21 @@ def read_header(path: str, start: int = 0) -> tuple[int, dict[str, TensorEntry],
             shape = tuple(_strict_int(s) for s in info["shape"])
             begin, end = (_strict_int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
-            raise MergerError(f"safetensors entry {name!r} is malformed, {path}") from e
+            raise CorruptSourceError(f"safetensors entry {name!r} is malformed, {path}") from e
         if any(s < 0 for s in shape) or not 0 <= begin <= end:
-            raise MergerError(f"safetensors entry {name!r} has a negative size or offset, {path}")
+            raise CorruptSourceError(f"safetensors entry {name!r} has a negative size or offset, {path}")
         if end - begin != nbytes_of(shape, dtype):
-            raise MergerError(f"safetensors entry {name!r} is {end - begin} bytes but its shape needs "
-                              f"{nbytes_of(shape, dtype)}, {path}")
+            raise CorruptSourceError(f"safetensors entry {name!r} is {end - begin} bytes but its shape needs "
+                                     f"{nbytes_of(shape, dtype)}, {path}")
         entries[name] = TensorEntry(name, dtype, shape, begin, end)
     expected = 0
     for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
         if e.begin != expected:
-            raise MergerError(f"safetensors entry {e.name!r} overlaps or leaves a gap at byte {e.begin}, {path}")
+            raise CorruptSourceError(f"safetensors entry {e.name!r} overlaps or leaves a gap at byte {e.begin}, "
+                                     f"{path}")
         expected = e.end
     if start + 8 + n + expected != size:
-        raise MergerError(f"safetensors data section is {size - start - 8 - n} bytes but the header describes "
-                          f"{expected}, {path}")
+        raise CorruptSourceError(f"safetensors data section is {size - start - 8 - n} bytes but the header "
+                                 f"describes {expected}, {path}")
     return start + 8 + n, entries, metadata
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .api.pipeline import run_merge
 from .engine.dist import Group
-from .errors import MergerError
+from .errors import MergerError, SourceError
 from .io import is_remote
 from .options import MergeOptions
 from .output.target import earlier_merge, lock_of, stage_of
@@ -151,11 +151,12 @@ def convert_pending(options: MergeOptions, role: str, group: Group,
                     told: set[str]) -> tuple[list[str], dict[str, str], int]:
     """One pass: merge every finished step not converted yet, in step order, but for those another process is
     converting (its lock on the step's target says so) and those deleted meanwhile; each said once (`told`: what
-    this watcher said already). Returns the names of those that failed, the step folders still being saved
-    (name: why), and how many steps are converted already."""
+    this watcher said already). Returns those that failed (name: the exit code of the error that stopped it), the step
+    folders still being saved (name: why), and how many steps are converted already."""
     run, out = Path(options.local_dir), Path(options.target_dir)
     steps, waiting = group.all_gather(scan(run, role) if group.rank == 0 else None)[0]
-    failed, done = [], 0
+    failed: dict[str, int] = {}
+    done = 0
 
     def say_once(line: str) -> None:
         if group.rank == 0 and line not in told:
@@ -193,7 +194,7 @@ def convert_pending(options: MergeOptions, role: str, group: Group,
                 say_once(f"merger: watch: {step.name} was deleted while it was being converted {ROTATED}; its "
                          f"partial merge was {f'kept in {stage_of(target)}' if kept else 'removed'}, skipping it")
             else:
-                failed.append(step.name)
+                failed[step.name] = e.exit_code
                 if group.rank == 0:
                     log.warning("merger: watch: %s failed, retried on the next pass: %s", step.name, e)
             continue
@@ -214,9 +215,10 @@ def _say_waiting(run: Path, waiting: dict[str, str], done: int) -> None:
                  run)
 
 
-def watch(options: MergeOptions, role: str, once: bool, interval: float, group: Group) -> list[str]:
+def watch(options: MergeOptions, role: str, once: bool, interval: float, group: Group) -> dict[str, int]:
     """Convert the run's finished steps now, then (unless `once`) again every `interval` seconds, until stopped;
-    with `once`, the steps whose conversion failed. What it waits for is said at the start and when it changes."""
+    with `once`, the steps whose conversion failed, each with its error's exit code. What it waits for is said at
+    the start and when it changes."""
     if group.rank == 0:
         log.info("merger: watch: %s, every step whose save is complete (verl global_step_N/%s, HF Trainer "
                  "checkpoint-N, Megatron-LM iter_N, torchtitan step-N) -> %s/<step>%s", options.local_dir, role,
@@ -226,9 +228,9 @@ def watch(options: MergeOptions, role: str, once: bool, interval: float, group: 
                           f"save completed; merge each step from the bucket with merger merge, {options.local_dir}")
     run = Path(options.local_dir)
     if not run.is_dir():
-        raise MergerError(f"run folder does not exist, {options.local_dir}")
+        raise SourceError(f"run folder does not exist, {options.local_dir}")
     if (why := not_a_run(run)) is not None:
-        raise MergerError(f"{why}, {options.local_dir}")
+        raise SourceError(f"{why}, {options.local_dir}")
     said, told = None, set()
     while True:
         failed, waiting, done = convert_pending(options, role, group, told)

@@ -152,7 +152,7 @@ def test_an_earlier_merge_is_replaced_only_with_overwrite(store, hf_model, tmp_p
     url = "s3://models/again"
     run_in_process("merge", "--local_dir", hf_model, "--target_dir", url, "--max_shard_size", "20MB", env=store.env)
     proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", url, env=store.env, check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == os.EX_CANTCREAT
     assert single_error_line(proc.stderr) == f"merger: error: target holds an earlier merge: pass --overwrite to " \
                                               f"replace it, {url}"
     run_in_process("merge", "--local_dir", hf_model, "--target_dir", url, "--overwrite", env=store.env)
@@ -166,7 +166,7 @@ def test_a_prefix_holding_other_objects_is_left_alone(store, hf_model):
     store.client().put_object(Bucket="models", Key="notes/readme.txt", Body=b"not a model")
     proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", "s3://models/notes", "--overwrite",
                       env=store.env, check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == os.EX_CANTCREAT
     assert single_error_line(proc.stderr) == (
         "merger: error: target holds objects and no merger output (no merge_manifest.json): merger replaces only "
         "an empty prefix or an earlier merge; choose another --target_dir, s3://models/notes")
@@ -181,7 +181,7 @@ def test_a_merge_running_elsewhere_holds_the_target(store, hf_model):
     store.client().put_object(Bucket="models", Key="busy/.merger-lock", Body=json.dumps(holder).encode())
     proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", "s3://models/busy", env=store.env,
                       check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == os.EX_TEMPFAIL
     line = single_error_line(proc.stderr)
     assert line.startswith("merger: error: another merge is writing this target (pid 4242 on node-7"), line
     assert line.endswith("remove s3://models/busy/.merger-lock, s3://models/busy"), line
@@ -353,7 +353,7 @@ def test_kill_9_mid_stream_then_resume(store, layered_model, layered_local, tmp_
 def test_a_missing_bucket_is_one_line(store, hf_model, tmp_path):
     proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", "s3://no-such-bucket/model", env=store.env,
                       check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == os.EX_CANTCREAT
     assert single_error_line(proc.stderr) == "merger: error: no such bucket, s3://no-such-bucket"
 
 

@@ -8,6 +8,7 @@ torchtitan and transformers for the permutation alone.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -88,7 +89,7 @@ def test_accelerate_model_folder_with_prefix_flag(dcp_root, tmp_path):
 def test_accelerate_without_config_names_the_flag(dcp_root, tmp_path):
     proc = run_merger("merge", "--local_dir", dcp_root / "checkpoint-1", "--target_dir", tmp_path / "out",
                       check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == os.EX_NOINPUT
     assert "merger: error:" in proc.stderr and "--hf_model_config_path" in proc.stderr
     assert not (tmp_path / "out").exists()
 
@@ -112,7 +113,7 @@ def test_hostile_metadata_is_refused_without_running_code(dcp_root, tmp_path):
     marker = tmp_path / "pwned"
     (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     proc = run_merger("inspect", "--local_dir", folder, check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == os.EX_DATAERR
     assert "refusing to load global" in proc.stderr and "mkdir" in proc.stderr, proc.stderr
     assert not marker.exists()
 
@@ -140,15 +141,15 @@ def test_damaged_chunk_file_names_the_file(damage, dcp_root, tmp_path):
         data[: len(data) // 2] = bytes(len(data) // 2)
         victim.write_bytes(data)
     proc = run_merger("merge", "--local_dir", folder, "--target_dir", tmp_path / "out", check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == os.EX_DATAERR
     errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
     assert len(errors) == 1 and errors[0].endswith(str(victim)), proc.stderr
     assert ("truncated" if damage == "truncated" else "not a torch.save blob") in errors[0]
     assert not (tmp_path / "out").exists()
     if damage == "truncated":  # shorter than .metadata says: plain inspect, reading no chunk, names it as well
         proc = run_merger("inspect", "--local_dir", folder, check=False)
-        assert proc.returncode == 1 and [line for line in proc.stderr.splitlines() if line.startswith("merger:")] \
-            == errors, proc.stderr
+        said = [line for line in proc.stderr.splitlines() if line.startswith("merger:")]
+        assert proc.returncode == os.EX_DATAERR and said == errors, proc.stderr
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "keep"])
@@ -168,13 +169,13 @@ def test_flipped_bit_in_a_chunk_fails_its_checksum(dcp_root, tmp_path, dtype):
     flip_bit_in_tensor(victim, torch.load(io.BytesIO(blob), weights_only=True))
     proc = run_merger("merge", "--local_dir", folder, "--target_dir", tmp_path / "out", "--dtype", dtype,
                       check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == os.EX_DATAERR
     error = single_error_line(proc.stderr)
     assert f"checksum mismatch in tensor {index.fqn}" in error and error.endswith(str(victim)), error
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.merger-partial").exists()
     # found before a merge too, reading the chunks' blobs alone
     proc = run_merger("inspect", "--local_dir", folder, "--check", check=False)
-    assert proc.returncode == 1 and single_error_line(proc.stderr) == error, proc.stderr
+    assert proc.returncode == os.EX_DATAERR and single_error_line(proc.stderr) == error, proc.stderr
 
 
 @pytest.mark.parametrize("how", ["named in .metadata", "linked"])

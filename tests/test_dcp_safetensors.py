@@ -7,6 +7,7 @@ Oracle: the model's own save_pretrained output, bit for bit.
 """
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def test_safetensors_chunks_disagreeing_with_metadata(st_root, tmp_path, capsys)
     shutil.copytree(st_root / "plain", cut)
     data = (cut / "__1_0.distcp").read_bytes()
     (cut / "__1_0.distcp").write_bytes(data[:-100])
-    assert merger_main(["merge", "--local_dir", str(cut), "--target_dir", str(tmp_path / "b")]) == 1
+    assert merger_main(["merge", "--local_dir", str(cut), "--target_dir", str(tmp_path / "b")]) == os.EX_DATAERR
     err = capsys.readouterr().err
     assert "merger: error: safetensors data section" in err and "__1_0.distcp" in err, err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
@@ -73,7 +74,7 @@ def test_hf_storage_writer_shards_torchrun(st_root, tmp_path, capsys):
     shutil.copytree(st_root / "hf_sharded", partial)
     (partial / "shard-00001-model-00001-of-00001.safetensors").unlink()
     assert merger_main(["merge", "--local_dir", str(partial), "--target_dir", str(tmp_path / "a"),
-                        "--hf_model_config_path", str(st_root / "hf")]) == 1
+                        "--hf_model_config_path", str(st_root / "hf")]) == os.EX_NOINPUT
     assert "shard files of saving ranks [1] are missing" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
 
@@ -89,7 +90,7 @@ def test_inspect_check_finds_a_truncated_chunk_file(st_root, tmp_path, capsys):
     victim.write_bytes(victim.read_bytes()[:-5])
     assert merger_main(["inspect", "--local_dir", str(folder)]) == 0
     capsys.readouterr()
-    assert merger_main(["inspect", "--local_dir", str(folder), "--check"]) == 1
+    assert merger_main(["inspect", "--local_dir", str(folder), "--check"]) == os.EX_DATAERR
     out, err = capsys.readouterr()
     errors = [line for line in err.splitlines() if line.startswith("merger: error:")]
     assert len(errors) == 1 and errors[0].endswith(str(victim)) and "all fine" not in out, err

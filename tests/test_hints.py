@@ -4,6 +4,7 @@ adapter, a config that names no model, a URL where a folder goes; and the dtypes
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -24,7 +25,7 @@ def test_local_dir_one_level_too_high_names_the_checkpoint_below(fsdp_checkpoint
     actor, reference = fsdp_checkpoint("llama", world=1)
     step = actor.parent  # global_step_1/, which holds actor/
     proc = run_merger("merge", "--local_dir", step, "--target_dir", tmp_path / "out", check=False)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.returncode == os.EX_NOINPUT and "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith(f"merger: error: no known checkpoint layout (looked for: {', '.join(BACKENDS)}), "
                            f"{step}; actor/ below it looks like a checkpoint (--backend fsdp): pass --local_dir ")
@@ -59,7 +60,7 @@ def test_run_folder_points_to_the_step_its_tracker_names(fsdp_checkpoint, tmp_pa
     (run / "latest_checkpointed_iteration.txt").write_text("1\n")
     proc = run_merger("merge", "--local_dir", run, "--target_dir", tmp_path / "out", check=False)
     line = single_error_line(proc.stderr)
-    assert proc.returncode == 1 and line.endswith(
+    assert proc.returncode == os.EX_NOINPUT and line.endswith(
         f"{run}; it looks like a training run's folder: pass its latest checkpoint (fsdp), --local_dir "
         f"{run / 'global_step_1' / 'actor'}")
     run_in_process("merge", "--local_dir", _suggested(line), "--target_dir", tmp_path / "out", "--dtype", "keep")
@@ -73,7 +74,7 @@ def test_run_folder_points_to_the_step_its_tracker_names(fsdp_checkpoint, tmp_pa
 def test_a_path_inside_the_checkpoint_points_to_it(fsdp_checkpoint, tmp_path, given, says):
     actor, _ = fsdp_checkpoint("llama", world=1)
     proc = run_merger("merge", "--local_dir", actor / given, "--target_dir", tmp_path / "out", check=False)
-    assert proc.returncode == 1 and single_error_line(proc.stderr).endswith(says.format(actor=actor))
+    assert proc.returncode == os.EX_NOINPUT and single_error_line(proc.stderr).endswith(says.format(actor=actor))
     assert not (tmp_path / "out").exists()
 
 

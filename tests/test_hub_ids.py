@@ -7,6 +7,7 @@ oracles are the model's own weights (save_pretrained) and the config files as tr
 """
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -64,7 +65,7 @@ def test_a_path_shaped_value_is_never_looked_up_on_the_hub(given, pristine, acto
     cache_model(cache, REPO, pristine[0] / "huggingface")
     proc = run_merger("merge", "--local_dir", actor, "--target_dir", tmp_path / "out", "--hf_model_config_path",
                       given, env=offline_env(cache), check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == os.EX_NOINPUT
     assert single_error_line(proc.stderr).startswith("merger: error: HF config folder does not exist"), proc.stderr
 
 

@@ -74,7 +74,7 @@ def test_a_truncated_rank_file_is_found_by_plain_inspect_too(actor):
     truncate(victim)
     for check in ([], ["--check"]):
         proc = run_merger("inspect", "--local_dir", actor, *check, check=False)
-        assert proc.returncode == 1 and "all fine" not in proc.stdout
+        assert proc.returncode == os.EX_DATAERR and "all fine" not in proc.stdout
         errors = errors_of(proc)
         assert len(errors) == 1 and "truncated: " in errors[0] and errors[0].endswith(str(victim)), proc.stderr
 
@@ -83,7 +83,7 @@ def test_a_flipped_bit_fails_its_checksum(actor):
     victim = rank_file(actor, 1)
     flip_a_bit(victim)
     proc = run_merger("inspect", "--local_dir", actor, "--check", check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == os.EX_DATAERR
     errors = errors_of(proc)
     assert len(errors) == 1 and "checksum mismatch in tensor" in errors[0] and errors[0].endswith(str(victim))
 

@@ -8,6 +8,7 @@ same tensors, bit for bit.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -175,7 +176,7 @@ def test_missing_rank_file_is_reported(megatron_root, tmp_path):
     shutil.rmtree(src / "iter_0000001" / "mp_rank_01")
     proc = run_merger("merge", "--local_dir", src, "--target_dir", tmp_path / "out", "--hf_model_config_path",
                       megatron_root / "tp2_gqa_bias" / "hf", check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == os.EX_NOINPUT
     assert "merger: error: rank file for tp 1 pp 0 ep 0 is missing" in proc.stderr
     assert not (tmp_path / "out").exists()
 
@@ -189,7 +190,7 @@ def test_flipped_bit_in_a_rank_file_fails_its_checksum(megatron_root, tmp_path):
     flip_bit_in_tensor(victim, torch.load(victim, weights_only=False)["model"][name])  # our own test file
     proc = run_merger("merge", "--local_dir", src, "--target_dir", tmp_path / "out", "--hf_model_config_path",
                       megatron_root / "tp2_gqa_bias" / "hf", check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == os.EX_DATAERR
     error = single_error_line(proc.stderr)
     assert "checksum mismatch in tensor" in error and name in error and error.endswith(str(victim)), error
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.merger-partial").exists()
@@ -261,7 +262,7 @@ def test_hostile_dcp_metadata_is_refused_not_run(megatron_root, tmp_path, capsys
     marker = tmp_path / "ran"
     (src / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
     assert main(["merge", "--local_dir", str(src), "--target_dir", str(tmp_path / "out"),
-                 "--hf_model_config_path", str(megatron_root / "tp2_gqa_bias" / "hf")]) == 1
+                 "--hf_model_config_path", str(megatron_root / "tp2_gqa_bias" / "hf")]) == os.EX_DATAERR
     assert not marker.exists()
     assert "refusing to load global" in capsys.readouterr().err
 

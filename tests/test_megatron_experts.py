@@ -13,6 +13,7 @@ expert i; megatron/core/transformer/moe/experts.py, TEGroupedMLP.sharded_state_d
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def test_missing_expert_tp_rank_file_is_reported(moe_root, tmp_path, capsys):
     shutil.rmtree(src / "iter_0000001" / "mp_rank_01_001")
     code, (error,) = merge_here(capsys, "--local_dir", src, "--target_dir", tmp_path / "out",
                                 "--hf_model_config_path", moe_root / case / "hf")
-    assert code == 1
+    assert code == os.EX_NOINPUT
     assert "rank file for tp 1 pp 0 ep 1 is missing" in error, error
     assert not (tmp_path / "out").exists()
 

@@ -8,6 +8,7 @@ against AWS.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import merger
 from merger.catalog import Catalog
 from tests.helpers.files import assert_same_files
 from tests.helpers.in_process import run_in_process, single_error_line, stdout_in_process
@@ -82,7 +84,7 @@ def test_hf_folder_from_a_bucket(store, dcp_root, tmp_path):
     assert_same_files(local, remote)
 
 
-def test_wrong_credentials_are_one_line_and_never_shown(dcp_root, tmp_path):
+def test_wrong_credentials_are_one_line_and_never_shown(dcp_root, tmp_path, monkeypatch):
     """A server that checks keys, as AWS does (moto's, with no unauthenticated request allowed): ours is unknown."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
@@ -96,7 +98,7 @@ def test_wrong_credentials_are_one_line_and_never_shown(dcp_root, tmp_path):
         env = {**ObjectStore(f"http://127.0.0.1:{port}").env, "AWS_MAX_ATTEMPTS": "1"}
         url = "s3://ckpt/runs/dcp/plain"
         proc = run_merger("merge", "--local_dir", url, "--target_dir", tmp_path / "out", env=env, check=False)
-        assert proc.returncode == 1
+        assert proc.returncode == os.EX_NOPERM
         assert single_error_line(proc.stderr) == (
             f"merger: error: access denied by the object store (check the credentials: AWS_ACCESS_KEY_ID, "
             f"AWS_PROFILE...), {url}")
@@ -105,10 +107,16 @@ def test_wrong_credentials_are_one_line_and_never_shown(dcp_root, tmp_path):
         # a bucket as the target: the same line, not "no such bucket" for a bucket the keys may not see
         target = run_merger("merge", "--local_dir", dcp_root / "plain", "--target_dir", "s3://models/x", env=env,
                             check=False)
-        assert target.returncode == 1 and single_error_line(target.stderr).startswith(
+        assert target.returncode == os.EX_NOPERM and single_error_line(target.stderr).startswith(
             "merger: error: access denied by the object store (check the credentials"), target.stderr
         for text in (proc.stderr, proc.stdout, debug.stderr, debug.stdout, target.stderr, target.stdout):
             assert SECRET not in text and KEY_ID not in text
+        # through the API: the credentials kind, whose line is the command line's
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(merger.CredentialsError) as refused:
+            merger.merge(local_dir=url, target_dir=tmp_path / "out")
+        assert f"merger: error: {refused.value}" == single_error_line(proc.stderr)
         assert not (tmp_path / "out").exists()
     finally:
         server.terminate()
@@ -119,7 +127,7 @@ def test_a_missing_bucket_or_folder_is_one_line(store, dcp_in_bucket, tmp_path):
     for url, said in (("s3://no-such-bucket/x", "checkpoint folder does not exist"),
                       (f"{dcp_in_bucket}/no-such-step", "checkpoint folder does not exist")):
         proc = run_merger("merge", "--local_dir", url, "--target_dir", tmp_path / "out", env=store.env, check=False)
-        assert proc.returncode == 1
+        assert proc.returncode == os.EX_NOINPUT
         assert single_error_line(proc.stderr) == f"merger: error: {said}, {url}"
         assert not (tmp_path / "out").exists()
 

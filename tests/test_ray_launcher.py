@@ -60,7 +60,7 @@ def test_launcher_ray_bad_input_is_one_line(tmp_path):
     missing = tmp_path / "no_such_actor"
     proc = subprocess.run(launcher_ray("merge", "--local_dir", missing, "--target_dir", tmp_path / "out"), cwd=ROOT,
                           env=_ray_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == os.EX_NOINPUT, proc.stderr
     assert str(missing) in single_error_line(proc.stderr) and "Traceback" not in proc.stderr, proc.stderr
 
 

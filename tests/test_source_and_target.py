@@ -62,7 +62,7 @@ def test_a_target_that_is_holds_or_lies_in_the_source_is_refused(where, overwrit
     before = snapshot(ckpt.parent.parent)
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", target,
                               *(["--overwrite"] if overwrite else []))
-    assert code == 1 and len(errors) == 1, errors
+    assert code == os.EX_CANTCREAT and len(errors) == 1, errors
     assert "merger never writes into its source" in errors[0] and errors[0].endswith(str(target))
     assert snapshot(ckpt.parent.parent) == before
     assert not list(ckpt.parent.parent.rglob(".*merger*"))  # no staging folder, no lock
@@ -97,7 +97,7 @@ def test_merging_into_the_checkpoints_config_folder_adds_the_weights_beside_it(c
 
     # Again: the earlier merge's files are replaced only with --overwrite, one shard layout by another.
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", hf)
-    assert code == 1 and "earlier merge: pass --overwrite" in errors[0], errors
+    assert code == os.EX_CANTCREAT and "earlier merge: pass --overwrite" in errors[0], errors
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", hf, "--overwrite")
     assert code == 0, errors
     final = snapshot(hf)
@@ -111,7 +111,7 @@ def test_weights_in_the_config_folder_that_no_merge_wrote_are_never_replaced(ckp
     (hf / "model.safetensors").write_bytes(b"the user's own weights")
     before = snapshot(ckpt)
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", hf, "--overwrite")
-    assert code == 1 and len(errors) == 1 and "which no merger run wrote" in errors[0], errors
+    assert code == os.EX_CANTCREAT and len(errors) == 1 and "which no merger run wrote" in errors[0], errors
     assert errors[0].endswith(str(hf / "model.safetensors"))
     assert snapshot(ckpt) == before
 
@@ -121,13 +121,13 @@ def test_overwrite_replaces_only_an_earlier_merge(ckpt, reference, tmp_path, cap
     user.mkdir()
     (user / "notes.txt").write_text("user data")
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", user, "--overwrite")
-    assert code == 1 and "holds no merger output" in errors[0] and "--overwrite" not in errors[0], errors
+    assert code == os.EX_CANTCREAT and "holds no merger output" in errors[0] and "--overwrite" not in errors[0], errors
     assert (user / "notes.txt").read_text() == "user data"
 
     out = tmp_path / "out"
     assert merge_here(capsys, "--local_dir", ckpt, "--target_dir", out)[0] == 0
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", out)
-    assert code == 1 and "pass --overwrite to replace it" in errors[0], errors
+    assert code == os.EX_CANTCREAT and "pass --overwrite to replace it" in errors[0], errors
     (out / "stale.txt").write_text("from the earlier merge's folder")
     assert merge_here(capsys, "--local_dir", ckpt, "--target_dir", out, "--overwrite")[0] == 0
     assert not (out / "stale.txt").exists()
@@ -140,12 +140,12 @@ def test_a_target_that_cannot_be_renamed_into_place_is_refused_before_streaming(
     link = tmp_path / "link"
     link.symlink_to(real)
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", link)
-    assert code == 1 and "symbolic link" in errors[0] and errors[0].endswith(str(link)), errors
+    assert code == os.EX_CANTCREAT and "symbolic link" in errors[0] and errors[0].endswith(str(link)), errors
     assert link.is_symlink() and list(real.iterdir()) == []
 
     with tmpfs(tmp_path / "mnt", "size=1m") as mnt:
         code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", mnt)
-        assert code == 1 and "mount point" in errors[0] and errors[0].endswith(str(mnt)), errors
+        assert code == os.EX_CANTCREAT and "mount point" in errors[0] and errors[0].endswith(str(mnt)), errors
         assert list(mnt.iterdir()) == [] and not list(tmp_path.glob(".mnt.merger*"))
 
 
@@ -162,6 +162,9 @@ def test_a_second_merge_into_the_same_target_fails_at_once_naming_the_first(ckpt
         started = time.monotonic()
         seen["rival"] = run_merger("merge", "--local_dir", ckpt, "--target_dir", out, "--overwrite", check=False)
         seen["seconds"] = time.monotonic() - started
+        with pytest.raises(merger.TargetBusyError) as busy:  # the API's rival: the same lock, the same line
+            merger.merge(local_dir=ckpt, target_dir=out, overwrite=True)
+        seen["api"] = busy.value
         seen["stage"] = sorted(p.name for p in (tmp_path / ".out.merger-partial").iterdir())
         return real_finish(*args, **kwargs)
 
@@ -169,8 +172,9 @@ def test_a_second_merge_into_the_same_target_fails_at_once_naming_the_first(ckpt
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", out)
     assert code == 0, errors
     rival = seen["rival"]
-    assert rival.returncode == 1 and "another merge is writing this target" in rival.stderr, rival.stderr
+    assert rival.returncode == os.EX_TEMPFAIL and "another merge is writing this target" in rival.stderr, rival.stderr
     assert f"pid {os.getpid()} on {socket.gethostname()}" in rival.stderr
+    assert seen["api"].kind == "target_busy" and f"pid {os.getpid()} on {socket.gethostname()}" in str(seen["api"])
     assert seen["stage"] and seen["seconds"] < 30  # it left the live staging folder alone, and did not wait
     assert_same_weights(out, reference, torch.bfloat16)
     manifest = json.loads((out / "merge_manifest.json").read_text())
@@ -198,7 +202,7 @@ def test_a_stale_lock_is_broken_and_a_live_one_from_another_host_is_not(ckpt, re
     record = {"host": "another-node", "pid": 1, "started": "now", "command": "merger merge", "token": "y"}
     _lock_of(other).write_text(json.dumps(record))
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", other)
-    assert code == 1 and "pid 1 on another-node" in errors[0], errors
+    assert code == os.EX_TEMPFAIL and "pid 1 on another-node" in errors[0], errors
     assert not other.exists()
     old = time.time() - STALE_AFTER_S - 60  # its holder stopped refreshing it long ago
     os.utime(_lock_of(other), (old, old))
@@ -295,7 +299,7 @@ def test_resume_after_a_merge_that_finished_has_nothing_to_do(ckpt, reference, t
 
     other = run_merger("merge", "--local_dir", ckpt, "--target_dir", out, "--resume", "--dtype", "float32",
                        check=False)
-    assert other.returncode == 1 and "options that shape the output changed" in other.stderr
+    assert other.returncode == os.EX_CANTCREAT and "options that shape the output changed" in other.stderr
     assert "pass --overwrite to replace it" in other.stderr and snapshot(out) == before
     assert_same_weights(out, reference, torch.bfloat16)
 

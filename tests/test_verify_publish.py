@@ -7,6 +7,7 @@ save_pretrained output and the safetensors library's reading of our files.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import struct
@@ -242,7 +243,7 @@ def test_no_upload_when_the_merge_fails(checkpoint, tmp_path, hub, capsys):
     (target / "precious.txt").write_text("not to be replaced")
     code = cli.main(["merge", "--local_dir", str(actor), "--target_dir", str(target),
                      "--hf_upload_path", "someone/tiny-merged", "--summary-json", str(tmp_path / "s.json")])
-    assert code == 1 and calls(hub) == []
+    assert code == os.EX_CANTCREAT and calls(hub) == []
     assert "target folder is not empty" in capsys.readouterr().err
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["status"] == "failed" and "not empty" in summary["error"] and summary["uploaded_to"] is None

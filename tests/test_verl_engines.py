@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def test_torchtitan_sft_layout_found_from_global_step(torchtitan_ppo, tmp_path, 
 def test_torchtitan_without_config_names_the_option(torchtitan_ppo, tmp_path):
     step_dir = torchtitan_ppo / "ckpt" / f"global_step_{STEP}"
     proc = run_merger("merge", "--local_dir", step_dir / "actor", "--target_dir", tmp_path / "out", check=False)
-    assert proc.returncode == 1 and not (tmp_path / "out").exists()
+    assert proc.returncode == os.EX_NOINPUT and not (tmp_path / "out").exists()
     assert single_error_line(proc.stderr) == (f"merger: error: no HF config folder found beside the checkpoint "
                                               f"(pass --hf_model_config_path), {step_dir / f'step-{STEP}'}")
 
@@ -98,7 +99,7 @@ def test_torchtitan_actor_with_no_save_beside_it_is_refused(tmp_path):
     (tmp_path / "global_step_4").mkdir()
     proc = run_merger("merge", "--local_dir", tmp_path / "global_step_4" / "actor", "--target_dir", tmp_path / "out",
                       check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == os.EX_NOINPUT
     assert single_error_line(proc.stderr) == (f"merger: error: checkpoint folder does not exist, "
                                               f"{tmp_path / 'global_step_4' / 'actor'}")
 

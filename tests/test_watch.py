@@ -227,7 +227,7 @@ def test_a_folder_that_is_not_a_run_is_one_line_with_what_to_give(given, said, f
     shutil.copytree(actor, tmp_path / "actor")
     code, errors = command_here(capsys, "watch", "--local_dir", tmp_path / given, "--target_dir", tmp_path / "out",
                                 "--once")
-    assert code == 1 and errors == [f"merger: error: {said.format(run=run)}, {tmp_path / given}"]
+    assert code == os.EX_NOINPUT and errors == [f"merger: error: {said.format(run=run)}, {tmp_path / given}"]
     assert not (tmp_path / "out").exists()
 
 

@@ -2,8 +2,9 @@
 
 The command line is a thin face of these functions. Options are keyword arguments with the CLI's names
 (`dtype="bf16"`, `max_shard_size="2GB"`, `overwrite=True`), checked by the same parser actions (merger/flags.py).
-Bad input raises MergerError with the CLI's one-line message; nothing exits the caller's process, and no logging,
-signal handler, process group or torch thread setting is left changed after a call.
+Bad input raises MergerError (the subclass of its kind: errors.py) with the CLI's one-line message; nothing exits
+the caller's process, and no logging, signal handler, process group or torch thread setting is left changed after
+a call.
 
 Groups: under torchrun (or Slurm, or `launcher local`) with no process group started yet, a call joins the one
 the environment describes and leaves it at the end, as the CLI does. Inside a training script whose default
@@ -71,8 +72,9 @@ def verify_with(options: MergeOptions, test_hf_dir: Path, atol: float, rtol: flo
                                    debug=options.debug)
 
 
-def watch_with(options: MergeOptions, role: str, once: bool, interval: float) -> list[str]:
-    """`merger watch` (watch.py) over one group for all its merges; with `once`, the steps that failed."""
+def watch_with(options: MergeOptions, role: str, once: bool, interval: float) -> dict[str, int]:
+    """`merger watch` (watch.py) over one group for all its merges; with `once`, the steps that failed, each with
+    its error's exit code."""
     from ..watch import watch
 
     with _one_intra_op_thread(), joined_group(options) as joined:

@@ -24,7 +24,7 @@ from ..engine.plan_agreement import agree_on_plan, source_files
 from ..engine.progress import Progress, shown as progress_shown
 from ..engine.stream import run_plan
 from ..engine.tie_check import settle_tie
-from ..errors import AgreedError, Interrupted, MergerError
+from ..errors import AgreedError, Interrupted, MergerError, TargetError
 from ..io import is_remote, location
 from ..mapping.hub_folders import with_hub_folders
 from ..mapping.registry import build_mapping
@@ -155,7 +155,7 @@ def _open_target(options: MergeOptions, prepared: Prepared) -> Target:
     if target.beside_config:
         changed = [*prepared.config_updates, *prepared.config_removals]
         if changed:
-            raise MergerError(f"the merged model needs changes to config.json ({', '.join(changed)}), "
+            raise TargetError(f"the merged model needs changes to config.json ({', '.join(changed)}), "
                               f"and merger does not change the checkpoint's own config folder: choose a --target_dir "
                               f"outside the checkpoint, {target.path}")
         added = {f.name.split("/")[0] for f in prepared.plan.files} | {n.split("/")[0] for n in prepared.extra_files}
@@ -196,7 +196,7 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
             target.refuse_earlier()
         if target.stage.exists() and not options.resume:
             if not options.overwrite:  # kept on purpose (--keep-partial, Ctrl-C), or left by a killed merge
-                raise MergerError(f"a partial merge is kept in {target.stage}: pass --resume to continue it, or "
+                raise TargetError(f"a partial merge is kept in {target.stage}: pass --resume to continue it, or "
                                   f"--overwrite to start over, {target.path}")
             log.info("merger: --overwrite: removing the partial merge left in %s", target.stage)
         return target, manifest, resume_candidates(target.stage, manifest) if options.resume else {}

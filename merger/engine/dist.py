@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import AgreedError, MergerError, describe_error
+from ..errors import Failure, MergerError, failure_of
 from .peer_watch import Cleanup, PeerWatch
 
 
@@ -72,16 +72,17 @@ class Group:
             recv.copy_(on_device)
         return recv
 
-    def agree(self, error: str | None) -> None:
-        """Sync point: raise on every rank if any rank failed, naming the first failing rank and its error."""
+    def agree(self, error: Failure | None) -> None:
+        """Sync point: raise on every rank if any rank failed, naming the first failing rank and its error, as
+        an error of that error's kind."""
         if not self.distributed:
             if error:
-                raise MergerError(error)
+                raise error.error()
             return
-        for rank, message in enumerate(self.all_gather(error)):
-            if message:
-                # The same line on every rank, naming the rank that failed; only rank 0 prints it.
-                raise AgreedError(f"rank {rank}: {message}")
+        for rank, failure in enumerate(self.all_gather(error)):
+            if failure:
+                # The same line and kind on every rank, naming the rank that failed; only rank 0 prints it.
+                raise Failure(f"rank {rank}: {failure.line}", failure.kind).error(agreed=True)
 
     def all_gather(self, value: object) -> list:
         """Every rank's value, in rank order, on every rank (small picklable objects, over the control group)."""
@@ -238,7 +239,7 @@ def on_every_rank(group: Group, fn: Callable[[], object], debug: bool = False):
     try:
         result = fn()
     except Exception as e:  # noqa: BLE001 - the error must reach the sync point
-        error = describe_error(e, group.rank, debug)
+        error = failure_of(e, group.rank, debug)
     group.agree(error)
     return result
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
-from ..errors import describe_error
+from ..errors import Failure, failure_of
 from ..sources.file_reads import SourceReads
 from .dist import Group, on_every_rank
 
@@ -22,7 +22,7 @@ from .dist import Group, on_every_rank
 class SourceCheck:
     files: int  # files checked, on all ranks
     bytes: int  # bytes read and checksummed, or bounded within their file
-    bad: dict[str, str]  # file -> the error line for it, in the catalog's file order
+    bad: dict[str, Failure]  # file -> its error line and kind, in the catalog's file order
 
 
 def check_sources(catalog: Catalog, group: Group, debug: bool = False) -> SourceCheck:
@@ -47,29 +47,29 @@ def check_sources(catalog: Catalog, group: Group, debug: bool = False) -> Source
                 for t, piece, copy in pieces_in.get(file, ()):
                     checked += reads.verify(reader.locate(copy, piece, t.dtype), t.name)
             except Exception as e:  # noqa: BLE001 - the file's first problem is its line; the others are checked
-                bad[file] = describe_error(e, group.rank, debug)
+                bad[file] = failure_of(e, group.rank, debug)
     finally:
         reads.close()
     shares = group.all_gather((len(mine), checked, bad))
-    lines = {file: line for s in shares for file, line in s[2].items()}
+    failures = {file: failure for s in shares for file, failure in s[2].items()}
     return SourceCheck(sum(s[0] for s in shares), sum(s[1] for s in shares),
-                       {file: lines[file] for file in catalog.files if file in lines})  # in the catalog's order
+                       {file: failures[file] for file in catalog.files if file in failures})  # in the catalog's order
 
 
-def _cut_short(catalog: Catalog, files: list[str], rank: int, debug: bool) -> dict[str, str]:
-    """The plan's size check (Catalog.check_file), file by file: file -> error line for those it refuses."""
+def _cut_short(catalog: Catalog, files: list[str], rank: int, debug: bool) -> dict[str, Failure]:
+    """The plan's size check (Catalog.check_file), file by file: file -> the failure of those it refuses."""
     bad = {}
     for file in files if catalog.check_file else ():
         try:
             catalog.check_file(file)
         except Exception as e:  # noqa: BLE001 - each bad file gets its line
-            bad[file] = describe_error(e, rank, debug)
+            bad[file] = failure_of(e, rank, debug)
     return bad
 
 
-def _opened(reader, files: list[str], rank: int, debug: bool) -> dict[str, str]:
-    """The reader's own check of `files` (opened, shapes and placements as the catalog says): file -> error line
-    for those that fail. All at once first, as a merge does (readers go through the catalog on each call); one
+def _opened(reader, files: list[str], rank: int, debug: bool) -> dict[str, Failure]:
+    """The reader's own check of `files` (opened, shapes and placements as the catalog says): file -> the failure
+    of those that fail. All at once first, as a merge does (readers go through the catalog on each call); one
     by one only when that fails, to name every bad file, not just the first."""
     try:
         reader.check_files(files)
@@ -81,5 +81,5 @@ def _opened(reader, files: list[str], rank: int, debug: bool) -> dict[str, str]:
         try:
             reader.check_files([file])
         except Exception as e:  # noqa: BLE001
-            bad[file] = describe_error(e, rank, debug)
+            bad[file] = failure_of(e, rank, debug)
     return bad

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..catalog import Catalog
-from ..errors import AgreedError, MergerError, describe_error
+from ..errors import AgreedError, Failure, MergerError, failure_of
 from ..mapping.steps import OutputSpec
 from ..sources.file_reads import CHUNK, Placed, SourceReads, pread_into, source_shrank
 from .dist import Group
@@ -329,9 +329,9 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
         try:
             reader.check_files(catalog.files_of_rank(group.rank, group.world))
         except Exception as e:  # noqa: BLE001 - every failure must reach the sync point, or peers would hang
-            error = describe_error(e, group.rank, debug)
+            error = failure_of(e, group.rank, debug)
 
-    def write(index: int, batch: Batch, local: dict[int, tuple[Route, torch.Tensor | None]]) -> str | None:
+    def write(index: int, batch: Batch, local: dict[int, tuple[Route, torch.Tensor | None]]) -> Failure | None:
         try:
             _write_batch(plan, catalog, batch, group.rank, local, sink, observer, overflows)
             if align is not None:  # the batch's buffers are read into again two batches on
@@ -339,7 +339,7 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
             if observer:
                 observer.written(index)
         except Exception as e:  # noqa: BLE001 - reported at the next sync point
-            return describe_error(e, group.rank, debug)
+            return failure_of(e, group.rank, debug)
         if progress:
             progress.advance(batch.out_bytes)
         return None
@@ -355,7 +355,7 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
                     local, send, send_split = _read_batch(plan, batch, group, reader, reads, buffers[index % 2],
                                                           copy_part, align, overflows)
                 except Exception as e:  # noqa: BLE001
-                    error = describe_error(e, group.rank, debug)
+                    error = failure_of(e, group.rank, debug)
             if writing is not None:
                 error = error or writing.result()
             group.agree(error)
@@ -372,7 +372,7 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
         if error is None:
             reads.finish()
     except Exception as e:  # noqa: BLE001 - reported at the sync point
-        error = describe_error(e, group.rank, debug)
+        error = failure_of(e, group.rank, debug)
     finally:
         reads.close()
     group.agree(error)

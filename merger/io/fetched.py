@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-from ..errors import MergerError
+from ..errors import SourceError
 from .locations import ObjectPath
 from .scratch_folders import scratch_folder
 
@@ -23,7 +23,7 @@ def fetched_folder(folder: ObjectPath, wanted) -> Path:
     """A local folder holding the files of `folder` (its top level) that `wanted(name)` accepts; removed when the
     process ends. Fetched once per process."""
     if not folder.is_dir():
-        raise MergerError(f"HF config folder does not exist, {folder}")
+        raise SourceError(f"HF config folder does not exist, {folder}")
     local = scratch_folder("merger-fetched-")
     storage = folder.storage
     for entry in storage.list(folder.key):

@@ -22,7 +22,7 @@ import logging
 import threading
 from collections import OrderedDict
 
-from ..errors import MergerError
+from ..errors import CredentialsError, MergerError
 from .read_plan import BLOCK, FETCH, SMALL, Plan
 from .storage import Entry
 
@@ -58,11 +58,11 @@ def _refusal(e: Exception, url: str, doing: str = "a read") -> Exception:
     text = str(e)
     if isinstance(e, PermissionError) or any(code in text for code in ("AccessDenied", "InvalidAccessKeyId",
                                                                       "SignatureDoesNotMatch", "Forbidden")):
-        return MergerError(f"access denied by the object store (check the credentials: AWS_ACCESS_KEY_ID, "
-                           f"AWS_PROFILE...), {url}")
+        return CredentialsError(f"access denied by the object store (check the credentials: AWS_ACCESS_KEY_ID, "
+                                f"AWS_PROFILE...), {url}")
     if name in ("NoCredentialsError", "PartialCredentialsError"):
-        return MergerError(f"no credentials for the object store (set AWS_ACCESS_KEY_ID and "
-                           f"AWS_SECRET_ACCESS_KEY, or AWS_PROFILE), {url}")
+        return CredentialsError(f"no credentials for the object store (set AWS_ACCESS_KEY_ID and "
+                                f"AWS_SECRET_ACCESS_KEY, or AWS_PROFILE), {url}")
     if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError") or \
             "Could not connect" in text:
         return MergerError(f"cannot reach the object store's endpoint (AWS_ENDPOINT_URL?), {url}")

@@ -8,7 +8,7 @@ half-written weight file; an upload that is never completed (a killed merge) sta
 """
 from __future__ import annotations
 
-from ..errors import MergerError
+from ..errors import MergerError, TargetError
 from .locations import location, storage_of
 from .object_store import _refusal
 
@@ -36,7 +36,7 @@ class ObjectWriter:
 
     def check_bucket(self) -> None:
         if self.storage.kind(self.bucket) is None:
-            raise MergerError(f"no such bucket, s3://{self.bucket}")
+            raise TargetError(f"no such bucket, s3://{self.bucket}")
 
     def names(self) -> list[str]:
         """Every object below the prefix, by its name relative to it."""

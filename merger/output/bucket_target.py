@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import MergerError
+from ..errors import MergerError, TargetBusyError, TargetError
 from ..hf_folder import INDEX
 from ..io.local import punch_hole
 from ..io.object_upload import ObjectWriter
@@ -112,10 +112,10 @@ class BucketTarget:
         if not self.earlier:
             return
         if MANIFEST not in self.earlier:
-            raise MergerError(f"target holds objects and no merger output (no {MANIFEST}): merger replaces only an "
+            raise TargetError(f"target holds objects and no merger output (no {MANIFEST}): merger replaces only an "
                               f"empty prefix or an earlier merge; choose another --target_dir, {self.url}")
         if not (overwrite or resume):
-            raise MergerError(f"target holds an earlier merge: pass --overwrite to replace it, {self.url}")
+            raise TargetError(f"target holds an earlier merge: pass --overwrite to replace it, {self.url}")
         # From here until the new manifest is put, the target reads as no finished model.
         self.writer.remove([MANIFEST])
 
@@ -130,11 +130,11 @@ class BucketTarget:
             except ValueError:
                 holder = {}
             if not isinstance(holder, dict) or holder_running(holder) is not False:
-                raise MergerError(busy_line(holder if isinstance(holder, dict) else {}, f"{self.url}/{LOCK}",
-                                            self.url))
+                raise TargetBusyError(busy_line(holder if isinstance(holder, dict) else {}, f"{self.url}/{LOCK}",
+                                                self.url))
             log.info("merger: the lock at %s/%s was left by a merge that is gone: taking it", self.url, LOCK)
             self.writer.remove([LOCK])
-        raise MergerError(f"cannot take the target's lock: it keeps changing hands, {self.url}/{LOCK}")
+        raise TargetBusyError(f"cannot take the target's lock: it keeps changing hands, {self.url}/{LOCK}")
 
     def begin(self, parts: list[Part]) -> dict[str, str]:
         """Begin a multipart upload for each file of several parts; their ids, for every rank."""

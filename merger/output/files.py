@@ -17,7 +17,7 @@ import torch
 
 from ..engine.memory import start_writeback
 from ..engine.plan import Plan, Runs
-from ..errors import MergerError
+from ..errors import MergerError, SourceError, TargetError
 from ..hf_folder import INDEX, files_to_copy
 from ..io.local import preallocate
 from ..mapping.steps import OutputSpec
@@ -34,10 +34,10 @@ def check_free_space(folder: Path, needed: int) -> None:
     try:
         st = os.statvfs(folder)
     except OSError as e:
-        raise MergerError(f"cannot check free space ({e.strerror}), {folder}") from e
+        raise TargetError(f"cannot check free space ({e.strerror}), {folder}") from e
     free = st.f_bavail * st.f_frsize
     if free < needed:
-        raise MergerError(f"not enough free space for the merged model: it needs {format_size(needed)}, "
+        raise TargetError(f"not enough free space for the merged model: it needs {format_size(needed)}, "
                           f"{format_size(free)} are free, {folder}")
 
 
@@ -71,7 +71,7 @@ def prepare_files(stage: Path, plan: Plan, keep: frozenset[str] = frozenset(), a
                 if allocate:
                     preallocate(out.fileno(), f.size)
         except OSError as e:
-            raise MergerError(f"cannot write the merged model ({e.strerror}), {path}") from e
+            raise TargetError(f"cannot write the merged model ({e.strerror}), {path}") from e
 
 
 # Bytes per pwrite. Linux sizes the page-cache folios a write creates by its length; folios of 512 KiB and up
@@ -187,7 +187,7 @@ class FileSink:
                     if e.errno in _CANNOT_COPY:  # none will work; put_part writes the whole piece again
                         self.kernel_copies = False
                         return None
-                    raise MergerError(f"cannot write the merged model ({e.strerror}), {path}") from e
+                    raise TargetError(f"cannot write the merged model ({e.strerror}), {path}") from e
                 if n == 0:
                     raise source_shrank(source_name, end)
                 src, at = src + n, at + n
@@ -212,7 +212,7 @@ class FileSink:
                 data, at = data[start - at + done:], start + done  # the tail, or what went no further
             self._write_buffered(fd, index, data, at)
         except OSError as e:  # an earlier direct write's, into another file perhaps, names its file
-            raise MergerError(f"cannot write the merged model ({e.strerror}), "
+            raise TargetError(f"cannot write the merged model ({e.strerror}), "
                               f"{e.filename or self.stage / self.plan.files[index].name}") from e
 
     def _write_buffered(self, fd: int, index: int, data: memoryview, at: int) -> None:
@@ -227,7 +227,7 @@ class FileSink:
         try:
             self.direct.flush()
         except OSError as e:
-            raise MergerError(f"cannot write the merged model ({e.strerror}), {e.filename}") from e
+            raise TargetError(f"cannot write the merged model ({e.strerror}), {e.filename}") from e
 
     def written_mark(self) -> int:
         """A mark of the writes handed over so far, for `wait_written` (taken on any thread)."""
@@ -241,7 +241,7 @@ class FileSink:
         try:
             self.direct.wait_written(mark)
         except OSError as e:
-            raise MergerError(f"cannot write the merged model ({e.strerror}), {e.filename}") from e
+            raise TargetError(f"cannot write the merged model ({e.strerror}), {e.filename}") from e
 
     def sync(self, indices) -> None:
         """Flush and close the files this rank wrote among `indices` (they are complete: none writes them again)."""
@@ -254,7 +254,7 @@ class FileSink:
             try:
                 os.fsync(fd)
             except OSError as e:
-                raise MergerError(f"cannot write the merged model ({e.strerror}), "
+                raise TargetError(f"cannot write the merged model ({e.strerror}), "
                                   f"{self.stage / self.plan.files[index].name}") from e
             finally:
                 os.close(fd)
@@ -285,7 +285,7 @@ def _write_into(stage: Path, name: str, data: bytes) -> None:
     try:
         (stage / name).write_bytes(data)
     except OSError as e:
-        raise MergerError(f"cannot write the merged model ({e.strerror}), {stage / name}") from e
+        raise TargetError(f"cannot write the merged model ({e.strerror}), {stage / name}") from e
 
 
 def _copy_hf_files(hf_dir: Path, stage: Path, left_out: tuple[str, ...] = ()) -> list[str]:
@@ -296,7 +296,7 @@ def _copy_hf_files(hf_dir: Path, stage: Path, left_out: tuple[str, ...] = ()) ->
         try:
             data = src.read_bytes()  # config and tokenizer files: small
         except OSError as e:
-            raise MergerError(f"cannot read ({e.strerror}), {src}") from e
+            raise SourceError(f"cannot read ({e.strerror}), {src}") from e
         _write_into(stage, src.name, data)
         copied.append(src.name)
     return copied
@@ -350,7 +350,7 @@ def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype 
     elif hf_dir is not None:  # None: the target is no HF model (an adapter folder): no config to complete
         copied = _copy_hf_files(hf_dir, stage, files_left_out)
         if "config.json" not in copied:
-            raise MergerError(f"no config.json to copy (pass --hf_model_config_path), {hf_dir}")
+            raise SourceError(f"no config.json to copy (pass --hf_model_config_path), {hf_dir}")
         config = {**_with_dtype(json.loads((stage / "config.json").read_text()), dtype_name), **(config_updates or {})}
         _write_config(stage, {k: v for k, v in config.items() if k not in config_removals})
     for name, text in (extra_files or {}).items():

@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import MergerError
+from ..errors import TargetError
 
 MANIFEST = "merge_manifest.json"
 
@@ -82,4 +82,4 @@ def write_manifest(stage: Path, manifest: Manifest) -> None:
         tmp.write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
         os.replace(tmp, stage / MANIFEST)
     except OSError as e:
-        raise MergerError(f"cannot write the merge manifest ({e.strerror}), {tmp}") from e
+        raise TargetError(f"cannot write the merge manifest ({e.strerror}), {tmp}") from e

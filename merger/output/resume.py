@@ -39,7 +39,7 @@ from ..version import __version__
 from ..catalog import Catalog
 from ..engine.dist import Group
 from ..engine.plan import Batch, OutputFile, Plan
-from ..errors import MergerError
+from ..errors import TargetError
 from ..options import MergeOptions
 from ..sources.crc32 import CrcSpans, crc32
 from .files import FileSink
@@ -476,7 +476,7 @@ class FileTracker:
             try:
                 future.result()
             except OSError as e:  # reading back a file this rank did not create: vanished or unreadable
-                raise MergerError(f"cannot read back the merged model ({e.strerror}), {e.filename}") from e
+                raise TargetError(f"cannot read back the merged model ({e.strerror}), {e.filename}") from e
         if self.sender is not None:
             self.sender.wait()
 

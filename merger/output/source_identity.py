@@ -7,7 +7,7 @@ local file; ETag and version for an object).
 from __future__ import annotations
 
 from ..catalog import Catalog
-from ..errors import MergerError
+from ..errors import MergerError, SourceError
 from ..io import file_identity, location, relative_name
 
 
@@ -18,7 +18,7 @@ def source_identity(catalog: Catalog) -> dict[str, dict[str, int]]:
         try:
             out[relative_name(f, catalog.root)] = file_identity(f)
         except OSError as e:
-            raise MergerError(f"cannot stat the source file ({e.strerror}), {f}") from e
+            raise SourceError(f"cannot stat the source file ({e.strerror}), {f}") from e
     return out
 
 

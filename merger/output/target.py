@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import MergerError
+from ..errors import TargetError
 from ..hf_folder import is_inside, is_weight_file
 from .manifest import MANIFEST, Manifest, read_manifest
 
@@ -33,7 +33,7 @@ class Target:
     earlier: bool = False  # holds an earlier merger output, which only --overwrite replaces
 
     def refuse_earlier(self) -> None:
-        raise MergerError(f"target folder holds an earlier merge: pass --overwrite to replace it, {self.path}")
+        raise TargetError(f"target folder holds an earlier merge: pass --overwrite to replace it, {self.path}")
 
 
 def stage_of(target: Path) -> Path:
@@ -70,11 +70,11 @@ def _added_by(earlier: Manifest | None) -> set[str]:
 def _check_not_in_source(real: Path, target: Path, sources: list[Path], config_dir: Path | None) -> None:
     for source in sources:
         if is_inside(source, real) and source != config_dir:
-            raise MergerError(f"target folder {'is' if source == real else 'holds'} the checkpoint being merged "
+            raise TargetError(f"target folder {'is' if source == real else 'holds'} the checkpoint being merged "
                               f"({source}); merger never writes into its source: choose another --target_dir, "
                               f"{target}")
         if is_inside(real, source) and real != config_dir:
-            raise MergerError(f"target folder lies inside the checkpoint being merged ({source}); merger never "
+            raise TargetError(f"target folder lies inside the checkpoint being merged ({source}); merger never "
                               f"writes into its source: choose a --target_dir outside it, {target}")
 
 
@@ -83,7 +83,7 @@ def resolve_target(target: Path, sources: list[Path], hf_dir: Path | None, data_
     An earlier merger output there is left for the caller to judge (`Target.earlier`)."""
     target = Path(target).absolute()
     if target.is_symlink():
-        raise MergerError(f"target is a symbolic link, which the final rename would replace by a folder: give "
+        raise TargetError(f"target is a symbolic link, which the final rename would replace by a folder: give "
                           f"the folder it points to ({os.path.realpath(target)}), {target}")
     real = target.resolve()
     resolved = sorted({Path(s).resolve() for s in sources})
@@ -95,14 +95,14 @@ def resolve_target(target: Path, sources: list[Path], hf_dir: Path | None, data_
     if real == config_dir:
         return Target(target, target / STAGE_IN_CONFIG_DIR, target / ".merger-lock", beside_config=True)
     if target.exists() and not target.is_dir():
-        raise MergerError(f"target exists and is not a folder, {target}")
+        raise TargetError(f"target exists and is not a folder, {target}")
     if target.is_dir():
         if os.path.ismount(target):
-            raise MergerError(f"target is a mount point, which the final rename cannot replace: choose a folder "
+            raise TargetError(f"target is a mount point, which the final rename cannot replace: choose a folder "
                               f"inside it, {target}")
     earlier = target.is_dir() and any(target.iterdir())
     if earlier and earlier_merge(target) is None:
-        raise MergerError(f"target folder is not empty and holds no merger output (no {MANIFEST}): merger "
+        raise TargetError(f"target folder is not empty and holds no merger output (no {MANIFEST}): merger "
                           f"replaces only an empty folder or an earlier merge; choose another --target_dir, {target}")
     _check_parent(target.parent)
     return Target(target, stage_of(target), lock_of(target), earlier=earlier)
@@ -110,14 +110,14 @@ def resolve_target(target: Path, sources: list[Path], hf_dir: Path | None, data_
 
 def _check_parent(parent: Path) -> None:
     if parent.exists() and not parent.is_dir():
-        raise MergerError(f"target's parent is not a folder, {parent}")
+        raise TargetError(f"target's parent is not a folder, {parent}")
     if not parent.exists():
         try:
             parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise MergerError(f"cannot create the target's parent folder ({e.strerror}), {parent}") from e
+            raise TargetError(f"cannot create the target's parent folder ({e.strerror}), {parent}") from e
     if not os.access(parent, os.W_OK):
-        raise MergerError(f"target's parent folder is not writable, {parent}")
+        raise TargetError(f"target's parent folder is not writable, {parent}")
 
 
 def check_config_dir_entries(target: Target, names: list[str], overwrite: bool) -> None:
@@ -133,10 +133,10 @@ def check_config_dir_entries(target: Target, names: list[str], overwrite: bool) 
             continue
         if entry.name in ours or entry.name == MANIFEST and earlier is not None:
             if not overwrite:
-                raise MergerError(f"the config folder already holds the weights of an earlier merge: pass "
+                raise TargetError(f"the config folder already holds the weights of an earlier merge: pass "
                                   f"--overwrite to replace them, {target.path / MANIFEST}")
         elif entry.name in names or is_weight_file(entry.name):
-            raise MergerError(f"the config folder already holds {entry.name}, which no merger run wrote; merger adds "
+            raise TargetError(f"the config folder already holds {entry.name}, which no merger run wrote; merger adds "
                               f"weights there only beside config and tokenizer files, {entry}")
 
 
@@ -148,7 +148,7 @@ def place(target: Target, overwrite: bool) -> None:
     path, old = target.path, target.path.parent / f".{target.path.name}.merger-old"
     if path.exists():
         if any(path.iterdir()) and (earlier_merge(path) is None or not overwrite):
-            raise MergerError(f"target folder became non-empty during the merge, {path}")
+            raise TargetError(f"target folder became non-empty during the merge, {path}")
         path.rename(old)
     target.stage.rename(path)
     shutil.rmtree(old, ignore_errors=True)

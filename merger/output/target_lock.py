@@ -23,7 +23,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from ..engine.process_id import ProcessId
-from ..errors import MergerError
+from ..errors import TargetBusyError, TargetError
 
 REFRESH_S = 30.0
 STALE_AFTER_S = 300.0
@@ -67,11 +67,11 @@ class TargetLock:
             except FileExistsError:
                 holder = self._holder()
                 if holder is not None and not self._stale(holder):
-                    raise MergerError(self._busy(holder)) from None
+                    raise TargetBusyError(self._busy(holder)) from None
                 self._break(holder)
                 continue
             except OSError as e:
-                raise MergerError(f"cannot create the target's lock file ({e.strerror}), {self.path}") from e
+                raise TargetError(f"cannot create the target's lock file ({e.strerror}), {self.path}") from e
             with os.fdopen(fd, "w") as f:
                 json.dump(self._record(), f)
                 f.flush()
@@ -79,7 +79,7 @@ class TargetLock:
             self._refresher = threading.Thread(target=self._refresh, name="merger-lock", daemon=True)
             self._refresher.start()
             return
-        raise MergerError(f"cannot take the target's lock: it keeps changing hands, {self.path}")
+        raise TargetBusyError(f"cannot take the target's lock: it keeps changing hands, {self.path}")
 
     def live_holder(self) -> dict | None:
         """The record of a merge that holds the lock and is not stale ({} when its record is unreadable), taking

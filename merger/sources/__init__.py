@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from ..catalog import Catalog
-from ..errors import MergerError
+from ..errors import MergerError, SourceError
 from ..hf_folder import CONFIG_DIR
 from .megatron_layout import TRACKER  # verl names its run's last step the same way
 
@@ -77,7 +77,7 @@ def _layout_hint(root: Path) -> str:
 def detect_backend(root: Path) -> str:
     if found := _detect(root):
         return found
-    raise MergerError(f"no known checkpoint layout (looked for: {', '.join(BACKENDS)}), {root}{_layout_hint(root)}")
+    raise SourceError(f"no known checkpoint layout (looked for: {', '.join(BACKENDS)}), {root}{_layout_hint(root)}")
 
 
 def open_catalog(root: Path, backend: str = "auto", prefix: str | None = None) -> Catalog:
@@ -94,27 +94,27 @@ def open_catalog(root: Path, backend: str = "auto", prefix: str | None = None) -
         raise _denied(Path(e.filename)) from e
 
 
-def _denied(path: Path) -> MergerError:
+def _denied(path: Path) -> SourceError:
     """The path a denied request could not get past: the probes ask for paths below a folder this user cannot
     enter (`model/.hf_metadata` of a chmod 000 checkpoint), which the error names although they need not exist."""
     folder = next((p for p in reversed(path.parents) if not os.access(p, os.X_OK)), None)
     if folder is not None:
-        return MergerError(f"permission denied: cannot list the folder, {folder}")
-    return MergerError(f"permission denied: cannot {'list the folder' if path.is_dir() else 'read the file'}, {path}")
+        return SourceError(f"permission denied: cannot list the folder, {folder}")
+    return SourceError(f"permission denied: cannot {'list the folder' if path.is_dir() else 'read the file'}, {path}")
 
 
 def _open_folder(root: Path, backend: str, prefix: str | None) -> Catalog:
     if not root.exists():
-        raise MergerError(f"checkpoint folder does not exist, {root}")
+        raise SourceError(f"checkpoint folder does not exist, {root}")
     if not root.is_dir():
         hint = f"; pass the folder that holds it: --local_dir {root.parent}" if _detect(root.parent) else ""
-        raise MergerError(f"checkpoint path is not a folder, {root}{hint}")
+        raise SourceError(f"checkpoint path is not a folder, {root}{hint}")
     if backend == "auto":
         backend = detect_backend(root)
     elif backend not in BACKENDS:
         raise MergerError(f"unknown backend {backend!r} (known: auto, {', '.join(BACKENDS)}), {root}")
     elif not _module(backend).detect(root):
-        raise MergerError(f"folder is not a {backend} checkpoint, {root}")
+        raise SourceError(f"folder is not a {backend} checkpoint, {root}")
     if prefix is None:
         return _module(backend).open_catalog(root)
     if backend not in PREFIX_BACKENDS:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
-from ..errors import MergerError
+from ..errors import CorruptSourceError, MergerError, SourceError
 from ..hf_folder import CONFIG_DIR, config_dir
 from .dcp_chunk_table import ChunkTable, TablePieces, check_end, check_stored, load_chunk_table, stored_ends
 from .dcp_classes import BytesStorageMetadata, TensorStorageMetadata
@@ -111,7 +111,7 @@ def _pieces(table: ChunkTable, chosen: dict[str, str], metadata, folder: Path) -
 def open_catalog(root: Path, prefix: str | None = None) -> Catalog:
     folder = dcp_dir(root)
     if folder is None:
-        raise MergerError(f"no DCP checkpoint (.metadata + __*_*.distcp) here or in {ACCELERATE_DIR}/, {root}")
+        raise SourceError(f"no DCP checkpoint (.metadata + __*_*.distcp) here or in {ACCELERATE_DIR}/, {root}")
     metadata, table = load_chunk_table(folder)
     planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
 
@@ -146,8 +146,8 @@ def chunk_stored(files: SourceFiles, copy: PieceCopy) -> Stored:
     try:
         view, record = tensor_in_blob(files.range_file(copy.file, offset, length), length)
     except BlobError as e:
-        raise MergerError(f"tensor {copy.key}: chunk at byte {offset} is not a torch.save blob of a tensor "
-                          f"({e}), {copy.file}") from e
+        raise CorruptSourceError(f"tensor {copy.key}: chunk at byte {offset} is not a torch.save blob of a tensor "
+                                 f"({e}), {copy.file}") from e
     record = replace(record, start=offset + record.start)
     return Stored(copy.file, record.start, view, record)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..catalog import PieceCopy, ShardPiece
-from ..errors import MergerError
+from ..errors import CorruptSourceError, MergerError, SourceError
 from ..hf_folder import named_file
 from ..io import file_size
 from .dcp_classes import TensorStorageMetadata
@@ -49,7 +49,8 @@ def load_chunk_table(folder: Path):
     try:
         return metadata, _tabled(metadata, records, folder)
     except (AttributeError, TypeError, ValueError) as e:  # a field of the wrong kind: a damaged pickle
-        raise MergerError(f"damaged DCP metadata file ({type(e).__name__}: {e}), {folder / METADATA_FILE}") from e
+        raise CorruptSourceError(f"damaged DCP metadata file ({type(e).__name__}: {e}), "
+                                 f"{folder / METADATA_FILE}") from e
 
 
 def _storage_of(chunks: list[np.ndarray], keys: list[np.ndarray], infos: np.ndarray) -> np.ndarray:
@@ -235,10 +236,10 @@ def check_end(ends: dict[str, int], file: str) -> None:
     try:
         size = file_size(file)
     except FileNotFoundError as e:
-        raise MergerError(f"DCP chunk file is missing, {file}") from e
+        raise SourceError(f"DCP chunk file is missing, {file}") from e
     if size < ends.get(file, 0):
-        raise MergerError(f"truncated: the DCP chunk file holds {size} bytes but .metadata places data up to byte "
-                          f"{ends[file]}, {file}")
+        raise CorruptSourceError(f"truncated: the DCP chunk file holds {size} bytes but .metadata places data up to "
+                                 f"byte {ends[file]}, {file}")
 
 
 def chunk_rows(table: ChunkTable, rows: np.ndarray, ndim: int):

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
-from ..errors import MergerError
+from ..errors import MergerError, SourceError
 from ..hf_folder import CONFIG_DIR, config_dir
 from ..safetensors_io import read_header
 from .dcp_metadata import METADATA_FILE
@@ -56,13 +56,13 @@ def _tensor(name: str, chunks: list[tuple[tuple[int, ...], tuple[int, ...], obje
 def open_catalog(root: Path) -> Catalog:
     files = shard_files(root)
     if not files:
-        raise MergerError(f"no shard-*-model-*-of-*.safetensors files, {root}")
+        raise SourceError(f"no shard-*-model-*-of-*.safetensors files, {root}")
     # Saving ranks number their files 1..W. A gap means a lost file; a lost last one cannot be seen (nor by torch's
     # reader): nothing records W, and the remaining chunks then span a smaller tensor exactly.
     ranks = sorted({int(SHARD_FILE.fullmatch(f.name).group(1)) for f in files})
     if ranks != list(range(1, len(ranks) + 1)):
         missing = sorted(set(range(1, ranks[-1] + 1)) - set(ranks))
-        raise MergerError(f"shard files of saving ranks {missing} are missing (found ranks {ranks[0]}..{ranks[-1]}), "
+        raise SourceError(f"shard files of saving ranks {missing} are missing (found ranks {ranks[0]}..{ranks[-1]}), "
                           f"{root}")
     chunks: dict[str, list] = {}
     for path in files:

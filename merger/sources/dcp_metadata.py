@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import MergerError
+from ..errors import CorruptSourceError, SourceError
 from ..io import read_whole
 from .dcp_classes import TORCH_NAMES, Metadata, TensorStorageMetadata
 from .dcp_compact import NOT_READ, CompactRecords, Rows, rewrite
@@ -50,9 +50,9 @@ def _read(path: Path) -> bytearray:
     try:
         return read_whole(str(path))
     except FileNotFoundError as e:
-        raise MergerError(f"no .metadata file, {path}") from e
+        raise SourceError(f"no .metadata file, {path}") from e
     except OSError as e:
-        raise MergerError(f"cannot read DCP metadata file ({e}), {path}") from e
+        raise SourceError(f"cannot read DCP metadata file ({e}), {path}") from e
 
 
 def _unpickled(stream: bytes, stand_in=None):
@@ -106,11 +106,11 @@ def _plain(data: bytes, path: Path):
     try:
         metadata = _unpickled(data)
     except pickle.UnpicklingError as e:
-        raise MergerError(f"not a DCP metadata file ({e}), {path}") from e
+        raise CorruptSourceError(f"not a DCP metadata file ({e}), {path}") from e
     except Exception as e:  # noqa: BLE001 - a truncated or garbled pickle fails in many ways; all mean "damaged"
-        raise MergerError(f"damaged DCP metadata file ({type(e).__name__}: {e}), {path}") from e
+        raise CorruptSourceError(f"damaged DCP metadata file ({type(e).__name__}: {e}), {path}") from e
     if not _is_metadata(metadata):
-        raise MergerError(f"not a DCP metadata file (holds a {type(metadata).__name__}), {path}")
+        raise CorruptSourceError(f"not a DCP metadata file (holds a {type(metadata).__name__}), {path}")
     return metadata
 
 

@@ -16,7 +16,7 @@ import struct
 import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
-from ..errors import MergerError
+from ..errors import CorruptSourceError, MergerError, SourceError
 from ..io import is_file, read_range
 from ..safetensors_io import TensorEntry, read_header
 
@@ -46,7 +46,7 @@ def saved_offsets(metadata: dict[str, str], file: str) -> dict[str, tuple[int, .
     except KeyError as e:
         raise MergerError(f"safetensors part has no {SHARDING_INFO} metadata (not written by DCP?), {file}") from e
     except (ValueError, TypeError, AttributeError) as e:
-        raise MergerError(f"safetensors part has malformed {SHARDING_INFO} metadata ({e}), {file}") from e
+        raise CorruptSourceError(f"safetensors part has malformed {SHARDING_INFO} metadata ({e}), {file}") from e
 
 
 class DcpSafetensorsReader:
@@ -66,7 +66,7 @@ class DcpSafetensorsReader:
         if file in self.located:
             return self.located[file]
         if not is_file(file):
-            raise MergerError(f"DCP chunk file is missing, {file}")
+            raise SourceError(f"DCP chunk file is missing, {file}")
         chunks = self.chunks_in.get(file, [])
         starts = {c.byte_range[0] for _, _, c in chunks}
         if len(starts) > 1:

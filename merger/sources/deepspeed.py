@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored, row_major_index
-from ..errors import MergerError
+from ..errors import MergerError, SourceError
 from ..hf_folder import config_dir, named_file
 from .deepspeed_states import load_states
 from .flat_runs import run_boxes
@@ -75,7 +75,7 @@ def _optim_files(step: Path) -> list[str]:
     ranks = {int(m.group(2)): p for p in step.iterdir() if (m := OPTIM_FILE.fullmatch(p.name))}
     missing = [r for r in range(max(ranks) + 1) if r not in ranks]
     if missing:
-        raise MergerError(f"optim_states of rank {missing[0]} is missing ({len(ranks)} rank files for ranks up to "
+        raise SourceError(f"optim_states of rank {missing[0]} is missing ({len(ranks)} rank files for ranks up to "
                           f"{max(ranks)}), {step}")
     return [str(ranks[r]) for r in range(len(ranks))]
 
@@ -85,7 +85,7 @@ def _model_files(step: Path, stage: int, world: int) -> list[str]:
         f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)]
     for name in names:
         if not (step / name).is_file():
-            raise MergerError(f"model_states of a stage {stage} checkpoint is missing, {step / name}")
+            raise SourceError(f"model_states of a stage {stage} checkpoint is missing, {step / name}")
     return [str(step / name) for name in names]
 
 

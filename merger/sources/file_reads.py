@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..catalog import PieceCopy, PieceReader, ShardPiece, Stored, ZipRecord
-from ..errors import MergerError
+from ..errors import CorruptSourceError, MergerError, SourceError
 from ..io import reads_objects, storage_of
 from ..io.local import LocalStorage, pread_into
 from ..io.range_file import RangeFile
@@ -54,14 +54,14 @@ class SourceFiles:
         try:
             return storage.local_fd(key)
         except FileNotFoundError as e:
-            raise MergerError(f"source file is missing, {file}") from e
+            raise SourceError(f"source file is missing, {file}") from e
 
     def size(self, file: str) -> int:
         storage, key = self._storage(file)
         try:
             return storage.size(key)
         except FileNotFoundError as e:
-            raise MergerError(f"source file is missing, {file}") from e
+            raise SourceError(f"source file is missing, {file}") from e
 
     def read_into(self, file: str, view: memoryview, offset: int) -> None:
         """Fill `view` with the file's bytes from `offset`; a file that ends first is an error."""
@@ -69,7 +69,7 @@ class SourceFiles:
         try:
             got = storage.read_into(key, view, offset)
         except FileNotFoundError as e:
-            raise MergerError(f"source file is missing, {file}") from e
+            raise SourceError(f"source file is missing, {file}") from e
         if got < len(view):
             raise source_shrank(file, offset + len(view))
 
@@ -132,9 +132,9 @@ class _Check:
     def verify(self) -> None:
         crc = self.read.covered(0, self.record.size)
         if crc != self.record.crc:
-            raise MergerError(f"checksum mismatch in tensor {self.name}: the CRC-32 of zip record "
-                              f"{self.record.name} is {crc:08x} where the file records {self.record.crc:08x} "
-                              f"(damaged, or changed during the merge), {self.file}")
+            raise CorruptSourceError(f"checksum mismatch in tensor {self.name}: the CRC-32 of zip record "
+                                     f"{self.record.name} is {crc:08x} where the file records {self.record.crc:08x} "
+                                     f"(damaged, or changed during the merge), {self.file}")
 
 
 class SourceReads:
@@ -221,8 +221,8 @@ class SourceReads:
             end = stored.start + _span_end(view)
             size = self.files.size(stored.file)
             if end > size:
-                raise MergerError(f"tensor {name} ends at byte {end}, past the end of the file ({size} bytes; "
-                                  f"truncated?), {stored.file}")
+                raise CorruptSourceError(f"tensor {name} ends at byte {end}, past the end of the file ({size} bytes; "
+                                         f"truncated?), {stored.file}")
             return view.numel() * view.element_size()
         key = (stored.file, stored.start)
         if key in self.checks:

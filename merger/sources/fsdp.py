@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
-from ..errors import MergerError
+from ..errors import MergerError, SourceError
 from ..io import exists
 from ..hf_folder import CONFIG_DIR, config_dir
 from .dtensor_classes import classes_for, dtensor_types
@@ -145,7 +145,7 @@ def open_catalog(root: Path) -> Catalog:
     files = [str(root / f"model_world_size_{world}_rank_{r}.pt") for r in range(world)]
     missing = [f for f in files if not exists(f)]
     if missing:
-        raise MergerError(f"{len(missing)} of {world} rank files are missing, {missing[0]}")
+        raise SourceError(f"{len(missing)} of {world} rank files are missing, {missing[0]}")
     state = load_rank_file(files[0])
     tensors, placements, meshes = {}, set(), set()
     dtensor = dtensor_types()

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
-from ..errors import MergerError
+from ..errors import MergerError, SourceError
 from ..io import is_file
 from ..hf_folder import weight_files
 from ..safetensors_io import read_header
@@ -24,7 +24,7 @@ def catalog_of_files(files: list[Path], root: Path, fmt: str, hf_dir: Path | Non
     tensors: dict[str, SourceTensor] = {}
     for path in files:
         if not path.is_file():
-            raise MergerError(f"safetensors file is missing, {path}")
+            raise SourceError(f"safetensors file is missing, {path}")
         start, entries, _ = read_header(str(path))
         for name, e in entries.items():
             if name in tensors:
@@ -51,7 +51,7 @@ class SafetensorsReader:
     def check_files(self, files: list[str]) -> None:
         for f in files:
             if not is_file(f):
-                raise MergerError(f"safetensors file is missing, {f}")
+                raise SourceError(f"safetensors file is missing, {f}")
 
     def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:
         return Stored(copy.file, copy.byte_range[0], torch.empty(piece.sizes, dtype=dtype, device="meta"))

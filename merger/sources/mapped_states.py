@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..catalog import Stored, ZipRecord
-from ..errors import MergerError
+from ..errors import CorruptSourceError
 from ..io.zip_shadow import open_shadow
 from .zip_records import ZipRecordError, open_archive, storage_record
 
@@ -45,10 +45,10 @@ def _records(file: str) -> list[ZipRecord] | None:
     except zipfile.BadZipFile:
         return None
     except (ZipRecordError, OSError, ValueError) as e:
-        raise MergerError(f"cannot locate the tensors' bytes in the zip records ({e}), {file}") from e
+        raise CorruptSourceError(f"cannot locate the tensors' bytes in the zip records ({e}), {file}") from e
     for r in records:
         if r.start + r.size > size:
-            raise MergerError(f"zip record {r.name} runs past the end of the file (truncated?), {file}")
+            raise CorruptSourceError(f"zip record {r.name} runs past the end of the file (truncated?), {file}")
     return records
 
 
@@ -75,7 +75,7 @@ def _locate(file: str, state) -> dict[int, ZipRecord] | None:
         base = lowest - start
         if all((r := by_start.get(ptr - base)) is not None and r.size == span[0] for ptr, span in spans.items()):
             return {ptr: replace(by_start[ptr - base], used=(span[1], span[2])) for ptr, span in spans.items()}
-    raise MergerError(f"cannot match the tensors' storages to the file's zip records, {file}")
+    raise CorruptSourceError(f"cannot match the tensors' storages to the file's zip records, {file}")
 
 
 class MappedStates:

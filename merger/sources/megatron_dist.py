@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
-from ..errors import MergerError
+from ..errors import MergerError, SourceError
 from ..io import is_file
 from .dcp import chunk_stored
 from .dcp_chunk_table import check_end, check_stored, chunk_rows, load_chunk_table, stored_ends
@@ -156,7 +156,7 @@ class DistReader:
     def check_files(self, files: list[str]) -> None:
         for file in files:
             if not is_file(file):
-                raise MergerError(f"DCP data file is missing, {file}")
+                raise SourceError(f"DCP data file is missing, {file}")
 
     def locate(self, copy: PieceCopy, piece: ShardPiece, dtype: torch.dtype) -> Stored:
         chunk = chunk_stored(self.files, copy)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
-from ..errors import MergerError
+from ..errors import MergerError, SourceError
 from .mapped_states import MappedStates
 from .piece_keys import split_expert, split_key, take, take_expert, with_expert, with_slice
 from .megatron_dist import refuse_vlm
@@ -91,7 +91,7 @@ def _rank_files(ckpt: Path) -> tuple[dict[tuple[int, int, int], str], argparse.N
         if m and (d / FILE).is_file():
             found[d.name] = (int(m.group(1)), [int(x) for x in m.group(2).split("_")[1:]], str(d / FILE))
     if not found:
-        raise MergerError(f"no mp_rank_*/{FILE} files, {ckpt}")
+        raise SourceError(f"no mp_rank_*/{FILE} files, {ckpt}")
     first = next(iter(found.values()))[2]
     args = load_file(first).get("args")
     pp_size = getattr(args, "pipeline_model_parallel_size", None)
@@ -127,7 +127,7 @@ def _layout(files: dict[tuple[int, int, int], str], args, ckpt: Path) -> tuple[t
     for pp in range(pp_size):
         for (tp, ep) in sorted(writers, key=lambda k: (k[1], k[0])):
             if (tp, pp, ep) not in files:
-                raise MergerError(f"rank file for tp {tp} pp {pp} ep {ep} is missing ({tp_size} x {pp_size} x "
+                raise SourceError(f"rank file for tp {tp} pp {pp} ep {ep} is missing ({tp_size} x {pp_size} x "
                                   f"{ep_size} expected, expert TP {etp_size}), {ckpt}")
     for (tp, pp, ep), file in files.items():
         if (tp, ep) not in writers or pp >= pp_size:

@@ -13,7 +13,7 @@ import zipfile
 
 import torch
 
-from ..errors import MergerError
+from ..errors import CorruptSourceError, MergerError, SourceError
 from ..io.zip_shadow import open_shadow, zip_shadow
 from .pickled_enums import member_lookup
 
@@ -35,18 +35,18 @@ def torch_load(path: str, what: str, mmap: bool = True, safe_globals: tuple = ()
         with open_shadow(path) as f:
             head = f.read(32)
         if not head:
-            raise MergerError(f"cannot load {what}: the file is empty, {path}")
+            raise CorruptSourceError(f"cannot load {what}: the file is empty, {path}")
         if not head.startswith(_ZIP):
             if _LEGACY not in head:
-                raise MergerError(f"cannot load {what}: not a torch.save file (neither a zip archive nor "
-                                  f"torch's legacy pickle format), {path}")
+                raise CorruptSourceError(f"cannot load {what}: not a torch.save file (neither a zip archive nor "
+                                         f"torch's legacy pickle format), {path}")
             if mmap:
                 raise MergerError(f"cannot load {what}: saved in torch's legacy (before 1.6) format, which cannot "
                                   f"be memory-mapped, {path}")
         with torch.serialization.safe_globals([*safe_globals, (getattr_enum_member, "builtins.getattr")]):
             return torch.load(local, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError as e:
-        raise MergerError(f"{what} is missing, {path}") from e
+        raise SourceError(f"{what} is missing, {path}") from e
     except MergerError:
         raise
     except Exception as e:  # damaged files raise RuntimeError, UnpicklingError, zip or EOF errors
@@ -54,14 +54,15 @@ def torch_load(path: str, what: str, mmap: bool = True, safe_globals: tuple = ()
         found = re.search(r"GLOBAL ([\w.]+)", text) if "Weights only load failed" in text else None
         if found:
             # weights_only refuses a global it does not know before calling it: the payload never ran.
-            raise MergerError(f"refusing to load {what}: its pickle calls {found.group(1)}, which a weights-only "
-                              f"load does not allow (the file is damaged or not a checkpoint), {path}") from e
+            raise CorruptSourceError(f"refusing to load {what}: its pickle calls {found.group(1)}, which a "
+                                     f"weights-only load does not allow (the file is damaged or not a checkpoint), "
+                                     f"{path}") from e
         found = re.search(r"refusing to call getattr\(.*", text)
         if found:
             raise MergerError(f"refusing to load {what}: {found.group(0)}, {path}") from e
         check_zip_end(path)
         first_line = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-        raise MergerError(f"cannot load {what} ({first_line}), {path}") from e
+        raise CorruptSourceError(f"cannot load {what} ({first_line}), {path}") from e
 
 
 def check_zip_end(path: str) -> None:
@@ -77,5 +78,5 @@ def check_zip_end(path: str) -> None:
             size = os.fstat(f.fileno()).st_size
     except OSError:
         return  # missing or unreadable: the load says which
-    raise MergerError(f"truncated: the file's {size} bytes end without the zip directory that ends a torch.save "
-                      f"file (copied or saved only in part?), {path}")
+    raise CorruptSourceError(f"truncated: the file's {size} bytes end without the zip directory that ends a "
+                             f"torch.save file (copied or saved only in part?), {path}")

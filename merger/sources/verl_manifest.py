@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import MergerError
+from ..errors import MergerError, SourceError
 from ..hf_folder import named_file
 
 MANIFEST = "ckpt_contents.json"
@@ -37,7 +37,7 @@ def read_manifest(root: Path) -> VerlModel:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise MergerError(f"cannot read {MANIFEST} ({e}), {path}") from e
+        raise SourceError(f"cannot read {MANIFEST} ({e}), {path}") from e
     contents = data.get("contents") if isinstance(data, dict) else None
     if not isinstance(contents, dict) or not all(isinstance(v, dict) for v in contents.values()):
         raise MergerError(f"{MANIFEST} has no 'contents' mapping of entries, {path}")
@@ -51,7 +51,7 @@ def read_manifest(root: Path) -> VerlModel:
             raise MergerError(f"{MANIFEST} gives contents.{key}.{field} as {rel!r}, not a relative path, {path}")
         where = named_file(root, rel, path)
         if not where.exists():
-            raise MergerError(f"{MANIFEST} names contents.{key}.{field} {rel!r}, which does not exist, {path}")
+            raise SourceError(f"{MANIFEST} names contents.{key}.{field} {rel!r}, which does not exist, {path}")
         return where
 
     model = contents.get("model") or {}

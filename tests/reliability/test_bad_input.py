@@ -88,29 +88,31 @@ def _config_links_out(c):
     (c / "huggingface" / "config.json").symlink_to(secret)
 
 
+# The exit code is the error's kind (docs/api.md): sysexits.h's EX_NOINPUT for a source that is not there to read,
+# EX_DATAERR for a damaged one, 1 for input merger cannot use.
 BAD_INPUT = {
-    "missing rank file": (_delete_rank1, "missing", RANK1),
-    "truncated rank 0": (_truncate(RANK0), "truncated: the file's", RANK0),
-    "truncated rank 1": (_truncate(RANK1), "truncated: the file's", RANK1),
-    "random bytes": (_random_bytes, "cannot load rank file: not a torch.save file", RANK1),
-    "world size contradicted": (_world_size_lie, "world_size 4", "fsdp_config.json"),
-    "shards disagree across ranks": (_rank0_as_rank1, "local shape", RANK1),
-    "unknown layout": (_no_rank_files, "no known checkpoint layout", "actor"),
-    "missing config": (_no_config, "no config.json", "huggingface"),
-    "missing HF folder": (_no_hf_dir, "no HF config folder", "actor"),
-    "unreadable rank file": (_rank1_unreadable, "cannot load rank file", RANK1),
-    "config.json links out of the folder": (_config_links_out, "no config.json", "huggingface"),
+    "missing rank file": (_delete_rank1, "missing", RANK1, os.EX_NOINPUT),
+    "truncated rank 0": (_truncate(RANK0), "truncated: the file's", RANK0, os.EX_DATAERR),
+    "truncated rank 1": (_truncate(RANK1), "truncated: the file's", RANK1, os.EX_DATAERR),
+    "random bytes": (_random_bytes, "cannot load rank file: not a torch.save file", RANK1, os.EX_DATAERR),
+    "world size contradicted": (_world_size_lie, "world_size 4", "fsdp_config.json", 1),
+    "shards disagree across ranks": (_rank0_as_rank1, "local shape", RANK1, 1),
+    "unknown layout": (_no_rank_files, "no known checkpoint layout", "actor", os.EX_NOINPUT),
+    "missing config": (_no_config, "no config.json", "huggingface", os.EX_NOINPUT),
+    "missing HF folder": (_no_hf_dir, "no HF config folder", "actor", os.EX_NOINPUT),
+    "unreadable rank file": (_rank1_unreadable, "cannot load rank file", RANK1, os.EX_DATAERR),
+    "config.json links out of the folder": (_config_links_out, "no config.json", "huggingface", os.EX_NOINPUT),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_fails_before_any_output(case, ckpt, tmp_path, capsys):
-    damage, what, file = BAD_INPUT[case]
+    damage, what, file, exit_code = BAD_INPUT[case]
     damage(ckpt)
     source = snapshot(ckpt)
     out = tmp_path / "out"
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", out / "model")
-    assert code == 1
+    assert code == exit_code, errors
     assert len(errors) == 1 and what in errors[0] and file in errors[0].rsplit(", ", 1)[1], errors
     assert not out.exists()  # not even the target's parent: every check ran before anything was created
     assert snapshot(ckpt) == source
@@ -125,15 +127,15 @@ def test_truncated_rank_file_fails_plain_inspect_and_merge(ckpt, tmp_path, capsy
     out = tmp_path / "out"
     for command in (["inspect", "--local_dir", ckpt], ["merge", "--local_dir", ckpt, "--target_dir", out / "model"]):
         code, errors = command_here(capsys, *command)
-        assert code == 1 and len(errors) == 1, errors
+        assert code == os.EX_DATAERR and len(errors) == 1, errors
         assert errors[0].startswith(line) and errors[0].endswith(f", {ckpt / RANK1}"), errors
     assert not out.exists()
 
 
 def test_source_that_is_not_a_folder(ckpt, tmp_path, capsys):
     code, errors = merge_here(capsys, "--local_dir", ckpt / RANK0, "--target_dir", tmp_path / "out")
-    assert code == 1 and errors == [f"merger: error: checkpoint path is not a folder, {ckpt / RANK0}; pass the folder "
-                                    f"that holds it: --local_dir {ckpt}"]
+    assert code == os.EX_NOINPUT and errors == [f"merger: error: checkpoint path is not a folder, {ckpt / RANK0}; pass "
+                                                f"the folder that holds it: --local_dir {ckpt}"]
 
 
 @pytest.mark.parametrize("unreadable", [".", "huggingface"])
@@ -153,7 +155,7 @@ def test_unreadable_folder_is_named(unreadable, ckpt):
         out = reachable / "out" / "model"
         proc = subprocess.run([*drop, sys.executable, "-m", "merger", "merge", "--local_dir", source, "--target_dir", out],
                               cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 1, proc.stderr
+        assert proc.returncode == os.EX_NOINPUT, proc.stderr
         line = single_error_line(proc.stderr)
         named = Path(line.rsplit(", ", 1)[1])
         assert line.startswith("merger: error: permission denied: cannot list the folder, "), line
@@ -181,7 +183,7 @@ def test_target_that_cannot_be_written(target, ckpt, tmp_path, capsys):
         out = named = blocker
     before, source = {p.name for p in tmp_path.iterdir()}, snapshot(ckpt)
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", out)
-    assert code == 1 and len(errors) == 1 and errors[0].endswith(f", {named}"), errors
+    assert code == os.EX_CANTCREAT and len(errors) == 1 and errors[0].endswith(f", {named}"), errors
     assert_nothing_written(tmp_path, before)
     assert snapshot(ckpt) == source
     assert target != "target not empty" or (blocker / "keep.txt").read_text() == "user data"
@@ -198,7 +200,7 @@ def test_code_running_pickle_is_refused(ckpt, tmp_path, capsys):
         original = (ckpt / victim).read_bytes()
         torch.save({"model.embed_tokens.weight": Payload()}, ckpt / victim)
         code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", tmp_path / "out")
-        assert code == 1 and len(errors) == 1, errors
+        assert code == os.EX_DATAERR and len(errors) == 1, errors
         assert "refusing to load rank file" in errors[0] and "system" in errors[0] and errors[0].endswith(victim)
         assert not marker.exists() and not (tmp_path / "out").exists()
         if victim == RANK0:
@@ -235,7 +237,7 @@ def test_hub_token_is_never_printed(ckpt, tmp_path, monkeypatch, capsys, caplog)
     assert not any(token.encode() in p.read_bytes() for p in (tmp_path / "out").iterdir())
     caplog.set_level(logging.DEBUG)
     (ckpt / RANK1).write_bytes(b"garbage")  # and a failure, with --debug's traceback
-    assert main(["merge", "--local_dir", str(ckpt), "--target_dir", str(tmp_path / "out2"), "--debug"]) == 1
+    assert main(["merge", "--local_dir", str(ckpt), "--target_dir", str(tmp_path / "out2"), "--debug"]) == os.EX_DATAERR
     captured = capsys.readouterr()
     assert "merger: error:" in captured.err and token not in captured.out + captured.err + caplog.text
 
@@ -249,7 +251,7 @@ def test_flipped_bit_in_a_rank_file_fails_its_checksum(ckpt, tmp_path):
     flip_bit_in_tensor(ckpt / RANK1, local)
     out = tmp_path / "out"
     proc = run_merger("merge", "--local_dir", ckpt, "--target_dir", out, check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == os.EX_DATAERR
     error = single_error_line(proc.stderr)
     assert f"checksum mismatch in tensor {name}" in error and error.endswith(str(ckpt / RANK1)), error
     assert not out.exists() and not (tmp_path / ".out.merger-partial").exists()

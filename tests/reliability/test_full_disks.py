@@ -9,6 +9,7 @@ the processes' exit codes; single-process cases call the CLI in this process to 
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import signal
 from pathlib import Path
@@ -33,7 +34,7 @@ def _merge_into_tmpfs(capsys, tmp_path, mount_options: str, *args) -> tuple[int,
 def test_read_only_target(ckpt, tmp_path, capsys):
     # A read-only filesystem refuses even root, unlike file permissions.
     code, errors, mnt, left = _merge_into_tmpfs(capsys, tmp_path, "ro,size=1m", "--local_dir", ckpt)
-    assert code == 1 and errors == [f"merger: error: target's parent folder is not writable, {mnt}"]
+    assert code == os.EX_CANTCREAT and errors == [f"merger: error: target's parent folder is not writable, {mnt}"]
     assert left == []
 
 
@@ -44,7 +45,7 @@ def test_disk_full_while_writing(keep, ckpt, tmp_path, capsys, caplog):
     source = snapshot(ckpt)
     code, errors, mnt, left = _merge_into_tmpfs(capsys, tmp_path, "size=64k", "--local_dir", ckpt,
                                                 *(["--keep-partial"] if keep else []))
-    assert code == 1 and len(errors) == 1 and "no space left on device" in errors[0].lower(), errors
+    assert code == os.EX_CANTCREAT and len(errors) == 1 and "no space left on device" in errors[0].lower(), errors
     assert str(mnt / ".model.merger-partial") in errors[0]
     assert left == ([".model.merger-partial"] if keep else [])  # never a `model` folder
     assert ("kept the partial merge" in caplog.text) == keep
@@ -53,7 +54,7 @@ def test_disk_full_while_writing(keep, ckpt, tmp_path, capsys, caplog):
 
 def test_not_enough_free_space_is_refused_up_front(ckpt, tmp_path, capsys):
     code, errors, mnt, left = _merge_into_tmpfs(capsys, tmp_path, "size=16k", "--local_dir", ckpt)
-    assert code == 1 and len(errors) == 1 and "not enough free space" in errors[0], errors
+    assert code == os.EX_CANTCREAT and len(errors) == 1 and "not enough free space" in errors[0], errors
     assert left == []
 
 
@@ -68,7 +69,7 @@ def test_file_size_limit(ckpt, tmp_path):
     proc = run_merger("merge", "--local_dir", ckpt, "--target_dir", out / "model", check=False,
                       preexec_fn=_file_size_limit)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
-    assert proc.returncode == 1 and len(errors) == 1, proc.stderr
+    assert proc.returncode == os.EX_CANTCREAT and len(errors) == 1, proc.stderr
     assert "file too large" in errors[0].lower() and str(out / ".model.merger-partial") in errors[0]
     assert list(out.iterdir()) == []
     assert snapshot(ckpt) == source

@@ -43,7 +43,7 @@ def _kept_and_resumed(ckpt: Path, reference: Path, out: Path, stage: Path, err: 
     assert any(line.startswith("merger: error:") and line.endswith(kept) for line in err.splitlines()), err
     before = snapshot(stage)
     again = run_merger("merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, check=False)
-    assert again.returncode == 1 and single_error_line(again.stderr) == (
+    assert again.returncode == os.EX_CANTCREAT and single_error_line(again.stderr) == (
         f"merger: error: a partial merge is kept in {stage}: pass --resume to continue it, or --overwrite to "
         f"start over, {out}")
     assert snapshot(stage) == before and not out.exists()

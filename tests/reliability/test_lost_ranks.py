@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -50,9 +51,11 @@ def test_torchrun_report_names_the_error_as_root_cause(ckpt, tmp_path):
     proc = run_merger("merge", "--local_dir", ckpt, "--target_dir", tmp_path / "out", nproc=2, check=False,
                       torchrun=True)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
-    assert proc.returncode != 0 and len(errors) == 1, proc.stderr
+    # torchrun's own exit status is 1 for any failed job; each rank's, the error's kind (corrupt: 65), is in its report
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr
     assert "cannot load rank file: the file is empty" in errors[0] and errors[0].endswith(str(ckpt / RANK0))
     report = proc.stderr.split("Root Cause (first observed failure):", 1)[1]
+    assert re.search(rf"exitcode\s*: {os.EX_DATAERR} \(pid", report), proc.stderr
     assert f"traceback : {errors[0]}" in report, proc.stderr
     assert "error_file: <N/A>" not in proc.stderr and "error_file: /" in report
 
