@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from merger.errors import MergerError
+from merger.errors import CorruptSourceError, MergerError
 from merger.sources.safe_load import torch_load
 from merger.sources.crc32 import crc32, crc32_combine
 from merger.sources.file_reads import SourceReads
@@ -87,7 +87,7 @@ def test_part_of_a_storage_left_unread_is_checked_at_the_end(tmp_path):
     data = bytearray(Path(file).read_bytes())
     data[data.find(torch.load(file)["w"][6:].numpy().tobytes())] ^= 0x01  # a byte no piece read
     Path(file).write_bytes(data)
-    with pytest.raises(MergerError, match="checksum mismatch in tensor w"):
+    with pytest.raises(CorruptSourceError):
         reads.finish()
     reads.close()
 
@@ -141,6 +141,6 @@ def test_a_flipped_bit_inside_a_strided_span_fails(tmp_path):
     states, reads = MappedStates(lambda f: torch_load(f, "test file")), SourceReads()
     piece = states.stored(str(file), view_of(states[str(file)]["t"]))
     reads.copy(piece, torch.empty(piece.view.shape), "t")
-    with pytest.raises(MergerError, match="checksum mismatch in tensor t"):
+    with pytest.raises(CorruptSourceError):
         reads.finish()
     reads.close()

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from merger.errors import MergerError
+from merger.errors import CorruptSourceError, MergerError
 from merger.sources.safe_load import torch_load
 from merger.sources.torch_file import load_state
 
@@ -35,5 +35,5 @@ def test_legacy_file_cannot_be_mapped_but_loads_without_mmap(legacy):
 def test_neither_format_says_so(content, tmp_path):
     path = tmp_path / "rank.pt"
     path.write_bytes(content)
-    with pytest.raises(MergerError, match=r"^cannot load rank file: not a torch\.save file .*rank\.pt$"):
+    with pytest.raises(CorruptSourceError, match=r"^cannot load rank file: not a torch\.save file .*rank\.pt$"):
         torch_load(str(path), "rank file")

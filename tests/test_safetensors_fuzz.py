@@ -1,7 +1,7 @@
 """safetensors_io.read_header against hostile files: crafted lies and property-based fuzzing (hypothesis).
 
 The seed file is written by the safetensors library itself; every mutation of it, and arbitrary bytes, must
-either parse to entries that lie inside the file or raise MergerError naming the file: never another
+either parse to entries that lie inside the file or raise CorruptSourceError naming the file: never another
 exception, and never an allocation that follows a size the header claims rather than the file's own size.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save
 
-from merger.errors import MergerError
+from merger.errors import CorruptSourceError
 from merger.safetensors_io import read_header
 
 SEED = save({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
@@ -35,14 +35,15 @@ def with_header(header: dict, data: bytes = SEED_DATA, edit: tuple[bytes, bytes]
 
 
 def check(content: bytes) -> None:
-    """The property: MergerError naming the file, or entries inside the file; memory bounded by the file."""
+    """The property: CorruptSourceError (the corrupt kind) naming the file, or entries inside the file; memory
+    bounded by the file."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "x.safetensors"
         path.write_bytes(content)
         tracemalloc.start()
         try:
             start, entries, _ = read_header(str(path))
-        except MergerError as e:
+        except CorruptSourceError as e:
             assert str(e).endswith(str(path))
             return
         finally:
@@ -97,7 +98,7 @@ LIES = {
 
 @pytest.mark.parametrize("lie", list(LIES))
 def test_crafted_lies_are_refused(lie):
-    with pytest.raises(MergerError):
+    with pytest.raises(CorruptSourceError):
         read_header_of(LIES[lie])
     check(LIES[lie])
 
