@@ -257,8 +257,8 @@ def test_quantize_and_quantize_like_together_are_refused(deepseek, tmp_path, cap
 def test_lora_folded_into_an_fp8_base_is_peft_merge_then_transformers_quantizer(targets, adapted_by, count,
                                                                                   deepseek, tmp_path, capsys):
     """The oracle: transformers loads the release dequantized (float32), PEFT merges the adapter into it
-    (merge_and_unload, saved by save_pretrained), transformers' quantizer quantizes the result; `merger lora`
-    keeps the base's FP8 layout by default, and `--dtype bfloat16` writes PEFT's merge in bfloat16."""
+    (merge_and_unload, saved by save_pretrained), transformers' quantizer quantizes the weights the adapter
+    changed, and the others are the release's own bytes; `merger lora` keeps the base's FP8 layout by default, and `--dtype bfloat16` writes PEFT's merge in bfloat16."""
     import peft
     from merger.cli import main
 
@@ -282,10 +282,13 @@ def test_lora_folded_into_an_fp8_base_is_peft_merge_then_transformers_quantizer(
     quantized = [n for n in stored if n + "_scale_inv" in stored]
     adapted = [n for n in quantized if adapted_by(n)]
     assert len(adapted) == count and not any(torch.equal(got[n].float(), stored[n].float()) for n in adapted)
-    for name in quantized:
+    for name in adapted:
         weight, scale = transformers_quantized(want[name], (4, 4), "ue8m0")
         assert torch.equal(got[name].view(torch.uint8), weight.view(torch.uint8)), name
         assert torch.equal(got[name + "_scale_inv"], scale), name
+    for name in set(quantized) - set(adapted):  # what the adapter leaves alone keeps the release's bytes
+        assert torch.equal(got[name].view(torch.uint8), stored[name].view(torch.uint8)), name
+        assert torch.equal(got[name + "_scale_inv"], stored[name + "_scale_inv"]), name
     assert json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]["scale_fmt"] == "ue8m0"
 
     assert main(["lora", "--base_model", str(release), "--adapter", str(tmp_path / "adapter"), "--target_dir",

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from .mxfp4_quantize import E8M0_BIAS
 from .steps import DEQUANTIZED
+
+E8M0_BIAS = 127  # an e8m0 scale byte is 2^(byte - 127)
 
 # e2m1 code -> value: the magnitudes, then the same negated (sign bit 3), -0.0 for code 8
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])

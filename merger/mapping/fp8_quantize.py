@@ -16,6 +16,10 @@ is held; every operation is per element or per block, so the bytes are those of 
 A quantized output is written from the whole tensor at its writer: the step that makes it becomes a transform
 (its pieces are assembled there, within the batch budget like any transform's), and a block's amax never spans
 ranks.
+
+`--quantize_like` keeps the release's bytes for each block whose values training left unchanged
+(release_blocks.py): transformers' ue8m0 rule is not a fixed point (a block whose largest code is 224 comes back
+with its scale halved and its codes doubled), so quantizing the release's own values again would change them.
 """
 from __future__ import annotations
 
@@ -25,8 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .fp8 import E8M0_BYTES, band_rows, scale_shape
+from .fp8 import E8M0_BYTES, band_rows, dequantize, scale_shape
 from .quantized_formats import SCALE_SUFFIX
+from .release_blocks import StoredTensor, keep, per_element, same_bits, unchanged_blocks
 from .steps import OutputSpec
 
 FP8 = torch.float8_e4m3fn
@@ -66,11 +71,25 @@ def quantize(block: tuple[int, int], ue8m0: bool, tensor: torch.Tensor, scale_dt
     return quantized, scale_inv
 
 
+def quantize_keeping(block: tuple[int, int], ue8m0: bool, tensor: torch.Tensor, scale_dtype: torch.dtype,
+                     release: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize(), but each block whose values are the `release`'s (its weight and scale, dequantized and cast to
+    `tensor`'s dtype: what reading the release gave) keeps the release's codes and scale."""
+    codes, scales = release
+    (values,) = dequantize(block, [codes, scales])
+    grid = unchanged_blocks(same_bits(values.to(tensor.dtype), tensor), block)
+    if grid.all():  # nothing changed: no quantizing
+        return codes.to(FP8), scales.to(scale_dtype)
+    new_codes, new_scales = quantize(block, ue8m0, tensor, scale_dtype)
+    return keep(per_element(grid, block, tensor.shape), codes, new_codes), keep(grid, scales, new_scales)
+
+
 @dataclass(frozen=True)
 class Fp8Output:
     """How an FP8 output is written: which outputs are quantized (by name), in which blocks and scale format,
     the dtypes the other tensors take (a release's own; absent: the policy's), config.json's quantization_config,
-    and the scales' dtype (float32, or E8M0_BYTES as transformers' mxfp8 stores them)."""
+    the scales' dtype (float32, or E8M0_BYTES as transformers' mxfp8 stores them), and `--quantize_like`'s release,
+whose bytes unchanged blocks keep (None: every block quantized)."""
 
     block: tuple[int, int]
     ue8m0: bool
@@ -78,6 +97,7 @@ class Fp8Output:
     dtypes: dict[str, torch.dtype]
     quantization_config: dict
     scale_dtype: torch.dtype = SCALE_DTYPE
+    release: dict[str, StoredTensor] | None = None
 
     def quantizes(self, spec: OutputSpec) -> bool:
         return spec.file is None and spec.name in self.quantized and len(spec.shape) >= 2
@@ -89,5 +109,8 @@ class Fp8Output:
                 OutputSpec(spec.name + SCALE_SUFFIX, scale_shape(spec.shape, self.block), self.scale_dtype,
                            rows=spec.rows))
 
-    def quantize(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return list(quantize(self.block, self.ue8m0, tensor, self.scale_dtype))
+    def quantize(self, tensor: torch.Tensor, spec: OutputSpec) -> list[torch.Tensor]:
+        if self.release is None:
+            return list(quantize(self.block, self.ue8m0, tensor, self.scale_dtype))
+        stored = (self.release[spec.name].read(spec.rows), self.release[spec.name + SCALE_SUFFIX].read(spec.rows))
+        return list(quantize_keeping(self.block, self.ue8m0, tensor, self.scale_dtype, stored))

@@ -1,8 +1,9 @@
 """`--quantize_like RELEASE`: the output written in the layout of a base model's FP8 block-scaled release.
 
-What is read of the release is its config.json (`quantization_config`: quant_method fp8 with weight_block_size,
-`scale_fmt`) and its safetensors headers, never a weight: the tensors that have a `<name>_scale_inv` are the
-ones quantized, every other tensor takes the dtype the release stores it in. The scales are written float32, or
+What is read of the release here is its config.json (`quantization_config`: quant_method fp8 with
+weight_block_size, `scale_fmt`) and its safetensors headers: the tensors that have a `<name>_scale_inv` are the
+ones quantized, every other tensor takes the dtype the release stores it in. Where each quantized tensor is
+written, its codes and scales are read from the release (release_blocks.py: unchanged blocks keep their bytes). The scales are written float32, or
 as e8m0 bytes (uint8) where the release stores them so (transformers' `mxfp8`, `scale_fmt: "ue8m0"`). A local
 folder's headers are read from its files; a Hub snapshot (mapping/hub_folders.py fetches only its config files)
 has its headers read from the Hub by huggingface_hub's `get_safetensors_metadata` (ranged reads of each file's
@@ -12,30 +13,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from ..errors import MergerError
 from ..hf_folder import read_config, weight_files
 from ..safetensors_io import DTYPES_BY_NAME, read_header
 from .fp8 import E8M0_BYTES, block_size, ue8m0_scales
 from .fp8_quantize import FP8, SCALE_DTYPE, Fp8Output
 from .hub_folders import hub_id_of
+from .release_blocks import StoredTensor
 from .quantized_formats import QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config
 
 FLAG = "--quantize_like"
 
 
-def _local_headers(folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def _local_headers(folder: Path) -> dict[str, StoredTensor]:
     tensors = {}
     for file in weight_files(folder):
         if not file.name.endswith(".safetensors"):
             raise MergerError(f"{FLAG} reads safetensors releases; this one has {file.name}, {folder}")
-        _, entries, _ = read_header(str(file))
-        tensors.update({name: (e.dtype, e.shape) for name, e in entries.items()})
+        start, entries, _ = read_header(str(file))
+        tensors.update({name: StoredTensor(e.dtype, e.shape, str(file), start + e.begin) for name, e in entries.items()})
     return tensors
 
 
-def _hub_headers(repo_id: str, revision: str, folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def _hub_headers(repo_id: str, revision: str, folder: Path) -> dict[str, StoredTensor]:
     from huggingface_hub import get_safetensors_metadata
 
     try:
@@ -50,11 +50,12 @@ def _hub_headers(repo_id: str, revision: str, folder: Path) -> dict[str, tuple[t
             if info.dtype not in DTYPES_BY_NAME:
                 raise MergerError(f"{FLAG}: tensor {name} of Hub model {repo_id} is stored as {info.dtype}, which "
                                   f"merger does not write, {file}")
-            tensors[name] = (DTYPES_BY_NAME[info.dtype], tuple(info.shape))
+            tensors[name] = StoredTensor(DTYPES_BY_NAME[info.dtype], tuple(info.shape))  # no bytes here
     return tensors
 
 
-def release_headers(folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def release_headers(folder: Path) -> dict[str, StoredTensor]:
+    """The release's tensors by name; a Hub id's (whose weights are not fetched) without where their bytes are."""
     repo_id = hub_id_of(folder)
     if repo_id is not None and not any(folder.glob("*.safetensors")):
         return _hub_headers(repo_id, folder.name, folder)
@@ -76,19 +77,25 @@ def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Fp8Outp
     tensors = release_headers(folder)
     quantized = frozenset(name for name in tensors if name + SCALE_SUFFIX in tensors)
     for name in sorted(quantized & outputs.keys()):
-        if tuple(outputs[name]) != tensors[name][1]:
-            raise MergerError(f"tensor {name} is {list(outputs[name])} here but {list(tensors[name][1])} in the "
+        if tuple(outputs[name]) != tensors[name].shape:
+            raise MergerError(f"tensor {name} is {list(outputs[name])} here but {list(tensors[name].shape)} in the "
                               f"release: {FLAG} needs the release of this model, {folder}")
     if not quantized & outputs.keys():
         raise MergerError(f"no tensor of the output has a scale in the release ({len(quantized)} quantized tensors, "
                           f"none of them here): {FLAG} needs the release of this model, {folder}")
-    dtypes = {name: dtype for name, (dtype, _) in tensors.items()
-              if name not in quantized and dtype.is_floating_point and dtype != FP8 and not name.endswith(SCALE_SUFFIX)}
-    scale_dtypes = {tensors[name + SCALE_SUFFIX][0] for name in quantized}
+    dtypes = {name: t.dtype for name, t in tensors.items()
+              if name not in quantized and t.dtype.is_floating_point and t.dtype != FP8
+              and not name.endswith(SCALE_SUFFIX)}
+    scale_dtypes = {tensors[name + SCALE_SUFFIX].dtype for name in quantized}
     if E8M0_BYTES in scale_dtypes and (len(scale_dtypes) > 1 or not ue8m0_scales(qc)):
         stored = ", ".join(sorted(str(d).removeprefix("torch.") for d in scale_dtypes))
         raise MergerError(f"the release stores its scales as {stored} with scale_fmt {qc.get('scale_fmt')!r}: "
                           f"{FLAG} writes uint8 (e8m0) scales only where every scale is one and scale_fmt is "
                           f"'ue8m0', {folder}")
     return Fp8Output(block, ue8m0_scales(qc), quantized, dtypes, qc,
-                     E8M0_BYTES if E8M0_BYTES in scale_dtypes else SCALE_DTYPE)
+                     E8M0_BYTES if E8M0_BYTES in scale_dtypes else SCALE_DTYPE, readable(tensors))
+
+
+def readable(tensors: dict[str, StoredTensor]) -> dict[str, StoredTensor] | None:
+    """The release's tensors where their bytes can be read (a folder, a bucket), None for a Hub id's."""
+    return tensors if all(t.file is not None for t in tensors.values()) else None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import MergerError
 from ..hf_folder import read_config
-from .fp8_release_layout import release_headers
+from .fp8_release_layout import readable, release_headers
 from .mxfp4_quantize import BLOCK, BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Output, packed_shapes
 from .quantized_formats import MXFP4, QUANTIZATION_CONFIG
 
@@ -56,11 +56,11 @@ def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Mxfp4Ou
     _check_blocks(here, outputs, folder)
     for name in here:
         want = packed_shapes(tuple(outputs[name]))
-        stored = (tensors[name + BLOCKS_SUFFIX][1], tensors[name + SCALES_SUFFIX][1])
+        stored = (tensors[name + BLOCKS_SUFFIX].shape, tensors[name + SCALES_SUFFIX].shape)
         if want != stored:
             raise MergerError(f"tensor {name} is {list(outputs[name])} here, which MXFP4 stores as {list(want[0])} "
                               f"blocks, but the release has {list(stored[0])}: --quantize_like needs the release of "
                               f"this model, {folder}")
     packed = {n + suffix for n in quantized for suffix in (BLOCKS_SUFFIX, SCALES_SUFFIX)}
-    dtypes = {name: dtype for name, (dtype, _) in tensors.items() if name not in packed and dtype.is_floating_point}
-    return Mxfp4Output(frozenset(here), dtypes, read_config(folder)[QUANTIZATION_CONFIG])
+    dtypes = {name: t.dtype for name, t in tensors.items() if name not in packed and t.dtype.is_floating_point}
+    return Mxfp4Output(frozenset(here), dtypes, read_config(folder)[QUANTIZATION_CONFIG], readable(tensors))

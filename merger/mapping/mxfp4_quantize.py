@@ -27,6 +27,10 @@ all-zero block), so no element saturates; each element w / X is rounded to the n
 from zero, and keeps its sign (a negative that rounds to zero is -0). This differs from the OCP MX spec's example
 rule (X = 2^(floor(log2 max|w|) - 2), which clamps the block's largest elements to 6 when max|w| / X lies in (6,
 8)): rounding up keeps every element within half an e2m1 step of itself at its block's scale.
+
+`--quantize_like` keeps the release's bytes (its 16 code bytes and scale byte) for each block whose values are the
+release's own (release_blocks.py): a release's scale need not be the smallest that holds its block (a block with no
+4 or 6 in it), nor its zeros +0, and quantizing its values again would change those bytes.
 """
 from __future__ import annotations
 
@@ -34,13 +38,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .compressed_tensors_codec import E8M0_BIAS, mxfp4
+from .release_blocks import StoredTensor, keep, same_bits
 from .steps import OutputSpec
 
 BLOCK = 32  # elements per scale
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
 PACKED = torch.uint8
 E2M1_MAX = 6.0
-E8M0_BIAS = 127
 # the midpoints between consecutive e2m1 magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}: a magnitude's code is how many
 # of them it reaches (a tie goes up, away from zero)
 MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
@@ -81,14 +86,28 @@ def quantize(weight: torch.Tensor) -> list[torch.Tensor]:
     return [blocks, scales]
 
 
+def quantize_keeping(weight: torch.Tensor, release: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
+    """quantize(), but each block whose values are the `release`'s (its blocks and scales, dequantized and cast to
+    `weight`'s dtype: what transformers' dequantizer gives) keeps the release's bytes."""
+    blocks, scales = release
+    values = mxfp4(blocks.flatten(-2), scales).transpose(-1, -2)  # [E, in, out], as the weight
+    grid = same_bits(values.to(weight.dtype), weight).transpose(-1, -2).unflatten(-1, (-1, BLOCK)).all(-1)
+    if grid.all():  # nothing changed: no quantizing
+        return [blocks, scales]
+    new_blocks, new_scales = quantize(weight)
+    return [keep(grid.unsqueeze(-1), blocks, new_blocks), keep(grid, scales, new_scales)]
+
+
 @dataclass(frozen=True)
 class Mxfp4Output:
     """How an MXFP4 output is written: which outputs are quantized (by name), the dtypes the other tensors take
-    (a release's own; absent: the policy's), and config.json's quantization_config."""
+    (a release's own; absent: the policy's), config.json's quantization_config, and `--quantize_like`'s release,
+    whose bytes unchanged blocks keep (None: every block quantized)."""
 
     quantized: frozenset[str]
     dtypes: dict[str, torch.dtype]
     quantization_config: dict
+    release: dict[str, StoredTensor] | None = None
 
     def quantizes(self, spec: OutputSpec) -> bool:
         return spec.file is None and spec.name in self.quantized and len(spec.shape) == 3
@@ -99,5 +118,8 @@ class Mxfp4Output:
         return (OutputSpec(spec.name + BLOCKS_SUFFIX, blocks, PACKED, rows=spec.rows),
                 OutputSpec(spec.name + SCALES_SUFFIX, scales, PACKED, rows=spec.rows))
 
-    def quantize(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return quantize(tensor)
+    def quantize(self, tensor: torch.Tensor, spec: OutputSpec) -> list[torch.Tensor]:
+        if self.release is None:
+            return quantize(tensor)
+        return quantize_keeping(tensor, (self.release[spec.name + BLOCKS_SUFFIX].read(spec.rows),
+                                         self.release[spec.name + SCALES_SUFFIX].read(spec.rows)))

@@ -157,6 +157,15 @@ def _format(layout) -> tuple[str, str]:
                    f"{', scale_fmt ue8m0' if layout.ue8m0 else ''}")
 
 
+def _kept_blocks(layout, name: str) -> str:
+    """What --quantize_like does with the blocks training left unchanged (release_blocks.py)."""
+    if layout.release is None:
+        return (f"merger: every {name} block quantized again: only the release's headers were read (a Hub id), so "
+                f"its bytes cannot be kept where nothing changed; a local copy of the release keeps them")
+    return (f"merger: each {name} block whose values are the release's own keeps the release's bytes (codes and "
+            f"scale); every other block is quantized")
+
+
 def _quantized(mapping: Mapping, options: MergeOptions) -> Mapping:
     """`mapping` written quantized: in the layout of --quantize_like's release, or --quantize's scheme (FP8 in
     transformers' default choice of modules, MXFP4 for gpt-oss's experts); config.json gets the
@@ -172,9 +181,11 @@ def _quantized(mapping: Mapping, options: MergeOptions) -> Mapping:
                           f"weight: use --dtype bfloat16 (the default) or float32, "
                           f"{options.quantize_like or mapping.hf_dir}")
     count = quantized_count(mapping.steps, layout)
-    note = (f"merger: {count} tensors written as {name} {how} ({stored}){left}; {QUANTIZATION_CONFIG} {config} "
-            f"config.json")
-    return dataclasses.replace(mapping, steps=quantize_steps(mapping.steps, layout), notes=(*mapping.notes, note),
+    notes = (f"merger: {count} tensors written as {name} {how} ({stored}){left}; {QUANTIZATION_CONFIG} {config} "
+             f"config.json",)
+    if options.quantize_like is not None:
+        notes += (_kept_blocks(layout, name),)
+    return dataclasses.replace(mapping, steps=quantize_steps(mapping.steps, layout), notes=(*mapping.notes, *notes),
                                config_updates={**mapping.config_updates,
                                                QUANTIZATION_CONFIG: layout.quantization_config},
                                config_removals=tuple(k for k in mapping.config_removals if k != QUANTIZATION_CONFIG))

@@ -3,9 +3,10 @@ gpt-oss's MXFP4 experts (mxfp4_quantize.py).
 
 A layout names the outputs it quantizes (`quantizes`), what each becomes in the files (`written_as`: FP8's weight
 and its `_scale_inv`, MXFP4's `_blocks` and `_scales`), the arithmetic (`quantize`), and the dtypes a release
-gives the other tensors. A step with a quantized output becomes a transform, so the output is quantized whole at
-its writer (its pieces assembled there within the batch budget like any transform's): a block's scale never spans
-ranks, and any number of merge ranks writes the same bytes.
+gives the other tensors. `quantize` is handed the output's spec too: its name and slab say which of the
+release's bytes an unchanged block keeps (release_blocks.py). A step with a quantized output becomes a transform,
+so the output is quantized whole at its writer (its pieces assembled there within the batch budget like any
+transform's): a block's scale never spans ranks, and any number of merge ranks writes the same bytes.
 """
 from __future__ import annotations
 
@@ -26,17 +27,17 @@ class QuantizedLayout(Protocol):
 
     def written_as(self, spec: OutputSpec) -> tuple[OutputSpec, ...]: ...
 
-    def quantize(self, tensor: torch.Tensor) -> list[torch.Tensor]: ...
+    def quantize(self, tensor: torch.Tensor, spec: OutputSpec) -> list[torch.Tensor]: ...
 
 
-def _run(transform: Transform | None, quantize_from: tuple[torch.dtype | None, ...], layout: QuantizedLayout,
+def _run(transform: Transform | None, quantize_from: tuple[OutputSpec | None, ...], layout: QuantizedLayout,
          tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The step's own results, each quantized output quantized from its tensor in `quantize_from` (the dtype the
+    """The step's own results, each quantized output quantized from its tensor in its spec's dtype (the dtype the
     policy gave it: what transformers' quantizer is handed, a model loaded at --dtype)."""
     results = tensors if transform is None else transform(tensors)
     out = []
-    for tensor, dtype in zip(results, quantize_from):
-        out.extend([tensor] if dtype is None else layout.quantize(tensor.to(dtype)))
+    for tensor, spec in zip(results, quantize_from):
+        out.extend([tensor] if spec is None else layout.quantize(tensor.to(spec.dtype), spec))
     return out
 
 
@@ -49,12 +50,12 @@ def quantize_steps(steps: list[Step], layout: QuantizedLayout) -> list[Step]:
         for spec in step.outputs:
             if layout.quantizes(spec):
                 specs += layout.written_as(spec)
-                quantize_from.append(spec.dtype)
+                quantize_from.append(spec)
             else:
                 keep = layout.dtypes.get(spec.name) if spec.file is None and spec.dtype.is_floating_point else None
                 specs.append(spec if keep is None else dataclasses.replace(spec, dtype=keep))
                 quantize_from.append(None)
-        if any(d is not None for d in quantize_from):
+        if any(q is not None for q in quantize_from):
             step = Step(step.inputs, tuple(specs), partial(_run, step.transform, tuple(quantize_from), layout))
         else:
             step = dataclasses.replace(step, outputs=tuple(specs))
