@@ -240,3 +240,55 @@ def test_merge_ranks_equal_one_process_over_fsdp_shards(fsdp_checkpoint, tmp_pat
     assert sorted(one) == sorted(two) and all(torch.equal(one[n], two[n]) for n in one)
     files = [snapshot(tmp_path / f"out-{n}")["model.safetensors"][0] for n in (1, 2)]
     assert files[0] == files[1]
+
+
+def test_quantize_like_keeps_the_release_s_bytes_where_training_changed_nothing(tmp_path, capsys):
+    """A release of random bytes: -0 codes, and scales larger than their block needs (the first block of each row
+    has no magnitude above 1.5, so a scale 4 times smaller holds it), which quantizing its values again would not
+    give back (`--quantize mxfp4` on the same model: checked). Training then
+    changed one expert of layer 1's gate_up_proj whole and one element of an expert of layer 0's down_proj. Written
+    like the release: every block training left alone is the release's bytes (the oracle: the release); each changed
+    block is what `--quantize mxfp4` (the rule checked against transformers' dequantizer above) writes for it."""
+    torch.manual_seed(4)
+    shapes = {"gate_up_proj": (4, 2 * 96, 64), "down_proj": (4, 64, 96)}  # [E, out, in]
+    packed, experts = {}, {}
+    for layer in range(SIZES["num_hidden_layers"]):
+        for proj, (e, out, rows) in shapes.items():
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            packed[name + "_blocks"] = torch.randint(0, 256, (e, out, rows // 32, 16), dtype=torch.uint8)
+            packed[name + "_blocks"][:, :, 0] &= 0xBB  # the first block of each row: no magnitude above 1.5
+            packed[name + "_scales"] = torch.randint(127 - 9, 127 + 9, (e, out, rows // 32), dtype=torch.uint8)
+            experts[name] = convert_moe_packed_tensors(packed[name + "_blocks"], packed[name + "_scales"],
+                                                       dtype=torch.bfloat16)
+    model_dir = save_gpt_oss(tmp_path / "bf16", experts, seed=2)
+    state = load_safetensors_folder(model_dir)
+    (tmp_path / "release").mkdir()
+    save_file({**{n: t for n, t in state.items() if n not in experts}, **packed},
+              str(tmp_path / "release" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    (tmp_path / "release" / "config.json").write_text(json.dumps({**config, "quantization_config": RELEASE_QC}))
+
+    whole, part = "model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"
+    trained = dict(experts)
+    trained[whole], trained[part] = experts[whole].clone(), experts[part].clone()
+    trained[whole][2] += (torch.randn(trained[whole][2].shape) / 8).to(torch.bfloat16)  # expert 2, [in, out]
+    trained[part][1, 40, 7] += 1  # expert 1, in 40: block 1 of `in` for out 7
+    trained_dir = save_gpt_oss(tmp_path / "trained", trained, seed=2)
+    assert merge_here(capsys, "--local_dir", trained_dir, "--target_dir", tmp_path / "like", "--quantize_like",
+                      tmp_path / "release") == (0, [])
+    assert merge_here(capsys, "--local_dir", trained_dir, "--target_dir", tmp_path / "q", "--quantize",
+                      "mxfp4") == (0, [])
+    like, redone = load_safetensors_folder(tmp_path / "like"), load_safetensors_folder(tmp_path / "q")
+
+    changed = {name: torch.zeros(packed[name + "_scales"].shape, dtype=torch.bool) for name in experts}
+    changed[whole][2] = True
+    changed[part][1, 7, 1] = True
+    for name, blocks_changed in changed.items():
+        for suffix, where in (("_blocks", blocks_changed.unsqueeze(-1)), ("_scales", blocks_changed)):
+            got, release, rule = like[name + suffix], packed[name + suffix], redone[name + suffix]
+            assert torch.equal(torch.where(where, rule, release), got), name + suffix
+    # the premise: the rule alone gives other bytes in blocks training left unchanged
+    assert (redone[part + "_scales"][..., 0] < packed[part + "_scales"][..., 0]).all()
+    assert like[part + "_scales"][1, 7, 0] == packed[part + "_scales"][1, 7, 0]  # beside the changed block
+    for name in set(state) - set(experts):
+        assert like[name].dtype == state[name].dtype and torch.equal(like[name], state[name]), name

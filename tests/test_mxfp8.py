@@ -9,9 +9,10 @@ Llama, saved by save_pretrained). Oracles, none of them merger's code:
   -0.0 counts) at bfloat16 and float32;
 - writing: transformers' `Fp8Quantize` with the release's own config on the same weights, byte for byte, and the
   release itself (quantized from the same bfloat16 weights by that op) for names, dtypes, bytes and config;
-- the round trip release -> plain model -> `--quantize_like` the release: every byte of the release, except in
-  the blocks FORMATS.md warns of, each checked here to be exactly that case (see test_round_trip_...);
-- a LoRA folded into the release: PEFT's merge on the base transformers dequantizes, then `Fp8Quantize`.
+- the round trip release -> plain model -> `--quantize_like` the release: every byte of the release, also in the
+  blocks where transformers' rule on the same values would write other bytes (FORMATS.md);
+- a LoRA folded into the release: PEFT's merge on the base transformers dequantizes, then `Fp8Quantize` on the
+  weights it changed, the release's bytes for the others.
 """
 from __future__ import annotations
 
@@ -107,36 +108,24 @@ def test_quantize_like_is_transformers_quantizer_and_the_release_itself(release,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_round_trip_keeps_every_byte_but_the_blocks_whose_largest_code_is_224(release, tmp_path, dtype):
-    """release -> plain model at --dtype -> `--quantize_like` the release. A block's scale is the smallest power of
-    two 2^e with amax <= 448 * 2^e, so the amax code of the release, amax / 2^e rounded to float8, lies in (224, 448]
-    before rounding; where it rounded down to 224 (amax / 2^e in (224, 232]), the dequantized amax is 224 * 2^e
-    = 448 * 2^(e - 1), and transformers' rule (the quantizer's oracle) picks 2^(e - 1): the scale byte one less and
-    every code doubled, exactly (codes <= 224). The same values, other bytes; every other block comes back as it was.
-    The plain model holds the dequantized values exactly in bfloat16 as in float32, so both give the same bytes."""
+def test_round_trip_keeps_every_byte_of_the_release(release, tmp_path, dtype):
+    """release -> plain model at --dtype -> `--quantize_like` the release: every byte of the release, although
+    transformers' own rule, on the same values, gives other bytes in some blocks (the premise, checked here): a
+    block's scale is the smallest power of two 2^e with amax <= 448 * 2^e, so where the release's largest code
+    rounded down to 224 (amax / 2^e in (224, 232]), the dequantized amax is 448 * 2^(e - 1) and the rule picks
+    2^(e - 1), every code doubled. Such a block's values are the release's, so it keeps the release's bytes."""
     folder, _ = release
     plain = merge_in_process(folder, tmp_path / "plain", "--dtype", dtype)
     back = merge_in_process(plain, tmp_path / "back", "--quantize_like", folder, "--dtype", dtype)
     got, stored, merged = (load_safetensors_folder(f) for f in (back, folder, plain))
     assert sorted(got) == sorted(stored)
-    changed = total = 0
     for name, t in stored.items():
-        if name + SCALE not in stored:
-            if not name.endswith(SCALE):
-                assert torch.equal(bits(got[name]), bits(t)), name
-            continue
-        weight, scale = transformers_quantized(name, merged[name])
-        assert torch.equal(bits(got[name]), bits(weight)) and torch.equal(got[name + SCALE], scale), name
-        codes, new_codes = (x.float().unflatten(-1, (-1, BLOCK)) for x in (t, got[name]))
-        same = (bits(t).unflatten(-1, (-1, BLOCK)) == bits(got[name]).unflatten(-1, (-1, BLOCK))).all(-1)
-        same &= stored[name + SCALE] == got[name + SCALE]
-        lowered = ((codes.abs().amax(-1) == 224) & (got[name + SCALE].int() == stored[name + SCALE].int() - 1)
-                   & (new_codes == 2 * codes).all(-1))
-        assert (same | lowered).all(), name
-        changed, total = changed + int(lowered.sum()), total + lowered.numel()
-        assert torch.equal(e8m0_dequantized({"w": got[name], "w" + SCALE: got[name + SCALE]})["w"],
-                           e8m0_dequantized({"w": t, "w" + SCALE: stored[name + SCALE]})["w"]), name
-    assert total == 1920 and 0 < changed < total / 10, (changed, total)
+        assert got[name].dtype == t.dtype and torch.equal(bits(got[name]), bits(t)), name
+    lowered = total = 0
+    for name in (n for n in stored if n + SCALE in stored):
+        _, scale = transformers_quantized(name, merged[name])
+        lowered, total = lowered + int((scale != stored[name + SCALE]).sum()), total + scale.numel()
+    assert total == 1920 and 0 < lowered < total / 10, (lowered, total)
 
 
 @pytest.mark.parametrize("key, value, error", [
@@ -186,7 +175,7 @@ def test_weights_larger_than_a_band_give_the_same_bytes():
 
 def test_lora_folded_into_an_mxfp8_base_is_peft_merge_then_transformers_quantizer(release, tmp_path):
     """The oracle: transformers loads the release dequantized (float32, on CPU), PEFT merges the adapter into it,
-    transformers' quantize op quantizes the result; `merger lora` keeps the base's mxfp8 layout (uint8 scales)."""
+    transformers' quantize op quantizes the weights it changed, the others are the release's bytes; `merger lora` keeps the base's mxfp8 layout (uint8 scales)."""
     import peft
     from merger.cli import main
 
@@ -204,8 +193,11 @@ def test_lora_folded_into_an_mxfp8_base_is_peft_merge_then_transformers_quantize
     quantized = [n for n in stored if n + SCALE in stored]
     adapted = [n for n in quantized if n.split(".")[-2] in ("q_proj", "down_proj")]
     assert len(adapted) == 4 and not any(torch.equal(bits(got[n]), bits(stored[n])) for n in adapted)
-    for name in quantized:
+    for name in adapted:
         weight, scale = transformers_quantized(name, want[name])
         assert torch.equal(bits(got[name]), bits(weight)) and torch.equal(got[name + SCALE], scale), name
+    for name in set(quantized) - set(adapted):  # what the adapter leaves alone keeps the release's bytes
+        assert torch.equal(bits(got[name]), bits(stored[name])) and torch.equal(got[name + SCALE],
+                                                                                stored[name + SCALE]), name
     assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"] == \
         json.loads((folder / "config.json").read_text())["quantization_config"]
