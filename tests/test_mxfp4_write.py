@@ -69,21 +69,24 @@ def gpt_oss(tmp_path_factory):
     return save_gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "bf16")
 
 
-@pytest.fixture(scope="module")
-def release(tmp_path_factory):
-    """(an MXFP4 release of random bytes, its bf16 model: transformers' dequantization of those bytes). Each block
-    holds a ±4 or ±6 (so its scale is the one the block needs: its max / 6 rounds up to that power of two), scales
-    2^-9..2^8; the router's bias is stored in float32 (a dtype of the release's own), the rest in bf16."""
-    root = tmp_path_factory.mktemp("mxfp4_release")
-    torch.manual_seed(1)
+def write_release(root, seed: int, minimal_scales: bool) -> tuple:
+    """(an MXFP4 release of random bytes, its bf16 model: transformers' dequantization of those bytes, the
+    release's packed tensors, the model's experts). `minimal_scales`: each block holds a ±4 or ±6 (so its scale is
+    the one the block needs: its max / 6 rounds up to that power of two); else the first block of each row has no
+    magnitude above 1.5 (a scale 4 times smaller holds it). Scales 2^-9..2^8; the router's bias is stored in
+    float32 (a dtype of the release's own), the rest in bf16."""
+    torch.manual_seed(seed)
     shapes = {"gate_up_proj": (4, 2 * 96, 64), "down_proj": (4, 64, 96)}  # [E, out, in]
     packed, experts = {}, {}
     for layer in range(SIZES["num_hidden_layers"]):
         for proj, (e, out, rows) in shapes.items():
             name = f"model.layers.{layer}.mlp.experts.{proj}"
             blocks = torch.randint(0, 256, (e, out, rows // 32, 16), dtype=torch.uint8)
-            top = torch.randint(6, 8, (e, out, rows // 32), dtype=torch.uint8)  # magnitude code of 4 or 6
-            blocks[..., 0] = (blocks[..., 0] & 0xF0) | top | (blocks[..., 0] & 0x08)
+            if minimal_scales:
+                top = torch.randint(6, 8, (e, out, rows // 32), dtype=torch.uint8)  # magnitude code of 4 or 6
+                blocks[..., 0] = (blocks[..., 0] & 0xF0) | top | (blocks[..., 0] & 0x08)
+            else:
+                blocks[:, :, 0] &= 0xBB  # each code's magnitude bit 2 cleared: 1.5 at most
             scales = torch.randint(127 - 9, 127 + 9, (e, out, rows // 32), dtype=torch.uint8)
             packed |= {name + "_blocks": blocks, name + "_scales": scales}
             experts[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
@@ -94,7 +97,13 @@ def release(tmp_path_factory):
     save_file({**stored, **packed}, str(root / "release" / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((model_dir / "config.json").read_text())
     (root / "release" / "config.json").write_text(json.dumps({**config, "quantization_config": RELEASE_QC}))
-    return root / "release", model_dir
+    return root / "release", model_dir, packed, experts
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """(an MXFP4 release whose scales are the ones its blocks need, its bf16 model)."""
+    return write_release(tmp_path_factory.mktemp("mxfp4_release"), seed=1, minimal_scales=True)[:2]
 
 
 def test_transformers_dequantizer_reads_the_experts_within_mxfp4_error(gpt_oss, tmp_path, capsys):
@@ -245,29 +254,10 @@ def test_merge_ranks_equal_one_process_over_fsdp_shards(fsdp_checkpoint, tmp_pat
 def test_quantize_like_keeps_the_release_s_bytes_where_training_changed_nothing(tmp_path, capsys):
     """A release of random bytes: -0 codes, and scales larger than their block needs (the first block of each row
     has no magnitude above 1.5, so a scale 4 times smaller holds it), which quantizing its values again would not
-    give back (`--quantize mxfp4` on the same model: checked). Training then
-    changed one expert of layer 1's gate_up_proj whole and one element of an expert of layer 0's down_proj. Written
-    like the release: every block training left alone is the release's bytes (the oracle: the release); each changed
-    block is what `--quantize mxfp4` (the rule checked against transformers' dequantizer above) writes for it."""
-    torch.manual_seed(4)
-    shapes = {"gate_up_proj": (4, 2 * 96, 64), "down_proj": (4, 64, 96)}  # [E, out, in]
-    packed, experts = {}, {}
-    for layer in range(SIZES["num_hidden_layers"]):
-        for proj, (e, out, rows) in shapes.items():
-            name = f"model.layers.{layer}.mlp.experts.{proj}"
-            packed[name + "_blocks"] = torch.randint(0, 256, (e, out, rows // 32, 16), dtype=torch.uint8)
-            packed[name + "_blocks"][:, :, 0] &= 0xBB  # the first block of each row: no magnitude above 1.5
-            packed[name + "_scales"] = torch.randint(127 - 9, 127 + 9, (e, out, rows // 32), dtype=torch.uint8)
-            experts[name] = convert_moe_packed_tensors(packed[name + "_blocks"], packed[name + "_scales"],
-                                                       dtype=torch.bfloat16)
-    model_dir = save_gpt_oss(tmp_path / "bf16", experts, seed=2)
-    state = load_safetensors_folder(model_dir)
-    (tmp_path / "release").mkdir()
-    save_file({**{n: t for n, t in state.items() if n not in experts}, **packed},
-              str(tmp_path / "release" / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((model_dir / "config.json").read_text())
-    (tmp_path / "release" / "config.json").write_text(json.dumps({**config, "quantization_config": RELEASE_QC}))
-
+    give back (`--quantize mxfp4` on the same model: checked). Training then changed one expert of layer 1's
+    gate_up_proj whole and one element of an expert of layer 0's down_proj. Written like the release: every block
+    training left alone is the release's bytes (the oracle: the release); each changed block is what `--quantize mxfp4` (the rule checked against transformers' dequantizer above) writes for it."""
+    folder, _, packed, experts = write_release(tmp_path, seed=4, minimal_scales=False)
     whole, part = "model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"
     trained = dict(experts)
     trained[whole], trained[part] = experts[whole].clone(), experts[part].clone()
@@ -275,7 +265,7 @@ def test_quantize_like_keeps_the_release_s_bytes_where_training_changed_nothing(
     trained[part][1, 40, 7] += 1  # expert 1, in 40: block 1 of `in` for out 7
     trained_dir = save_gpt_oss(tmp_path / "trained", trained, seed=2)
     assert merge_here(capsys, "--local_dir", trained_dir, "--target_dir", tmp_path / "like", "--quantize_like",
-                      tmp_path / "release") == (0, [])
+                      folder) == (0, [])
     assert merge_here(capsys, "--local_dir", trained_dir, "--target_dir", tmp_path / "q", "--quantize",
                       "mxfp4") == (0, [])
     like, redone = load_safetensors_folder(tmp_path / "like"), load_safetensors_folder(tmp_path / "q")
@@ -290,5 +280,6 @@ def test_quantize_like_keeps_the_release_s_bytes_where_training_changed_nothing(
     # the premise: the rule alone gives other bytes in blocks training left unchanged
     assert (redone[part + "_scales"][..., 0] < packed[part + "_scales"][..., 0]).all()
     assert like[part + "_scales"][1, 7, 0] == packed[part + "_scales"][1, 7, 0]  # beside the changed block
-    for name in set(state) - set(experts):
-        assert like[name].dtype == state[name].dtype and torch.equal(like[name], state[name]), name
+    stored = load_safetensors_folder(folder)
+    for name in set(stored) - set(packed):
+        assert like[name].dtype == stored[name].dtype and torch.equal(like[name], stored[name]), name
