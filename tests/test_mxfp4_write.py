@@ -283,3 +283,18 @@ def test_quantize_like_keeps_the_release_s_bytes_where_training_changed_nothing(
     stored = load_safetensors_folder(folder)
     for name in set(stored) - set(packed):
         assert like[name].dtype == stored[name].dtype and torch.equal(like[name], stored[name]), name
+
+
+def test_a_slab_of_experts_keeps_the_release_s_bytes_of_those_experts(tmp_path):
+    """Where experts are written a slab at a time (Megatron's and torchtitan's experts, one step each), the
+    release's bytes kept are those of the slab's own experts: expert 1 alone, its values the release's, is written
+    as the release's expert 1, also in the blocks whose scales the rule alone would lower."""
+    from merger.mapping import mxfp4_layout
+    from merger.mapping.steps import OutputSpec
+
+    folder, _, packed, experts = write_release(tmp_path, seed=5, minimal_scales=False)
+    layout = mxfp4_layout.release_layout(folder, {name: tuple(t.shape) for name, t in experts.items()})
+    for name, weight in experts.items():
+        spec = OutputSpec(name, tuple(weight.shape), torch.bfloat16, rows=(1, 2))
+        blocks, scales = layout.quantize(weight[1:2], spec)
+        assert torch.equal(blocks, packed[name + "_blocks"][1:2]) and torch.equal(scales, packed[name + "_scales"][1:2])
