@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import MergerError
+from ..errors import CorruptSourceError
 from ..io import read_range
 from ..safetensors_io import nbytes_of
 
@@ -41,7 +41,7 @@ class StoredTensor:
         row = nbytes_of(self.shape[1:], self.dtype)
         data = read_range(self.file, self.offset + lo * row, (hi - lo) * row)
         if len(data) != (hi - lo) * row:
-            raise MergerError(f"the release's file ends inside one of its tensors (--quantize_like reads it back to "
+            raise CorruptSourceError(f"the release's file ends inside one of its tensors (--quantize_like reads it back to "
                               f"keep the bytes of unchanged blocks), {self.file}")
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).reshape(hi - lo, *self.shape[1:])
 
