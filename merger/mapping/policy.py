@@ -24,7 +24,9 @@ from ..errors import MergerError
 from ..hf_folder import read_config
 from ..io import location
 from ..options import MergeOptions
-from . import mxfp4_layout
+from . import compressed_tensors_layout, mxfp4_layout
+from .compressed_tensors_layout import MXFP8_QUANTIZED, CompressedTensorsOutput
+from .compressed_tensors_scheme import COMPRESSED_TENSORS
 from .fp8_default_modules import default_layout
 from .fp8_release_layout import release_layout
 from .model_class import keep_in_fp32
@@ -127,15 +129,19 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
 
 def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[int, ...]]):
     """(the quantized layout, how the log names it, what it leaves out, what is done to config.json's
-    quantization_config): --quantize_like's release (FP8 or gpt-oss MXFP4), or --quantize's scheme."""
+    quantization_config): --quantize_like's release (FP8, gpt-oss MXFP4 or compressed-tensors mxfp8-quantized), or
+    --quantize's scheme."""
     if options.quantize_like is not None:
         folder = location(options.quantize_like)  # a folder, a Hub snapshot's, or a bucket's
         # a format merger does not write is refused here; a release with none, by the FP8 layout's own check
         config = read_config(folder)
         stored = config_format(folder, config)
-        if stored in READ_ONLY:
+        if stored == COMPRESSED_TENSORS and config[QUANTIZATION_CONFIG]["format"] == MXFP8_QUANTIZED:
+            layout = compressed_tensors_layout.release_layout(folder, outputs)
+        elif stored in READ_ONLY:
             raise read_only("--quantize_like's release", folder, config)
-        layout = (mxfp4_layout.release_layout if stored == MXFP4 else release_layout)(folder, outputs)
+        else:
+            layout = (mxfp4_layout.release_layout if stored == MXFP4 else release_layout)(folder, outputs)
         return layout, f"like {options.quantize_like}", "", "copied into"
     if options.quantize == mxfp4_layout.SCHEME:
         layout = mxfp4_layout.default_layout(mapping.hf_dir, mapping.config, outputs)
@@ -152,6 +158,8 @@ def _format(layout) -> tuple[str, str]:
     """(the format's name, how its tensors are stored), for the log."""
     if isinstance(layout, Mxfp4Output):
         return "MXFP4", "uint8 _blocks of e2m1 pairs, uint8 _scales e8m0 per 32 elements"
+    if isinstance(layout, CompressedTensorsOutput):
+        return "compressed-tensors MXFP8", "float8_e4m3fn weight, uint8 (e8m0) weight_scale per 32 elements"
     scales = "uint8 (e8m0)" if layout.scale_dtype == torch.uint8 else "float32"
     return "FP8", (f"float8_e4m3fn, block {layout.block[0]}x{layout.block[1]}, weight_scale_inv {scales}"
                    f"{', scale_fmt ue8m0' if layout.ue8m0 else ''}")

@@ -61,11 +61,14 @@ def _calibrate(model: torch.nn.Module) -> None:
             module.weight_zero_point.copy_(zero_point.reshape(module.weight_zero_point.shape))
 
 
-def write_release(folder: Path, fmt: str, seed: int = 0) -> Path:
-    """The tiny Llama quantized in `fmt` (a key of FORMATS or of VARIANTS), saved in `folder`."""
+def write_release(folder: Path, fmt: str, seed: int = 0, weights: dict[str, torch.Tensor] | None = None) -> Path:
+    """The tiny Llama quantized in `fmt` (a key of FORMATS or of VARIANTS), saved in `folder`; `weights`: the
+    model's weights instead of the seeded ones (a trained model: its bfloat16 state dict)."""
     fmt, preset = VARIANTS.get(fmt, (fmt, FORMATS.get(fmt)))
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).to(torch.bfloat16)
+    if weights is not None:
+        model.load_state_dict(weights)
     config = QuantizationConfig(config_groups={"group_0": _scheme(preset)}, ignore=["lm_head"],
                                 quantization_status=QuantizationStatus.INITIALIZED)
     apply_quantization_config(model, config, show_progress=False)
