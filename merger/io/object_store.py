@@ -18,12 +18,14 @@ READ_AHEAD blocks, one that jumps elsewhere its own block only.
 from __future__ import annotations
 
 import bisect
+import errno
 import logging
 import threading
 from collections import OrderedDict
 
 from ..errors import CredentialsError, MergerError
 from .read_plan import BLOCK, FETCH, SMALL, Plan
+from .s3_retries import s3_filesystem
 from .storage import Entry
 
 READ_AHEAD = FETCH // BLOCK  # blocks a read outside the plan that goes on from the last one fetches: 32 MiB
@@ -38,14 +40,22 @@ for _name in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3"):
 def _filesystem(scheme: str, url: str):
     try:
         import fsspec
-        # a client of its own, made with the environment as it is now (fsspec would reuse an older one)
-        return fsspec.filesystem(scheme, skip_instance_cache=True)
+        # a client of its own, made with the environment as it is now (fsspec would reuse an older one); an s3://
+        # client with merger's waits and retries, not the libraries' defaults (s3_retries.py)
+        return s3_filesystem() if scheme == "s3" else fsspec.filesystem(scheme, skip_instance_cache=True)
     except ImportError as e:
         package = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}.get(scheme, "adlfs")
         raise MergerError(f"reading {scheme}:// needs the {package} package (pip install 'merger[s3]' for "
                           f"s3://), {url}") from e
     except ValueError as e:
         raise MergerError(f"unknown storage {scheme}:// (s3://, gs:// and az:// are known), {url}") from e
+
+
+# What the client libraries raise when an answer breaks off: a reset, a stall past the read timeout, a body shorter
+# than its Content-Length (aiohttp's, botocore's, s3fs's names for them).
+BROKEN = ("ClientPayloadError", "IncompleteRead", "IncompleteReadError", "ResponseStreamingError",
+          "ReadTimeoutError", "ConnectionClosedError", "ServerDisconnectedError", "ClientOSError", "FSTimeoutError",
+          "TimeoutError", "ConnectionResetError")
 
 
 def _refusal(e: Exception, url: str, doing: str = "a read") -> Exception:
@@ -66,8 +76,15 @@ def _refusal(e: Exception, url: str, doing: str = "a read") -> Exception:
     if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError") or \
             "Could not connect" in text:
         return MergerError(f"cannot reach the object store's endpoint (AWS_ENDPOINT_URL?), {url}")
-    if any(code in text for code in ("SlowDown", "Throttl", "RequestLimitExceeded", "503")):
-        return MergerError(f"the object store kept throttling after the client's retries, {url}")
+    # s3fs turns SlowDown into OSError(EBUSY, "Please reduce your request rate.")
+    if (isinstance(e, OSError) and e.errno == errno.EBUSY) or \
+            any(code in text for code in ("SlowDown", "reduce your request rate", "Throttl", "RequestLimitExceeded",
+                                          "503")):
+        return MergerError(f"the object store kept throttling (503 SlowDown) after the client's retries, "
+                           f"{url}")
+    if name in BROKEN:
+        return MergerError(f"{doing} failed after the client's retries: the object store's answers broke off "
+                           f"(connection reset, stalled past the read timeout, or cut short), {url}")
     first = text.strip().splitlines()[0][:200] if text.strip() else ""
     return MergerError(f"the object store refused {doing} ({name}{': ' + first if first else ''}), {url}")
 
@@ -158,7 +175,7 @@ class ObjectStorage:
         end = None if length is None else start + length
         data = self._call(key, self.fs.cat_file, key, start=start, end=end)
         self.fetched += len(data)
-        return data
+        return self._whole(key, start, end, data)
 
     def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         return self._get([(key, a, b) for a, b in ranges])
@@ -169,11 +186,23 @@ class ObjectStorage:
             return []
         got = self._call(requests[0][0], self.fs.cat_ranges, [k for k, _, _ in requests],
                          [a for _, a, _ in requests], [b for _, _, b in requests], on_error="raise")
-        for (key, _, _), data in zip(requests, got):
+        for (key, start, end), data in zip(requests, got):
             if isinstance(data, Exception):
                 raise _refusal(data, self.url(key))
             self.fetched += len(data)
+            self._whole(key, start, end, data)
         return got
+
+    def _whole(self, key: str, start: int, end: int | None, data: bytes) -> bytes:
+        """`data`, checked to be every byte of [start, end) of `key` (end clipped to the object's size): a body cut
+        short is never taken for the object's bytes. The HTTP layer catches a body shorter than its Content-Length
+        (and the client retries it); this catches a response whose Content-Length itself falls short."""
+        size = self.size(key)
+        want = max(0, min(size if end is None else end, size) - start)
+        if len(data) != want:
+            raise MergerError(f"the object store sent {len(data)} bytes for bytes {start} to {start + want} of the "
+                              f"object (a response cut short), {self.url(key)}")
+        return data
 
     def will_read(self, ranges: list[tuple[str, int, int]]) -> None:
         with self.lock:

@@ -99,6 +99,7 @@ class BucketTarget:
         self.locked = False
         self.uploads: dict[str, str] = {}  # name -> multipart upload id, begun and not yet completed
         self.earlier: list[str] = []
+        self.entry_points: list[str] = []  # the LAST objects this merge put
 
     def open(self, overwrite: bool, resume: bool) -> None:
         """Check the prefix and take its lock, before the merge writes anything: an earlier merge there is replaced only
@@ -122,13 +123,22 @@ class BucketTarget:
     def _lock(self) -> None:
         record = json.dumps(lock_record(self.token)).encode()
         for _ in range(2):  # a stale lock is removed once
-            if self.writer.create(LOCK, record):
+            try:
+                if self.writer.create(LOCK, record):
+                    self.locked = True
+                    return
+            except MergerError:
+                # the create may have reached the store with its answer lost: release() removes the lock if ours
                 self.locked = True
-                return
+                raise
             try:
                 holder = json.loads(self.writer.read(LOCK) or b"{}")
             except ValueError:
                 holder = {}
+            if isinstance(holder, dict) and holder.get("token") == self.token:
+                # ours: the create reached the store and its answer was lost, and the client's retry found it
+                self.locked = True
+                return
             if not isinstance(holder, dict) or holder_running(holder) is not False:
                 raise TargetBusyError(busy_line(holder if isinstance(holder, dict) else {}, f"{self.url}/{LOCK}",
                                                 self.url))
@@ -150,14 +160,20 @@ class BucketTarget:
             count = next(p.parts for p in parts if p.name == name)
             self.writer.complete(name, upload_id, [etags[(name, n)] for n in range(1, count + 1)])
             del self.uploads[name]
+        # An upload begun by a create whose answer was lost and that the client sent again: invisible, but stored
+        # and paid for until aborted. Under this merge's lock, every upload open at the prefix is this merge's.
+        for name, upload_id in self.writer.open_uploads():
+            self.writer.abort(name, upload_id)
         written = set(folder_files(folder))
         for name in LAST:
             if name in written:
+                self.entry_points.append(name)
                 self.writer.put(name, (folder / name).read_bytes())
         self.writer.remove(sorted(set(self.earlier) - written - {MANIFEST}))
 
     def abort(self) -> None:
-        """After a failure: abort the uploads begun (their parts are dropped), release the lock."""
+        """After a failure: abort the uploads begun (their parts are dropped), remove the entry points put before
+        the failure (a config.json without its manifest would read as a model), release the lock."""
         for name, upload_id in sorted(self.uploads.items()):
             try:
                 self.writer.abort(name, upload_id)
@@ -165,6 +181,12 @@ class BucketTarget:
                 log.warning("merger: could not abort the upload of %s/%s (%s); the bucket's lifecycle rule for "
                             "incomplete uploads removes it", self.url, name, e)
         self.uploads.clear()
+        try:
+            self.writer.remove(self.entry_points)
+        except MergerError as e:
+            log.warning("merger: could not remove %s, put before the merge failed (%s): remove it by hand",
+                        ", ".join(f"{self.url}/{n}" for n in self.entry_points), e)
+        self.entry_points.clear()
         self.release()
 
     def release(self) -> None:
@@ -173,10 +195,11 @@ class BucketTarget:
         self.locked = False
         try:
             holder = json.loads(self.writer.read(LOCK) or b"{}")
-        except (ValueError, MergerError):
-            return
-        if isinstance(holder, dict) and holder.get("token") == self.token:
-            self.writer.remove([LOCK])
+            if isinstance(holder, dict) and holder.get("token") == self.token:
+                self.writer.remove([LOCK])
+        except (ValueError, MergerError) as e:
+            # after a failure, whose line this must not replace: the next merge on this host finds the lock stale
+            log.warning("merger: could not release the lock %s/%s (%s)", self.url, LOCK, e)
 
 
 def give_back(path: Path, start: int, size: int) -> None:
