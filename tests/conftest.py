@@ -171,6 +171,35 @@ def peft_lora_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama34(tmp_path_factory) -> Path:
+    """A save_pretrained Llama of 34 MiB in float32, its one safetensors file three multipart parts of PART bytes
+    (the bucket target's tests)."""
+    import torch
+    import transformers
+
+    from merger.output.bucket_target import PART
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=16384, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    folder = tmp_path_factory.mktemp("llama34") / "hf"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    assert (folder / "model.safetensors").stat().st_size > 2 * PART
+    return folder
+
+
+@pytest.fixture(scope="session")
+def llama34_local(llama34, tmp_path_factory) -> Path:
+    """The oracle of merges of llama34 into (or through) a bucket: it merged as float32 into a local
+    folder, no object store in the way."""
+    from tests.helpers.in_process import run_in_process
+
+    local = tmp_path_factory.mktemp("llama34") / "local"
+    run_in_process("merge", "--local_dir", llama34, "--target_dir", local, "--dtype", "float32")
+    return local
+
+
+@pytest.fixture(scope="session")
 def s3_server():
     """An S3-protocol server (moto's) on the loopback, started once per run (per xdist worker that runs an object
     storage module): the modules share it, each in buckets of its own."""

@@ -23,7 +23,7 @@ import torch
 from merger.output.bucket_target import MAX_PARTS, PART, parts_of, shares
 from tests.helpers.files import allocated, assert_same_files, peak_allocated
 from tests.helpers.in_process import run_in_process, single_error_line
-from tests.helpers.object_store import KEY_ID, SECRET
+from tests.helpers.object_store import KEY_ID, SECRET, download, open_uploads
 from tests.helpers.processes import run_merger, start_merger
 from tests.helpers.reliability import wait_paused
 from tests.helpers.weights import assert_same_weights
@@ -37,20 +37,6 @@ MIB = 1 << 20
 def store(s3_server):
     s3_server.client().create_bucket(Bucket="models")
     return s3_server
-
-
-@pytest.fixture(scope="module")
-def hf_model(tmp_path_factory) -> Path:
-    """A save_pretrained Llama whose safetensors file (~35 MB in float32) takes three parts of PART bytes."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=16384, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    folder = tmp_path_factory.mktemp("bucket_target") / "hf"
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    assert (folder / "model.safetensors").stat().st_size > 2 * PART
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -71,36 +57,11 @@ STREAMED = ("--dtype", "float32", "--max_shard_size", "20MB", "--max_inflight", 
 
 
 @pytest.fixture(scope="module")
-def hf_local(hf_model, tmp_path_factory) -> Path:
-    """The oracle: hf_model merged as float32 into a local folder."""
-    local = tmp_path_factory.mktemp("bucket_target") / "local"
-    run_in_process("merge", "--local_dir", hf_model, "--target_dir", local, "--dtype", "float32")
-    return local
-
-
-@pytest.fixture(scope="module")
 def layered_local(layered_model, tmp_path_factory) -> Path:
     """The oracle: layered_model merged with STREAMED's flags into a local folder."""
     local = tmp_path_factory.mktemp("bucket_stream") / "local"
     run_in_process("merge", "--local_dir", layered_model, "--target_dir", local, *STREAMED)
     return local
-
-
-def download(store, prefix: str, into: Path) -> list[str]:
-    """Every object under s3://models/prefix/ into a folder; their names."""
-    client = store.client()
-    names = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket="models", Prefix=f"{prefix}/"):
-        for obj in page.get("Contents", []):
-            name = obj["Key"][len(prefix) + 1:]
-            (into / name).parent.mkdir(parents=True, exist_ok=True)
-            client.download_file("models", obj["Key"], str(into / name))
-            names.append(name)
-    return sorted(names)
-
-
-def open_uploads(store) -> list[str]:
-    return [u["Key"] for u in store.client().list_multipart_uploads(Bucket="models").get("Uploads", [])]
 
 
 def no_secret(proc: subprocess.CompletedProcess, folder: Path) -> None:
@@ -113,15 +74,15 @@ def no_secret(proc: subprocess.CompletedProcess, folder: Path) -> None:
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_a_merge_into_a_bucket_writes_what_a_local_merge_writes(store, hf_model, hf_local, nproc, tmp_path):
+def test_a_merge_into_a_bucket_writes_what_a_local_merge_writes(store, llama34, llama34_local, nproc, tmp_path):
     remote = tmp_path / "remote"
     url = f"s3://models/llama-x{nproc}"
-    proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", url, "--dtype", "float32",
+    proc = run_merger("merge", "--local_dir", llama34, "--target_dir", url, "--dtype", "float32",
                       "--summary_json", tmp_path / "summary.json", nproc=nproc, env=store.env)
     names = download(store, f"llama-x{nproc}", remote)
     assert ".merger-lock" not in names and open_uploads(store) == []
-    assert_same_files(hf_local, remote)
-    assert_same_weights(remote, hf_model, None)  # float32 as save_pretrained wrote them
+    assert_same_files(llama34_local, remote)
+    assert_same_weights(remote, llama34, None)  # float32 as save_pretrained wrote them
     assert json.loads((tmp_path / "summary.json").read_text())["target_dir"] == url
     assert f"to {url}" in proc.stderr and "uploaded 4 files" in proc.stderr, proc.stderr
     no_secret(proc, remote)
@@ -148,23 +109,23 @@ def test_peft_adapters_folded_into_a_base_model_in_a_bucket(store, adapter_cases
     assert_same_files(tmp_path / "local", tmp_path / "remote")
 
 
-def test_an_earlier_merge_is_replaced_only_with_overwrite(store, hf_model, tmp_path):
+def test_an_earlier_merge_is_replaced_only_with_overwrite(store, llama34, tmp_path):
     url = "s3://models/again"
-    run_in_process("merge", "--local_dir", hf_model, "--target_dir", url, "--max_shard_size", "20MB", env=store.env)
-    proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", url, env=store.env, check=False)
+    run_in_process("merge", "--local_dir", llama34, "--target_dir", url, "--max_shard_size", "20MB", env=store.env)
+    proc = run_merger("merge", "--local_dir", llama34, "--target_dir", url, env=store.env, check=False)
     assert proc.returncode == os.EX_CANTCREAT
     assert single_error_line(proc.stderr) == f"merger: error: target holds an earlier merge: pass --overwrite to " \
                                               f"replace it, {url}"
-    run_in_process("merge", "--local_dir", hf_model, "--target_dir", url, "--overwrite", env=store.env)
-    run_in_process("merge", "--local_dir", hf_model, "--target_dir", tmp_path / "local")
+    run_in_process("merge", "--local_dir", llama34, "--target_dir", url, "--overwrite", env=store.env)
+    run_in_process("merge", "--local_dir", llama34, "--target_dir", tmp_path / "local")
     remote = tmp_path / "remote"
     download(store, "again", remote)  # the earlier merge's two shards and index are gone: one file now
     assert_same_files(tmp_path / "local", remote)
 
 
-def test_a_prefix_holding_other_objects_is_left_alone(store, hf_model):
+def test_a_prefix_holding_other_objects_is_left_alone(store, llama34):
     store.client().put_object(Bucket="models", Key="notes/readme.txt", Body=b"not a model")
-    proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", "s3://models/notes", "--overwrite",
+    proc = run_merger("merge", "--local_dir", llama34, "--target_dir", "s3://models/notes", "--overwrite",
                       env=store.env, check=False)
     assert proc.returncode == os.EX_CANTCREAT
     assert single_error_line(proc.stderr) == (
@@ -174,12 +135,12 @@ def test_a_prefix_holding_other_objects_is_left_alone(store, hf_model):
     assert keys == ["notes/readme.txt"]
 
 
-def test_a_merge_running_elsewhere_holds_the_target(store, hf_model):
+def test_a_merge_running_elsewhere_holds_the_target(store, llama34):
     """The lock object of a merge on another host: a second merge stops before writing, naming the holder."""
     holder = {"host": "node-7", "pid": 4242, "kernel": "elsewhere", "start": "1", "started": "earlier",
               "command": "merger merge ...", "token": "theirs"}
     store.client().put_object(Bucket="models", Key="busy/.merger-lock", Body=json.dumps(holder).encode())
-    proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", "s3://models/busy", env=store.env,
+    proc = run_merger("merge", "--local_dir", llama34, "--target_dir", "s3://models/busy", env=store.env,
                       check=False)
     assert proc.returncode == os.EX_TEMPFAIL
     line = single_error_line(proc.stderr)
@@ -189,11 +150,11 @@ def test_a_merge_running_elsewhere_holds_the_target(store, hf_model):
     assert keys == ["busy/.merger-lock"]
 
 
-def test_a_killed_merge_leaves_no_model_and_the_next_one_cleans_up(store, hf_model, hf_local, tmp_path):
+def test_a_killed_merge_leaves_no_model_and_the_next_one_cleans_up(store, llama34, llama34_local, tmp_path):
     """kill -9 during the upload: the parts sent are invisible, nothing reads as a model; the next merge finds the
     lock stale (its process is gone), aborts the unfinished upload and writes the model."""
     url, stage = "s3://models/killed", tmp_path / "stage"
-    proc = subprocess.Popen([sys.executable, "-m", "merger", "merge", "--local_dir", str(hf_model), "--target_dir",
+    proc = subprocess.Popen([sys.executable, "-m", "merger", "merge", "--local_dir", str(llama34), "--target_dir",
                              url, "--stage_dir", str(stage), "--dtype", "float32"],
                             env={**os.environ, **store.env}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
@@ -207,11 +168,11 @@ def test_a_killed_merge_leaves_no_model_and_the_next_one_cleans_up(store, hf_mod
     left = [o["Key"] for o in client.list_objects_v2(Bucket="models", Prefix="killed/").get("Contents", [])]
     assert set(left) <= {"killed/.merger-lock"}, left  # no weights, config, index or manifest
     assert open_uploads(store) == ["killed/model.safetensors"]
-    run_in_process("merge", "--local_dir", hf_model, "--target_dir", url, "--stage_dir", stage, "--dtype", "float32",
+    run_in_process("merge", "--local_dir", llama34, "--target_dir", url, "--stage_dir", stage, "--dtype", "float32",
                    "--resume", env=store.env)
     assert open_uploads(store) == []
     download(store, "killed", tmp_path / "remote")
-    assert_same_files(hf_local, tmp_path / "remote")
+    assert_same_files(llama34_local, tmp_path / "remote")
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -236,13 +197,13 @@ def test_the_upload_streams_and_the_stage_never_holds_the_model(store, layered_m
     assert allocated(work) < MIB  # what stays in --stage_dir: the small files, the weight files hollow
 
 
-def test_verify_keeps_the_staged_files_whole_for_its_check(store, hf_model, hf_local, tmp_path):
+def test_verify_keeps_the_staged_files_whole_for_its_check(store, llama34, llama34_local, tmp_path):
     """--verify re-reads the staged model after the merge: its parts are sent during the merge but not released."""
-    proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", "s3://models/verified", "--dtype", "float32",
+    proc = run_merger("merge", "--local_dir", llama34, "--target_dir", "s3://models/verified", "--dtype", "float32",
                       "--verify", env=store.env)
     assert "comparing 100%" in proc.stderr, proc.stderr  # the check ran, and passed on the staged bytes
     download(store, "verified", tmp_path / "remote")
-    assert_same_files(hf_local, tmp_path / "remote")
+    assert_same_files(llama34_local, tmp_path / "remote")
 
 
 @contextlib.contextmanager
@@ -350,15 +311,15 @@ def test_kill_9_mid_stream_then_resume(store, layered_model, layered_local, tmp_
     _resumed_as_local(store, layered_model, layered_local, url, stage, tmp_path)
 
 
-def test_a_missing_bucket_is_one_line(store, hf_model, tmp_path):
-    proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", "s3://no-such-bucket/model", env=store.env,
+def test_a_missing_bucket_is_one_line(store, llama34, tmp_path):
+    proc = run_merger("merge", "--local_dir", llama34, "--target_dir", "s3://no-such-bucket/model", env=store.env,
                       check=False)
     assert proc.returncode == os.EX_CANTCREAT
     assert single_error_line(proc.stderr) == "merger: error: no such bucket, s3://no-such-bucket"
 
 
-def test_targets_other_than_s3_are_refused_at_the_flag(hf_model):
-    proc = run_merger("merge", "--local_dir", hf_model, "--target_dir", "gs://models/x", check=False)
+def test_targets_other_than_s3_are_refused_at_the_flag(llama34):
+    proc = run_merger("merge", "--local_dir", llama34, "--target_dir", "gs://models/x", check=False)
     assert proc.returncode == 2
     assert "merged models are written to a local folder or an s3:// bucket, not to gs://" in proc.stderr
 

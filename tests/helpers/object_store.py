@@ -40,6 +40,24 @@ def upload_folder(client, folder: Path, bucket: str, prefix: str) -> str:
     return f"s3://{bucket}/{prefix}"
 
 
+def download(store: ObjectStore, prefix: str, into: Path, bucket: str = "models") -> list[str]:
+    """Every object under s3://bucket/prefix/ into a folder; their names."""
+    client = store.client()
+    names = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
+        for obj in page.get("Contents", []):
+            name = obj["Key"][len(prefix) + 1:]
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            client.download_file(bucket, obj["Key"], str(into / name))
+            names.append(name)
+    return sorted(names)
+
+
+def open_uploads(store: ObjectStore, bucket: str = "models") -> list[str]:
+    """The keys of the multipart uploads begun in `bucket` and neither completed nor aborted."""
+    return [u["Key"] for u in store.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
 @contextmanager
 def moto_server():
     import logging

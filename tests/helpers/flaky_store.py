@@ -1,0 +1,176 @@
+"""A fault-injecting HTTP forwarder on the loopback, put between merger and the tests' S3 server (moto's): what an
+object store under load does to its clients, on purpose and reproducibly.
+
+Each request of a faulted kind (an object's GET, ranged or whole; PutObject; CreateMultipartUpload; UploadPart;
+CompleteMultipartUpload) is faulted with probability `rate`, one fault drawn from `faults`:
+- "slowdown": answered 503 SlowDown by the proxy, never reaching the store (S3's throttling answer);
+- "reset": forwarded, then the connection is reset (RST) halfway through the response's body (at once where the
+  body is empty): the store acted, the client never learns it;
+- "stall": forwarded, then the response stops halfway for `stall_s` seconds (longer than the client's read
+  timeout), then the connection is closed;
+- "truncate": forwarded, then the response promises its whole Content-Length, sends half the bytes and closes the
+  connection cleanly (FIN);
+- "short" (not among the default faults: a broken store, not a flaky one): forwarded, then half the body is sent
+  with a Content-Length that says half, so that the HTTP layer finds nothing wrong.
+
+Deterministic: whether a request is faulted depends only on the seed, the request (method, path, query without
+the store's random upload id, Range) and how many times that request came before, never on the order threads
+send requests in; so a retry draws anew, and a merge run twice with the same seed meets the same faults.
+`where(kind, path)` narrows the faults to some requests (one object, one operation); `limit` faults each request
+that many times at most (rate 1 and limit 1: each one's first send fails, its retry goes through).
+"""
+from __future__ import annotations
+
+import http.client
+import random
+import socket
+import struct
+import threading
+from collections import Counter
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+FAULTS = ("slowdown", "reset", "stall", "truncate")
+SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+            b"<Message>Please reduce your request rate.</Message></Error>")
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection", "upgrade", "te",
+              "content-length"}
+
+
+def kind(method: str, target: str) -> str | None:
+    """Which S3 operation a request is, among those faulted; None for the others (listings, HEAD, DELETE...)."""
+    parts = urlsplit(target)
+    query = {q.split("=", 1)[0] for q in parts.query.split("&") if q}
+    on_object = "/" in parts.path.strip("/")
+    if method == "GET" and on_object and not query & {"uploads", "uploadId", "list-type", "tagging", "acl"}:
+        return "read"
+    if method == "PUT" and on_object:
+        return "upload_part" if "partNumber" in query else ("put_object" if not query else None)
+    if method == "POST" and on_object:
+        return "create_multipart" if "uploads" in query else ("complete_multipart" if "uploadId" in query else None)
+    return None
+
+
+class FlakyProxy:
+    def __init__(self, upstream: str, rate: float, faults=FAULTS, where=None, limit: int | None = None,
+                 seed: int = 0, stall_s: float = 4.0):
+        self.upstream = urlsplit(upstream)
+        self.rate, self.faults, self.where, self.limit = rate, tuple(faults), where, limit
+        self.seed, self.stall_s = seed, stall_s
+        self.seen: Counter = Counter()  # request -> times it came
+        self.faulted: Counter = Counter()  # request -> times it was faulted
+        self.requests: Counter = Counter()  # kind -> requests of that kind
+        self.injected: Counter = Counter()  # (kind, fault) -> faults injected
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()  # ends the stalls when the proxy stops
+        proxy = self
+
+        class Handler(_Handler):
+            owner = proxy
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def draw(self, request_kind: str | None, path: str, request: tuple) -> str | None:
+        if request_kind is None or (self.where is not None and not self.where(request_kind, path)):
+            return None
+        with self.lock:
+            self.requests[request_kind] += 1
+            n = self.seen[request]
+            self.seen[request] += 1
+            rng = random.Random(f"{self.seed}/{request}/{n}")
+            fault = rng.choice(self.faults) if rng.random() < self.rate else None
+            if self.limit is not None and self.faulted[request] >= self.limit:
+                fault = None
+            if fault:
+                self.faulted[request] += 1
+                self.injected[(request_kind, fault)] += 1
+        return fault
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, and Expect: 100-continue answered as botocore expects
+    owner: FlakyProxy
+
+    def log_message(self, *args) -> None:  # a line per request otherwise
+        pass
+
+    def do_GET(self):
+        self._forward()
+
+    do_PUT = do_POST = do_DELETE = do_HEAD = do_GET
+
+    def _forward(self) -> None:
+        proxy = self.owner
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        target = urlsplit(self.path)
+        query = sorted(q for q in target.query.split("&") if q and not q.startswith("uploadId="))
+        request = (self.command, target.path, tuple(query), self.headers.get("Range", ""))
+        fault = proxy.draw(kind(self.command, self.path), target.path, request)
+        if fault == "slowdown":
+            self._respond(503, [("Content-Type", "application/xml")], SLOWDOWN)
+            return
+        upstream = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
+        try:
+            upstream.request(self.command, self.path, body,
+                             {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP})
+            response = upstream.getresponse()
+            data = response.read()
+            headers = [(k, v) for k, v in response.getheaders() if k.lower() not in HOP_BY_HOP]
+            status, length = response.status, response.getheader("Content-Length")
+
+        finally:
+            upstream.close()
+        if fault == "short":
+            self._respond(status, headers, data[:len(data) // 2])
+            return
+        if fault is None:  # a HEAD's Content-Length is the object's, with no body
+            self._respond(status, headers, data, length if self.command == "HEAD" else None)
+            return
+        self.close_connection = True
+        half = len(data) // 2
+        if data:  # the headers and half the body, then the fault; an empty body is lost whole
+            self.send_response_only(status)
+            for k, v in headers + [("Content-Length", str(len(data)))]:
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data[:half])
+            self.wfile.flush()
+        if fault == "reset":
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        elif fault == "stall":
+            proxy.stopping.wait(proxy.stall_s)
+        # "truncate": the connection closes here with the body cut short
+
+    def _respond(self, status: int, headers, data: bytes, length: str | None = None) -> None:
+        self.send_response_only(status)
+        for k, v in headers + [("Content-Length", length or str(len(data)))]:
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+
+@contextmanager
+def flaky_proxy(upstream: str, rate: float, **kwargs):
+    proxy = FlakyProxy(upstream, rate, **kwargs)
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()

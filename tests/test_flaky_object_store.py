@@ -1,0 +1,138 @@
+"""Merges from and into a bucket whose store throttles, resets connections, stalls and cuts bodies short: a real
+HTTP forwarder on the loopback (tests/helpers/flaky_store.py) injects the faults, at a set rate and reproducibly,
+between merger and moto's S3 server.
+
+Oracle: the same model merged from its local folder with no store in the way (test_bucket_target.py checks that a
+merge into a bucket writes those bytes). Through the faults, a merge either writes exactly those bytes, or fails
+with one line naming the object, leaving nothing at the target that reads as a model (no config.json, no index,
+no manifest, no multipart upload left open), after a bounded number of tries of each request.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from merger.io.s3_retries import ATTEMPTS, REISSUES
+from tests.helpers.files import assert_same_files
+from tests.helpers.flaky_store import FAULTS, flaky_proxy
+from tests.helpers.in_process import run_in_process, single_error_line
+from tests.helpers.object_store import download, open_uploads
+from tests.helpers.processes import run_merger
+
+pytestmark = [pytest.mark.infra, pytest.mark.slow]
+
+RATE = 0.1  # of the requests of each faulted kind
+READ_TIMEOUT = 1  # seconds (MERGER_S3_READ_TIMEOUT): a stall costs this, not the default 20 s
+STALL = 3  # seconds a stalled response sends nothing: longer than READ_TIMEOUT
+ENTRY_POINTS = {"config.json", "model.safetensors.index.json", "merge_manifest.json"}
+# A seed per fault under which RATE faults the merge below at least once (whether a request is faulted depends only
+# on the seed and the request, tests/helpers/flaky_store.py)
+SEEDS = {"slowdown": 1, "reset": 1, "stall": 1, "truncate": 1}
+
+
+@pytest.fixture(scope="module")
+def store(s3_server):
+    for bucket in ("flaky-src", "flaky-out"):
+        s3_server.client().create_bucket(Bucket=bucket)
+    return s3_server
+
+
+@pytest.fixture(scope="module")
+def source(store, llama34) -> str:
+    return store.upload(llama34, "flaky-src", "hf")
+
+
+def through(store, proxy) -> dict[str, str]:
+    return {**store.env, "AWS_ENDPOINT_URL": proxy.endpoint, "MERGER_S3_READ_TIMEOUT": str(READ_TIMEOUT)}
+
+
+def assert_nothing_finished(store, prefix: str, tmp_path: Path) -> None:
+    names = download(store, prefix, tmp_path / "left", bucket="flaky-out")
+    assert not ENTRY_POINTS & set(names), names
+    assert open_uploads(store, "flaky-out") == []
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_merge_from_and_into_a_flaky_bucket_writes_the_unfaulted_bytes(store, source, llama34_local, fault,
+                                                                          tmp_path):
+    """Each fault at RATE of the object GETs, PutObjects and multipart requests of one bucket-to-bucket merge."""
+    with flaky_proxy(store.endpoint, RATE, faults=[fault], seed=SEEDS[fault], stall_s=STALL) as proxy:
+        run_merger("merge", "--local_dir", source, "--target_dir", f"s3://flaky-out/{fault}", "--dtype", "float32",
+                   env=through(store, proxy))
+    assert proxy.injected, f"seed {SEEDS[fault]} faulted none of {dict(proxy.requests)}: choose another"
+    download(store, fault, tmp_path / "merged", bucket="flaky-out")
+    assert_same_files(llama34_local, tmp_path / "merged")
+    assert open_uploads(store, "flaky-out") == []  # none left by a create whose answer was lost
+
+
+def test_writes_whose_answers_were_lost_are_not_done_twice(store, llama34, llama34_local, tmp_path):
+    """The first answer to the lock's conditional create, to CreateMultipartUpload and to CompleteMultipartUpload
+    lost after the store acted (a reset): the retried lock create finds the lock its own (not another merge's),
+    the upload begun twice leaves none open, the completed upload's retried completion stands."""
+    def acted_then_lost(kind: str, path: str) -> bool:
+        return kind in ("create_multipart", "complete_multipart") or \
+            (kind == "put_object" and path.endswith("/.merger-lock"))
+
+    with flaky_proxy(store.endpoint, 1.0, faults=["reset"], where=acted_then_lost, limit=1) as proxy:
+        run_merger("merge", "--local_dir", llama34, "--target_dir", "s3://flaky-out/lost", "--dtype", "float32",
+                   env=through(store, proxy))
+    assert dict(proxy.injected) == {(kind, "reset"): 1 for kind in ("put_object", "create_multipart",
+                                                                     "complete_multipart")}, proxy.injected
+    download(store, "lost", tmp_path / "merged", bucket="flaky-out")
+    assert_same_files(llama34_local, tmp_path / "merged")  # the lock among them, had it been left
+    assert open_uploads(store, "flaky-out") == []
+
+
+def bounded(proxy) -> None:
+    """No request was sent more than merger's retries allow: ATTEMPTS tries by botocore, each sent again at once by
+    aiohttp where a kept-alive connection turned out closed (RFC 9112's retry), in each of REISSUES sends by s3fs."""
+    assert max(proxy.seen.values()) <= 2 * ATTEMPTS * REISSUES, proxy.seen
+
+
+def test_a_source_that_always_stalls_is_one_line_after_bounded_tries(store, source, tmp_path):
+    with flaky_proxy(store.endpoint, 1.0, faults=["stall"], stall_s=STALL) as proxy:
+        proc = run_merger("merge", "--local_dir", source, "--target_dir", tmp_path / "out", check=False,
+                          env=through(store, proxy))
+    line = single_error_line(proc.stderr)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{source}/" in line and "broke off" in line, line
+    bounded(proxy)
+    assert list(tmp_path.iterdir()) == []  # neither the target nor its staging folder
+
+
+def test_a_target_that_always_resets_is_one_line_and_no_model(store, llama34, tmp_path):
+    with flaky_proxy(store.endpoint, 1.0, faults=["reset"]) as proxy:
+        proc = run_merger("merge", "--local_dir", llama34, "--target_dir", "s3://flaky-out/resets", check=False,
+                          env=through(store, proxy))
+    line = single_error_line(proc.stderr)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "s3://flaky-out/resets/" in line and "broke off" in line, line
+    bounded(proxy)
+    assert_nothing_finished(store, "resets", tmp_path)
+
+
+def test_a_manifest_that_cannot_be_put_takes_the_entry_points_put_before_it(store, llama34, tmp_path):
+    """The weight files' uploads are complete and config.json and the index are put when the manifest's put fails
+    for good: those entry points are removed, so the prefix does not read as a model."""
+    with flaky_proxy(store.endpoint, 1.0, faults=["slowdown"],
+                     where=lambda kind, path: path.endswith("/merge_manifest.json") and kind == "put_object") as proxy:
+        proc = run_merger("merge", "--local_dir", llama34, "--target_dir", "s3://flaky-out/late",
+                          "--max_shard_size", "20MB", check=False, env=through(store, proxy))
+    line = single_error_line(proc.stderr)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "throttling" in line and line.endswith(", s3://flaky-out/late/merge_manifest.json"), line
+    bounded(proxy)
+    assert_nothing_finished(store, "late", tmp_path)
+
+
+def test_a_body_shorter_than_asked_is_never_taken_for_the_object(store, source, tmp_path):
+    """A store whose ranged GETs answer with fewer bytes than asked and a Content-Length that agrees (nothing the
+    HTTP layer can see): merger's own length check names the object."""
+    with flaky_proxy(store.endpoint, 1.0, faults=["short"], where=lambda kind, path: path.endswith(".safetensors")
+                     ) as proxy:
+        proc = run_merger("merge", "--local_dir", source, "--target_dir", tmp_path / "out", check=False,
+                          env=through(store, proxy))
+    line = single_error_line(proc.stderr)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert line.endswith(f"(a response cut short), {source}/model.safetensors"), line
+    assert not (tmp_path / "out").exists()
