@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from ..errors import MergerError
+from ..errors import UsageError
 
 CONNECT_TIMEOUT = 10.0  # seconds to open a connection to the endpoint
 READ_TIMEOUT = 20.0  # seconds a response may send nothing before the request counts as broken
@@ -34,7 +34,7 @@ def read_timeout() -> float:
     except ValueError:
         seconds = 0.0
     if not seconds > 0:
-        raise MergerError(f"MERGER_S3_READ_TIMEOUT must be a number of seconds above 0, not {text!r}")
+        raise UsageError(f"MERGER_S3_READ_TIMEOUT must be a number of seconds above 0, not {text!r}")
     return seconds
 
 
