@@ -11,14 +11,12 @@ premise too.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from tests.helpers.in_process import merge_in_process, stdout_in_process
-from tests.helpers.release_bytes import bits, written_back_like
+from tests.helpers.release_bytes import bits, trained, written_back_like
 from tests.helpers.weights import load_safetensors_folder
 from tests.writers.compressed_tensors_release import write_release
 
@@ -75,18 +73,11 @@ def test_after_training_unchanged_groups_keep_their_bytes_and_changed_ones_are_c
     partly, row, kept_group = next((n, int(r), int(g)) for n in quantized_names(stored) if n.startswith("model.layers.1.")
                                    for r, g in (again[n + SCALE] != stored[n + SCALE]).nonzero()[:1])
     changed_group = (kept_group + 1) % (merged[partly].shape[-1] // GROUP)
-    trained = dict(merged)
-    torch.manual_seed(3)
     whole = [n for n in quantized_names(stored) if n.startswith("model.layers.0.")]
     assert len(whole) == 7
-    for name in whole:
-        trained[name] = merged[name] + (torch.randn(merged[name].shape) / 500).to(torch.bfloat16)
-    trained[partly] = merged[partly].clone()
-    trained[partly][row, changed_group * GROUP + 3] += 0.01
-    source = shutil.copytree(bf16, tmp_path / "trained")
-    save_file(trained, str(source / "model.safetensors"), metadata={"format": "pt"})
+    source, weights = trained(bf16, whole, partly, (row, changed_group * GROUP + 3), tmp_path / "trained")
     got = load_safetensors_folder(merge_in_process(source, tmp_path / "out", "--quantize_like", release))
-    want = compressed_tensors_of(trained, tmp_path / "want")
+    want = compressed_tensors_of(weights, tmp_path / "want")
 
     assert sorted(got) == sorted(stored)
     for name in whole:

@@ -10,14 +10,12 @@ is 224 comes back with half the scale), and this release has such a block: the t
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from tests.helpers.in_process import merge_in_process, stdout_in_process
-from tests.helpers.release_bytes import bits, written_back_like
+from tests.helpers.release_bytes import bits, trained, written_back_like
 from tests.helpers.weights import load_safetensors_folder
 from tests.writers.mxfp8_release import deepseek_v3_1_config, transformers_quantized, write_release
 
@@ -78,23 +76,17 @@ def test_after_training_unchanged_blocks_keep_their_bytes_and_changed_ones_are_t
     partly = next(n for n, m in differs.items() if m.any() and n.startswith("model.layers.1."))
     untouched = tuple(int(i) for i in (~differs[partly]).nonzero()[0])  # a block the rule gives back as it was
     touched = tuple(int(i) for i in differs[partly].nonzero()[0])
-    trained = dict(merged)
-    torch.manual_seed(3)
-    for name in (n for n in stored if n.startswith("model.layers.0.") and n + SCALE in stored):
-        trained[name] = merged[name] + (torch.randn(merged[name].shape) / 500).to(torch.bfloat16)
-    trained[partly] = merged[partly].clone()
-    trained[partly][untouched[0] * BLOCK + 5, untouched[1] * BLOCK + 7] += 0.01
-    source = shutil.copytree(bf16, tmp_path / "trained")
-    save_file(trained, str(source / "model.safetensors"), metadata={"format": "pt"})
+    whole = [n for n in stored if n.startswith("model.layers.0.") and n + SCALE in stored]
+    assert len(whole) == 7
+    source, weights = trained(bf16, whole, partly, (untouched[0] * BLOCK + 5, untouched[1] * BLOCK + 7),
+                              tmp_path / "trained")
     got = load_safetensors_folder(merge_in_process(source, tmp_path / "out", "--quantize_like", release))
 
     assert sorted(got) == sorted(stored)
-    whole = [n for n in stored if n.startswith("model.layers.0.") and n + SCALE in stored]
-    assert len(whole) == 7
     for name in whole:
-        codes, scale = fp8_quantized(name, trained[name])
+        codes, scale = fp8_quantized(name, weights[name])
         assert torch.equal(bits(got[name]), bits(codes)) and torch.equal(got[name + SCALE], scale), name
-    codes, scale = fp8_quantized(partly, trained[partly])
+    codes, scale = fp8_quantized(partly, weights[partly])
     kept = torch.ones(scale.shape, dtype=torch.bool)
     kept[untouched] = False
     assert torch.equal(block_bytes(got[partly])[untouched], block_bytes(codes)[untouched])

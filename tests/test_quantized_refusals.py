@@ -245,7 +245,8 @@ def test_a_quantized_layer_the_export_excludes_is_refused(mo_release, tmp_path, 
 
 
 def test_a_lora_into_a_modelopt_export_and_quantize_like_one_are_refused(mo_release, plain, tmp_path, capsys):
-    """merger reads ModelOpt's MXFP8 export but neither folds an adapter into it nor writes its layout yet."""
+    """merger reads ModelOpt's MXFP8 export but does not fold an adapter into it yet, and does not write the NVFP4
+    layout yet (MXFP8's it writes: test_modelopt_write.py)."""
     release = mo_release("mxfp8")
     adapter = tmp_path / "adapter"
     torch.manual_seed(1)
@@ -257,7 +258,8 @@ def test_a_lora_into_a_modelopt_export_and_quantize_like_one_are_refused(mo_rele
                                 tmp_path / "out")
     assert_refused(code, errors, "ModelOpt MXFP8 weights (hf_quant_config.json) as a LoRA base",
                    release / "hf_quant_config.json", tmp_path, before)
+    release = mo_release("nvfp4")
     code, errors = merge_here(capsys, "--local_dir", plain, "--target_dir", tmp_path / "out", "--quantize_like",
                               release)
-    assert_refused(code, errors, "ModelOpt MXFP8 weights (hf_quant_config.json) as --quantize_like's release",
+    assert_refused(code, errors, "ModelOpt NVFP4 weights (hf_quant_config.json) as --quantize_like's release",
                    release / "hf_quant_config.json", tmp_path, before)

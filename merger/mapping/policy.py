@@ -24,13 +24,14 @@ from ..errors import MergerError
 from ..hf_folder import read_config
 from ..io import location
 from ..options import MergeOptions
-from . import compressed_tensors_layout, mxfp4_layout
-from .compressed_tensors_layout import MXFP8_QUANTIZED, CompressedTensorsOutput
+from . import modelopt_scheme, mxfp4_layout, mxfp8_release_layout
 from .compressed_tensors_scheme import COMPRESSED_TENSORS
 from .fp8_default_modules import default_layout
 from .fp8_release_layout import release_layout
 from .model_class import keep_in_fp32
+from .modelopt_scheme import MODELOPT, MODELOPT_CONFIG
 from .mxfp4_quantize import Mxfp4Output
+from .mxfp8_release_layout import MODELOPT_MXFP8, MXFP8_QUANTIZED, Mxfp8Output
 from .quantized_formats import MXFP4, QUANTIZATION_CONFIG, READ_ONLY, config_format, read_only
 from .quantized_steps import quantize_steps, quantized_count
 from .steps import FLOAT8, Mapping, OutputSpec, Step, Tie, output_dtype
@@ -129,17 +130,15 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
 
 def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[int, ...]]):
     """(the quantized layout, how the log names it, what it leaves out, what is done to config.json's
-    quantization_config): --quantize_like's release (FP8, gpt-oss MXFP4 or compressed-tensors mxfp8-quantized), or
-    --quantize's scheme."""
+    quantization_config): --quantize_like's release (FP8, gpt-oss MXFP4, compressed-tensors' or ModelOpt's MXFP8),
+    or --quantize's scheme."""
     if options.quantize_like is not None:
         folder = location(options.quantize_like)  # a folder, a Hub snapshot's, or a bucket's
         # a format merger does not write is refused here; a release with none, by the FP8 layout's own check
         config = read_config(folder)
         stored = config_format(folder, config)
-        if stored == COMPRESSED_TENSORS and config[QUANTIZATION_CONFIG]["format"] == MXFP8_QUANTIZED:
-            layout = compressed_tensors_layout.release_layout(folder, outputs)
-        elif stored in READ_ONLY:
-            raise read_only("--quantize_like's release", folder, config)
+        if stored in READ_ONLY:
+            layout = _mxfp8_layout(folder, config, stored, outputs)
         else:
             layout = (mxfp4_layout.release_layout if stored == MXFP4 else release_layout)(folder, outputs)
         return layout, f"like {options.quantize_like}", "", "copied into"
@@ -154,12 +153,30 @@ def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[in
     return layout, f"({options.quantize}, transformers' default choice of modules)", left, "written into"
 
 
+def _mxfp8_layout(folder, config: dict, stored: str, outputs: dict[str, tuple[int, ...]]) -> Mxfp8Output:
+    """--quantize_like a compressed-tensors or ModelOpt release: written in its MXFP8 format (mxfp8_release_layout.py);
+    its other formats are read only, refused here."""
+    if stored == COMPRESSED_TENSORS and config[QUANTIZATION_CONFIG]["format"] == MXFP8_QUANTIZED:
+        return mxfp8_release_layout.release_layout(folder, outputs, "compressed-tensors",
+                                                   mxfp8_release_layout.compressed_tensors_quantize)
+    described, _, said = modelopt_scheme.described(folder, config) if stored == MODELOPT else (None, None, None)
+    if described is None or described["quant_algo"] != MODELOPT_MXFP8:
+        raise read_only("--quantize_like's release", folder, config)
+    if described.get("kv_cache_quant_algo") is not None:
+        raise MergerError(f"ModelOpt MXFP8 with its KV cache quantized ({described['kv_cache_quant_algo']}) as "
+                          f"--quantize_like's release: its k_scale and v_scale calibrate the cache on data merger "
+                          f"does not have, and merger writes such an export only without them, {said}")
+    files = (MODELOPT_CONFIG,) if (folder / MODELOPT_CONFIG).is_file() else ()
+    return mxfp8_release_layout.release_layout(folder, outputs, "ModelOpt", mxfp8_release_layout.modelopt_quantize,
+                                               files)
+
+
 def _format(layout) -> tuple[str, str]:
     """(the format's name, how its tensors are stored), for the log."""
     if isinstance(layout, Mxfp4Output):
         return "MXFP4", "uint8 _blocks of e2m1 pairs, uint8 _scales e8m0 per 32 elements"
-    if isinstance(layout, CompressedTensorsOutput):
-        return "compressed-tensors MXFP8", "float8_e4m3fn weight, uint8 (e8m0) weight_scale per 32 elements"
+    if isinstance(layout, Mxfp8Output):
+        return f"{layout.producer} MXFP8", "float8_e4m3fn weight, uint8 (e8m0) weight_scale per 32 elements"
     scales = "uint8 (e8m0)" if layout.scale_dtype == torch.uint8 else "float32"
     return "FP8", (f"float8_e4m3fn, block {layout.block[0]}x{layout.block[1]}, weight_scale_inv {scales}"
                    f"{', scale_fmt ue8m0' if layout.ue8m0 else ''}")
@@ -191,9 +208,13 @@ def _quantized(mapping: Mapping, options: MergeOptions) -> Mapping:
     count = quantized_count(mapping.steps, layout)
     notes = (f"merger: {count} tensors written as {name} {how} ({stored}){left}; {QUANTIZATION_CONFIG} {config} "
              f"config.json",)
+    files = layout.files if isinstance(layout, Mxfp8Output) else {}  # a ModelOpt export's hf_quant_config.json
+    if files:
+        notes = (f"{notes[0]}, {', '.join(files)} beside it",)
     if options.quantize_like is not None:
         notes += (_kept_blocks(layout, name),)
     return dataclasses.replace(mapping, steps=quantize_steps(mapping.steps, layout), notes=(*mapping.notes, *notes),
+                               extra_files={**mapping.extra_files, **files},
                                config_updates={**mapping.config_updates,
                                                QUANTIZATION_CONFIG: layout.quantization_config},
                                config_removals=tuple(k for k in mapping.config_removals if k != QUANTIZATION_CONFIG))
