@@ -191,13 +191,17 @@ def run_ray(nproc: int, gpus: int, cpus: float, address: str | None, merger_args
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
     if address and (why := _unreachable(address)):
         return _error(f"could not reach the Ray cluster at {address}: {why}")
-    if address and _refuses_us(address):
-        return _error(NO_TOKEN.format(address=address, why="it turned away this process's: none, or a wrong one"))
+    none_found = NO_TOKEN.format(address=address, why="RAY_AUTH_MODE=token, but none was found")
+    try:  # AuthenticationError: RAY_AUTH_MODE=token, but no token in any of its places (Ray's check, or ours)
+        if address and _refuses_us(address):
+            return _error(NO_TOKEN.format(address=address, why="it turned away this process's: none, or a wrong one"))
+    except ray.exceptions.AuthenticationError:
+        return _error(none_found)
     try:
         try:
             _connect(ray, address, cpus, nproc)
-        except ray.exceptions.AuthenticationError:  # RAY_AUTH_MODE=token, but no token in any of its places
-            return _error(NO_TOKEN.format(address=address, why="RAY_AUTH_MODE=token, but none was found"))
+        except ray.exceptions.AuthenticationError:
+            return _error(none_found)
         except (ConnectionError, RuntimeError, ValueError) as e:
             where = f"reach the Ray cluster at {address}" if address else "start a local Ray cluster"
             return _error(f"could not {where}: {_first_line(e)}")

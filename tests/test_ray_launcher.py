@@ -144,12 +144,17 @@ def test_launcher_ray_joins_a_token_auth_cluster_with_its_token(checkpoint, toke
     assert_same_weights(tmp_path / "out", reference, torch.bfloat16)
 
 
-@pytest.mark.parametrize("auth", [{}, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "not-the-token"}],
-                         ids=["no-token", "wrong-token"])
+@pytest.mark.parametrize("auth", [{}, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "not-the-token"},
+                                  {"RAY_AUTH_MODE": "token", "HOME": "{empty}"}],
+                         ids=["no-token", "wrong-token", "token-mode-no-token-anywhere"])
 def test_launcher_ray_says_a_token_auth_cluster_wants_its_token(token_cluster, auth, tmp_path):
     # Ray alone would retry for 20 s and then say only that it could not connect; the subprocess timeout is far
-    # below what that plus a merge would take.
+    # below what that plus a merge would take. "{empty}": a home without ~/.ray/auth_token, the last place Ray
+    # looks for a token (after RAY_AUTH_TOKEN and RAY_AUTH_TOKEN_PATH, which _ray_env removes), whatever the
+    # home of the user running the tests holds.
     address = token_cluster[0]
+    (tmp_path / "home").mkdir()
+    auth = {key: value.replace("{empty}", str(tmp_path / "home")) for key, value in auth.items()}
     proc = subprocess.run(launcher_ray("merge", "--local_dir", tmp_path, "--target_dir", tmp_path / "out"), cwd=ROOT,
                           env={**_ray_env(), "RAY_ADDRESS": address, **auth}, capture_output=True, text=True,
                           timeout=15)
@@ -157,3 +162,5 @@ def test_launcher_ray_says_a_token_auth_cluster_wants_its_token(token_cluster, a
     assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert errors[0].startswith(f"launcher: error: the Ray cluster at {address} requires an auth token"), errors
     assert "RAY_AUTH_TOKEN" in errors[0], errors
+    if "HOME" in auth:  # said as what it is, where Ray's own check raised out of ours with a traceback before
+        assert "(RAY_AUTH_MODE=token, but none was found)" in errors[0], errors
