@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .fp8 import E8M0_BYTES, band_rows, dequantize, scale_shape
 from .quantized_formats import SCALE_SUFFIX
-from .release_blocks import StoredTensor, keep, per_element, same_bits, unchanged_blocks
+from .release_blocks import StoredTensor, as_read, keep, per_element, unchanged_blocks
 from .steps import OutputSpec
 
 FP8 = torch.float8_e4m3fn
@@ -77,7 +77,7 @@ def quantize_keeping(block: tuple[int, int], ue8m0: bool, tensor: torch.Tensor, 
     `tensor`'s dtype: what reading the release gave) keeps the release's codes and scale."""
     codes, scales = release
     (values,) = dequantize(block, [codes, scales])
-    grid = unchanged_blocks(same_bits(values.to(tensor.dtype), tensor), block)
+    grid = unchanged_blocks(as_read(values, tensor), block)
     if grid.all():  # nothing changed: no quantizing
         return codes.to(FP8), scales.to(scale_dtype)
     new_codes, new_scales = quantize(block, ue8m0, tensor, scale_dtype)

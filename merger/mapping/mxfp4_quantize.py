@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .compressed_tensors_codec import E8M0_BIAS, mxfp4
-from .release_blocks import StoredTensor, keep, same_bits
+from .release_blocks import StoredTensor, as_read, keep
 from .steps import OutputSpec
 
 BLOCK = 32  # elements per scale
@@ -91,7 +91,7 @@ def quantize_keeping(weight: torch.Tensor, release: tuple[torch.Tensor, torch.Te
     `weight`'s dtype: what transformers' dequantizer gives) keeps the release's bytes."""
     blocks, scales = release
     values = mxfp4(blocks.flatten(-2), scales).transpose(-1, -2)  # [E, in, out], as the weight
-    grid = same_bits(values.to(weight.dtype), weight).transpose(-1, -2).unflatten(-1, (-1, BLOCK)).all(-1)
+    grid = as_read(values, weight).transpose(-1, -2).unflatten(-1, (-1, BLOCK)).all(-1)
     if grid.all():  # nothing changed: no quantizing
         return [blocks, scales]
     new_blocks, new_scales = quantize(weight)

@@ -32,7 +32,7 @@ from . import fp8_quantize
 from .compressed_tensors_codec import E8M0_BIAS, mxfp8
 from .fp8_release_layout import readable, release_headers
 from .quantized_formats import QUANTIZATION_CONFIG
-from .release_blocks import StoredTensor, keep, per_element, same_bits, unchanged_blocks
+from .release_blocks import StoredTensor, as_read, keep, per_element, unchanged_blocks
 from .steps import OutputSpec
 
 MXFP8_QUANTIZED = "mxfp8-quantized"  # compressed-tensors' format
@@ -66,7 +66,7 @@ def quantize_keeping(rule: Rule, weight: torch.Tensor, release: tuple[torch.Tens
     """`rule`, but each group whose values are the release's (read as merger reads them, cast to `weight`'s
     dtype) keeps the release's codes and scale byte."""
     codes, scales = release
-    grid = unchanged_blocks(same_bits(mxfp8(codes, scales).to(weight.dtype), weight), (1, GROUP))
+    grid = unchanged_blocks(as_read(mxfp8(codes, scales), weight), (1, GROUP))
     if grid.all():  # nothing changed: no quantizing
         return [codes, scales]
     new_codes, new_scales = rule(weight)

@@ -24,11 +24,12 @@ from ..errors import MergerError
 from ..hf_folder import read_config
 from ..io import location
 from ..options import MergeOptions
-from . import modelopt_scheme, mxfp4_layout, mxfp8_release_layout
+from . import int4_release_layout, modelopt_scheme, mxfp4_layout, mxfp8_release_layout
 from .compressed_tensors_scheme import COMPRESSED_TENSORS
 from .fp8_default_modules import default_layout
 from .fp8_release_layout import release_layout
 from .model_class import keep_in_fp32
+from .int4_release_layout import PACK_QUANTIZED, Int4Output
 from .modelopt_scheme import MODELOPT, MODELOPT_CONFIG
 from .mxfp4_quantize import Mxfp4Output
 from .mxfp8_release_layout import MODELOPT_MXFP8, MXFP8_QUANTIZED, Mxfp8Output
@@ -130,14 +131,16 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
 
 def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[int, ...]]):
     """(the quantized layout, how the log names it, what it leaves out, what is done to config.json's
-    quantization_config): --quantize_like's release (FP8, gpt-oss MXFP4, compressed-tensors' or ModelOpt's MXFP8),
-    or --quantize's scheme."""
+    quantization_config): --quantize_like's release (FP8, gpt-oss MXFP4, compressed-tensors' INT4, compressed-tensors'
+    or ModelOpt's MXFP8), or --quantize's scheme."""
     if options.quantize_like is not None:
         folder = location(options.quantize_like)  # a folder, a Hub snapshot's, or a bucket's
         # a format merger does not write is refused here; a release with none, by the FP8 layout's own check
         config = read_config(folder)
         stored = config_format(folder, config)
-        if stored in READ_ONLY:
+        if stored == COMPRESSED_TENSORS and config[QUANTIZATION_CONFIG]["format"] == PACK_QUANTIZED:
+            layout = int4_release_layout.release_layout(folder, outputs)
+        elif stored in READ_ONLY:
             layout = _mxfp8_layout(folder, config, stored, outputs)
         else:
             layout = (mxfp4_layout.release_layout if stored == MXFP4 else release_layout)(folder, outputs)
@@ -175,6 +178,9 @@ def _format(layout) -> tuple[str, str]:
     """(the format's name, how its tensors are stored), for the log."""
     if isinstance(layout, Mxfp4Output):
         return "MXFP4", "uint8 _blocks of e2m1 pairs, uint8 _scales e8m0 per 32 elements"
+    if isinstance(layout, Int4Output):
+        return "compressed-tensors INT4", (f"int32 weight_packed of 8 codes, {str(layout.scale_dtype).removeprefix('torch.')}"
+                                           f" weight_scale per 32 elements, int64 weight_shape")
     if isinstance(layout, Mxfp8Output):
         return f"{layout.producer} MXFP8", "float8_e4m3fn weight, uint8 (e8m0) weight_scale per 32 elements"
     scales = "uint8 (e8m0)" if layout.scale_dtype == torch.uint8 else "float32"

@@ -4,9 +4,10 @@ quantization block whose values training left as they were.
 Dequantizing and quantizing again is not the identity in the formats merger writes: transformers' ue8m0 rule can
 pick a power of two one lower than the release's (and then doubles each code), and a quantizer that never writes
 -0 loses the release's -0 codes. So the release's codes are read back where the output is written, one tensor (or
-slab of experts) at a time, and each block (FP8's b0 x b1, MXFP4's 32 elements) is compared with the incoming one:
-where the release's dequantized block, cast to the dtype the output is quantized from, equals the incoming block
-bit for bit, the block keeps the release's codes and its scale; every other block is what the producing tool's
+slab of experts) at a time, and each block (FP8's b0 x b1, MX's and INT4's 32 elements) is compared with the
+incoming one: where the release's dequantized block, cast to the dtype the output is quantized from (or read at
+bfloat16 and widened to it), equals the incoming block bit for bit, the block keeps the release's codes and its
+scale; every other block is what the producing tool's
 quantizer gives for it. The formats merger writes have no scale shared across blocks, so a block's bytes depend on
 that block alone, and a tensor changed in part keeps the bytes of its unchanged blocks.
 
@@ -24,6 +25,7 @@ from ..io import read_range
 from ..safetensors_io import nbytes_of
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+READ_DTYPE = torch.bfloat16  # what merger reads a release at unless --dtype says otherwise
 
 
 @dataclass(frozen=True)
@@ -46,9 +48,20 @@ class StoredTensor:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).reshape(hi - lo, *self.shape[1:])
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elementwise: equal bit for bit (-0.0 is not 0.0, a NaN equals the same NaN)."""
     return a.view(_BITS[a.element_size()]) == b.view(_BITS[b.element_size()])
+
+
+def as_read(values: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """Elementwise: whether `tensor` holds the release's `values` (dequantized in float32) as reading the release
+    gives them: cast to `tensor`'s dtype, or read at bfloat16 (merger's default --dtype) and widened to it since
+    (a release read at bfloat16 and written from --dtype float32: products such as INT4's code x bfloat16 scale are
+    exact in float32 but were rounded when read)."""
+    same = _same_bits(values.to(tensor.dtype), tensor)
+    if tensor.element_size() > READ_DTYPE.itemsize:
+        same |= _same_bits(values.to(READ_DTYPE).to(tensor.dtype), tensor)
+    return same
 
 
 def unchanged_blocks(same: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from tests.helpers.in_process import merge_in_process
 from tests.helpers.weights import load_safetensors_folder
 
-_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
