@@ -220,7 +220,8 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=["fp8-block", "mxfp4"], default=None,
                    help="fp8-block: FP8 block-scaled weights (128x128 blocks, float32 weight_scale_inv) for the "
                         "modules transformers' FP8 quantizer converts by default (Linear layers and experts; not "
-                        "lm_head); mxfp4: gpt-oss's MoE experts in MXFP4 as the gpt-oss release stores them "
+                        "lm_head, nor one with a weight that is not whole 128x128 blocks); "
+                        "mxfp4: gpt-oss's MoE experts in MXFP4 as the gpt-oss release stores them "
                         "(gpt-oss only)")
 
 

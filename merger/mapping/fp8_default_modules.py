@@ -5,9 +5,11 @@ on the meta device (no memory), its FP8 quantizer's default skips are taken (`ge
 output embedding and any tied or last module, plus the class's `_keep_in_fp32_modules`), and its
 `replace_with_fp8_linear` converts the rest: every plain `nn.Linear` and every fused `experts` module. Norms,
 embeddings and routers are never Linear layers, so they stay as they are. A converted module's saved weights
-(`<module>.weight`, or an experts module's per-expert weights) are the tensors quantized, with partial edge blocks
-where a dim is not a multiple of 128 (transformers' FP8Linear loads such a scale grid, as DeepSeek's releases
-have it). config.json gets the quantization_config transformers writes, its skips listed.
+(`<module>.weight`, or an experts module's per-expert weights) are the tensors quantized. A module
+with a weight that is not whole 128x128 blocks stays at --dtype, as transformers' own `Fp8Quantize` leaves such a
+weight: its FP8Linear would read a partial scale grid wrongly, with no warning, so the module is added to
+modules_to_not_convert, where transformers loads it as a plain Linear (an experts module whole: it has no half-FP8
+form). config.json gets the quantization_config transformers writes, its skips listed.
 """
 from __future__ import annotations
 
@@ -57,15 +59,24 @@ def _weights_of(module: str, outputs: dict[str, tuple[int, ...]]) -> list[str]:
     return [module + ".weight"] if module + ".weight" in outputs else []
 
 
+def _whole_blocks(shape: tuple[int, ...]) -> bool:
+    """Fp8Quantize's own test (`_quantize_one`): the last two dims are multiples of the block's."""
+    return shape[-2] % BLOCK[0] == 0 and shape[-1] % BLOCK[1] == 0
+
+
 def default_layout(hf_dir: Path, config: dict, outputs: dict[str, tuple[int, ...]],
-                   trust_remote_code: bool) -> tuple[Fp8Output, list[str]]:
-    """How to write `outputs` as FP8 in transformers' default choice, and the module patterns it leaves out."""
+                   trust_remote_code: bool) -> tuple[Fp8Output, list[str], list[str]]:
+    """How to write `outputs` as FP8 in transformers' default choice, the module patterns it leaves out, and the
+    weights left unquantized for not being whole blocks."""
     import transformers
 
     modules, skip = _transformers_choice(hf_dir, config, trust_remote_code)
-    # transformers may name a composite model's modules otherwise than it saves them (Qwen2-VL's language_model)
+    # transformers may name a composite model's modules otherwise than it saves them (Qwen2-VL's language_model);
+    # modules_to_not_convert takes saved names (transformers renames them as it loads)
     probes = [m + ".weight" for m in modules]
     renamed = saved_names(hf_dir, config, probes, trust_remote_code)
-    quantized = frozenset(w for p in probes for w in _weights_of(renamed.get(p, p).removesuffix(".weight"), outputs))
-    qc = transformers.FineGrainedFP8Config(weight_block_size=BLOCK, modules_to_not_convert=skip).to_dict()
-    return Fp8Output(BLOCK, False, quantized, {}, qc), skip
+    weights = {m: _weights_of(m, outputs) for m in (renamed.get(p, p).removesuffix(".weight") for p in probes)}
+    partial = sorted(m for m, ws in weights.items() if not all(_whole_blocks(outputs[w]) for w in ws))
+    quantized = frozenset(w for m, ws in weights.items() if m not in partial for w in ws)
+    qc = transformers.FineGrainedFP8Config(weight_block_size=BLOCK, modules_to_not_convert=skip + partial).to_dict()
+    return Fp8Output(BLOCK, False, quantized, {}, qc), skip, sorted(w for m in partial for w in weights[m])

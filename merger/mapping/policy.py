@@ -26,7 +26,7 @@ from ..io import location
 from ..options import MergeOptions
 from . import int4_release_layout, modelopt_scheme, mxfp4_layout, mxfp8_release_layout
 from .compressed_tensors_scheme import COMPRESSED_TENSORS
-from .fp8_default_modules import default_layout
+from .fp8_default_modules import BLOCK, default_layout
 from .fp8_release_layout import release_layout
 from .model_class import keep_in_fp32
 from .int4_release_layout import PACK_QUANTIZED, Int4Output
@@ -38,6 +38,7 @@ from .quantized_steps import quantize_steps, quantized_count
 from .steps import FLOAT8, Mapping, OutputSpec, Step, Tie, output_dtype
 
 TIED_OUTPUT = "lm_head.weight"
+PARTIAL_NAMED = 5  # the log names the first few weights left unquantized for partial blocks: a model has one per layer
 # Names of the input embedding in common HF architectures: the tensor a tied lm_head shares.
 INPUT_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
 
@@ -131,8 +132,9 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
 
 def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[int, ...]]):
     """(the quantized layout, how the log names it, what it leaves out, what is done to config.json's
-    quantization_config): --quantize_like's release (FP8, gpt-oss MXFP4, compressed-tensors' INT4, compressed-tensors'
-    or ModelOpt's MXFP8), or --quantize's scheme."""
+    quantization_config, the log's lines on weights left unquantized for not being whole blocks): --quantize_like's
+    release (FP8, gpt-oss MXFP4, compressed-tensors' INT4, compressed-tensors' or ModelOpt's MXFP8), or --quantize's
+    scheme."""
     if options.quantize_like is not None:
         folder = location(options.quantize_like)  # a folder, a Hub snapshot's, or a bucket's
         # a format merger does not write is refused here; a release with none, by the FP8 layout's own check
@@ -144,16 +146,22 @@ def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[in
             layout = _mxfp8_layout(folder, config, stored, outputs)
         else:
             layout = (mxfp4_layout.release_layout if stored == MXFP4 else release_layout)(folder, outputs)
-        return layout, f"like {options.quantize_like}", "", "copied into"
+        return layout, f"like {options.quantize_like}", "", "copied into", ()
     if options.quantize == mxfp4_layout.SCHEME:
         layout = mxfp4_layout.default_layout(mapping.hf_dir, mapping.config, outputs)
         return (layout, f"({options.quantize}, gpt-oss's experts)", "; left unquantized: every other tensor "
                 "(attention, router, embeddings, norms, lm_head, the experts' biases), as the gpt-oss release",
-                "written into")
-    layout, skip = default_layout(mapping.hf_dir, mapping.config, outputs, options.trust_remote_code)
+                "written into", ())
+    layout, skip, partial = default_layout(mapping.hf_dir, mapping.config, outputs, options.trust_remote_code)
     left = (f"; left unquantized: {', '.join(skip)} (transformers' default skips) and every module that is not "
             f"a Linear layer or experts (embeddings, norms, routers)")
-    return layout, f"({options.quantize}, transformers' default choice of modules)", left, "written into"
+    notes = ()
+    if partial:  # a line of its own: these are Linear layers a reader expects in FP8
+        notes = (f"merger: {len(partial)} tensors left at {str(options.torch_dtype).removeprefix('torch.')}, not "
+                 f"whole {BLOCK[0]}x{BLOCK[1]} blocks (transformers' Fp8Quantize quantizes only whole blocks), their "
+                 f"modules in modules_to_not_convert: {', '.join(partial[:PARTIAL_NAMED])}"
+                 f"{', ...' if len(partial) > PARTIAL_NAMED else ''}",)
+    return layout, f"({options.quantize}, transformers' default choice of modules)", left, "written into", notes
 
 
 def _mxfp8_layout(folder, config: dict, stored: str, outputs: dict[str, tuple[int, ...]]) -> Mxfp8Output:
@@ -205,7 +213,7 @@ def _quantized(mapping: Mapping, options: MergeOptions) -> Mapping:
     if options.quantize_like is not None and options.quantize is not None:
         raise MergerError(f"--quantize_like and --quantize both say how to quantize: pass one, "
                           f"{options.quantize_like}")
-    layout, how, left, config = _layout(mapping, options, outputs)
+    layout, how, left, config, partial = _layout(mapping, options, outputs)
     name, stored = _format(layout)
     if options.torch_dtype == torch.float16:  # float16 would turn weights beyond ±65504 into inf before the scale
         raise MergerError(f"{name} output is quantized from the weights at --dtype, and float16 cannot hold every "
@@ -217,6 +225,7 @@ def _quantized(mapping: Mapping, options: MergeOptions) -> Mapping:
     files = layout.files if isinstance(layout, Mxfp8Output) else {}  # a ModelOpt export's hf_quant_config.json
     if files:
         notes = (f"{notes[0]}, {', '.join(files)} beside it",)
+    notes += partial
     if options.quantize_like is not None:
         notes += (_kept_blocks(layout, name),)
     return dataclasses.replace(mapping, steps=quantize_steps(mapping.steps, layout), notes=(*mapping.notes, *notes),
