@@ -6,6 +6,7 @@
 # make bench-scale: plan (inspect) a synthesized 671B-shaped DCP checkpoint at FRACTIONS of its size, metadata only
 #   (SCALE_FLAGS="--format torch_dist": the same model as Megatron-LM's torch_dist save).
 # Another interpreter gets its own venv: make test PYTHON=/usr/bin/python3 VENV=.venv-debian
+# make azurite: the Azure Blob emulator the az:// tests start (npm's azurite, into .azurite/); skipped without npm.
 # make writers312: the venv of the test writers that need Python >= 3.12 (megatron-core 0.19), shared by every VENV.
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +19,7 @@ DEMO := demo_out
 # suite starts about a thousand processes, each of which would otherwise compile torch's and merger's sources anew.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup writers312 test unit demo bench bench-scale clean
+.PHONY: setup writers312 azurite test unit demo bench bench-scale clean
 
 setup: $(VENV_STAMP)
 
@@ -43,14 +44,25 @@ $(WRITERS312)/.installed: tests/writers/requirements312.txt
 	@if [ -z "$(PYTHON312)" ]; then echo "make: no Python 3.12 (python3.12 or pyenv's 3.12.x): $(WRITERS312) not built, the megatron-core 0.19 tests skip"; \
 	else set -e; $(PYTHON312) -m venv $(WRITERS312); $(WRITERS312)/bin/python -m pip install -q --no-compile -r $<; touch $@; fi
 
+# tests/test_object_storage.py reads az:// from Azurite, an npm package: installed into .azurite/ (about a minute,
+# most of it npm fetching its dependencies), once. Without node and npm it is not, and the az:// tests skip.
+AZURITE_VERSION := 3.37.0
+azurite: .azurite/.installed-$(AZURITE_VERSION)
+
+.azurite/.installed-$(AZURITE_VERSION):
+	@if ! command -v npm >/dev/null || ! command -v node >/dev/null; then echo "make: no node and npm: Azurite not installed, the az:// tests skip"; \
+	else set -e; rm -rf .azurite; npm install --prefix .azurite --no-audit --no-fund --silent azurite@$(AZURITE_VERSION); touch $@; fi
+
 # The suite runs on one pytest-xdist worker per core (WORKERS=1 for one process). --dist loadfile keeps each module
 # on one worker, so its module fixtures and its service (the Slurm cluster, the Ray cluster) start once. (xdist 3.8's
 # loadgroup does not group under pytest 9.2, whose nodeid no longer reads the _nodeid xdist sets.)
 WORKERS ?= auto
 MARK ?=
-# The two venvs are installed side by side, one per core (pip unpacks on one).
+# The two venvs are installed side by side, one per core (pip unpacks on one); Azurite after them (npm, mostly waiting
+# on the network).
 test:
 	@$(MAKE) --no-print-directory -j2 setup writers312
+	@$(MAKE) --no-print-directory azurite
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile $(if $(MARK),-m "$(MARK)") tests
 
 unit: setup
@@ -75,4 +87,4 @@ bench-scale: setup
 	$(PY) benchmarks/scale.py --fractions $(FRACTIONS) $(SCALE_FLAGS)
 
 clean:
-	rm -rf .venv .venv-* $(VENV) $(DEMO) bench_out .test-cache
+	rm -rf .venv .venv-* $(VENV) $(DEMO) bench_out .test-cache .azurite

@@ -210,6 +210,29 @@ def s3_server():
         yield server
 
 
+@pytest.fixture(scope="session")
+def gcs_server():
+    """A GCS-protocol server (gcp-storage-emulator's, in memory) on the loopback, as s3_server."""
+    pytest.importorskip("gcp_storage_emulator", reason="gcp-storage-emulator (a test extra) serves gs://")
+    from tests.helpers.emulators import gcs_emulator
+
+    with gcs_emulator() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def azure_server():
+    """An Azure Blob server (Azurite, from npm; `make azurite` installs it) on the loopback, as s3_server."""
+    from tests.helpers.emulators import AZURITE, azurite, node_missing
+
+    reason = node_missing()
+    if reason:
+        pytest.skip(reason)
+    assert AZURITE.exists(), f"Azurite is not installed at {AZURITE}: run `make azurite` (make test does)"
+    with azurite() as server:
+        yield server
+
+
 @pytest.fixture(autouse=True)
 def _cold_starts_for_interpreter_tests(request):
     """Tests marked `interpreter` start merger as a fresh interpreter does; the others fork it warm

@@ -1,7 +1,8 @@
 """Objects in a bucket (s3://, and gs:// or az:// where gcsfs or adlfs is installed), through fsspec.
 
 Credentials, region and endpoint come from the client library's standard environment and files
-(AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws/config...): merger takes none of its own and prints none.
+(AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws/config...; GOOGLE_APPLICATION_CREDENTIALS, STORAGE_EMULATOR_HOST;
+AZURE_STORAGE_CONNECTION_STRING...): merger takes none of its own and prints none.
 
 A merge rank reads each piece front to back, a megabyte at a time. One GET per megabyte would spend the merge
 on request latency, so reads are served from bytes fetched ahead, FETCH bytes (GETs of at most BLOCK) in
@@ -21,6 +22,7 @@ import bisect
 import errno
 import logging
 import threading
+import warnings
 from collections import OrderedDict
 
 from ..errors import CredentialsError, MergerError
@@ -33,8 +35,18 @@ HELD = 2 * FETCH  # bytes held per process, at most (64 MiB): what the last miss
 
 
 # The client libraries log at INFO where they found the credentials and the endpoint: not merger's progress.
-for _name in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3"):
+for _name in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "gcsfs", "adlfs", "azure"):
     logging.getLogger(_name).setLevel(logging.WARNING)
+# adlfs warns when it cannot read a container's properties and goes on; the listing that follows says why, in one line
+warnings.filterwarnings("ignore", message="Failed to fetch container properties", module="adlfs")
+
+# Where each scheme's client library looks for its credentials and endpoint: said in the lines that concern them.
+PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+EXTRAS = {"s3fs": "s3", "gcsfs": "gs", "adlfs": "az"}
+CREDENTIALS = {"s3fs": "AWS_ACCESS_KEY_ID, AWS_PROFILE...", "gcsfs": "GOOGLE_APPLICATION_CREDENTIALS...",
+               "adlfs": "AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_ACCOUNT_KEY..."}
+ENDPOINTS = {"s3fs": "AWS_ENDPOINT_URL", "gcsfs": "STORAGE_EMULATOR_HOST",
+             "adlfs": "the BlobEndpoint of AZURE_STORAGE_CONNECTION_STRING"}
 
 
 def _filesystem(scheme: str, url: str):
@@ -44,9 +56,9 @@ def _filesystem(scheme: str, url: str):
         # client with merger's waits and retries, not the libraries' defaults (s3_retries.py)
         return s3_filesystem() if scheme == "s3" else fsspec.filesystem(scheme, skip_instance_cache=True)
     except ImportError as e:
-        package = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}.get(scheme, "adlfs")
-        raise MergerError(f"reading {scheme}:// needs the {package} package (pip install 'merger[s3]' for "
-                          f"s3://), {url}") from e
+        package = PACKAGES.get(scheme, "adlfs")
+        raise MergerError(f"reading {scheme}:// needs the {package} package (pip install "
+                          f"'merger[{EXTRAS[package]}]'), {url}") from e
     except ValueError as e:
         raise MergerError(f"unknown storage {scheme}:// (s3://, gs:// and az:// are known), {url}") from e
 
@@ -66,16 +78,22 @@ def _refusal(e: Exception, url: str, doing: str = "a read") -> Exception:
         return e
     name = type(e).__name__
     text = str(e)
-    if isinstance(e, PermissionError) or any(code in text for code in ("AccessDenied", "InvalidAccessKeyId",
-                                                                      "SignatureDoesNotMatch", "Forbidden")):
-        return CredentialsError(f"access denied by the object store (check the credentials: AWS_ACCESS_KEY_ID, "
-                                f"AWS_PROFILE...), {url}")
+    package = PACKAGES.get(url.split("://", 1)[0], "s3fs")
+    # status_code: azure-core's HttpResponseError; code: gcsfs's HttpError (gcsfs says 403 as "Forbidden")
+    status = getattr(e, "status_code", None) or getattr(e, "code", None)
+    if isinstance(e, PermissionError) or status in (401, 403) or \
+            any(code in text for code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden",
+                                          "AuthorizationFailure", "AuthenticationFailed")):
+        return CredentialsError(f"access denied by the object store (check the credentials: "
+                                f"{CREDENTIALS[package]}), {url}")
     if name in ("NoCredentialsError", "PartialCredentialsError"):
         return CredentialsError(f"no credentials for the object store (set AWS_ACCESS_KEY_ID and "
                                 f"AWS_SECRET_ACCESS_KEY, or AWS_PROFILE), {url}")
-    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError") or \
-            "Could not connect" in text:
-        return MergerError(f"cannot reach the object store's endpoint (AWS_ENDPOINT_URL?), {url}")
+    if name == "DefaultCredentialsError":  # google-auth found none
+        return CredentialsError(f"no credentials for the object store (set GOOGLE_APPLICATION_CREDENTIALS), {url}")
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
+                "ServiceRequestError") or "Could not connect" in text:
+        return MergerError(f"cannot reach the object store's endpoint ({ENDPOINTS[package]}?), {url}")
     # s3fs turns SlowDown into OSError(EBUSY, "Please reduce your request rate.")
     if (isinstance(e, OSError) and e.errno == errno.EBUSY) or \
             any(code in text for code in ("SlowDown", "reduce your request rate", "Throttl", "RequestLimitExceeded",
@@ -121,12 +139,15 @@ class ObjectStorage:
         return self._call(key, self.fs.info, key)
 
     def identity(self, key: str) -> dict[str, int | str]:
+        # asked of the store, not of the listings held: gcsfs answers info() from them, refresh or not
+        self.fs.invalidate_cache(key)
         info = self._call(key, self.fs.info, key, refresh=True)
         if info.get("type") != "file":
             raise FileNotFoundError(self.url(key))
-        # The ETag changes with every write of the object, its version id too where the bucket keeps versions.
-        return {"size": int(info["size"]), "etag": str(info.get("ETag", "")),
-                "version": str(info.get("VersionId") or "")}
+        # The ETag changes with every write of the object, its version id too where the bucket keeps versions (the
+        # names s3fs, gcsfs and adlfs give them: GCS's generation is a version that every write changes)
+        return {"size": int(info["size"]), "etag": str(info.get("ETag") or info.get("etag") or ""),
+                "version": str(info.get("VersionId") or info.get("generation") or info.get("version_id") or "")}
 
     def size(self, key: str) -> int:
         if key not in self.sizes:

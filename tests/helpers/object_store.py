@@ -14,6 +14,7 @@ SECRET = "merger-test-secret-0123456789abcdefSECRET"
 @dataclass
 class ObjectStore:
     endpoint: str
+    scheme = "s3"
 
     @property
     def env(self) -> dict[str, str]:
