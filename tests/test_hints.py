@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,17 +92,22 @@ def test_a_config_that_names_no_model_is_refused(fsdp_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("flag", ["--local_dir", "--target_dir", "--hf_model_config_path", "--summary_json"])
 def test_a_url_is_refused_with_the_scheme_named(fsdp_checkpoint, tmp_path, flag, capsys, monkeypatch):
-    """A flag that reads buckets names the package gs:// needs (gcsfs, not a dependency); --target_dir, which
-    writes s3:// only, and the flags that take no URL refuse gs:// at the flag. Neither leaves a folder `gs:/bucket/run` behind, as a URL read as a relative path would."""
+    """A flag that reads buckets names the package gs:// needs (gcsfs, an extra: hidden here, as on a machine without
+    it) and the extra that installs it; --target_dir, which writes s3:// only, and the flags that take no URL refuse
+    gs:// at the flag. Neither leaves a folder `gs:/bucket/run` behind, as a URL read as a relative path would."""
+    from merger.io import locations
+
     actor, _ = fsdp_checkpoint("llama", world=1)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # `import gcsfs` raises ImportError
+    monkeypatch.setattr(locations, "_OBJECT_STORAGES", {})  # no gs:// client an earlier test made
     args = {"--local_dir": str(actor), "--target_dir": "out", flag: "gs://bucket/run"}
     status = main(["merge", *[a for pair in args.items() for a in pair]])
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     if flag in ("--local_dir", "--hf_model_config_path"):
-        assert (status, err) == (1, "merger: error: reading gs:// needs the gcsfs package (pip install 'merger[s3]' "
-                                    "for s3://), gs://bucket/run\n")
+        assert (status, err) == (1, "merger: error: reading gs:// needs the gcsfs package (pip install 'merger[gs]'), "
+                                    "gs://bucket/run\n")
     elif flag == "--target_dir":
         assert status == 2 and err == (
             "merger: error: argument --target_dir/--target-dir: merged models are written to a local folder or an "
