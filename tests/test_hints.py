@@ -99,7 +99,12 @@ def test_a_url_is_refused_with_the_scheme_named(fsdp_checkpoint, tmp_path, flag,
 
     actor, _ = fsdp_checkpoint("llama", world=1)
     monkeypatch.chdir(tmp_path)
+    import importlib
+
+    registry = importlib.import_module("fsspec.registry")  # the module: `fsspec.registry` is its read-only view
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # `import gcsfs` raises ImportError
+    for scheme in ("gs", "gcs"):  # and fsspec forgets the class an earlier test had it import
+        monkeypatch.delitem(registry._registry, scheme, raising=False)
     monkeypatch.setattr(locations, "_OBJECT_STORAGES", {})  # no gs:// client an earlier test made
     args = {"--local_dir": str(actor), "--target_dir": "out", flag: "gs://bucket/run"}
     status = main(["merge", *[a for pair in args.items() for a in pair]])

@@ -91,7 +91,7 @@ def _refusal(e: Exception, url: str, doing: str = "a read") -> Exception:
                                 f"AWS_SECRET_ACCESS_KEY, or AWS_PROFILE), {url}")
     if name == "DefaultCredentialsError":  # google-auth found none
         return CredentialsError(f"no credentials for the object store (set GOOGLE_APPLICATION_CREDENTIALS), {url}")
-    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "ClientConnectorDNSError",
                 "ServiceRequestError") or "Could not connect" in text:
         return MergerError(f"cannot reach the object store's endpoint ({ENDPOINTS[package]}?), {url}")
     # s3fs turns SlowDown into OSError(EBUSY, "Please reduce your request rate.")
