@@ -58,11 +58,10 @@ azurite: .azurite/.installed-$(AZURITE_VERSION)
 # loadgroup does not group under pytest 9.2, whose nodeid no longer reads the _nodeid xdist sets.)
 WORKERS ?= auto
 MARK ?=
-# The two venvs are installed side by side, one per core (pip unpacks on one); Azurite after them (npm, mostly waiting
-# on the network).
+# The two venvs are installed side by side, one per core (pip unpacks on one), and Azurite beside them: npm mostly
+# waits on the network.
 test:
-	@$(MAKE) --no-print-directory -j2 setup writers312
-	@$(MAKE) --no-print-directory azurite
+	@$(MAKE) --no-print-directory -j3 setup writers312 azurite
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile $(if $(MARK),-m "$(MARK)") tests
 
 unit: setup
