@@ -43,8 +43,8 @@ class StoredTensor:
         row = nbytes_of(self.shape[1:], self.dtype)
         data = read_range(self.file, self.offset + lo * row, (hi - lo) * row)
         if len(data) != (hi - lo) * row:
-            raise CorruptSourceError(f"the release's file ends inside one of its tensors (--quantize_like reads it back to "
-                              f"keep the bytes of unchanged blocks), {self.file}")
+            raise CorruptSourceError(f"the release's file ends inside one of its tensors (--quantize_like reads it "
+                                     f"back to keep the bytes of unchanged blocks), {self.file}")
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).reshape(hi - lo, *self.shape[1:])
 
 
