@@ -144,3 +144,52 @@ def test_a_flipped_bit_inside_a_strided_span_fails(tmp_path):
     with pytest.raises(CorruptSourceError):
         reads.finish()
     reads.close()
+
+
+# A run long enough to be read in parts by several threads (file_reads.SPLIT_MIN): 3 M floats, 12 MB, cut into 2
+# or 3 parts of whole chunks, the last one shorter.
+LONG = 3_000_000
+
+
+def _save_long(tmp_path: Path) -> tuple[str, torch.Tensor]:
+    path = tmp_path / "long.pt"
+    torch.save({"long": torch.randn(LONG)}, path)
+    return str(path), torch.load(path)["long"]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_long_run_read_in_parts_equals_torch_and_is_checked(tmp_path, threads, dtype):
+    """Parts read, cast and checksummed on several threads: the bytes are torch's own cast of what torch.load
+    reads, and their CRCs, combined, are the one the zip records (the check passes only then)."""
+    file, expected = _save_long(tmp_path)
+    states, reads = MappedStates(lambda f: torch_load(f, "test file")), SourceReads(threads)
+    out = torch.empty(LONG, dtype=dtype)
+    reads.copy(states.stored(file, states[file]["long"]), out, "long")
+    assert torch.equal(out, expected.to(dtype))
+    assert reads.pool is not None  # it was read in parts
+    assert list(reads.checks.values()) == [None]  # verified
+    reads.close()
+
+
+@pytest.mark.parametrize("where", [0, LONG // 2 + 1, LONG - 1])
+def test_a_flipped_bit_in_any_part_of_a_long_run_fails(tmp_path, where):
+    file, expected = _save_long(tmp_path)
+    data = bytearray(Path(file).read_bytes())
+    data[data.find(expected.numpy().tobytes()) + 4 * where] ^= 0x01
+    Path(file).write_bytes(data)
+    states, reads = MappedStates(lambda f: torch_load(f, "test file")), SourceReads(2)
+    with pytest.raises(MergerError, match=f"checksum mismatch in tensor long: .*, {file}$"):
+        reads.copy(states.stored(file, states[file]["long"]), torch.empty(LONG, dtype=torch.bfloat16), "long")
+    reads.close()
+
+
+def test_a_long_run_cut_short_in_its_last_part_is_a_clear_error(tmp_path):
+    """The error of the part another thread reads is raised on the caller's, once every part has stopped."""
+    file, _ = _save_long(tmp_path)
+    states, reads = MappedStates(lambda f: torch_load(f, "test file")), SourceReads(2)
+    piece = states.stored(file, states[file]["long"])
+    Path(file).write_bytes(Path(file).read_bytes()[:piece.start + 4 * (LONG - 10)])
+    with pytest.raises(MergerError, match=f"source file shrank while being read.*, {file}$"):
+        reads.copy(piece, torch.empty(LONG, dtype=torch.bfloat16), "long")
+    reads.close()
