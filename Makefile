@@ -76,8 +76,11 @@ demo: setup
 	$(PY) -m merger test --local_dir $(DEMO)/global_step_1/actor --test_hf_dir $(DEMO)/reference
 	$(PY) examples/generate.py $(DEMO)/merged
 
+# make bench SIZES=16GB: checkpoints of those sizes (or layer counts: SIZES=7,19), BENCH_FLAGS for run.py's others.
+SIZES ?= 7,19
+BENCH_FLAGS ?=
 bench: setup
-	$(PY) benchmarks/run.py
+	$(PY) benchmarks/run.py --sizes $(SIZES) $(BENCH_FLAGS)
 
 # Planning from metadata alone at fractions of a 671B DCP checkpoint (sparse files under /tmp): FRACTIONS=1/8,1/4,1/2,1
 FRACTIONS ?= 1/8

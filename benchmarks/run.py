@@ -1,6 +1,6 @@
 """Speed and memory of `merger merge` side by side with the usual ways to merge and the copy floor, in one run.
 
-    python benchmarks/run.py [--formats fsdp,dcp,deepspeed,megatron_moe,megatron_qwen35_moe] [--sizes 7,19]
+    python benchmarks/run.py [--formats fsdp,dcp,deepspeed,megatron_moe,megatron_qwen35_moe] [--sizes 7,19|16GB]
                              [--repeats 3] [--cap 2GiB] [--hidden 2048] [--settle 5] [--keep]
                              [--chart docs/benchmark.png]
                              [--ranks 1,2] [--torchrun 2] [--cuda] [--no_baselines] [--build_ranks 2]
@@ -10,7 +10,8 @@ by benchmarks/build_checkpoint.py) it times, alternating and repeated, each run 
 read into the page cache (`warm`): `cp` of the data files (the floor: bytes read and written once, inside the
 kernel), the same `cp` followed by a `sync` of the copies (the copy made durable, as merger's output is), `dd`
 of them with `conv=fsync` (the floor for a tool that reads the bytes into memory and writes them back durably,
-as a merge must to cast or checksum them), a Python start-up importing torch (what every merge pays before its
+as a merge must to cast or checksum them), the disk alone (`disk write`: as many bytes as the checkpoint's, from
+memory, written and fsynced: the disk's durable write speed on this run), a Python start-up importing torch (what every merge pays before its
 first read: the lines under the table take it off merger's 1-rank wall), the baselines, and merger with each of
 --ranks ranks (several started by `launcher local`, and those of --torchrun also by torchrun), and with --cuda on
 1 rank with `--device cuda` (skipped, with the reason in the table, where torch sees no CUDA device).
@@ -26,7 +27,9 @@ first read: the lines under the table take it off merger's 1-rank wall), the bas
   TP2 EP2, legacy format, written by megatron-core on 2 ranks: benchmarks/build_megatron_qwen35_checkpoint.py):
   baseline the hand-written naive merge in fp32 (benchmarks/naive_megatron_qwen35_merge.py); merger runs with
   `--dtype keep`.
-Wall and CPU times (user + system, every process of the run) are medians; peak RSS is the largest resident set of
+--sizes takes layer counts or sizes (`16GB`: the fsdp or dcp checkpoint of that many layers nearest the size;
+`make bench SIZES=16GB`). Wall and CPU times (user + system, every process of the run) are medians, CPU s/GB per GB
+of the checkpoint's data files; peak RSS is the largest resident set of
 any single process of the run (i.e. per rank); ratios are against the cp floor, cp + sync, dd, merger on 1 rank
 (`x 1 rank`: the scaling) and the format's first baseline; the same figures are drawn into
 docs/benchmark.png (benchmarks/chart.py). With --cap, each merge also runs
@@ -56,10 +59,19 @@ FORMATS = ("fsdp", "dcp", "deepspeed", "megatron_moe", "megatron_qwen35_moe")
 FLOOR = "cp (floor)"
 SYNCED_FLOOR = "cp + sync"
 USER_FLOOR = "dd + fsync"
+# The disk's durable write speed, measured beside the runs it bounds: bytes from memory (random, so that no layer
+# below can compress or skip them), written and fsynced, in the WRITE_CHUNK-sized writes merger's buffered ones use.
+DISK = "disk write"
+_DISK_WRITE = ("import os, sys; path, size = sys.argv[1], int(sys.argv[2]); block = os.urandom(8 << 20); "
+               "os.makedirs(os.path.dirname(path), exist_ok=True); fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644); at = 0\n"
+               "while at < size:\n"
+               "    n = min(len(block), size - at); [os.pwrite(fd, memoryview(block)[i:i + (256 << 10)], at + i) "
+               "for i in range(0, n, 256 << 10)]; at += n\n"
+               "os.fsync(fd); os.close(fd)")
 # A Python start-up that imports torch, as merger imports it (the cyclic GC off: cli.load_library): every merge pays it
 # before it reads a byte, and no tool that casts with torch can overlap it with the disk's work.
 STARTUP = "import torch"
-FLOORS = (FLOOR, SYNCED_FLOOR, USER_FLOOR, STARTUP)
+FLOORS = (FLOOR, SYNCED_FLOOR, USER_FLOOR, DISK, STARTUP)
 ONE_RANK = "merger, 1 rank"
 VERIFIED = ONE_RANK  # the run that --cap also tries with --verify
 CUDA_ROW = "merger, 1 rank, cuda"
@@ -115,6 +127,19 @@ def measure(cmd: list[str], cap: int | None = None, settle: float = 0.0,
     out = subprocess.run(prefix + cmd, env=env, capture_output=True, text=True, preexec_fn=preexec, cwd=ROOT)
     wall, rss_kib, rc, cpu = out.stdout.split()
     return float(wall), int(rss_kib) * 1024, int(rc), float(cpu)
+
+
+def layers_for(size: str, fmt: str, hidden: int) -> int:
+    """A --sizes entry as a layer count: itself, or for a size (`16GB`) the layer count of the fsdp or dcp benchmark
+    model (build_checkpoint.bench_config: vocabulary 32000, intermediate 11/4 of hidden, untied embeddings) whose
+    fp32 parameters come nearest it."""
+    if size.isdigit():
+        return int(size)
+    if fmt not in ("fsdp", "dcp"):
+        raise SystemExit(f"--sizes {size}: sizes are for fsdp and dcp; give {fmt} a layer count")
+    per_layer = 4 * hidden * hidden + 3 * hidden * (hidden * 11 // 4) + 2 * hidden  # attention, MLP, two norms
+    fixed = 2 * 32000 * hidden + hidden  # embeddings, lm_head, final norm
+    return max(1, round((parse_size(size) / 4 - fixed) / per_layer))
 
 
 def build(fmt: str, layers: int, hidden: int, built: list[Path], ranks: int = 2, files_per_rank: int = 1) -> Path:
@@ -204,7 +229,9 @@ def commands(fmt: str, ckpt: Path, dst: Path, ranks: list[int] = (1, 2), torchru
     cp = f"mkdir -p {dst} && cd {ckpt} && cp --parents {files} {dst}/"
     # `sync FILE...` fsyncs those files alone (coreutils), as merger fsyncs its own: not other work's dirty pages
     synced = f"{cp} && cd {dst} && sync {files}"
+    size = sum(f.stat().st_size for f in data_files(fmt, ckpt))
     return {FLOOR: ["bash", "-c", cp], SYNCED_FLOOR: ["bash", "-c", synced], USER_FLOOR: ["bash", "-c", f"cd {ckpt} && {dd}"],
+            DISK: [PY, "-c", _DISK_WRITE, str(dst / "disk_write"), str(size)],
             STARTUP: [PY, "-c", "import gc; gc.disable(); import torch"],
             **(baselines if with_baselines else {}), **merger_runs(merge, ranks, torchrun, cuda)}
 
@@ -273,23 +300,32 @@ def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
         return f"{value:{fmt}}".rjust(width) if value is not None else " " * width
 
     header = (f"{'format':<{width}} | {'checkpoint':>10} | {'run':<20} | {'wall s':>6} | {'CPU s':>6} | "
+              f"{'CPU s/GB':>8} | "
               + " | ".join(f"{c:>9}" for c in cols) + f" | {'peak RSS/rank':>13} | {'x base RSS':>10} | {cap_col}")
     print("\n" + header)
     print("-" * len(header))
     for fmt, size, name, wall, cpu, ratios, rss, vs_rss, note in rows:
         print(f"{fmt:<{width}} | {format_size(size):>10} | {name:<20} | {cell(wall, 6)} | {cell(cpu, 6)} | "
+              f"{cell(cpu / (size / 1e9) if cpu is not None else None, 8, '8.3f')} | "
               + " | ".join(cell(ratios.get(c), 9) for c in cols)
               + f" | {format_size(rss) if rss is not None else '':>13} | {cell(vs_rss, 10)} | {note}")
     print(f"\nmedians of {repeats} warm runs; {os.cpu_count()} cores; CPU s = user + system CPU of every process of "
-          "the run; peak RSS = largest process of the run; "
+          "the run; CPU s/GB = per GB (1e9 bytes) of the checkpoint's data files; disk write = as many bytes from "
+          "memory, written and fsynced (the disk's durable write speed); peak RSS = largest process of the run; "
           "x cp+sync = against cp and a sync of the copies (the copy made durable); x dd = against dd with "
           "conv=fsync (the bytes through memory, durably); x 1 rank = against merger on 1 rank (the scaling); "
           "x base = against the naive merge (fsdp), dcp_to_torch_save + save_file (dcp), DeepSpeed's zero_to_fp32.py "
           "--safe_serialization (deepspeed), the naive fp32 merge (megatron_moe, megatron_qwen35_moe); import torch = "
           "a Python start-up importing torch, which every merge pays before its first read. Targets (issue 34): merger "
           "on 2 ranks <= 1.00 x 1 rank; merger on 1 rank <= 0.75 x cp+sync")
-    for line in after_startup(rows):
+    for line in disk_speeds(rows) + after_startup(rows):
         print(line)
+
+
+def disk_speeds(rows: list[tuple]) -> list[str]:
+    """Per checkpoint, the disk's durable write speed measured in the same run (the `disk write` row)."""
+    return [f"{fmt} {format_size(size)}: the disk wrote {size / wall / 1e9:.2f} GB/s durably (disk write: "
+            f"{format_size(size)} in {wall:.2f} s)" for fmt, size, name, wall, *_ in rows if name == DISK and wall]
 
 
 def after_startup(rows: list[tuple]) -> list[str]:
@@ -310,7 +346,8 @@ def main() -> None:
     p.add_argument("--formats", default="fsdp,dcp", help=f"checkpoint formats to run, of {', '.join(FORMATS)} "
                    "(deepspeed needs the test extra's deepspeed, the megatron ones its megatron-core)")
     p.add_argument("--sizes", default="7,19", help="layer counts of the checkpoints (7 ~ 2 GB, 19 ~ 4.5 GB fp32; "
-                   "megatron_moe: 6 ~ 2.6 GB; megatron_qwen35_moe: 4 ~ 2.7 GB, 8 ~ 4.9 GB)")
+                   "megatron_moe: 6 ~ 2.6 GB; megatron_qwen35_moe: 4 ~ 2.7 GB, 8 ~ 4.9 GB), or for fsdp and dcp "
+                   "sizes (16GB: the layer count nearest it)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size of the model (smaller for quick checks)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--settle", type=float, default=5.0,
@@ -340,7 +377,7 @@ def main() -> None:
     dst = OUT / "target"
     try:
         for fmt in formats:
-            for layers in (int(x) for x in args.sizes.split(",")):
+            for layers in (layers_for(x, fmt, args.hidden) for x in args.sizes.split(",")):
                 ckpt = build(fmt, layers, args.hidden, built, args.build_ranks if fmt in ("fsdp", "dcp") else 2)
                 files = data_files(fmt, ckpt)
                 size = sum(f.stat().st_size for f in files)
