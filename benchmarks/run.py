@@ -11,10 +11,11 @@ read into the page cache (`warm`): `cp` of the data files (the floor: bytes read
 kernel), the same `cp` followed by a `sync` of the copies (the copy made durable, as merger's output is), `dd`
 of them with `conv=fsync` (the floor for a tool that reads the bytes into memory and writes them back durably,
 as a merge must to cast or checksum them), the disk alone (`disk write`: as many bytes as the checkpoint's, from
-memory, written and fsynced: the disk's durable write speed on this run), a Python start-up importing torch (what every merge pays before its
-first read: the lines under the table take it off merger's 1-rank wall), the baselines, and merger with each of
---ranks ranks (several started by `launcher local`, and those of --torchrun also by torchrun), and with --cuda on
-1 rank with `--device cuda` (skipped, with the reason in the table, where torch sees no CUDA device).
+memory, written past the page cache and fsynced: the disk's durable write speed on this run), a Python start-up
+importing torch (what every merge pays before its first read: the lines under the table take it off merger's
+1-rank wall), the baselines, and merger with each of --ranks ranks (several started by `launcher local`, and
+those of --torchrun also by torchrun), and with --cuda on 1 rank with `--device cuda` (skipped, with the reason in
+the table, where torch sees no CUDA device).
 - fsdp (verl's `model_world_size_W_rank_r.pt`): baseline the naive merge (benchmarks/naive_merge.py).
 - dcp (`dcp.save` folder): baselines torch's `dcp_to_torch_save` + `save_file` and accelerate's
   `merge_fsdp_weights` (benchmarks/dcp_baselines.py); both keep fp32, so merger runs with `--dtype keep`.
@@ -60,13 +61,18 @@ FLOOR = "cp (floor)"
 SYNCED_FLOOR = "cp + sync"
 USER_FLOOR = "dd + fsync"
 # The disk's durable write speed, measured beside the runs it bounds: bytes from memory (random, so that no layer
-# below can compress or skip them), written and fsynced, in the WRITE_CHUNK-sized writes merger's buffered ones use.
+# below can compress or skip them) written past the page cache (O_DIRECT, in 8 MiB writes like merger's direct ones:
+# output/direct_writes.py) and fsynced. Buffered writes would time this VM's page cache too: filling new pages
+# cost more CPU than the disk took time (3.3 CPU s for 4.4 GB here).
 DISK = "disk write"
-_DISK_WRITE = ("import os, sys; path, size = sys.argv[1], int(sys.argv[2]); block = os.urandom(8 << 20); "
-               "os.makedirs(os.path.dirname(path), exist_ok=True); fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644); at = 0\n"
-               "while at < size:\n"
-               "    n = min(len(block), size - at); [os.pwrite(fd, memoryview(block)[i:i + (256 << 10)], at + i) "
-               "for i in range(0, n, 256 << 10)]; at += n\n"
+_DISK_WRITE = ("import mmap, os, sys; path, size = sys.argv[1], int(sys.argv[2]); "
+               "os.makedirs(os.path.dirname(path), exist_ok=True); block = mmap.mmap(-1, 8 << 20); "
+               "block.write(os.urandom(8 << 20)); flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC\n"
+               "try: fd = os.open(path, flags | os.O_DIRECT, 0o644)\n"
+               "except OSError: fd = os.open(path, flags, 0o644)  # a filesystem without O_DIRECT\n"
+               "at = 0\n"  # the last write rounded up to a block, as O_DIRECT needs
+               "while at < size: "
+               "at += os.pwrite(fd, memoryview(block)[:-(-min(len(block), size - at) // 4096) * 4096], at)\n"
                "os.fsync(fd); os.close(fd)")
 # A Python start-up that imports torch, as merger imports it (the cyclic GC off: cli.load_library): every merge pays it
 # before it reads a byte, and no tool that casts with torch can overlap it with the disk's work.
@@ -311,7 +317,8 @@ def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
               + f" | {format_size(rss) if rss is not None else '':>13} | {cell(vs_rss, 10)} | {note}")
     print(f"\nmedians of {repeats} warm runs; {os.cpu_count()} cores; CPU s = user + system CPU of every process of "
           "the run; CPU s/GB = per GB (1e9 bytes) of the checkpoint's data files; disk write = as many bytes from "
-          "memory, written and fsynced (the disk's durable write speed); peak RSS = largest process of the run; "
+          "memory, written past the page cache and fsynced (the disk's durable write speed); peak RSS = largest "
+          "process of the run; "
           "x cp+sync = against cp and a sync of the copies (the copy made durable); x dd = against dd with "
           "conv=fsync (the bytes through memory, durably); x 1 rank = against merger on 1 rank (the scaling); "
           "x base = against the naive merge (fsdp), dcp_to_torch_save + save_file (dcp), DeepSpeed's zero_to_fp32.py "
