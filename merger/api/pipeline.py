@@ -262,7 +262,7 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
         tracker = FileTracker(todo, sink, group, stage, manifest, one_host, sender)
         progress = Progress(sum(b.out_bytes for b in todo.batches)) if group.rank == 0 and progress_shown() else None
         run_plan(todo, prepared.catalog, group, sink, progress, options.debug, reader=reader, observer=tracker,
-                 allow_overflow=options.allow_overflow, ranks_here=hosts.count(hosts[group.rank]))
+                 allow_overflow=options.allow_overflow)
 
         def close():
             sink.close()

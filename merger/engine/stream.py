@@ -19,7 +19,7 @@ import torch
 from ..catalog import Catalog
 from ..errors import AgreedError, Failure, MergerError, failure_of
 from ..mapping.steps import OutputSpec
-from ..sources.file_reads import CHUNK, Placed, SourceReads, pread_into, read_threads, source_shrank
+from ..sources.file_reads import CHUNK, Placed, SourceReads, pread_into, source_shrank
 from .dist import Group
 from .overflow import may_have_overflowed, overflow_message, overflowed
 from .plan import Batch, Plan, Runs, block_runs, slab_runs
@@ -293,10 +293,9 @@ def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int,
 
 def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: Progress | None = None,
              debug: bool = False, reader=None, observer: BatchObserver | None = None,
-             allow_overflow: bool = False, ranks_here: int | None = None) -> None:
+             allow_overflow: bool = False) -> None:
     """Stream the whole plan through `sink`. Raises MergerError on every rank if any rank fails, and after the
-    last batch when a cast to float16 lost values (overflow.py), unless `allow_overflow`. `ranks_here`: the ranks
-    on this rank's host, which share its cores (file_reads.read_threads)."""
+    last batch when a cast to float16 lost values (overflow.py), unless `allow_overflow`."""
     # The catalog, the plan and torch's modules live to the end: exempt them from the garbage collector, whose
     # full passes would otherwise walk them all again and again while the batches allocate. Unfrozen after, or
     # whatever was alive now (a caller's garbage cycles, triton's bindings: nanobind then reports them as leaked
@@ -305,13 +304,13 @@ def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: P
         raise TypeError(f"{type(sink).__name__} takes no parts (put_part), and the plan writes outputs in parts")
     gc.freeze()
     try:
-        _stream_plan(plan, catalog, group, sink, progress, debug, reader, observer, allow_overflow, ranks_here)
+        _stream_plan(plan, catalog, group, sink, progress, debug, reader, observer, allow_overflow)
     finally:
         gc.unfreeze()
 
 
 def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: Progress | None, debug: bool,
-                 reader, observer: BatchObserver | None, allow_overflow: bool, ranks_here: int | None) -> None:
+                 reader, observer: BatchObserver | None, allow_overflow: bool) -> None:
     """run_plan's work.
 
     Reading and writing overlap: while a writer thread writes batch k, the main thread reads batch k + 1
@@ -346,7 +345,7 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
         return None
 
     buffers = (BatchBuffers(plan.batches[0::2], group.rank), BatchBuffers(plan.batches[1::2], group.rank))
-    reads = SourceReads(read_threads(ranks_here))
+    reads = SourceReads()
     writing: Future | None = None
     with ThreadPoolExecutor(1, thread_name_prefix="merger-write") as writer:
         for index, batch in enumerate(plan.batches):

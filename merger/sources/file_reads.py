@@ -12,8 +12,6 @@ Safetensors files record no checksum.
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -24,26 +22,9 @@ from ..errors import CorruptSourceError, MergerError, SourceError
 from ..io import reads_objects, storage_of
 from ..io.local import LocalStorage, pread_into
 from ..io.range_file import RangeFile
-from .crc32 import CrcSpans, crc32, crc32_combine
+from .crc32 import CrcSpans, crc32
 
 CHUNK = 1 << 20  # bytes per pread: small enough to stay in cache between the read, the checksum and the cast
-# A contiguous run of at least this many bytes of a local file is read, checksummed and cast by several threads at
-# once, a part each (SourceReads.threads): one thread does all three at about 3 GB/s of fp32 here, a merge's main
-# thread kept one of the 2 cores busy and the other idle but for the writer's work. Parts of 2 chunks at least:
-# below that, handing a part to a thread costs about what the part does.
-SPLIT_MIN = 4 * CHUNK
-# Threads per rank that read one run together, at most: past this a core's memory bandwidth, not its count, bounds
-# the cast (a guess from other machines: this project's has 2 cores).
-MOST_READ_THREADS = 8
-
-
-def read_threads(ranks_here: int | None = None) -> int:
-    """Threads per rank that read a run together: the cores this process may use, shared among the `ranks_here`
-    ranks of its host (None: as many as torchrun or `launcher local` say run here, LOCAL_WORLD_SIZE, else 1).
-    Threads that wait for a core would only add switching."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    ranks = ranks_here if ranks_here is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(MOST_READ_THREADS, cores // max(1, ranks)))
 
 
 def source_shrank(file: str, end: int) -> MergerError:
@@ -157,19 +138,11 @@ class _Check:
 
 
 class SourceReads:
-    """Copies pieces from source files into batch buffers, checking torch.save records as they complete.
+    """Copies pieces from source files into batch buffers, checking torch.save records as they complete."""
 
-    A long contiguous run of a local file is cut into `threads` parts (SPLIT_MIN) that as many threads read, check
-    and cast side by side, each with a scratch buffer of its own; the parts' CRCs are combined (crc32_combine).
-    preadv, ISA-L's CRC and torch's copy_ all release the GIL. A bucket's objects are read on the calling thread
-    alone: its storage holds the blocks it fetched for one reader (merger/io)."""
-
-    def __init__(self, threads: int = 1):
+    def __init__(self):
         self.files = SourceFiles()
-        self.threads = threads
-        self.scratches = [torch.empty(CHUNK, dtype=torch.uint8) for _ in range(threads)]
-        self.scratch = self.scratches[0]  # the calling thread's
-        self.pool: ThreadPoolExecutor | None = None  # started at the first split run
+        self.scratch = torch.empty(CHUNK, dtype=torch.uint8)
         self.checks: dict[tuple[str, int], _Check | None] = {}  # None: verified
 
     def will_read(self, reader: PieceReader, pieces: Iterable[tuple[PieceCopy, ShardPiece, torch.dtype]]) -> None:
@@ -261,42 +234,18 @@ class SourceReads:
         return stored.record.size
 
     def _copy_run(self, stored: Stored, first: int, flat: torch.Tensor) -> tuple[int, int]:
-        """Copy a contiguous run of elements from byte `first` of the storage, in parts on several threads where it
-        is long (SourceReads); (end byte, CRC-32 of the run)."""
-        item = stored.view.dtype.itemsize
-        n = flat.numel()
-        parts = min(self.threads, n * item // (SPLIT_MIN // 2))
-        if parts < 2 or self.files.fd(stored.file) is None:  # fd: opened here, so the threads only read it
-            return first + n * item, self._copy_span(stored, first, flat, self.scratch)
-        step = CHUNK // item  # parts of whole chunks
-        per = -(-n // parts // step) * step
-        bounds = [(lo, min(lo + per, n)) for lo in range(0, n, per)]
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="merger-read")
-        rest = [self.pool.submit(self._copy_span, stored, first + lo * item, flat[lo:hi], self.scratches[k])
-                for k, (lo, hi) in enumerate(bounds[1:], 1)]
-        try:
-            crc = self._copy_span(stored, first, flat[:bounds[0][1]], self.scratch)
-        finally:  # even after a failure: no thread may go on filling the batch buffer or a scratch buffer
-            crcs = [f.exception() or f.result() for f in rest]
-        for (lo, hi), part_crc in zip(bounds[1:], crcs):
-            if isinstance(part_crc, BaseException):
-                raise part_crc
-            crc = crc32_combine(crc, part_crc, (hi - lo) * item) if stored.record is not None else 0
-        return first + n * item, crc
-
-    def _copy_span(self, stored: Stored, first: int, flat: torch.Tensor, scratch: torch.Tensor) -> int:
-        """_copy_run's work for one part, through `scratch` where it casts; the CRC-32 of its bytes."""
+        """Copy a contiguous run of elements from byte `first` of the storage; (end byte, CRC-32 of the run)."""
         dtype = stored.view.dtype
+        end = first + flat.numel() * dtype.itemsize
         if flat.dtype == dtype:  # no cast: straight into the batch buffer
-            return self._read(stored, first, flat.view(torch.uint8))
+            return end, self._read(stored, first, flat.view(torch.uint8))
         crc, step = 0, CHUNK // dtype.itemsize
         for lo in range(0, flat.numel(), step):
             hi = min(lo + step, flat.numel())
-            part = scratch[:(hi - lo) * dtype.itemsize]
+            part = self.scratch[:(hi - lo) * dtype.itemsize]
             crc = self._read(stored, first + lo * dtype.itemsize, part, crc)
             flat[lo:hi].copy_(part.view(dtype))
-        return crc
+        return end, crc
 
     def _copy_strided(self, stored: Stored, first: int, out: torch.Tensor) -> tuple[int, int]:
         """Copy a strided view (a column block, a transposed GroupedMLP expert) into `out`: the span of the storage
@@ -383,7 +332,5 @@ class SourceReads:
                 self.checks[key] = None
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
         self.files.close()
 
