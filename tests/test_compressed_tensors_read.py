@@ -20,6 +20,7 @@ from the oracle's state dict, and two merge ranks write the bytes one process wr
 from __future__ import annotations
 
 import json
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_in
 from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import dequantize
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.helpers.files import snapshot
@@ -116,3 +118,25 @@ def test_inspect_names_the_format(ct_release, capsys):
     assert ("note: compressed-tensors pack-quantized weights (groups of 32), 14 tensors dequantized from their "
             "weight_packed with weight_scale and weight_shape, which are not written; quantization_config left out "
             "of config.json") in out
+
+
+def test_inspect_names_what_the_release_leaves_unquantized(ct_release, capsys):
+    """One line names every tensor the release stores unquantized, layers' indices as `*`. Oracle: the release's
+    own files: its safetensors dtypes as the safetensors library reads them (MXFP8's parts are float8 codes and
+    uint8 scales; a tensor stored in the model's dtype is unquantized) and its config's `ignore`."""
+    release = ct_release("mxfp8-quantized")
+    qc = json.loads((release / "config.json").read_text())["quantization_config"]
+    with safe_open(release / "model.safetensors", "pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    plain = [name for name, dtype in dtypes.items() if dtype == "BF16"]
+    assert {dtype for name, dtype in dtypes.items() if name not in plain} == {"F8_E4M3", "U8"}
+    out = stdout_in_process(capsys, "inspect", "--local_dir", release).splitlines()
+    assert any(f"note: compressed-tensors {qc['format']} weights (groups of "
+               f"{qc['config_groups']['group_0']['weights']['group_size']})" in line for line in out)
+    [line] = [line for line in out if line.startswith("note: unquantized in the release: ")]
+    count, _, listed = line.removeprefix("note: unquantized in the release: ").partition(" tensors (")
+    kinds = listed.removesuffix("), cast to --dtype").split(", ")
+    assert int(count) == len(plain)
+    assert all(sum(fnmatchcase(name, kind) for kind in kinds) == 1 for name in plain)  # each named, once
+    assert all(any(fnmatchcase(name, kind) for name in plain) for kind in kinds)  # nothing else
+    assert all(any(name.startswith(f"{ignored}.") for name in plain) for ignored in qc["ignore"])

@@ -116,8 +116,8 @@ def test_bfloat16_merge_equals_transformers_own_dequantization(releases, tmp_pat
 def test_inspect_names_the_fp8_scheme(releases):
     proc = run_merger("inspect", "--local_dir", releases(), "--json")
     info = json.loads(proc.stdout)
-    assert info["notes"] == ["FP8 block-scaled weights (block 16x16), 14 tensors dequantized; quantization_config "
-                             "left out of config.json"]
+    assert info["notes"][0] == ("FP8 block-scaled weights (block 16x16), 14 tensors dequantized; quantization_config "
+                                "left out of config.json")
     assert info["output_tensors"] == len(dequantized(releases()))
 
 

@@ -25,7 +25,7 @@ from ..options import MergeOptions
 from . import compressed_tensors_codec as codec
 from .compressed_tensors_scheme import READ
 from .hf import model_config
-from .quantized_formats import COMPRESSED_TENSORS, QUANTIZATION_CONFIG, stored_format
+from .quantized_formats import COMPRESSED_TENSORS, QUANTIZATION_CONFIG, stored_format, unquantized_note
 from .saved_names import rename_outputs, saved_names
 from .steps import DEQUANTIZED, Mapping, OutputSpec, Step, cast
 
@@ -165,8 +165,9 @@ def dequantized_mapping(steps: list[Step], hf_dir, config: dict, options: MergeO
     """A release's `steps` written under the names the installed transformers saves, config.json without the
     release's quantization_config (the output holds no quantized weight); `fields`: the Mapping's others."""
     written = [o.name for s in steps for o in s.outputs]
+    unquantized = unquantized_note([s.inputs[0] for s in steps if s.is_cast])
     return Mapping(rename_outputs(steps, saved_names(hf_dir, config, written, options.trust_remote_code)), hf_dir,
-                   config, config_removals=(QUANTIZATION_CONFIG,), notes=(note,), **fields)
+                   config, config_removals=(QUANTIZATION_CONFIG,), notes=(note, unquantized), **fields)
 
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:

@@ -29,7 +29,8 @@ from ..errors import MergerError
 from ..options import MergeOptions
 from .compressed_tensors_codec import e8m0
 from .hf import model_config
-from .quantized_formats import FP8_BLOCK, MXFP8, QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config, stored_format
+from .quantized_formats import (FP8_BLOCK, MXFP8, QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config, stored_format,
+                                unquantized_note)
 from .saved_names import rename_outputs, saved_names
 from .steps import DEQUANTIZED, FLOAT8, Mapping, OutputSpec, Step, cast
 
@@ -168,4 +169,5 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
             f"of config.json")
     kept = [name for name in names if not name.endswith(SCALE_SUFFIX)]
     return Mapping(rename_outputs(steps, saved_names(hf_dir, config, kept, options.trust_remote_code)), hf_dir,
-                   config, config_removals=(QUANTIZATION_CONFIG,), notes=(note,))
+                   config, config_removals=(QUANTIZATION_CONFIG,),
+                   notes=(note, unquantized_note([s.inputs[0] for s in steps if s.is_cast])))

@@ -23,6 +23,7 @@ stored as e8m0 bytes) is FP8 block-scaled: read by fp8.py and written by fp8_qua
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 from pathlib import Path
 
@@ -158,6 +159,14 @@ def stored_format(folder: Path, config: dict, tensors: dict[str, SourceTensor]) 
                               f"describe ({said}): merger does not write a packed tensor as a weight, "
                               f"{tensor.file}")
     return found
+
+
+def unquantized_note(cast_sources: Collection[str]) -> str:
+    """The log's and `inspect`'s line naming the tensors a quantized release stores unquantized (`cast_sources`, the
+    release's names: cast to --dtype, not dequantized), each layer's index as `*` so the line stays one per kind of
+    tensor: a user sees what the release left out of its format (lm_head, norms, an `ignore` list) at a glance."""
+    kinds = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name in cast_sources)
+    return f"merger: unquantized in the release: {len(cast_sources)} tensors ({', '.join(kinds)}), cast to --dtype"
 
 
 def describes_none_of(config: dict, written: Collection[str]) -> bool:
