@@ -45,3 +45,13 @@ def test_a_merge_writes_what_a_cold_start_writes(monkeypatch, tmp_path, fsdp_che
                            "bfloat16", nproc=nproc, cwd=tmp_path / start)
     assert runs["warm"].returncode == runs["cold"].returncode == 0
     assert _files(tmp_path / "warm" / "model") == _files(tmp_path / "cold" / "model") != {}
+
+
+def test_a_variable_this_process_gains_later_reaches_a_warm_start(monkeypatch, tmp_path):
+    """A library a test imports may set variables in the test process's environment (compressed_tensors' import sets
+    TORCHINDUCTOR_CACHE_DIR) after its forker started: the starts that follow are still warm, and still answer as
+    cold ones do."""
+    _run(monkeypatch, "warm", "--version", cwd=tmp_path)
+    monkeypatch.setenv("A_LIBRARYS_CACHE_DIR", str(tmp_path))
+    cold, warm = (_run(monkeypatch, start, "merge", "--bogus", cwd=tmp_path) for start in ("cold", "warm"))
+    assert (warm.returncode, warm.stdout, warm.stderr) == (cold.returncode, cold.stdout, cold.stderr)

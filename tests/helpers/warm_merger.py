@@ -113,24 +113,29 @@ class Forker:
             return self.codes.pop(pid)
 
 
-_forker: Forker | None = None
+_forkers: list[Forker] = []  # every forker this process started, the one in use last
 
 
 def forker_for(env: dict[str, str]) -> Forker | None:
-    """This process's forker, started on first use, if it can start a merger with `env`; else None."""
-    global _forker
+    """This process's forker, started on first use, if it can start a merger with `env`; else None.
+
+    A forker is started anew when this process's own environment no longer matches the one it started with: a
+    library imported by a test sets variables in it (compressed_tensors' import sets TORCHINDUCTOR_CACHE_DIR,
+    ModelOpt's PYTORCH_NVML_BASED_CUDA_CHECK), and every later start would otherwise be cold. The old one is left to
+    end with this process: its children may still run."""
     if not allowed:
         return None
-    if _forker is None or _forker.server.poll() is not None:
-        from tests.helpers.processes import subprocess_env
+    from tests.helpers.processes import subprocess_env
 
-        _forker = Forker(subprocess_env())
-    return _forker if _forker.takes(env) else None
+    own = subprocess_env()
+    if not _forkers or not _forkers[-1].takes(own):
+        _forkers.append(Forker(own))
+    return _forkers[-1] if _forkers[-1].takes(env) else None
 
 
 def started() -> int:
     """How many merger processes this process has started warm."""
-    return _forker.next_id if _forker else 0
+    return sum(forker.next_id for forker in _forkers)
 
 
 def _text(file) -> str:
