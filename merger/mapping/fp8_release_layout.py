@@ -54,6 +54,16 @@ def _hub_headers(repo_id: str, revision: str, folder: Path) -> dict[str, StoredT
     return tensors
 
 
+def quantized_here(quantized: frozenset[str], outputs: dict[str, tuple[int, ...]], folder: Path) -> frozenset:
+    """The outputs that the release in `folder` quantizes (`quantized`: its quantized weights by name); none at all
+    means the release is another model's, which is refused."""
+    here = quantized & outputs.keys()
+    if not here:
+        raise MergerError(f"no tensor of the output is quantized in the release ({len(quantized)} quantized tensors, "
+                          f"none of them here): {FLAG} needs the release of this model, {folder}")
+    return here
+
+
 def release_headers(folder: Path) -> dict[str, StoredTensor]:
     """The release's tensors by name; a Hub id's (whose weights are not fetched) without where their bytes are."""
     repo_id = hub_id_of(folder)

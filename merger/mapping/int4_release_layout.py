@@ -23,7 +23,7 @@ import torch
 from ..errors import MergerError
 from ..hf_folder import read_config
 from .compressed_tensors_codec import INT4_OFFSET, INT4_SHIFTS, int4
-from .fp8_release_layout import readable, release_headers
+from .fp8_release_layout import quantized_here, readable, release_headers
 from .quantized_formats import QUANTIZATION_CONFIG
 from .release_blocks import StoredTensor, as_read, keep, unchanged_blocks
 from .steps import OutputSpec
@@ -88,10 +88,7 @@ def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Int4Out
     tensors = release_headers(folder)
     quantized = {name.removesuffix(PACKED): t for name, t in tensors.items()
                  if name.endswith(PACKED) and name.removesuffix(PACKED) + SCALE in tensors}
-    here = quantized.keys() & outputs.keys()
-    if not here:
-        raise MergerError(f"no tensor of the output is quantized in the release ({len(quantized)} quantized tensors, "
-                          f"none of them here): --quantize_like needs the release of this model, {folder}")
+    here = quantized_here(frozenset(quantized), outputs, folder)
     for name in sorted(here):
         rows, words = quantized[name].shape
         if tuple(outputs[name]) != (rows, words * PER_WORD) or outputs[name][1] % GROUP:

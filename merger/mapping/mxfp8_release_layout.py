@@ -30,7 +30,7 @@ from ..errors import MergerError
 from ..hf_folder import read_config
 from . import fp8_quantize
 from .compressed_tensors_codec import E8M0_BIAS, mxfp8
-from .fp8_release_layout import readable, release_headers
+from .fp8_release_layout import quantized_here, readable, release_headers
 from .quantized_formats import QUANTIZATION_CONFIG
 from .release_blocks import StoredTensor, as_read, keep, per_element, unchanged_blocks
 from .steps import OutputSpec
@@ -111,10 +111,7 @@ def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]], producer: 
     quantized = frozenset(name for name, t in tensors.items()
                           if t.dtype == FP8 and name + SCALE_SUFFIX in tensors
                           and tensors[name + SCALE_SUFFIX].dtype == torch.uint8)
-    here = quantized & outputs.keys()
-    if not here:
-        raise MergerError(f"no tensor of the output is quantized in the release ({len(quantized)} quantized tensors, "
-                          f"none of them here): --quantize_like needs the release of this model, {folder}")
+    here = quantized_here(quantized, outputs, folder)
     for name in sorted(here):
         if tuple(outputs[name]) != tensors[name].shape:
             raise MergerError(f"tensor {name} is {list(outputs[name])} here but {list(tensors[name].shape)} in the "
