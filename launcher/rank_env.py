@@ -3,13 +3,40 @@ launchers that start merger's ranks themselves: forked on this machine (`launche
 from __future__ import annotations
 
 import os
+import random
 import socket
+from pathlib import Path
 
 from .paths import python_path
 
 
+# Where free ports are drawn from: below the kernel's ephemeral range, from FIRST_PORT up.
+FIRST_PORT = 20000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+DRAWS = 64
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on at `host` now: where rank 0 will host torch.distributed's store."""
+    """A TCP port nobody listens on at `host` now: where rank 0 will host torch.distributed's store.
+
+    Drawn from below the kernel's ephemeral range. A port the kernel picked (a bind to port 0) stays free only until
+    it hands that port to the next connection or listener of any process on the host, gloo's among them, while the
+    ranks take seconds to start: rank 0 then cannot listen (EADDRINUSE), and another rank may join a stranger's store
+    and wait in it. A port below the range is taken only by a bind that names it; drawn at random (not from
+    `random`, which a test runner seeds alike in every worker), two launchers draw the same one rarely."""
+    draw = random.SystemRandom()
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the kernel's pick
+        low = FIRST_PORT
+    for _ in range(DRAWS if low > FIRST_PORT else 0):
+        port = draw.randrange(FIRST_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # taken
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

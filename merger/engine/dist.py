@@ -193,15 +193,32 @@ def init_group(device: str = "auto", timeout_s: float = 600) -> Group:
         local = _own_gpu(rank, world)
         torch.cuda.set_device(local)
         try:
-            dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
+            with _store_port_taken(rank, addr, port):
+                dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
         except dist.DistBackendError as e:  # eager init (device_id): NCCL's checks fail here, on every rank
             raise MergerError(f"--device cuda: NCCL did not start on cuda:{local} (rank {rank} of {world}): "
                               f"{str(e).splitlines()[0]}. Two ranks on one GPU is one cause (NCCL takes one rank per "
                               "GPU: see LOCAL_RANK and CUDA_VISIBLE_DEVICES); NCCL_DEBUG=WARN says more") from e
         control = dist.new_group(backend="gloo", timeout=timeout)
         return Group(rank, world, torch.device("cuda", local), control, PeerWatch(rank, world))
-    dist.init_process_group("gloo", timeout=timeout)
+    with _store_port_taken(rank, addr, port):
+        dist.init_process_group("gloo", timeout=timeout)
     return Group(rank, world, torch.device("cpu"), dist.group.WORLD, PeerWatch(rank, world))
+
+
+@contextlib.contextmanager
+def _store_port_taken(rank: int, addr: str | None, port: str | None):
+    """Rank 0 hosts the store under plain env:// (launcher local, Slurm): a MASTER_PORT that another process holds is
+    one line saying so, not torch's DistNetworkError with a C++ trace."""
+    import torch.distributed as dist
+
+    try:
+        yield
+    except dist.DistNetworkError as e:
+        if rank != 0 or "EADDRINUSE" not in str(e):
+            raise
+        raise MergerError(f"rank 0 cannot host the group's store on port {port} of {addr}: another process holds "
+                          f"that port (MASTER_PORT); start the ranks again with a free one") from e
 
 
 def _own_gpu(rank: int, world: int) -> int:

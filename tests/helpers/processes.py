@@ -5,24 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from launcher.rank_env import free_port  # the tests draw their ports as the launchers do
 from tests.helpers import warm_merger
+from tests.helpers.hung import DUMP_WAIT_S, TimedOut, end_for_stacks
 from tests.helpers.paths import HELPERS, ROOT
 from tests.helpers.written_cache import write_through_cache
 
 PAUSED_MERGER = HELPERS / "paused_merger.py"
 THREADS_AFTER_MERGE = HELPERS / "threads_after_merge.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def subprocess_env(extra: dict | None = None) -> dict:
@@ -34,6 +30,7 @@ def subprocess_env(extra: dict | None = None) -> dict:
     # run eagerly: the same functions, without dynamo tracing them in every rank and inductor compiling C++ for a
     # CPU that runs each once. merger itself compiles nothing.
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a process past its test's timeout shows its stacks (hung.py)
     env["PYTHONWARNINGS"] = "ignore"
     for key, value in (extra or {}).items():
         env[key] = value + os.pathsep + env[key] if key == "PYTHONPATH" else value
@@ -52,9 +49,9 @@ def torchrun_cmd(nproc: int, python: str = sys.executable) -> list[str]:
 
 def run(cmd: list[str], timeout: float = 300, check: bool = True, env: dict | None = None,
         preexec_fn=None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=subprocess_env(env), capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=preexec_fn)
-    return checked(cmd, proc, check)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=preexec_fn)
+    return checked(cmd, wait_ranks([proc], cmd, timeout), check)
 
 
 def checked(cmd: list, proc: subprocess.CompletedProcess, check: bool) -> subprocess.CompletedProcess:
@@ -139,15 +136,14 @@ def start_ranks(*args, nproc: int, env: dict | None = None, wrap: dict | None = 
 def wait_ranks(procs: list[subprocess.Popen], args, timeout: float = 120) -> subprocess.CompletedProcess:
     """Every rank waited for, their pipes drained side by side (a rank blocked on a full pipe would stall its peers
     in a collective); their stdout and stderr in rank order and the first failure's exit status. Past `timeout`,
-    every rank is killed and TimeoutExpired raised, as subprocess.run does."""
+    every rank dumps its stacks and is killed, and TimeoutExpired raised with them (hung.py)."""
     with ThreadPoolExecutor(len(procs)) as pool:
-        waits = [pool.submit(p.communicate, timeout=timeout) for p in procs]
-        try:
-            outs = [w.result() for w in waits]
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
+        waits = [pool.submit(p.communicate) for p in procs]
+        if futures.wait(waits, timeout).not_done:
+            ended = end_for_stacks([p.pid for p in procs], lambda: futures.wait(waits, DUMP_WAIT_S).not_done)
+            raise TimedOut(args, timeout, [w.result()[1] if ended else "" for w in waits],
+                           "".join(w.result()[0] for w in waits) if ended else None)
+        outs = [w.result() for w in waits]
     code = next((p.returncode for p in procs if p.returncode), 0)
     return subprocess.CompletedProcess(args, code, "".join(o for o, _ in outs), "".join(e for _, e in outs))
 

@@ -19,7 +19,6 @@ import contextlib
 import io
 import json
 import locale
-import os
 import socket
 import subprocess
 import sys
@@ -28,14 +27,15 @@ import threading
 import time
 from pathlib import Path
 
+from tests.helpers.hung import DUMP_WAIT_S, TimedOut, end_for_stacks
 from tests.helpers.paths import ROOT
 
 # Variables that may differ between the forker's environment and a child's: the process group's (read when the
-# group starts), and those of libraries the forker has not imported (the S3 and Hub clients read theirs when a
-# merge first uses them), TMPDIR (the child forgets tempfile's cached folder), and the name of the current test.
+# group starts), and those of libraries the forker has not imported (the S3, GCS, Azure and Hub clients read theirs
+# when a merge first uses them), TMPDIR (the child forgets tempfile's cached folder), and the name of the current test.
 WARM_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TMPDIR",
-                  "PYTEST_CURRENT_TEST"}
-WARM_PREFIXES = ("AWS_", "HF_", "MERGER_")
+                  "PYTEST_CURRENT_TEST", "STORAGE_EMULATOR_HOST"}
+WARM_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_", "HF_", "MERGER_")
 MERGER_MAIN = str(ROOT / "merger" / "__main__.py")
 
 # Set per test by tests/conftest.py: False for tests marked `interpreter`.
@@ -155,12 +155,14 @@ def run_group(forker: Forker, cmd: list, args: list[str], envs: list[dict[str, s
         deadline = None if timeout is None else time.monotonic() + timeout
         codes = [forker.wait(pid, None if deadline is None else max(0.0, deadline - time.monotonic())) for pid in pids]
         if None in codes:
-            for pid in pids:
-                _kill(pid)
-            for pid in pids:
-                forker.wait(pid, None)
-            raise subprocess.TimeoutExpired(cmd, timeout, "".join(_text(o) for o, _ in files),
-                                            "".join(_text(e) for _, e in files))
+            pending = [pid for pid, code in zip(pids, codes) if code is None]
+
+            def running() -> bool:
+                pending[:] = [pid for pid in pending if forker.wait(pid, DUMP_WAIT_S) is None]
+                return bool(pending)
+
+            end_for_stacks(pending, running)
+            raise TimedOut(cmd, timeout, [_text(e) for _, e in files], "".join(_text(o) for o, _ in files))
         code = next((c for c in codes if c), 0)
         return subprocess.CompletedProcess(cmd, code, "".join(_text(o) for o, _ in files),
                                            "".join(_text(e) for _, e in files))
@@ -168,10 +170,3 @@ def run_group(forker: Forker, cmd: list, args: list[str], envs: list[dict[str, s
         for out, err in files:
             out.close()
             err.close()
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, 9)
-    except ProcessLookupError:
-        pass

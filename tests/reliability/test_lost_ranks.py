@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.processes import PAUSED_MERGER, run_merger, start_ranks
+from tests.helpers.processes import PAUSED_MERGER, rank_env, run_merger, start_ranks
 from tests.helpers.reliability import (RANK0, RANK1, SMALL, WORLD, children, kill_rank_mid_merge, lost_line,
                                        start_merge, wait_all)
 from tests.helpers.weights import assert_same_weights
@@ -188,3 +188,19 @@ def test_ranks_that_finish_leave_without_a_word(ckpt, reference, tmp_path):
     proc, _ = wait_all(start_ranks(*args, nproc=WORLD), args)
     assert proc.returncode == 0 and "merger: error" not in proc.stderr, proc.stderr
     assert_same_weights(tmp_path / "out", reference, torch.bfloat16)
+
+
+def test_a_store_port_another_process_holds_is_one_line_from_rank_0(ckpt, tmp_path):
+    """Rank 0 of a plain env:// group hosts the store on MASTER_PORT: one that a stranger listens on already is said
+    in one line, and nothing is written."""
+    with socket.socket() as stranger:
+        stranger.bind(("127.0.0.1", 0))
+        stranger.listen()
+        port = stranger.getsockname()[1]
+        proc = run_merger("merge", "--local_dir", ckpt, "--target_dir", tmp_path / "out", check=False,
+                          env=rank_env(None, 0, WORLD, port))
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines() == [f"merger: error: rank 0 cannot host the group's store on port {port} of "
+                                        f"127.0.0.1: another process holds that port (MASTER_PORT); start the ranks "
+                                        f"again with a free one"]
+    assert not (tmp_path / "out").exists()
