@@ -82,7 +82,8 @@ def test_after_training_unchanged_groups_keep_their_bytes_and_changed_ones_are_c
     assert len(whole) == 7
     source, weights = trained(bf16, [m + ".weight" for m in whole], partly + ".weight",
                               (row, changed_group * GROUP + 3), tmp_path / "trained")
-    got = load_safetensors_folder(merge_in_process(source, tmp_path / "out", "--quantize_like", release))
+    got = load_safetensors_folder(merge_in_process(source, tmp_path / "out", "--quantize_like", release,
+                                                  "--verify"))
     want = compressed_tensors_of(fmt, weights, tmp_path / "want")
 
     assert sorted(got) == sorted(stored)

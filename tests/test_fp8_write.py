@@ -11,6 +11,7 @@ logits stay within FP8's error of the bfloat16 model's; the one-process merge fo
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 import transformers
 from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
+from merger.mapping import fp8_quantize
 from tests.helpers.files import snapshot
 from tests.helpers.in_process import merge_here, merge_in_process, run_in_process
 from tests.helpers.processes import run_merger
@@ -371,3 +373,28 @@ def test_quantizing_from_float16_is_refused(deepseek, tmp_path, capsys):
                                     f"float16 cannot hold every weight: use --dtype bfloat16 (the default) or "
                                     f"float32, {release}"]
     assert not (tmp_path / "out").exists()
+
+
+def test_verify_reads_each_quantized_tensor_back_within_fp8_error(llama_128, tmp_path, capsys, monkeypatch):
+    """--verify reads the FP8 output back with merger's reader: within e4m3's bound of the weights it passes. A
+    quantizer that writes one block's scale twice too large writes the same bytes in --verify's re-run, so only the
+    read-back sees it: one line naming the tensor, and nothing at the target."""
+    args = ("--local_dir", llama_128, "--quantize", "fp8-block", "--verify")
+    assert merge_here(capsys, *args, "--target_dir", tmp_path / "out") == (0, [])
+    quantize = fp8_quantize.quantize
+
+    def doubled_last_scale(*a, **kw):
+        codes, scales = quantize(*a, **kw)
+        scales = scales.clone()
+        scales.view(-1)[-1] *= 2
+        return codes, scales
+
+    monkeypatch.setattr(fp8_quantize, "quantize", doubled_last_scale)
+    assert merge_here(capsys, *args[:-1], "--target_dir", tmp_path / "unverified") == (0, [])  # unseen without it
+    code, errors = merge_here(capsys, *args, "--target_dir", tmp_path / "faulty")
+    assert code == 1 and len(errors) == 1, errors
+    assert re.fullmatch(r"merger: error: --verify: model\.layers\.0\.\S+\.weight, quantized as FP8, reads back \S+ away "
+                        r"from its bfloat16 weight at \[\d+, \d+\], beyond the format's bound there \(\S+; \d+ elements "
+                        r"beyond it\): the output would not load as the merged weights, and nothing was moved to the "
+                        r"target", errors[0]), errors[0]
+    assert not (tmp_path / "faulty").exists()

@@ -74,7 +74,8 @@ def test_after_training_unchanged_groups_keep_their_bytes_and_changed_ones_are_t
     whole = [n for n in quantized_names(stored) if n.startswith("model.layers.1.")]
     assert len(whole) == 7
     source, weights = trained(bf16, whole, partly, (row, changed_group * GROUP + 3), tmp_path / "trained")
-    got = load_safetensors_folder(merge_in_process(source, tmp_path / "out", "--quantize_like", release))
+    got = load_safetensors_folder(merge_in_process(source, tmp_path / "out", "--quantize_like", release,
+                                                  "--verify"))
 
     assert sorted(got) == sorted(stored)
     for name in whole:

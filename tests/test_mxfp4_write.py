@@ -265,7 +265,7 @@ def test_quantize_like_keeps_the_release_s_bytes_where_training_changed_nothing(
     trained[part][1, 40, 7] += 1  # expert 1, in 40: block 1 of `in` for out 7
     trained_dir = save_gpt_oss(tmp_path / "trained", trained, seed=2)
     assert merge_here(capsys, "--local_dir", trained_dir, "--target_dir", tmp_path / "like", "--quantize_like",
-                      folder) == (0, [])
+                      folder, "--verify") == (0, [])
     assert merge_here(capsys, "--local_dir", trained_dir, "--target_dir", tmp_path / "q", "--quantize",
                       "mxfp4") == (0, [])
     like, redone = load_safetensors_folder(tmp_path / "like"), load_safetensors_folder(tmp_path / "q")

@@ -80,7 +80,8 @@ def test_after_training_unchanged_blocks_keep_their_bytes_and_changed_ones_are_t
     assert len(whole) == 7
     source, weights = trained(bf16, whole, partly, (untouched[0] * BLOCK + 5, untouched[1] * BLOCK + 7),
                               tmp_path / "trained")
-    got = load_safetensors_folder(merge_in_process(source, tmp_path / "out", "--quantize_like", release))
+    got = load_safetensors_folder(merge_in_process(source, tmp_path / "out", "--quantize_like", release,
+                                                  "--verify"))
 
     assert sorted(got) == sorted(stored)
     for name in whole:

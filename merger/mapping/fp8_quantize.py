@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .fp8 import E8M0_BYTES, band_rows, dequantize, scale_shape
+from .quantized_check import E4M3_HALF_STEP
 from .quantized_formats import SCALE_SUFFIX
 from .release_blocks import StoredTensor, as_read, keep, per_element, unchanged_blocks
 from .steps import OutputSpec
@@ -114,3 +115,9 @@ whose bytes unchanged blocks keep (None: every block quantized)."""
             return list(quantize(self.block, self.ue8m0, tensor, self.scale_dtype))
         stored = (self.release[spec.name].read(spec.rows), self.release[spec.name + SCALE_SUFFIX].read(spec.rows))
         return list(quantize_keeping(self.block, self.ue8m0, tensor, self.scale_dtype, stored))
+
+    def read_back(self, parts: list[torch.Tensor], spec: OutputSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the weight as merger reads `parts`, each element's bound: quantized_check.py)."""
+        codes, scales = parts
+        return (dequantize(self.block, [codes, scales])[0],
+                dequantize(self.block, [torch.full_like(codes, E4M3_HALF_STEP), scales])[0])

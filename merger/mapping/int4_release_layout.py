@@ -24,6 +24,7 @@ from ..errors import MergerError
 from ..hf_folder import read_config
 from .compressed_tensors_codec import INT4_OFFSET, INT4_SHIFTS, int4
 from .fp8_release_layout import quantized_here, readable, release_headers
+from .quantized_check import int4_half_step
 from .quantized_formats import QUANTIZATION_CONFIG
 from .release_blocks import StoredTensor, as_read, keep, unchanged_blocks
 from .steps import OutputSpec
@@ -33,6 +34,10 @@ GROUP = 32
 PER_WORD = 8
 HALF_RANGE = 7.5  # (7 - (-8)) / 2
 PACKED, SCALE, SHAPE = "_packed", "_scale", "_shape"  # `<m>.weight` -> `<m>.weight_packed`, ...
+
+
+# A word of eight codes of +1 (offset nibbles 9), as int32: times the scales, the group's scale at each element
+ONES = int.from_bytes(bytes([(1 + INT4_OFFSET) * 0x11] * 4), "little", signed=True)
 
 
 def quantize(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +85,11 @@ class Int4Output:
         new_packed, new_scales = quantize(tensor, self.scale_dtype)
         words = grid.repeat_interleave(GROUP // PER_WORD, dim=-1)  # a group is 4 words
         return [keep(words, packed, new_packed), keep(grid, scales, new_scales), shape]
+
+    def read_back(self, parts: list[torch.Tensor], spec: OutputSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the weight as merger reads `parts`, each element's bound: quantized_check.py)."""
+        packed, scales, _ = parts
+        return int4(packed, scales), int4(torch.full_like(packed, ONES), scales) * int4_half_step(self.scale_dtype)
 
 
 def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Int4Output:

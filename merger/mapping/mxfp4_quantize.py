@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .compressed_tensors_codec import E8M0_BIAS, mxfp4
+from .quantized_check import E2M1_HALF_STEP
 from .release_blocks import StoredTensor, as_read, keep
 from .steps import OutputSpec
 
@@ -50,6 +51,7 @@ E2M1_MAX = 6.0
 # of them it reaches (a tie goes up, away from zero)
 MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 SIGN = 0x8
+ONES = 0x22  # a byte of two e2m1 codes of 1.0: times the scales, the block's scale at each element
 
 
 def packed_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -86,11 +88,16 @@ def quantize(weight: torch.Tensor) -> list[torch.Tensor]:
     return [blocks, scales]
 
 
+def _values(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The weight [E, in, out] that `blocks` and `scales` hold, as transformers' dequantizer reads them."""
+    return mxfp4(blocks.flatten(-2), scales).transpose(-1, -2)
+
+
 def quantize_keeping(weight: torch.Tensor, release: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
     """quantize(), but each block whose values are the `release`'s (its blocks and scales, dequantized and cast to
     `weight`'s dtype: what transformers' dequantizer gives) keeps the release's bytes."""
     blocks, scales = release
-    values = mxfp4(blocks.flatten(-2), scales).transpose(-1, -2)  # [E, in, out], as the weight
+    values = _values(blocks, scales)
     grid = as_read(values, weight).transpose(-1, -2).unflatten(-1, (-1, BLOCK)).all(-1)
     if grid.all():  # nothing changed: no quantizing
         return [blocks, scales]
@@ -123,3 +130,7 @@ class Mxfp4Output:
             return quantize(tensor)
         return quantize_keeping(tensor, (self.release[spec.name + BLOCKS_SUFFIX].read(spec.rows),
                                          self.release[spec.name + SCALES_SUFFIX].read(spec.rows)))
+
+    def read_back(self, parts: list[torch.Tensor], spec: OutputSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the weight as merger reads `parts`, each element's bound: quantized_check.py)."""
+        return _values(*parts), _values(torch.full_like(parts[0], ONES), parts[1]) * E2M1_HALF_STEP

@@ -31,6 +31,7 @@ from ..hf_folder import read_config
 from . import fp8_quantize
 from .compressed_tensors_codec import E8M0_BIAS, mxfp8
 from .fp8_release_layout import quantized_here, readable, release_headers
+from .quantized_check import E4M3_HALF_STEP
 from .quantized_formats import QUANTIZATION_CONFIG
 from .release_blocks import StoredTensor, as_read, keep, per_element, unchanged_blocks
 from .steps import OutputSpec
@@ -101,6 +102,11 @@ class Mxfp8Output:
             return list(self.rule(tensor))
         return quantize_keeping(self.rule, tensor, (self.release[spec.name].read(spec.rows),
                                                     self.release[spec.name + SCALE_SUFFIX].read(spec.rows)))
+
+    def read_back(self, parts: list[torch.Tensor], spec: OutputSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the weight as merger reads `parts`, each element's bound: quantized_check.py)."""
+        codes, scales = parts
+        return mxfp8(codes, scales), mxfp8(torch.full_like(codes, E4M3_HALF_STEP), scales)
 
 
 def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]], producer: str, rule: Rule,

@@ -228,7 +228,8 @@ def _quantized(mapping: Mapping, options: MergeOptions) -> Mapping:
     notes += partial
     if options.quantize_like is not None:
         notes += (_kept_blocks(layout, name),)
-    return dataclasses.replace(mapping, steps=quantize_steps(mapping.steps, layout), notes=(*mapping.notes, *notes),
+    steps = quantize_steps(mapping.steps, layout, checked_as=name if options.verify else None)
+    return dataclasses.replace(mapping, steps=steps, notes=(*mapping.notes, *notes),
                                extra_files={**mapping.extra_files, **files},
                                config_updates={**mapping.config_updates,
                                                QUANTIZATION_CONFIG: layout.quantization_config},

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from .quantized_check import check
 from .steps import OutputSpec, Step, Transform
 
 
@@ -29,21 +30,31 @@ class QuantizedLayout(Protocol):
 
     def quantize(self, tensor: torch.Tensor, spec: OutputSpec) -> list[torch.Tensor]: ...
 
+    def read_back(self, parts: list[torch.Tensor], spec: OutputSpec) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 def _run(transform: Transform | None, quantize_from: tuple[OutputSpec | None, ...], layout: QuantizedLayout,
-         tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+         checked_as: str | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The step's own results, each quantized output quantized from its tensor in its spec's dtype (the dtype the
-    policy gave it: what transformers' quantizer is handed, a model loaded at --dtype)."""
+    policy gave it: what transformers' quantizer is handed, a model loaded at --dtype); with `checked_as` (the
+    format's name, under --verify), each read back and checked against that tensor (quantized_check.py)."""
     results = tensors if transform is None else transform(tensors)
     out = []
     for tensor, spec in zip(results, quantize_from):
-        out.extend([tensor] if spec is None else layout.quantize(tensor.to(spec.dtype), spec))
+        if spec is None:
+            out.append(tensor)
+            continue
+        weight = tensor.to(spec.dtype)
+        parts = layout.quantize(weight, spec)
+        if checked_as is not None:
+            check(spec.name, checked_as, weight, *layout.read_back(parts, spec))
+        out.extend(parts)
     return out
 
 
-def quantize_steps(steps: list[Step], layout: QuantizedLayout) -> list[Step]:
+def quantize_steps(steps: list[Step], layout: QuantizedLayout, checked_as: str | None = None) -> list[Step]:
     """`steps` with each output `layout` quantizes written as it says, and each other output in the dtype `layout`
-    gives it, where it gives one."""
+    gives it, where it gives one; with `checked_as`, each quantized output checked as it is read back (_run)."""
     out = []
     for step in steps:
         specs, quantize_from = [], []
@@ -56,7 +67,8 @@ def quantize_steps(steps: list[Step], layout: QuantizedLayout) -> list[Step]:
                 specs.append(spec if keep is None else dataclasses.replace(spec, dtype=keep))
                 quantize_from.append(None)
         if any(q is not None for q in quantize_from):
-            step = Step(step.inputs, tuple(specs), partial(_run, step.transform, tuple(quantize_from), layout))
+            step = Step(step.inputs, tuple(specs), partial(_run, step.transform, tuple(quantize_from), layout,
+                                                           checked_as))
         else:
             step = dataclasses.replace(step, outputs=tuple(specs))
         out.append(step)
