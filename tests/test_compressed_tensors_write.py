@@ -1,13 +1,14 @@
-"""`--quantize_like` a compressed-tensors release in `mxfp8-quantized` or INT4 `pack-quantized`: the output in the
-release's layout, every byte of it where training changed nothing, and compressed-tensors' own bytes where it did
-(#49 items 2 and 3).
+"""`--quantize_like` a compressed-tensors release in `mxfp8-quantized`, INT4 `pack-quantized` or
+`mxfp4-pack-quantized`: the output in the release's layout, every byte of it where training changed nothing, and
+compressed-tensors' own bytes where it did (#49 items 2 and 3).
 
 The releases are written by compressed-tensors itself (tests/writers/compressed_tensors_release.py: its
-`compute_dynamic_scales_and_zp` and `ModelCompressor` on a tiny bfloat16 Llama, as llmcompressor saves MXFP8A16 and
-Kimi-K2's INT4 in groups of 32). Oracles, none of them merger's code: the release's own bytes for what training
-left alone, and the release compressed-tensors writes of the trained model for what it changed. compressed-tensors'
-rules are not fixed points on their own output (MXFP8 rounds a group's amax to a power of two with FP4's one
-mantissa bit; INT4's scale is amax / 7.5): the tests check that premise too.
+`compute_dynamic_scales_and_zp` and `ModelCompressor` on a tiny bfloat16 Llama, as llmcompressor saves MXFP8A16,
+MXFP4A16 and Kimi-K2's INT4 in groups of 32). Oracles, none of them merger's code: the release's own bytes for what
+training left alone, and the release compressed-tensors writes of the trained model for what it changed.
+compressed-tensors' rules are not fixed points on their own output (MXFP8 rounds a group's amax to a power of two
+with FP4's one mantissa bit; INT4's scale is amax / 7.5; MXFP4 writes a -0 it reads back as +0): the tests check
+that premise too.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ FORMATS = {
                                    "weight_scale per 32 elements)"),
     "pack-quantized": (".weight_packed", "compressed-tensors INT4 like {} (int32 weight_packed of 8 codes, bfloat16 "
                                          "weight_scale per 32 elements, int64 weight_shape)"),
+    "mxfp4-pack-quantized": (".weight_packed", "compressed-tensors MXFP4 like {} (uint8 weight_packed of 2 e2m1 codes, "
+                                               "uint8 (e8m0) weight_scale per 32 elements)"),
 }
 
 
@@ -45,6 +48,12 @@ def modules(state: dict) -> list[str]:
     return [n.removesuffix(SCALE) for n in state if n.endswith(SCALE)]
 
 
+def groups_differ(fmt: str, module: str, a: dict, b: dict) -> torch.Tensor:
+    """bool [out, in / 32]: whether each group of `module`'s weight has other bytes (codes or scale) in `a` and `b`."""
+    codes = [bits(s[module + FORMATS[fmt][0]]).unflatten(-1, (a[module + SCALE].shape[-1], -1)) for s in (a, b)]
+    return (codes[0] != codes[1]).any(-1) | (bits(a[module + SCALE]) != bits(b[module + SCALE]))
+
+
 def compressed_tensors_of(fmt: str, weights: dict, folder) -> dict[str, torch.Tensor]:
     """What compressed-tensors writes for a model of these weights (bfloat16, every tensor of the model)."""
     return load_safetensors_folder(write_release(folder, fmt, weights=weights))
@@ -57,9 +66,10 @@ def test_release_read_and_written_like_itself_is_every_byte_of_it(plain, tmp_pat
     assert len(modules(stored)) == 14
     config, release_config = (json.loads((f / "config.json").read_text()) for f in (tmp_path / "back", release))
     assert config["quantization_config"] == release_config["quantization_config"]
-    # the premise: compressed-tensors itself, on the values read back, writes other bytes somewhere
+    # the premise: compressed-tensors itself, on the values read back, writes other bytes somewhere (MXFP8's and
+    # INT4's scales; MXFP4's -0 codes, which it writes as +0)
     again = compressed_tensors_of(fmt, load_safetensors_folder(bf16), tmp_path / "again")
-    assert any(not torch.equal(again[m + SCALE], stored[m + SCALE]) for m in modules(stored))
+    assert any(groups_differ(fmt, m, again, stored).any() for m in modules(stored))
     notes = json.loads(stdout_in_process(capsys, "inspect", "--local_dir", bf16, "--quantize_like", release,
                                          "--json"))["notes"]
     assert (f"14 tensors written as {FORMATS[fmt][1].format(release)}; quantization_config copied into "
@@ -76,7 +86,7 @@ def test_after_training_unchanged_groups_keep_their_bytes_and_changed_ones_are_c
     stored, merged = load_safetensors_folder(release), load_safetensors_folder(bf16)
     again = compressed_tensors_of(fmt, merged, tmp_path / "again")
     partly, row, kept_group = next((m, int(r), int(g)) for m in modules(stored) if m.startswith("model.layers.1.")
-                                   for r, g in (again[m + SCALE] != stored[m + SCALE]).nonzero()[:1])
+                                   for r, g in groups_differ(fmt, m, again, stored).nonzero()[:1])
     changed_group = (kept_group + 1) % (merged[partly + ".weight"].shape[-1] // GROUP)
     whole = [m for m in modules(stored) if m.startswith("model.layers.0.")]
     assert len(whole) == 7
@@ -98,7 +108,6 @@ def test_after_training_unchanged_groups_keep_their_bytes_and_changed_ones_are_c
     assert torch.equal(bits(got[partly + SCALE][changed]), bits(want[partly + SCALE][changed]))
     assert torch.equal(bits(got_codes[~changed]), bits(stored_codes[~changed]))
     assert torch.equal(bits(got[partly + SCALE][~changed]), bits(stored[partly + SCALE][~changed]))
-    assert not torch.equal(bits(want[partly + SCALE][row, kept_group]),
-                           bits(got[partly + SCALE][row, kept_group]))  # kept, not redone
+    assert groups_differ(fmt, partly, want, got)[row, kept_group]  # kept, not redone
     for name in set(stored) - written:
         assert got[name].dtype == stored[name].dtype and torch.equal(bits(got[name]), bits(stored[name])), name

@@ -159,11 +159,12 @@ def test_a_lora_into_a_release_is_refused(fmt, ct_release, tmp_path, capsys):
 
 
 def test_quantize_like_a_release_is_refused(ct_release, plain, tmp_path, capsys):
-    release = ct_release("mxfp4-pack-quantized")
+    """NVFP4: the compressed-tensors format merger reads but does not write yet."""
+    release = ct_release("nvfp4-pack-quantized")
     before = {p.name for p in tmp_path.iterdir()}
     code, errors = merge_here(capsys, "--local_dir", plain, "--target_dir", tmp_path / "out", "--quantize_like",
                               release)
-    assert_refused(code, errors, "compressed-tensors mxfp4-pack-quantized weights (config.json's quantization_config) "
+    assert_refused(code, errors, "compressed-tensors nvfp4-pack-quantized weights (config.json's quantization_config) "
                    "as --quantize_like's release", release / "config.json", tmp_path, before)
 
 

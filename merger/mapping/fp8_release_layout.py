@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from ..errors import MergerError
 from ..hf_folder import read_config, weight_files
 from ..safetensors_io import DTYPES_BY_NAME, read_header
@@ -62,6 +64,27 @@ def quantized_here(quantized: frozenset[str], outputs: dict[str, tuple[int, ...]
         raise MergerError(f"no tensor of the output is quantized in the release ({len(quantized)} quantized tensors, "
                           f"none of them here): {FLAG} needs the release of this model, {folder}")
     return here
+
+
+def packed_release(folder: Path, outputs: dict[str, tuple[int, ...]], parts: tuple[str, ...], per_code: int,
+                   group: int) -> tuple[dict[str, StoredTensor], frozenset[str], dict[str, torch.dtype]]:
+    """A compressed-tensors release that stores each quantized weight `<m>.weight` [out, in] as its `parts` (the
+    first holds the codes, [out, in / per_code]; the second the scales, a group of `group` elements each): the
+    release's tensors, the weights of `outputs` it quantizes, and the dtypes it stores its other floating point
+    tensors in. A weight shaped otherwise here, or not in whole groups, is refused."""
+    tensors = release_headers(folder)
+    codes, scales = parts[0], parts[1]
+    quantized = {name.removesuffix(codes): t for name, t in tensors.items()
+                 if name.endswith(codes) and name.removesuffix(codes) + scales in tensors}
+    here = quantized_here(frozenset(quantized), outputs, folder)
+    for name in sorted(here):
+        rows, units = quantized[name].shape
+        if tuple(outputs[name]) != (rows, units * per_code) or outputs[name][1] % group:
+            raise MergerError(f"tensor {name} is {list(outputs[name])} here but {[rows, units * per_code]} in the "
+                              f"release: {FLAG} needs the release of this model, {folder}")
+    stored = {name + part for name in quantized for part in parts}
+    dtypes = {name: t.dtype for name, t in tensors.items() if name not in stored and t.dtype.is_floating_point}
+    return tensors, here, dtypes
 
 
 def release_headers(folder: Path) -> dict[str, StoredTensor]:

@@ -23,7 +23,7 @@ import torch
 from ..errors import MergerError
 from ..hf_folder import read_config
 from .compressed_tensors_codec import INT4_OFFSET, INT4_SHIFTS, int4
-from .fp8_release_layout import quantized_here, readable, release_headers
+from .fp8_release_layout import packed_release, readable
 from .quantized_check import int4_half_step
 from .quantized_formats import QUANTIZATION_CONFIG
 from .release_blocks import StoredTensor, as_read, keep, unchanged_blocks
@@ -95,20 +95,11 @@ class Int4Output:
 def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Int4Output:
     """How to write `outputs` (name -> shape) as the pack-quantized release in `folder` (its scheme checked by
     config_format) stores them."""
-    tensors = release_headers(folder)
-    quantized = {name.removesuffix(PACKED): t for name, t in tensors.items()
-                 if name.endswith(PACKED) and name.removesuffix(PACKED) + SCALE in tensors}
-    here = quantized_here(frozenset(quantized), outputs, folder)
-    for name in sorted(here):
-        rows, words = quantized[name].shape
-        if tuple(outputs[name]) != (rows, words * PER_WORD) or outputs[name][1] % GROUP:
-            raise MergerError(f"tensor {name} is {list(outputs[name])} here but {[rows, words * PER_WORD]} in the "
-                              f"release: --quantize_like needs the release of this model, {folder}")
-    parts = {name + part for name in quantized for part in (PACKED, SCALE, SHAPE)}
-    dtypes = {name: t.dtype for name, t in tensors.items() if name not in parts and t.dtype.is_floating_point}
-    scale_dtypes = {tensors[name + SCALE].dtype for name in quantized}
+    tensors, here, dtypes = packed_release(folder, outputs, (PACKED, SCALE, SHAPE), PER_WORD, GROUP)
+    scale_dtypes = {t.dtype for name, t in tensors.items()
+                    if name.endswith(SCALE) and name.removesuffix(SCALE) + PACKED in tensors}
     if len(scale_dtypes) != 1:
         raise MergerError(f"the release stores its INT4 scales in {len(scale_dtypes)} dtypes: --quantize_like writes "
                           f"them in one, {folder}")
-    return Int4Output(frozenset(here), dtypes, read_config(folder)[QUANTIZATION_CONFIG], scale_dtypes.pop(),
+    return Int4Output(here, dtypes, read_config(folder)[QUANTIZATION_CONFIG], scale_dtypes.pop(),
                       readable(tensors))

@@ -46,14 +46,21 @@ SCALE_SUFFIX = "_scale"  # `<m>.weight` -> `<m>.weight_scale`
 Rule = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def compressed_tensors_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8 codes [..., n], e8m0 scale bytes [..., n / 32]) of `weight` by compressed-tensors' MXFP8 rule."""
-    groups = weight.to(torch.float32).unflatten(-1, (-1, GROUP))  # exact: every --dtype is float32's subset
+def compressed_tensors_scales(groups: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e8m0 scale bytes [..., g], the powers of two they are, float32 [..., g, 1]) of float32 `groups` [..., g, 32]
+    by compressed-tensors' MX rule, for codes whose largest binade starts at 2^offset (floor(log2) of the codes'
+    largest magnitude: 8 for e4m3, 2 for e2m1)."""
     amax = groups.abs().amax(-1)
     significand, exponent = torch.frexp(amax)  # amax = significand x 2^exponent, significand in [0.5, 1)
     power = exponent - 1 + (significand >= 0.875).to(exponent.dtype)  # 1.75 and up rounds up
-    scales = torch.where(amax > 0, (power + E8M0_BIAS - E4M3_OFFSET).clamp(0, 255), 0).to(torch.uint8)
-    factor = torch.pow(2.0, scales.to(torch.float64) - E8M0_BIAS).to(torch.float32).unsqueeze(-1)
+    scales = torch.where(amax > 0, (power + E8M0_BIAS - offset).clamp(0, 255), 0).to(torch.uint8)
+    return scales, torch.pow(2.0, scales.to(torch.float64) - E8M0_BIAS).to(torch.float32).unsqueeze(-1)
+
+
+def compressed_tensors_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 codes [..., n], e8m0 scale bytes [..., n / 32]) of `weight` by compressed-tensors' MXFP8 rule."""
+    groups = weight.to(torch.float32).unflatten(-1, (-1, GROUP))  # exact: every --dtype is float32's subset
+    scales, factor = compressed_tensors_scales(groups, E4M3_OFFSET)
     codes = torch.clamp(groups / factor, -FP8_MAX, FP8_MAX).to(FP8)
     return codes.flatten(-2), scales
 

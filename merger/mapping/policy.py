@@ -24,13 +24,14 @@ from ..errors import MergerError
 from ..hf_folder import read_config
 from ..io import location
 from ..options import MergeOptions
-from . import int4_release_layout, modelopt_scheme, mxfp4_layout, mxfp8_release_layout
+from . import int4_release_layout, modelopt_scheme, mxfp4_layout, mxfp4_pack_release_layout, mxfp8_release_layout
 from .compressed_tensors_scheme import COMPRESSED_TENSORS
 from .fp8_default_modules import BLOCK, default_layout
 from .fp8_release_layout import release_layout
 from .model_class import keep_in_fp32
 from .int4_release_layout import PACK_QUANTIZED, Int4Output
 from .modelopt_scheme import MODELOPT, MODELOPT_CONFIG
+from .mxfp4_pack_release_layout import MXFP4_PACK_QUANTIZED, Mxfp4PackOutput
 from .mxfp4_quantize import Mxfp4Output
 from .mxfp8_release_layout import MODELOPT_MXFP8, MXFP8_QUANTIZED, Mxfp8Output
 from .quantized_formats import MXFP4, QUANTIZATION_CONFIG, READ_ONLY, config_format, read_only
@@ -133,15 +134,18 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
 def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[int, ...]]):
     """(the quantized layout, how the log names it, what it leaves out, what is done to config.json's
     quantization_config, the log's lines on weights left unquantized for not being whole blocks): --quantize_like's
-    release (FP8, gpt-oss MXFP4, compressed-tensors' INT4, compressed-tensors' or ModelOpt's MXFP8), or --quantize's
-    scheme."""
+    release (FP8, gpt-oss MXFP4, compressed-tensors' INT4 or MXFP4, compressed-tensors' or ModelOpt's MXFP8), or
+    --quantize's scheme."""
     if options.quantize_like is not None:
         folder = location(options.quantize_like)  # a folder, a Hub snapshot's, or a bucket's
         # a format merger does not write is refused here; a release with none, by the FP8 layout's own check
         config = read_config(folder)
         stored = config_format(folder, config)
-        if stored == COMPRESSED_TENSORS and config[QUANTIZATION_CONFIG]["format"] == PACK_QUANTIZED:
+        written = config[QUANTIZATION_CONFIG]["format"] if stored == COMPRESSED_TENSORS else None
+        if written == PACK_QUANTIZED:
             layout = int4_release_layout.release_layout(folder, outputs)
+        elif written == MXFP4_PACK_QUANTIZED:
+            layout = mxfp4_pack_release_layout.release_layout(folder, outputs)
         elif stored in READ_ONLY:
             layout = _mxfp8_layout(folder, config, stored, outputs)
         else:
@@ -189,6 +193,8 @@ def _format(layout) -> tuple[str, str]:
     if isinstance(layout, Int4Output):
         return "compressed-tensors INT4", (f"int32 weight_packed of 8 codes, {str(layout.scale_dtype).removeprefix('torch.')}"
                                            f" weight_scale per 32 elements, int64 weight_shape")
+    if isinstance(layout, Mxfp4PackOutput):
+        return "compressed-tensors MXFP4", "uint8 weight_packed of 2 e2m1 codes, uint8 (e8m0) weight_scale per 32 elements"
     if isinstance(layout, Mxfp8Output):
         return f"{layout.producer} MXFP8", "float8_e4m3fn weight, uint8 (e8m0) weight_scale per 32 elements"
     scales = "uint8 (e8m0)" if layout.scale_dtype == torch.uint8 else "float32"

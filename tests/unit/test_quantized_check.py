@@ -11,6 +11,7 @@ import torch
 from merger.errors import MergerError
 from merger.mapping.fp8_quantize import Fp8Output
 from merger.mapping.int4_release_layout import Int4Output
+from merger.mapping.mxfp4_pack_release_layout import Mxfp4PackOutput
 from merger.mapping.mxfp4_quantize import Mxfp4Output
 from merger.mapping.mxfp8_release_layout import Mxfp8Output, compressed_tensors_quantize, modelopt_quantize
 from merger.mapping.quantized_check import check
@@ -29,6 +30,7 @@ LAYOUTS = {
     "int4 bf16 scales": (Int4Output(frozenset({NAME}), {}, {}, torch.bfloat16), (64, 96)),
     "int4 fp32 scales": (Int4Output(frozenset({NAME}), {}, {}, torch.float32), (64, 96)),
     "gpt-oss mxfp4": (Mxfp4Output(frozenset({NAME}), {}, {}), (2, 64, 96)),  # [E, in, out]
+    "compressed-tensors mxfp4": (Mxfp4PackOutput(frozenset({NAME}), {}, {}), (64, 96)),
 }
 
 
