@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn
 
 from .engine.torchrun_error import record_for_torchrun
 from .errors import Interrupted, MergerError, UsageError, shared_exit_code, show_error_line
-from .flags import build_parser, options_from_args
+from .flags import build_parser, merge_options
 from .io import scratch_folders
 from .units import format_size
 
@@ -126,9 +126,10 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
     if own_process:
         load_library()
     # Imported here, not at the top: merger/api imports torch (2 s here), which parsing does not need.
-    from .api import check_with, inspect_with, merge_with, verify_with, watch_with
+    from .api import check_with, inspect_with, merge_with, verify_with
+    from .watch import watch_with
 
-    options = options_from_args(args)
+    options = merge_options(vars(args))
     if args.command == "inspect" and args.check:
         return _printed(lambda: _print_check(check_with(options)))
     if args.command == "inspect":

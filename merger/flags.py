@@ -344,31 +344,65 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def options_from_args(args: argparse.Namespace) -> MergeOptions:
+def merge_options(values: dict) -> MergeOptions:
+    """The frozen options of a merge from a command's checked values (argparse's for the command line,
+    keyword_values' for the API): the values of MergeOptions' fields, the command's other values left out."""
     fields = MergeOptions.__dataclass_fields__
-    return MergeOptions(**{k: v for k, v in vars(args).items() if k in fields})
+    return MergeOptions(**{k: v for k, v in values.items() if k in fields})
 
 
 def command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
 
-def keywords_to_args(command: str, keywords: dict) -> argparse.Namespace:
-    """`command`'s options given as keyword arguments (the flags' names, `local_dir=...`), parsed as the command
-    line would parse them: the same conversions, defaults and checks, UsageError for the rest."""
+def keyword_values(command: str, keywords: dict) -> dict:
+    """`command`'s options given as keyword arguments (the flags' names, `local_dir=...`): each value converted and
+    checked by its flag's own type and choices, as its text on the command line would be, the rest at their flags'
+    defaults; UsageError with the command line's line for an unknown name or a bad value.
+
+    No command line is made or parsed: the command's parser serves as the table of its flags (names, conversions,
+    choices, defaults), so that a flag and its keyword cannot drift apart."""
     parser = command_parsers(build_parser())[command]
     actions = {a.dest: a for a in reversed(parser._actions) if a.option_strings and a.dest != "help"}
-    argv: list[str] = []
-    for key, value in keywords.items():
-        action = actions.get(key)
-        if action is None:
+    for key in keywords:
+        if key not in actions:
             close = difflib.get_close_matches(key, actions, n=1)
             raise UsageError(f"unknown option {key}" + (f" (did you mean {close[0]}?)" if close else ""))
-        flag = action.option_strings[0]
+    values = {dest: _default(action) for dest, action in actions.items()}
+    for key, value in keywords.items():
+        action = actions[key]
         if action.nargs == 0:  # an on/off flag
-            argv += [flag] if value else []
+            values[key] = action.const if value else action.default
         elif isinstance(action, argparse._AppendAction):  # repeated: a list of values
-            argv += [part for v in (value if isinstance(value, (list, tuple)) else [value]) for part in (flag, str(v))]
+            values[key] = [_checked(action, v) for v in (value if isinstance(value, (list, tuple)) else [value])]
         elif value is not None:
-            argv += [flag, str(value)]
-    return parser.parse_args(argv)
+            values[key] = _checked(action, value)
+    missing = ["/".join(a.option_strings) for a in parser._actions if a.required and keywords.get(a.dest) is None]
+    if missing:
+        raise UsageError(f"the following arguments are required: {', '.join(missing)} ({parser.prog} --help lists "
+                         f"every flag)")
+    return values
+
+
+def _default(action: argparse.Action):
+    """A flag's value when it is not given: its default, converted as argparse converts a default given as text."""
+    if isinstance(action.default, str) and action.type is not None:
+        return _checked(action, action.default)
+    return action.default
+
+
+def _checked(action: argparse.Action, value):
+    """`value` as the flag `action` takes its text: converted by its type, then held to its choices; a bad one is
+    UsageError with argparse's line for it (`argument --dtype: invalid choice: 'int8' (choose from ...)`)."""
+    text = str(value)
+    try:
+        converted = text if action.type is None else action.type(text)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"argument {'/'.join(action.option_strings)}: {e}") from None
+    except (TypeError, ValueError):
+        name = getattr(action.type, "__name__", repr(action.type))
+        raise UsageError(f"argument {'/'.join(action.option_strings)}: invalid {name} value: {text!r}") from None
+    if action.choices is not None and converted not in action.choices:
+        raise UsageError(f"argument {'/'.join(action.option_strings)}: invalid choice: {converted!r} (choose from "
+                         f"{', '.join(map(repr, action.choices))})")
+    return converted

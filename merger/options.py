@@ -1,4 +1,8 @@
-"""Everything a merge is told, as one plain dataclass shared by the CLI, the launcher and the tests."""
+"""Everything a merge is told, as one frozen dataclass shared by the CLI, the API, the launcher and the tests.
+
+Frozen: the options are checked once, where they are made (flags.py: from the command line, or from the API's
+keywords), and a step that needs other values (`merger watch`'s per-step target, `test`'s dtype) makes its own copy
+with dataclasses.replace, so no code sees options change under it."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +37,7 @@ def _shapes_output(default):
     return field(default=default, metadata={"shapes_output": True})
 
 
-@dataclass
+@dataclass(frozen=True)
 class MergeOptions:
     local_dir: Path
     target_dir: Path | str | None = None  # a str only for an object URL (s3://bucket/prefix)

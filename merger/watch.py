@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .api import joined_group, one_intra_op_thread
 from .api.pipeline import run_merge
 from .engine.dist import Group
 from .errors import MergerError, SourceError
@@ -240,3 +241,10 @@ def watch(options: MergeOptions, role: str, once: bool, interval: float, group: 
         if once:
             return failed
         time.sleep(interval)
+
+
+def watch_with(options: MergeOptions, role: str, once: bool, interval: float) -> dict[str, int]:
+    """`merger watch` over one group for all its merges, joined as the library joins one (merger/api); with `once`,
+    the steps that failed, each with its error's exit code."""
+    with one_intra_op_thread(), joined_group(options) as joined:
+        return watch(options, role, once, interval, joined)

@@ -1,7 +1,8 @@
 """merger as a library: `merge`, `inspect` and `verify`, in-process, on one process or on every rank of a group.
 
 The command line is a thin face of these functions. Options are keyword arguments with the CLI's names
-(`dtype="bf16"`, `max_shard_size="2GB"`, `overwrite=True`), checked by the same parser actions (merger/flags.py).
+(`dtype="bf16"`, `max_shard_size="2GB"`, `overwrite=True`), each checked by its flag's own conversion and choices
+(merger/flags.py keyword_values), with no command line made or parsed.
 Bad input raises MergerError (the subclass of its kind: errors.py) with the CLI's one-line message; nothing exits
 the caller's process, and no logging, signal handler, process group or torch thread setting is left changed after
 a call.
@@ -14,6 +15,7 @@ of that group calls the function.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from ..engine.dist import Group, borrow_group, init_group
 from ..engine.plan import traffic
 from ..engine.source_check import SourceCheck, check_sources
 from ..errors import MergerError
-from ..flags import keywords_to_args, options_from_args
+from ..flags import keyword_values, merge_options
 from ..io.fetched import origin
 from .pipeline import prepare, run_merge
 from ..options import MergeOptions
@@ -37,54 +39,49 @@ def merge(local_dir: str | os.PathLike, target_dir: str | os.PathLike, *, group=
     `options`: any `merger merge` flag by name, e.g. `dtype="bfloat16"`, `hf_model_config_path=...`,
     `verify=True`. `group`: a torch.distributed ProcessGroup to merge over (default: the default group, when one
     exists)."""
-    return merge_with(_options("merge", local_dir=local_dir, target_dir=target_dir, **options), group)
+    return merge_with(_checked("merge", local_dir=local_dir, target_dir=target_dir, **options)[0], group)
 
 
 def inspect(local_dir: str | os.PathLike, *, merge_ranks: int = 1, **options) -> dict:
     """Describe the checkpoint and the planned output, reading no tensor data: format, files, tensors, the output
     files and what each of `merge_ranks` ranks would read, exchange and write (as `merger inspect --json`)."""
-    return inspect_with(_options("inspect", local_dir=local_dir, merge_ranks=merge_ranks, **options), merge_ranks)
+    checked, values = _checked("inspect", local_dir=local_dir, merge_ranks=merge_ranks, **options)
+    return inspect_with(checked, values["merge_ranks"])
 
 
 def verify(local_dir: str | os.PathLike, test_hf_dir: str | os.PathLike, *, atol: float = 0.0, rtol: float = 0.0,
            group=None, **options) -> dict:
     """Merge in memory and compare every tensor with the HF folder `test_hf_dir` (a reference model, or the
     output of an earlier merge), in that folder's dtypes; `ok` says whether all matched within atol/rtol."""
-    args = keywords_to_args("test", dict(local_dir=local_dir, test_hf_dir=test_hf_dir, atol=atol, rtol=rtol, **options))
-    return verify_with(options_from_args(args), args.test_hf_dir, atol, rtol, group).as_dict()
+    checked, values = _checked("test", local_dir=local_dir, test_hf_dir=test_hf_dir, atol=atol, rtol=rtol, **options)
+    return verify_with(checked, values["test_hf_dir"], values["atol"], values["rtol"], group).as_dict()
 
 
-def _options(command: str, **keywords) -> MergeOptions:
-    return options_from_args(keywords_to_args(command, keywords))
+def _checked(command: str, **keywords) -> tuple[MergeOptions, dict]:
+    """The options of `command` given as keywords, checked as its flags are: MergeOptions, and every value by name
+    (those of the command's other flags too: `merge_ranks`, `atol`)."""
+    values = keyword_values(command, keywords)
+    return merge_options(values), values
 
 
 def merge_with(options: MergeOptions, group=None) -> dict:
     """`merge` (and `lora`, whose adapters are in options.adapters) with options parsed already."""
-    with _one_intra_op_thread(), joined_group(options, group) as joined:
+    with one_intra_op_thread(), joined_group(options, group) as joined:
         return run_merge(options, joined)
 
 
 def verify_with(options: MergeOptions, test_hf_dir: Path, atol: float, rtol: float, group=None) -> CompareResult:
-    options.dtype = "keep"  # each tensor is compared in the reference's own dtype
-    with _one_intra_op_thread(), joined_group(options, group) as joined:
+    options = dataclasses.replace(options, dtype="keep")  # each tensor is compared in the reference's own dtype
+    with one_intra_op_thread(), joined_group(options, group) as joined:
         prepared = prepare(options, joined)
         return compare_with_folder(prepared.plan, prepared.catalog, joined, test_hf_dir, atol=atol, rtol=rtol,
                                    debug=options.debug)
 
 
-def watch_with(options: MergeOptions, role: str, once: bool, interval: float) -> dict[str, int]:
-    """`merger watch` (watch.py) over one group for all its merges; with `once`, the steps that failed, each with
-    its error's exit code."""
-    from ..watch import watch
-
-    with _one_intra_op_thread(), joined_group(options) as joined:
-        return watch(options, role, once, interval, joined)
-
-
 def check_with(options: MergeOptions) -> SourceCheck:
     """`inspect --check`: every source byte a merge would read that the format checksums, read and checked, on
     every rank of the group (control messages only: gloo)."""
-    options.device = "cpu"
+    options = dataclasses.replace(options, device="cpu")
     with joined_group(options) as joined:
         return check_sources(prepare(options, joined, check_sizes=False).catalog, joined, options.debug)
 
@@ -124,7 +121,7 @@ def joined_group(options: MergeOptions, process_group=None):
 
 
 @contextlib.contextmanager
-def _one_intra_op_thread():
+def one_intra_op_thread():
     """torch's intra-op pool off while merging, unless OMP_NUM_THREADS asks otherwise (torchrun sets it to 1).
 
     The merge keeps the cores busy with threads of its own (reading and casting, writing, hashing). A cast
