@@ -175,17 +175,63 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
     the checksum threads send while the merge streams (output/part_stream.py). `temporary`: the target is a
     folder the caller removes at the end (an s3:// merge without --stage_dir), so nothing is kept to resume.
     """
-    plan = prepared.plan
-    lock: TargetLock | None = None
-    sources: dict = {}  # rank 0: the source files' identity, from before the first tensor byte is read
+    reader = open_checked_reader(prepared, group, options.debug)  # bad input fails before anything is created
+    staging = _Staging(options, group, prepared, stream, temporary)
+    group.clean_up_on_loss(staging.cleanup)
+    try:
+        if not staging.open():
+            return None  # --resume found the merge finished
+        staging.reuse_finished()
+        staging.write(reader)
+        staging.complete()
+        verified = verify_staged(staging.target.stage, prepared, group, options) if options.verify else None
+        staging.place()
+    except BaseException as e:
+        staging.fail(e)
+        raise
+    finally:
+        staging.release()
+    _log_written(staging.target, prepared.plan, group, started)
+    return verified
 
-    def setup():
-        nonlocal lock
-        target = _open_target(options, prepared)
-        lock = TargetLock(target.lock, target.path)
-        lock.acquire()  # before the staging folder is touched: it may be another merge's, live
-        sources.update(source_identity(prepared.catalog))
-        manifest = start_manifest(prepared.catalog, sources, options, plan, group.world)
+
+class _Staging:
+    """One merge's staging folder, in the order _stage_and_place takes its steps: opened under the target's lock,
+    the files a resumed merge finished taken over, written, completed, renamed into place; or, on failure,
+    discarded (or kept, for --resume). The steps are collectives: every rank takes each of them."""
+
+    def __init__(self, options: MergeOptions, group: Group, prepared: Prepared, stream: StreamedUpload | None,
+                 temporary: bool):
+        self.options, self.group, self.prepared, self.plan = options, group, prepared, prepared.plan
+        self.stream, self.temporary = stream, temporary
+        # and after Ctrl-C (fail): a user who stops a merge may resume it (not from a folder removed at the end)
+        self.keep = (options.keep_partial or options.resume) and not temporary
+        self.lock: TargetLock | None = None  # rank 0's, once taken
+        self.target: Target | None = None  # every rank's, once open() agreed on it
+        self.sources: dict = {}  # rank 0: the source files' identity, from before the first tensor byte is read
+        self.manifest = self.candidates = None
+        self.reused: dict = {}  # output file name -> its checksummed blocks, for the files a resumed merge finished
+        self.sink: FileSink | None = None
+        self.tracker: FileTracker | None = None
+        self.cleanup = Cleanup(self.discard)  # run at most once: by fail(), or by the peer watch when a rank is lost
+
+    def open(self) -> bool:
+        """The target, checked and locked by rank 0, known to every rank; False when --resume finds the merge done
+        already (there is nothing to write)."""
+        opened = on_every_rank(self.group, self._open if self.group.rank == 0 else lambda: (None, None, None),
+                               self.options.debug)
+        self.target, self.manifest, self.candidates = self.group.all_gather(opened)[0]
+        return self.manifest is not None
+
+    def _open(self):
+        """Rank 0: the target, its lock taken, and the manifest this merge will write and the files of a kept
+        staging folder it may reuse; or the target and no manifest, when --resume finds this merge finished."""
+        options = self.options
+        target = _open_target(options, self.prepared)
+        self.lock = TargetLock(target.lock, target.path)
+        self.lock.acquire()  # before the staging folder is touched: it may be another merge's, live
+        self.sources.update(source_identity(self.prepared.catalog))
+        manifest = start_manifest(self.prepared.catalog, self.sources, options, self.plan, self.group.world)
         if target.earlier and not options.overwrite:  # --resume: the merge may have finished already
             reason = why_not_done(target.path, manifest)
             if reason is None:
@@ -201,50 +247,30 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
             log.info("merger: --overwrite: removing the partial merge left in %s", target.stage)
         return target, manifest, resume_candidates(target.stage, manifest) if options.resume else {}
 
-    reader = open_checked_reader(prepared, group, options.debug)  # bad input fails before anything is created
-    target = sink = tracker = None
-    # and after Ctrl-C: a user who stops a merge may resume it (not from a folder removed at the end)
-    keep = (options.keep_partial or options.resume) and not temporary
-
-    def discard() -> None:
-        """After a failure: the staging folder kept for --keep-partial / --resume / Ctrl-C, else removed; the
-        target's lock released. Run by rank 0 on the failure path, or by the lowest surviving rank's peer watch
-        when a rank is lost (every rank knows the target once setup is agreed)."""
-        if tracker is not None:
-            tracker.stop()  # no checksum thread may write into the staging folder while it is removed
-        if target is not None and target.stage.exists():
-            if keep:
-                log.info("merger: kept the partial merge in %s (rerun with --resume to continue from it)",
-                         target.stage)
-            else:
-                shutil.rmtree(target.stage, ignore_errors=True)
-        if lock is not None:
-            lock.release()
-
-    cleanup = Cleanup(discard)
-    group.clean_up_on_loss(cleanup)
-    try:
-        target, manifest, candidates = group.all_gather(
-            on_every_rank(group, setup if group.rank == 0 else (lambda: (None, None, None)), options.debug))[0]
-        if manifest is None:
-            return None  # --resume found the merge finished
-        stage = target.stage
-        # Every rank checks a share of the blocks of the files to reuse: one read of them, spread over the ranks.
+    def reuse_finished(self) -> None:
+        """The files an interrupted merge finished, checked (every rank a share of their blocks: one read of them,
+        spread over the ranks) and kept; the staging folder made, the rest of its files created."""
+        group, stage, debug = self.group, self.target.stage, self.options.debug
         shares = group.all_gather(on_every_rank(
-            group, lambda: verify_share(stage, manifest, candidates, group.rank, group.world), options.debug))
-        reused = intact_files(candidates, shares)
+            group, lambda: verify_share(stage, self.manifest, self.candidates, group.rank, group.world), debug))
+        self.reused = intact_files(self.candidates, shares)
+        on_rank_zero(group, self._create_files, debug)
 
-        def create_files():
-            for name, blocks in reused.items():
-                manifest.output_files[name].crc32_blocks = blocks
-            if options.resume:
-                log.info("merger: --resume: reusing %d of %d output files (checksums verified) from %s",
-                         len(reused), len(plan.files), stage)
-            # (an s3:// target's stage keeps on disk only the parts in flight: its blocks are never all reserved)
-            prepare_files(stage, plan, keep=frozenset(reused), allocate=stream is None)
-            write_manifest(stage, manifest)
+    def _create_files(self) -> None:
+        for name, blocks in self.reused.items():
+            self.manifest.output_files[name].crc32_blocks = blocks
+        if self.options.resume:
+            log.info("merger: --resume: reusing %d of %d output files (checksums verified) from %s",
+                     len(self.reused), len(self.plan.files), self.target.stage)
+        # (an s3:// target's stage keeps on disk only the parts in flight: its blocks are never all reserved)
+        prepare_files(self.target.stage, self.plan, keep=frozenset(self.reused), allocate=self.stream is None)
+        write_manifest(self.target.stage, self.manifest)
 
-        on_rank_zero(group, create_files, options.debug)
+    def write(self, reader) -> None:
+        """Stream the plan's files not reused into the staging folder, each block checksummed as it lands (and an
+        s3:// target's parts sent); returns once every rank's bytes are on disk and its checksums done."""
+        group, stage, plan, debug = self.group, self.target.stage, self.plan, self.options.debug
+        reused = frozenset(self.reused)
         todo = skip_finished(plan, set(reused))
         hosts = group.all_gather(socket.gethostname())
         one_host = len(set(hosts)) == 1  # one page cache: hash as batches land
@@ -254,64 +280,83 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
         # An s3:// target's parts are read back from the stage as they are sent, where the page cache holds them.
         local = host_local(stage)
         turns = should_take_turns(local, hosts.count(hosts[group.rank]))
-        sink = FileSink(stage, plan, skip=frozenset(reused), take_turns=turns, direct=local and stream is None,
-                        bounce=turns)
-        sender = None if stream is None else stream.begin(
-            group, {f.name: f.size for f in plan.files}, frozenset(reused), manifest.checksum_block_bytes,
-            options.debug)
-        tracker = FileTracker(todo, sink, group, stage, manifest, one_host, sender)
+        self.sink = FileSink(stage, plan, skip=reused, take_turns=turns, direct=local and self.stream is None,
+                             bounce=turns)
+        sender = None if self.stream is None else self.stream.begin(
+            group, {f.name: f.size for f in plan.files}, reused, self.manifest.checksum_block_bytes, debug)
+        self.tracker = FileTracker(todo, self.sink, group, stage, self.manifest, one_host, sender)
         progress = Progress(sum(b.out_bytes for b in todo.batches)) if group.rank == 0 and progress_shown() else None
-        run_plan(todo, prepared.catalog, group, sink, progress, options.debug, reader=reader, observer=tracker,
-                 allow_overflow=options.allow_overflow)
+        run_plan(todo, self.prepared.catalog, group, self.sink, progress, debug, reader=reader, observer=self.tracker,
+                 allow_overflow=self.options.allow_overflow)
+        on_every_rank(group, self._close, debug)  # a sync point: every rank's bytes on disk, its checksums done
+        self.manifest = self.tracker.final_manifest()
+        if self.stream is not None:
+            self.stream.etags.update(self.tracker.etags)
 
-        def close():
-            sink.close()
-            tracker.wait()
+    def _close(self) -> None:
+        self.sink.close()
+        self.tracker.wait()
 
-        on_every_rank(group, close, options.debug)  # a sync point: every rank's bytes on disk, its checksums done
-        manifest = tracker.final_manifest()
-        if stream is not None:
-            stream.etags.update(tracker.etags)
+    def complete(self) -> None:
+        """Rank 0: the index, config, tokenizer and other files, and the manifest saying the merge is complete."""
+        prepared = self.prepared
+        on_rank_zero(self.group, lambda: finish(
+            self.target.stage, self.plan, prepared.hf_dir, self.options.torch_dtype, self.manifest,
+            prepared.config_updates, prepared.extra_files, beside_config=self.target.beside_config,
+            config_removals=prepared.config_removals, files_left_out=prepared.files_left_out), self.options.debug)
 
-        def complete():
-            finish(stage, plan, prepared.hf_dir, options.torch_dtype,
-                   manifest, prepared.config_updates, prepared.extra_files,
-                   beside_config=target.beside_config, config_removals=prepared.config_removals,
-                   files_left_out=prepared.files_left_out)
+    def place(self) -> None:
+        """Rank 0: the staging folder renamed into the target, if the sources are still what was read. Never at
+        once with the cleanup: a rename during a removal would move a half-removed folder."""
+        on_rank_zero(self.group, lambda: self.cleanup.instead(self._move_into_place), self.options.debug)
 
-        on_rank_zero(group, complete, options.debug)
-        verified = verify_staged(stage, prepared, group, options) if options.verify else None
+    def _move_into_place(self) -> None:
+        check_unchanged(self.prepared.catalog, self.sources)  # what was read is what the source still is
+        place(self.target, self.options.overwrite)
 
-        def move_into_place():
-            check_unchanged(prepared.catalog, sources)  # what was read is what the source still is
-            place(target, options.overwrite)
-
-        # Never at once with the cleanup: a rename during a removal would move a half-removed folder.
-        on_rank_zero(group, lambda: cleanup.instead(move_into_place), options.debug)
-    except BaseException as e:
-        if tracker is not None:
-            tracker.stop()  # no checksum thread may outlive the files it reads
-        if sink is not None:
+    def fail(self, e: BaseException) -> None:
+        """After any failure, on every rank: no checksum thread left running, the files closed; rank 0 discards
+        (or keeps) the staging folder, and after Ctrl-C raises Interrupted saying where the partial merge is."""
+        if self.tracker is not None:
+            self.tracker.stop()  # no checksum thread may outlive the files it reads
+        if self.sink is not None:
             with contextlib.suppress(Exception):
-                sink.close()
+                self.sink.close()
         ctrl_c = isinstance(e, KeyboardInterrupt) and str(e) in ("", "SIGINT")  # the handler's SIGTERM has args
-        keep = keep or (ctrl_c and not temporary)
-        if group.rank == 0:
-            cleanup()
-            if ctrl_c and target is not None and target.stage.exists():
-                raise Interrupted("SIGINT", f"the partial merge is kept in {target.stage}: rerun with --resume "
+        self.keep = self.keep or (ctrl_c and not self.temporary)
+        if self.group.rank == 0:
+            self.cleanup()
+            if ctrl_c and self.target is not None and self.target.stage.exists():
+                raise Interrupted("SIGINT", f"the partial merge is kept in {self.target.stage}: rerun with --resume "
                                             f"to continue it, or --overwrite to start over") from e
-        raise
-    finally:
-        if lock is not None:
-            lock.release()
+
+    def discard(self) -> None:
+        """After a failure: the staging folder kept for --keep-partial / --resume / Ctrl-C, else removed; the
+        target's lock released. Run by rank 0 on the failure path, or by the lowest surviving rank's peer watch
+        when a rank is lost (every rank knows the target once open() is agreed)."""
+        if self.tracker is not None:
+            self.tracker.stop()  # no checksum thread may write into the staging folder while it is removed
+        if self.target is not None and self.target.stage.exists():
+            if self.keep:
+                log.info("merger: kept the partial merge in %s (rerun with --resume to continue from it)",
+                         self.target.stage)
+            else:
+                shutil.rmtree(self.target.stage, ignore_errors=True)
+        self.release()
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+
+def _log_written(target: Target, plan: Plan, group: Group, started: float) -> None:
+    """Rank 0 says what was written where, in how long, and the most memory a rank needed (a collective)."""
     peaks = peak_rss_per_rank(group)  # the largest of them is what a rank needs: rank 0 may have held least
     if group.rank == 0:
         peak = max(range(group.world), key=peaks.__getitem__)
         log.info("merger: wrote %s to %s in %.1fs (peak RSS: %s%s)", format_size(plan.total_bytes), target.path,
                  time.monotonic() - started, format_size(peaks[peak]),
                  f", rank {peak} of {group.world}" if group.distributed else "")
-    return verified
 
 
 def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = None) -> dict:
