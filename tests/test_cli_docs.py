@@ -13,7 +13,7 @@ import pytest
 import merger
 from launcher.cli import main as launcher_main
 from merger.cli import main
-from merger.flags import build_parser
+from merger.flags import build_parser, keyword_values, merge_options
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import run_merger
 
@@ -91,6 +91,44 @@ def test_options_tables_match_the_parsers(command):
     missing = [f for f, a in options.items() if f not in documented and (command == "merge"
                                                                          or not _same_as_merges(a, merge_options))]
     assert missing == [], f"{command} options missing from its table in docs/options.md"
+
+
+KEYWORDS = [  # (command, the API's keywords): values of every kind of flag, good and bad
+    ("merge", dict(local_dir=pathlib.Path("ckpt"), target_dir=pathlib.Path("out"), dtype="bf16", max_shard_size=2000,
+                   overwrite=True, verify=False, dist_timeout=5, lora_r=8, lora_alpha=16, prefix="")),
+    ("merge", dict(local_dir="s3://bucket/ckpt", target_dir="s3://bucket/out/", max_inflight="1GiB", device="cpu",
+                   model="torchtitan-llama", quantize="mxfp4", log_level="DEBUG", hf_model_config_path="Qwen/Qwen3")),
+    ("merge", dict(local_dir="ckpt", target_dir="out", dtype="int8")),
+    ("merge", dict(local_dir="ckpt", target_dir="out", dtype="fp8")),
+    ("merge", dict(local_dir="ckpt", target_dir="out", lora_r=8.5)),
+    ("merge", dict(local_dir="ckpt", target_dir="out", max_shard_size=0)),
+    ("merge", dict(local_dir="ckpt", target_dir="gs://bucket/out")),
+    ("merge", dict(local_dir="ckpt", target_dir="out", summary_json="s3://bucket/summary.json")),
+    ("merge", dict(local_dir="ckpt", target_dir="out", backend="fdsp")),
+    ("merge", dict(local_dir="ckpt", target_dir="out", quantize_like="ftp://host/release")),
+    ("inspect", dict(local_dir="ckpt", merge_ranks=2, json=True)),
+    ("inspect", dict(local_dir="ckpt", merge_ranks=0)),
+    ("test", dict(local_dir="ckpt", test_hf_dir="ref", atol=1e-5, rtol=0)),
+    ("test", dict(local_dir="ckpt", test_hf_dir="ref", atol="abc")),
+]
+
+
+@pytest.mark.parametrize("command, keywords", KEYWORDS)
+def test_an_api_keyword_takes_what_its_flag_takes_and_refuses_the_rest_with_its_line(command, keywords):
+    """The API checks its keywords without parsing a command line (flags.keyword_values): each comes out as the
+    command line's parser makes the same flag's text, or fails with the parser's line for it."""
+    argv = [command]
+    for name, value in keywords.items():
+        argv += [f"--{name}"] if value is True else [] if value is False else [f"--{name}", str(value)]
+    try:
+        parsed = vars(_subparsers(build_parser())[command].parse_args(argv[1:]))
+    except merger.UsageError as e:
+        with pytest.raises(merger.UsageError) as raised:
+            keyword_values(command, keywords)
+        assert str(raised.value) == str(e)
+    else:
+        values = keyword_values(command, keywords)
+        assert values == parsed and merge_options(values) == merge_options(parsed)
 
 
 def test_every_option_has_help_text():

@@ -5,58 +5,33 @@ stops all of them with the same message and no rank is left waiting in a collect
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import shutil
-import socket
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..catalog import Catalog
 from ..engine.compare import CompareResult, compare_with_folder
 from ..engine.dist import Group, on_every_rank, on_rank_zero
 from ..engine.memory import peak_rss_per_rank
-from ..engine.peer_watch import Cleanup
 from ..engine.plan import Plan, plan_layout
 from ..engine.plan_agreement import agree_on_plan, source_files
-from ..engine.progress import Progress, shown as progress_shown
-from ..engine.stream import run_plan
 from ..engine.tie_check import settle_tie
-from ..errors import AgreedError, Interrupted, MergerError, TargetError
+from ..errors import AgreedError, MergerError
 from ..io import is_remote, location
 from ..mapping.hub_folders import with_hub_folders
 from ..mapping.registry import build_mapping
 from ..options import MergeOptions
-from ..output.files import FileSink, finish, prepare_files
-from ..output.manifest import write_manifest
 from ..output.part_stream import StreamedUpload
-from ..output.resume import (FileTracker, intact_files, resume_candidates, skip_finished, start_manifest,
-                            verify_share, why_not_done)
-from ..output.source_identity import check_unchanged, source_identity
 from ..output.summary import merge_summary, write_summary
-from ..output.target import Target, check_config_dir_entries, place, resolve_target
-from ..output.target_lock import TargetLock
-from ..output.write_turns import host_local, should_take_turns
+from ..output.target import Target
 from ..sources import open_catalog
 from ..units import format_size
 from .bucket_merge import merge_into_bucket
+from .prepared import Prepared
+from .staging import Staging
 
 log = logging.getLogger("merger")
-
-
-@dataclass
-class Prepared:
-    catalog: Catalog  # what the plan reads: the checkpoint, or it and a base model (mapping.catalog)
-    hf_dir: Path | None  # None: the target is no HF model folder (an adapter folder), nothing to copy from
-    plan: Plan
-    config_updates: dict = field(default_factory=dict)
-    config_removals: tuple[str, ...] = ()
-    files_left_out: tuple[str, ...] = ()  # files of hf_dir not copied (Mapping.files_left_out)
-    extra_files: dict[str, str] = field(default_factory=dict)
-    notes: tuple[str, ...] = ()  # what the merge found and does, logged once by rank 0
-    base_model: Path | None = None  # --base_model's folder (a Hub id's snapshot folder), a source like the others
 
 
 def prepare(options: MergeOptions, group: Group, plan_world: int | None = None, check_sizes: bool = True) -> Prepared:
@@ -138,33 +113,6 @@ def verify_staged(stage: Path, prepared: Prepared, group: Group, options: MergeO
     return result
 
 
-def _source_paths(options: MergeOptions, prepared: Prepared) -> list[Path]:
-    """Every folder and file the merge reads: a target may be none of them, hold none and lie in none."""
-    c = prepared.catalog
-    paths = [options.local_dir, c.root, *{location(f).parent for f in c.files}]
-    paths += [prepared.hf_dir, prepared.base_model, options.adapter_config]
-    return [Path(p) for p in paths if p is not None and not is_remote(p)]  # a bucket's objects lie in no folder
-
-
-def _open_target(options: MergeOptions, prepared: Prepared) -> Target:
-    """Rank 0: where the output goes, checked against the source, before anything is written."""
-    target = resolve_target(Path(options.target_dir), _source_paths(options, prepared), prepared.hf_dir,
-                            prepared.catalog.files)
-    if target.earlier and not (options.overwrite or options.resume):
-        target.refuse_earlier()
-    if target.beside_config:
-        changed = [*prepared.config_updates, *prepared.config_removals]
-        if changed:
-            raise TargetError(f"the merged model needs changes to config.json ({', '.join(changed)}), "
-                              f"and merger does not change the checkpoint's own config folder: choose a --target_dir "
-                              f"outside the checkpoint, {target.path}")
-        added = {f.name.split("/")[0] for f in prepared.plan.files} | {n.split("/")[0] for n in prepared.extra_files}
-        check_config_dir_entries(target, sorted(added | {"model.safetensors.index.json"}), options.overwrite)
-        log.info("merger: adding the weights to the checkpoint's config folder %s, beside its config and tokenizer "
-                 "(config.json is left as it is, but for a dtype that is not the weights')", target.path)
-    return target
-
-
 def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, started: float,
                      stream: StreamedUpload | None = None, temporary: bool = False) -> CompareResult | None:
     """Stream into the staging folder, finish it, verify it when asked, rename it into place.
@@ -176,7 +124,7 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
     folder the caller removes at the end (an s3:// merge without --stage_dir), so nothing is kept to resume.
     """
     reader = open_checked_reader(prepared, group, options.debug)  # bad input fails before anything is created
-    staging = _Staging(options, group, prepared, stream, temporary)
+    staging = Staging(options, group, prepared, stream, temporary)
     group.clean_up_on_loss(staging.cleanup)
     try:
         if not staging.open():
@@ -193,160 +141,6 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
         staging.release()
     _log_written(staging.target, prepared.plan, group, started)
     return verified
-
-
-class _Staging:
-    """One merge's staging folder, in the order _stage_and_place takes its steps: opened under the target's lock,
-    the files a resumed merge finished taken over, written, completed, renamed into place; or, on failure,
-    discarded (or kept, for --resume). The steps are collectives: every rank takes each of them."""
-
-    def __init__(self, options: MergeOptions, group: Group, prepared: Prepared, stream: StreamedUpload | None,
-                 temporary: bool):
-        self.options, self.group, self.prepared, self.plan = options, group, prepared, prepared.plan
-        self.stream, self.temporary = stream, temporary
-        # and after Ctrl-C (fail): a user who stops a merge may resume it (not from a folder removed at the end)
-        self.keep = (options.keep_partial or options.resume) and not temporary
-        self.lock: TargetLock | None = None  # rank 0's, once taken
-        self.target: Target | None = None  # every rank's, once open() agreed on it
-        self.sources: dict = {}  # rank 0: the source files' identity, from before the first tensor byte is read
-        self.manifest = self.candidates = None
-        self.reused: dict = {}  # output file name -> its checksummed blocks, for the files a resumed merge finished
-        self.sink: FileSink | None = None
-        self.tracker: FileTracker | None = None
-        self.cleanup = Cleanup(self.discard)  # run at most once: by fail(), or by the peer watch when a rank is lost
-
-    def open(self) -> bool:
-        """The target, checked and locked by rank 0, known to every rank; False when --resume finds the merge done
-        already (there is nothing to write)."""
-        opened = on_every_rank(self.group, self._open if self.group.rank == 0 else lambda: (None, None, None),
-                               self.options.debug)
-        self.target, self.manifest, self.candidates = self.group.all_gather(opened)[0]
-        return self.manifest is not None
-
-    def _open(self):
-        """Rank 0: the target, its lock taken, and the manifest this merge will write and the files of a kept
-        staging folder it may reuse; or the target and no manifest, when --resume finds this merge finished."""
-        options = self.options
-        target = _open_target(options, self.prepared)
-        self.lock = TargetLock(target.lock, target.path)
-        self.lock.acquire()  # before the staging folder is touched: it may be another merge's, live
-        self.sources.update(source_identity(self.prepared.catalog))
-        manifest = start_manifest(self.prepared.catalog, self.sources, options, self.plan, self.group.world)
-        if target.earlier and not options.overwrite:  # --resume: the merge may have finished already
-            reason = why_not_done(target.path, manifest)
-            if reason is None:
-                log.info("merger: --resume: %s already holds this merge, complete and intact: nothing to do",
-                         target.path)
-                return target, None, None
-            log.info("merger: --resume: the merge at %s is not this one (%s)", target.path, reason)
-            target.refuse_earlier()
-        if target.stage.exists() and not options.resume:
-            if not options.overwrite:  # kept on purpose (--keep-partial, Ctrl-C), or left by a killed merge
-                raise TargetError(f"a partial merge is kept in {target.stage}: pass --resume to continue it, or "
-                                  f"--overwrite to start over, {target.path}")
-            log.info("merger: --overwrite: removing the partial merge left in %s", target.stage)
-        return target, manifest, resume_candidates(target.stage, manifest) if options.resume else {}
-
-    def reuse_finished(self) -> None:
-        """The files an interrupted merge finished, checked (every rank a share of their blocks: one read of them,
-        spread over the ranks) and kept; the staging folder made, the rest of its files created."""
-        group, stage, debug = self.group, self.target.stage, self.options.debug
-        shares = group.all_gather(on_every_rank(
-            group, lambda: verify_share(stage, self.manifest, self.candidates, group.rank, group.world), debug))
-        self.reused = intact_files(self.candidates, shares)
-        on_rank_zero(group, self._create_files, debug)
-
-    def _create_files(self) -> None:
-        for name, blocks in self.reused.items():
-            self.manifest.output_files[name].crc32_blocks = blocks
-        if self.options.resume:
-            log.info("merger: --resume: reusing %d of %d output files (checksums verified) from %s",
-                     len(self.reused), len(self.plan.files), self.target.stage)
-        # (an s3:// target's stage keeps on disk only the parts in flight: its blocks are never all reserved)
-        prepare_files(self.target.stage, self.plan, keep=frozenset(self.reused), allocate=self.stream is None)
-        write_manifest(self.target.stage, self.manifest)
-
-    def write(self, reader) -> None:
-        """Stream the plan's files not reused into the staging folder, each block checksummed as it lands (and an
-        s3:// target's parts sent); returns once every rank's bytes are on disk and its checksums done."""
-        group, stage, plan, debug = self.group, self.target.stage, self.plan, self.options.debug
-        reused = frozenset(self.reused)
-        todo = skip_finished(plan, set(reused))
-        hosts = group.all_gather(socket.gethostname())
-        one_host = len(set(hosts)) == 1  # one page cache: hash as batches land
-        # On a host-local filesystem the pieces that lie aligned in the batch buffers are written past the page cache
-        # (direct_writes.py); ranks that take turns at a file (several on this host) write the rest so too, through
-        # bounce buffers, while a rank alone on its host writes it buffered, as cheap as the bounce copy.
-        # An s3:// target's parts are read back from the stage as they are sent, where the page cache holds them.
-        local = host_local(stage)
-        turns = should_take_turns(local, hosts.count(hosts[group.rank]))
-        self.sink = FileSink(stage, plan, skip=reused, take_turns=turns, direct=local and self.stream is None,
-                             bounce=turns)
-        sender = None if self.stream is None else self.stream.begin(
-            group, {f.name: f.size for f in plan.files}, reused, self.manifest.checksum_block_bytes, debug)
-        self.tracker = FileTracker(todo, self.sink, group, stage, self.manifest, one_host, sender)
-        progress = Progress(sum(b.out_bytes for b in todo.batches)) if group.rank == 0 and progress_shown() else None
-        run_plan(todo, self.prepared.catalog, group, self.sink, progress, debug, reader=reader, observer=self.tracker,
-                 allow_overflow=self.options.allow_overflow)
-        on_every_rank(group, self._close, debug)  # a sync point: every rank's bytes on disk, its checksums done
-        self.manifest = self.tracker.final_manifest()
-        if self.stream is not None:
-            self.stream.etags.update(self.tracker.etags)
-
-    def _close(self) -> None:
-        self.sink.close()
-        self.tracker.wait()
-
-    def complete(self) -> None:
-        """Rank 0: the index, config, tokenizer and other files, and the manifest saying the merge is complete."""
-        prepared = self.prepared
-        on_rank_zero(self.group, lambda: finish(
-            self.target.stage, self.plan, prepared.hf_dir, self.options.torch_dtype, self.manifest,
-            prepared.config_updates, prepared.extra_files, beside_config=self.target.beside_config,
-            config_removals=prepared.config_removals, files_left_out=prepared.files_left_out), self.options.debug)
-
-    def place(self) -> None:
-        """Rank 0: the staging folder renamed into the target, if the sources are still what was read. Never at
-        once with the cleanup: a rename during a removal would move a half-removed folder."""
-        on_rank_zero(self.group, lambda: self.cleanup.instead(self._move_into_place), self.options.debug)
-
-    def _move_into_place(self) -> None:
-        check_unchanged(self.prepared.catalog, self.sources)  # what was read is what the source still is
-        place(self.target, self.options.overwrite)
-
-    def fail(self, e: BaseException) -> None:
-        """After any failure, on every rank: no checksum thread left running, the files closed; rank 0 discards
-        (or keeps) the staging folder, and after Ctrl-C raises Interrupted saying where the partial merge is."""
-        if self.tracker is not None:
-            self.tracker.stop()  # no checksum thread may outlive the files it reads
-        if self.sink is not None:
-            with contextlib.suppress(Exception):
-                self.sink.close()
-        ctrl_c = isinstance(e, KeyboardInterrupt) and str(e) in ("", "SIGINT")  # the handler's SIGTERM has args
-        self.keep = self.keep or (ctrl_c and not self.temporary)
-        if self.group.rank == 0:
-            self.cleanup()
-            if ctrl_c and self.target is not None and self.target.stage.exists():
-                raise Interrupted("SIGINT", f"the partial merge is kept in {self.target.stage}: rerun with --resume "
-                                            f"to continue it, or --overwrite to start over") from e
-
-    def discard(self) -> None:
-        """After a failure: the staging folder kept for --keep-partial / --resume / Ctrl-C, else removed; the
-        target's lock released. Run by rank 0 on the failure path, or by the lowest surviving rank's peer watch
-        when a rank is lost (every rank knows the target once open() is agreed)."""
-        if self.tracker is not None:
-            self.tracker.stop()  # no checksum thread may write into the staging folder while it is removed
-        if self.target is not None and self.target.stage.exists():
-            if self.keep:
-                log.info("merger: kept the partial merge in %s (rerun with --resume to continue from it)",
-                         self.target.stage)
-            else:
-                shutil.rmtree(self.target.stage, ignore_errors=True)
-        self.release()
-
-    def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
 
 
 def _log_written(target: Target, plan: Plan, group: Group, started: float) -> None:
