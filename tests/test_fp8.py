@@ -200,10 +200,11 @@ def test_another_quant_method_is_refused(releases, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("key, value, what", [
-    ("expert_dtype", "fp4", "FP8 weights with fp4 experts, DeepSeek-V4's layout"),
+    ("expert_dtype", "int4", "FP8 weights with int4 experts"),
     ("weight_block_size", None, "FP8 weights scaled per tensor or per channel, without weight_block_size")])
 def test_an_fp8_layout_without_blocks_of_float8_everywhere_is_refused(release, key, value, what, tmp_path, capsys):
-    """DeepSeek-V4's FP4 experts and FP8 scaled per tensor are not the block layout dequantized above."""
+    """Experts in a dtype merger does not know (DeepSeek-V4's FP4 it reads: test_deepseek_v4_read.py) and FP8 scaled
+    per tensor are not the block layout dequantized above."""
     config = json.loads((release / "config.json").read_text())
     config["quantization_config"][key] = value
     if value is None:

@@ -7,6 +7,10 @@ or column may be partial, so the scale grid is ceil(rows / b0) x ceil(cols / b1)
 scheme in `quantization_config` (`quant_method: "fp8"`, transformers' FineGrainedFP8Config). With `scale_fmt:
 "ue8m0"` a scale may be stored as its e8m0 exponent byte (uint8, 2^(byte - 127)): transformers' `mxfp8`
 (`quant_method: "mxfp8"`, blocks of [1, 32]) stores them so; a uint8 scale is refused under any other config.
+DeepSeek-V4 stores its scales as float8_e8m0fnu (the same powers of two, as a dtype) and, under `expert_dtype:
+"fp4"`, its routed experts as FP4: int8 [rows, cols / 2] of two e2m1 codes a byte, the even element in the low
+nibble, in blocks of [1, 32] of the unpacked weight whatever `weight_block_size` says, as transformers'
+`Fp8Dequantize` reads them (it takes each tensor's block from its scale grid).
 
 Each quantized weight is one step reading the weight and its scale (both small: one byte per weight element),
 dequantized in float32 where it is written; the policy then casts it to --dtype. Tensors without a scale
@@ -27,14 +31,16 @@ import torch
 from ..catalog import Catalog, SourceTensor
 from ..errors import MergerError
 from ..options import MergeOptions
-from .compressed_tensors_codec import e8m0
+from .compressed_tensors_codec import e8m0, fp4_values
 from .hf import model_config
-from .quantized_formats import (FP8_BLOCK, MXFP8, QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config, stored_format,
-                                unquantized_note)
+from .quantized_formats import (FP8_BLOCK, MXFP8, QUANTIZATION_CONFIG, SCALE_SUFFIX, fp4_experts, fp8_block_config,
+                                stored_format, unquantized_note)
 from .saved_names import rename_outputs, saved_names
 from .steps import DEQUANTIZED, FLOAT8, Mapping, OutputSpec, Step, cast
 
 E8M0_BYTES = torch.uint8  # a ue8m0 scale stored as its exponent byte
+FP4_PAIRS = torch.int8  # DeepSeek-V4's FP4 experts: two e2m1 codes a byte
+FP4_BLOCK = (1, 32)
 BAND_ELEMENTS = 1 << 22  # about how many elements one band of the block-wise work takes (16 MiB in float32)
 
 
@@ -65,7 +71,7 @@ def dequantize(block: tuple[int, int], tensors: list[torch.Tensor]) -> list[torc
     if scale.dtype == E8M0_BYTES:
         scale = e8m0(scale)
     b0, b1 = block
-    out = weight.to(DEQUANTIZED)
+    out = fp4_values(weight.view(torch.uint8)) if weight.dtype == FP4_PAIRS else weight.to(DEQUANTIZED)
     cols = out.shape[-1]
     step = band_rows(tuple(out.shape), block)
     for first in range(0, scale.shape[-2], step):
@@ -93,16 +99,26 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ..
     return (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
 
 
-def _check_scale(name: str, tensors: dict[str, SourceTensor], block: tuple[int, int], ue8m0: bool) -> SourceTensor:
+def weight_block(weight: SourceTensor, block: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """(the shape of quantized `weight` as a weight, its block): FP4 pairs unpacked in blocks of FP4_BLOCK; FP8 as
+    stored, in the config's `block`."""
+    if weight.dtype == FP4_PAIRS:
+        return (*weight.shape[:-1], 2 * weight.shape[-1]), FP4_BLOCK
+    return weight.shape, block
+
+
+def _check_scale(name: str, tensors: dict[str, SourceTensor], block: tuple[int, int], ue8m0: bool,
+                 fp4: bool = False) -> SourceTensor:
     """The scale of quantized weight `name`, checked against it (`ue8m0`: the config's scale_fmt, which makes a
-    uint8 scale e8m0 bytes)."""
+    uint8 scale e8m0 bytes; `fp4`: the config's expert_dtype is fp4, which makes an int8 weight FP4 pairs)."""
     weight, scale = tensors[name], tensors[name + SCALE_SUFFIX]
-    if weight.dtype not in FLOAT8:
+    if weight.dtype not in FLOAT8 and not (fp4 and weight.dtype == FP4_PAIRS):
         raise MergerError(f"tensor {name} has a block scale but is stored as {str(weight.dtype).removeprefix('torch.')}"
-                          f", not float8, {weight.file}")
-    if len(weight.shape) < 2 or scale.shape != scale_shape(weight.shape, block):
-        want = list(scale_shape(weight.shape, block)) if len(weight.shape) >= 2 else "a weight of 2 dims or more"
-        raise MergerError(f"scale {scale.name} is {list(scale.shape)}, but weight {name} {list(weight.shape)} in "
+                          f", not float8{' nor as FP4 pairs (int8)' if fp4 else ''}, {weight.file}")
+    shape, block = weight_block(weight, block)
+    if len(shape) < 2 or scale.shape != scale_shape(shape, block):
+        want = list(scale_shape(shape, block)) if len(shape) >= 2 else "a weight of 2 dims or more"
+        raise MergerError(f"scale {scale.name} is {list(scale.shape)}, but weight {name} {list(shape)} in "
                           f"blocks of {block[0]}x{block[1]} needs {want}, {scale.file}")
     if not scale.dtype.is_floating_point and not (ue8m0 and scale.dtype == E8M0_BYTES):
         raise MergerError(f"scale {scale.name} is stored as {str(scale.dtype).removeprefix('torch.')}, not as "
@@ -110,10 +126,10 @@ def _check_scale(name: str, tensors: dict[str, SourceTensor], block: tuple[int, 
     return scale
 
 
-def _dequantize_step(name: str, catalog: Catalog, block: tuple[int, int], ue8m0: bool) -> Step:
-    scale = _check_scale(name, catalog.tensors, block, ue8m0)
-    return Step((name, scale.name), (OutputSpec(name, catalog.tensors[name].shape, DEQUANTIZED),),
-                partial(dequantize, block))
+def _dequantize_step(name: str, catalog: Catalog, block: tuple[int, int], ue8m0: bool, fp4: bool) -> Step:
+    scale = _check_scale(name, catalog.tensors, block, ue8m0, fp4)
+    shape, block = weight_block(catalog.tensors[name], block)
+    return Step((name, scale.name), (OutputSpec(name, shape, DEQUANTIZED),), partial(dequantize, block))
 
 
 def _dequantized_first(block: tuple[int, int], quantized: tuple[bool, ...], transform, tensors: list[torch.Tensor]
@@ -146,8 +162,8 @@ def dequantizing_inputs(steps: list[Step], tensors: dict[str, SourceTensor], blo
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
-    qc = fp8_block_config(config)
-    block, ue8m0 = block_size(qc, hf_dir / "config.json"), ue8m0_scales(qc)
+    qc = fp8_block_config(config, fp4=True)
+    block, ue8m0, fp4 = block_size(qc, hf_dir / "config.json"), ue8m0_scales(qc), fp4_experts(qc)
     names = catalog.tensors
     steps = []
     for name, t in names.items():
@@ -155,7 +171,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
             if name.removesuffix(SCALE_SUFFIX) not in names:
                 raise MergerError(f"scale {name} has no weight {name.removesuffix(SCALE_SUFFIX)} beside it, {t.file}")
         elif name + SCALE_SUFFIX in names:
-            steps.append(_dequantize_step(name, catalog, block, ue8m0))
+            steps.append(_dequantize_step(name, catalog, block, ue8m0, fp4))
         elif t.dtype in FLOAT8:
             raise MergerError(f"tensor {name} is stored as {str(t.dtype).removeprefix('torch.')} with no "
                               f"{name + SCALE_SUFFIX} beside it, {t.file}")
@@ -164,9 +180,11 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     count = sum(not s.is_cast for s in steps)
     scheme = f"{MXFP8}: " if qc["quant_method"] == MXFP8 else ""
     e8m0_bytes = any(t.dtype == E8M0_BYTES for n, t in names.items() if n.endswith(SCALE_SUFFIX))
+    pairs = sum(names[s.inputs[0]].dtype == FP4_PAIRS for s in steps if not s.is_cast)
     note = (f"merger: FP8 block-scaled weights ({scheme}block {block[0]}x{block[1]}"
-            f"{', e8m0 scales' if e8m0_bytes else ''}), {count} tensors dequantized; {QUANTIZATION_CONFIG} left out "
-            f"of config.json")
+            f"{', e8m0 scales' if e8m0_bytes else ''}), {count} tensors dequantized"
+            f"{f' ({pairs} of them FP4 experts, e2m1 in blocks of 1x32)' if pairs else ''}; {QUANTIZATION_CONFIG} "
+            f"left out of config.json")
     kept = [name for name in names if not name.endswith(SCALE_SUFFIX)]
     return Mapping(rename_outputs(steps, saved_names(hf_dir, config, kept, options.trust_remote_code)), hf_dir,
                    config, config_removals=(QUANTIZATION_CONFIG,),

@@ -22,7 +22,7 @@ from .fp8 import E8M0_BYTES, block_size, ue8m0_scales
 from .fp8_quantize import FP8, SCALE_DTYPE, Fp8Output
 from .hub_folders import hub_id_of
 from .release_blocks import StoredTensor
-from .quantized_formats import QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config
+from .quantized_formats import QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config, refuse_fp4_experts
 
 FLAG = "--quantize_like"
 
@@ -102,6 +102,7 @@ def release_headers(folder: Path) -> dict[str, StoredTensor]:
 def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Fp8Output:
     """How to write `outputs` (name -> shape) as the release in `folder` stores them."""
     config = read_config(folder)
+    refuse_fp4_experts(f"{FLAG}'s release", folder, config)
     qc = fp8_block_config(config)
     if qc is None:
         raise MergerError(f"{FLAG} needs an FP8 block-scaled release: its config.json's {QUANTIZATION_CONFIG} must "

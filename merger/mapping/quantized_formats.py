@@ -2,21 +2,21 @@
 merge of the folder (or of any checkpoint under HF names), a LoRA base, `--quantize_like`'s release.
 
 merger handles four: FP8 block-scaled releases (`quant_method: "fp8"` with a `weight_block_size`, dequantized by
-fp8.py, written by fp8_quantize.py), gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`, written by
-mxfp4_quantize.py; as a source its `_blocks` and `_scales` are kept as stored, with the quantization_config that
-says what they are), compressed-tensors releases in `nvfp4-pack-quantized`, INT4 `pack-quantized`,
-`mxfp4-pack-quantized` or `mxfp8-quantized` with the scheme compressed_tensors_scheme.py names, and ModelOpt's NVFP4
-and MXFP8 exports (`hf_quant_config.json`, modelopt_scheme.py). The last two are read, dequantized by
-compressed_tensors.py and modelopt.py; not a LoRA base nor a layout to write, yet (but their MXFP8 and
-compressed-tensors' INT4 and MXFP4, which `--quantize_like` writes: mxfp8_release_layout.py, int4_release_layout.py,
-mxfp4_pack_release_layout.py): those say so in one line. Every
+fp8.py, written by fp8_quantize.py; DeepSeek-V4's, whose routed experts are FP4 (`expert_dtype: "fp4"`), read only),
+gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`, written by mxfp4_quantize.py; as a source its `_blocks` and
+`_scales` are kept as stored, with the quantization_config that says what they are), compressed-tensors releases in
+`nvfp4-pack-quantized`, INT4 `pack-quantized`, `mxfp4-pack-quantized` or `mxfp8-quantized` with the scheme
+compressed_tensors_scheme.py names, and ModelOpt's NVFP4 and MXFP8 exports (`hf_quant_config.json`,
+modelopt_scheme.py). The last two are read, dequantized by compressed_tensors.py and modelopt.py; not a LoRA base nor
+a layout to write, yet (but their MXFP8 and compressed-tensors' INT4 and MXFP4, which `--quantize_like` writes:
+mxfp8_release_layout.py, int4_release_layout.py, mxfp4_pack_release_layout.py): those say so in one line. Every
 other format is refused with one line naming it and the file that says it: compressed-tensors' other formats and
 schemes (`mxfp6-pack-quantized`, zero points, other group sizes, ...), ModelOpt's other algorithms (FP8, INT4_AWQ,
-W4A8_AWQ, NVFP4_AWQ, mixed precision, ...), transformers' `mxfp8` in other blocks, DeepSeek-V4's FP8 with FP4
-experts, FP8 without blocks, GPTQ, AWQ, bitsandbytes and any other `quant_method`. Merged as plain tensors, their
-packed weights and scales would be written as if they were weights: a model that loads wrong or not at all, with
-exit 0. A tensor named as such a format names a weight's part (`weight_packed`, `weight_scale`, ...) in a folder
-whose config does not describe that part is refused too: without the config, nothing says how to read it.
+W4A8_AWQ, NVFP4_AWQ, mixed precision, ...), transformers' `mxfp8` in other blocks, FP8 with experts in another
+`expert_dtype`, FP8 without blocks, GPTQ, AWQ, bitsandbytes and any other `quant_method`. Merged as plain tensors,
+their packed weights and scales would be written as if they were weights: a model that loads wrong or not at all,
+with exit 0. A tensor named as such a format names a weight's part (`weight_packed`, `weight_scale`, ...) in a
+folder whose config does not describe that part is refused too: without the config, nothing says how to read it.
 
 transformers' `mxfp8` (`quant_method: "mxfp8"`, `weight_block_size: [1, 32]`, `scale_fmt: "ue8m0"`, its scales
 stored as e8m0 bytes) is FP8 block-scaled: read by fp8.py and written by fp8_quantize.py as such.
@@ -57,20 +57,28 @@ SCALE_SUFFIX = "_scale_inv"  # FP8's scale of `<name>`: `weight_scale_inv`, a fu
 DESCRIBED = {FP8_BLOCK: ("FP8 block-scaled", (SCALE_SUFFIX,)), MXFP4: ("gpt-oss MXFP4", (BLOCKS_SUFFIX, SCALES_SUFFIX))}
 
 
-def _is_fp8_block(qc: object) -> bool:
-    """A quantization_config of FP8 block scaling (with no FP4 experts; transformers' own config says `expert_dtype:
-    "fp8"`): quant_method fp8 with blocks, or mxfp8 in MXFP8_SCHEME."""
-    if not isinstance(qc, dict) or qc.get("expert_dtype") not in (None, "fp8"):
+def fp4_experts(qc: dict) -> bool:
+    """Whether an FP8 block-scaled config stores its experts as FP4 (DeepSeek-V4's `expert_dtype: "fp4"`)."""
+    return qc.get("expert_dtype") == "fp4"
+
+
+def _is_fp8_block(qc: object, fp4: bool = False) -> bool:
+    """A quantization_config of FP8 block scaling: quant_method fp8 with blocks, or mxfp8 in MXFP8_SCHEME; its experts
+    FP8 too (transformers' own config says `expert_dtype: "fp8"`), or with `fp4` FP4 as DeepSeek-V4's may be."""
+    if not isinstance(qc, dict) or qc.get("expert_dtype") not in (None, "fp8", *(("fp4",) if fp4 else ())):
+        return False
+    if fp4_experts(qc) and qc.get("quant_method") != FP8_BLOCK:
         return False
     if qc.get("quant_method") == MXFP8:
         return all(qc.get(key) == value for key, value in MXFP8_SCHEME.items())
     return qc.get("quant_method") == FP8_BLOCK and qc.get("weight_block_size") is not None
 
 
-def fp8_block_config(config: dict) -> dict | None:
-    """config.json's quantization_config when it names FP8 block scaling, else None."""
+def fp8_block_config(config: dict, fp4: bool = False) -> dict | None:
+    """config.json's quantization_config when it names FP8 block scaling (with `fp4`, FP4 experts allowed: what
+    merger reads, but neither writes nor folds a LoRA into), else None."""
     qc = config.get(QUANTIZATION_CONFIG)
-    return qc if _is_fp8_block(qc) else None
+    return qc if _is_fp8_block(qc, fp4) else None
 
 
 def _unhandled(qc: object) -> str | None:
@@ -78,12 +86,12 @@ def _unhandled(qc: object) -> str | None:
     if not isinstance(qc, dict) or not isinstance(qc.get("quant_method"), str):
         return "weights quantized with no quant_method"
     method = qc["quant_method"]
-    if method == MXFP4 or _is_fp8_block(qc):
+    if method == MXFP4 or _is_fp8_block(qc, fp4=True):
         return None
     if method == COMPRESSED_TENSORS:
         return unread(qc)
     if method == FP8_BLOCK and qc.get("weight_block_size") is not None:
-        return f"FP8 weights with {qc.get('expert_dtype')} experts, DeepSeek-V4's layout"
+        return f"FP8 weights with {qc.get('expert_dtype')} experts"
     if method == FP8_BLOCK:
         return "FP8 weights scaled per tensor or per channel, without weight_block_size"
     if method == MXFP8:
@@ -107,7 +115,7 @@ def config_format(folder: Path, config: dict) -> str | None:
     if what is not None:
         raise MergerError(f"{what} (config.json's {QUANTIZATION_CONFIG}), {HANDLED}, {folder / 'config.json'}")
     qc = config[QUANTIZATION_CONFIG]
-    return FP8_BLOCK if _is_fp8_block(qc) else COMPRESSED_TENSORS if qc["quant_method"] == COMPRESSED_TENSORS else MXFP4
+    return FP8_BLOCK if _is_fp8_block(qc, fp4=True) else COMPRESSED_TENSORS if qc["quant_method"] == COMPRESSED_TENSORS else MXFP4
 
 
 def _described(found: str | None, folder: Path, config: dict) -> tuple[str | None, tuple[str, ...]]:
@@ -119,6 +127,16 @@ def _described(found: str | None, folder: Path, config: dict) -> tuple[str | Non
         algo = modelopt_scheme.described(folder, config)[0]["quant_algo"]
         return f"ModelOpt {algo}", modelopt_scheme.READ[algo][1]
     return DESCRIBED.get(found, (None, ()))
+
+
+def refuse_fp4_experts(use: str, folder: Path, config: dict) -> None:
+    """Raise when `folder`'s config says FP8 with FP4 experts (DeepSeek-V4's layout), which merger reads but takes as
+    no `use` (a LoRA base, a layout to write) yet."""
+    qc = config.get(QUANTIZATION_CONFIG)
+    if isinstance(qc, dict) and fp4_experts(qc):
+        raise MergerError(f"FP8 weights with FP4 experts (DeepSeek-V4's layout, config.json's {QUANTIZATION_CONFIG}) "
+                          f"as {use}: merger reads such a release (merger merge dequantizes it) but does not take one "
+                          f"as {use} yet, {folder / 'config.json'}")
 
 
 def read_only(use: str, folder: Path, config: dict) -> MergerError:

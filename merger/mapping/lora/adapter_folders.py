@@ -22,7 +22,7 @@ from .. import fp8
 from ..hub_folders import hub_id_of
 from ..policy import ties
 from ..quantized_formats import (FP8_BLOCK, QUANTIZATION_CONFIG, READ_ONLY, SCALE_SUFFIX, fp8_block_config, read_only,
-                                 stored_format)
+                                 refuse_fp4_experts, stored_format)
 from ..steps import Mapping, Step
 from .adapter import LoraAdapter, adapter_from_folder
 from .experts_orientation import experts_transposed
@@ -67,6 +67,7 @@ def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[Lora
     stored = stored_format(base_dir, config, base.tensors)
     if stored in READ_ONLY:
         raise read_only("a LoRA base", base_dir, config)
+    refuse_fp4_experts("a LoRA base", base_dir, config)
     qc = fp8_block_config(config) if stored == FP8_BLOCK else None
     weights = [n for n in base.tensors if n not in written and not (qc and n.endswith(SCALE_SUFFIX))]
     result = fold_steps({n: n for n in weights}, adapters, catalog.tensors, ties(config, options),

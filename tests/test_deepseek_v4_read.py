@@ -1,0 +1,64 @@
+"""A DeepSeek-V4 release read: FP8 weights in 128x128 blocks and FP4 routed experts (e2m1 pairs in int8, blocks of
+1x32), every scale float8_e8m0fnu (#49 item 1). The release is transformers' own `deepseek_v4` model as
+save_pretrained names it, stored as DeepSeek ships V4 (tests/writers/deepseek_v4_release.py). The oracle is
+transformers: its loader dequantizes the release on CPU (`Fp8Dequantize`), and the model it loads from merger's
+output must hold the same bits in every parameter. As a layout to write or a LoRA base, the release is refused in
+one line.
+"""
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from tests.helpers.in_process import command_here, merge_here, merge_in_process
+from tests.helpers.release_bytes import bits
+from tests.writers.deepseek_v4_release import SCALE, TINY, write_release
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    return write_release(tmp_path_factory.mktemp("deepseek_v4") / "release")
+
+
+def _parameters(folder) -> dict[str, torch.Tensor]:
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).state_dict()
+
+
+def test_every_parameter_is_transformers_dequantization_of_the_release(release, tmp_path):
+    with safe_open(release / "model.safetensors", "pt") as f:  # the premise: both kinds, the experts FP4
+        dtypes = {n: f.get_slice(n).get_dtype() for n in f.keys()}
+    assert {"F8_E4M3", "I8", "F8_E8M0"} <= set(dtypes.values())
+    assert all(dtypes[n] == "I8" for n in dtypes if ".ffn.experts." in n and not n.endswith(SCALE))
+    out = merge_in_process(release, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "deepseek_v4"
+    want, got = _parameters(release), _parameters(out)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(bits(got[name]), bits(tensor)), name
+
+
+def test_as_a_layout_to_write_or_a_lora_base_it_is_refused(release, tmp_path, capsys):
+    plain = merge_in_process(release, tmp_path / "plain")
+    code, errors = merge_here(capsys, "--local_dir", plain, "--target_dir", tmp_path / "out", "--quantize_like",
+                              release)
+    assert code == 1 and errors == [
+        f"merger: error: FP8 weights with FP4 experts (DeepSeek-V4's layout, config.json's quantization_config) as "
+        f"--quantize_like's release: merger reads such a release (merger merge dequantizes it) but does not take one "
+        f"as --quantize_like's release yet, {release / 'config.json'}"]
+    torch.manual_seed(1)
+    model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**TINY))
+    adapter = tmp_path / "adapter"
+    peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_a_proj"])).save_pretrained(adapter)
+    code, errors = command_here(capsys, "lora", "--base_model", release, "--adapter", adapter, "--target_dir",
+                                tmp_path / "merged")
+    assert code == 1 and len(errors) == 1 and "(DeepSeek-V4's layout, config.json's quantization_config) as a LoRA " \
+        "base" in errors[0] and errors[0].endswith(f", {release / 'config.json'}"), errors
+    assert not (tmp_path / "out").exists() and not (tmp_path / "merged").exists()
