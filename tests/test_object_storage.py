@@ -25,7 +25,7 @@ import merger
 from merger.catalog import Catalog
 from tests.helpers.files import assert_same_files
 from tests.helpers.in_process import run_in_process, single_error_line, stdout_in_process
-from tests.helpers.emulators import ACCOUNT_KEY
+from tests.helpers.emulators import ACCOUNT_KEY, SERVERS
 from tests.helpers.object_store import KEY_ID, SECRET, ObjectStore
 from tests.helpers.processes import free_port, run_merger, start_merger, subprocess_env
 from tests.helpers.weights import assert_same_weights
@@ -50,9 +50,6 @@ def own_clients(monkeypatch):
     from merger.io import locations
 
     monkeypatch.setattr(locations, "_OBJECT_STORAGES", {})
-
-
-SERVERS = {"s3": "s3_server", "gs": "gcs_server", "az": "azure_server"}
 
 
 @pytest.fixture(scope="module", params=list(SERVERS))

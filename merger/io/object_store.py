@@ -27,7 +27,7 @@ from collections import OrderedDict
 
 from ..errors import CredentialsError, MergerError
 from .read_plan import BLOCK, FETCH, SMALL, Plan
-from .s3_retries import s3_filesystem
+from .store_waits import store_filesystem
 from .storage import Entry
 
 READ_AHEAD = FETCH // BLOCK  # blocks a read outside the plan that goes on from the last one fetches: 32 MiB
@@ -37,6 +37,8 @@ HELD = 2 * FETCH  # bytes held per process, at most (64 MiB): what the last miss
 # The client libraries log at INFO where they found the credentials and the endpoint: not merger's progress.
 for _name in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "gcsfs", "adlfs", "azure"):
     logging.getLogger(_name).setLevel(logging.WARNING)
+# gcsfs logs the error it gives up on, traceback and all, as it raises it: merger says it, in one line
+logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
 # adlfs warns when it cannot read a container's properties and goes on; the listing that follows says why, in one line
 warnings.filterwarnings("ignore", message="Failed to fetch container properties", module="adlfs")
 
@@ -47,14 +49,13 @@ CREDENTIALS = {"s3fs": "AWS_ACCESS_KEY_ID, AWS_PROFILE...", "gcsfs": "GOOGLE_APP
                "adlfs": "AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_ACCOUNT_KEY..."}
 ENDPOINTS = {"s3fs": "AWS_ENDPOINT_URL", "gcsfs": "STORAGE_EMULATOR_HOST",
              "adlfs": "the BlobEndpoint of AZURE_STORAGE_CONNECTION_STRING"}
+THROTTLING = {"s3fs": "503 SlowDown", "gcsfs": "429 or 503", "adlfs": "503 ServerBusy"}  # each store's answer
 
 
 def _filesystem(scheme: str, url: str):
     try:
-        import fsspec
-        # a client of its own, made with the environment as it is now (fsspec would reuse an older one); an s3://
-        # client with merger's waits and retries, not the libraries' defaults (s3_retries.py)
-        return s3_filesystem() if scheme == "s3" else fsspec.filesystem(scheme, skip_instance_cache=True)
+        # a client of its own, with merger's waits and retries, not the libraries' defaults (store_waits.py)
+        return store_filesystem(scheme)
     except ImportError as e:
         package = PACKAGES.get(scheme, "adlfs")
         raise MergerError(f"reading {scheme}:// needs the {package} package (pip install "
@@ -64,10 +65,20 @@ def _filesystem(scheme: str, url: str):
 
 
 # What the client libraries raise when an answer breaks off: a reset, a stall past the read timeout, a body shorter
-# than its Content-Length (aiohttp's, botocore's, s3fs's names for them).
+# than its Content-Length (aiohttp's, botocore's, s3fs's, azure-core's names for them).
 BROKEN = ("ClientPayloadError", "IncompleteRead", "IncompleteReadError", "ResponseStreamingError",
           "ReadTimeoutError", "ConnectionClosedError", "ServerDisconnectedError", "ClientOSError", "FSTimeoutError",
-          "TimeoutError", "ConnectionResetError")
+          "TimeoutError", "ConnectionResetError", "ServerTimeoutError", "SocketTimeoutError", "ServiceResponseError")
+
+
+def _causes(e: BaseException) -> list[str]:
+    """The class names of `e` and of the errors it was raised from: azure-storage-blob gives up on a body that kept
+    breaking off with an HttpResponseError raised from the last break."""
+    names = []
+    while e is not None and len(names) < 8:
+        names.append(type(e).__name__)
+        e = e.__cause__ or e.__context__
+    return names
 
 
 def _refusal(e: Exception, url: str, doing: str = "a read") -> Exception:
@@ -94,13 +105,14 @@ def _refusal(e: Exception, url: str, doing: str = "a read") -> Exception:
     if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "ClientConnectorDNSError",
                 "ServiceRequestError") or "Could not connect" in text:
         return MergerError(f"cannot reach the object store's endpoint ({ENDPOINTS[package]}?), {url}")
-    # s3fs turns SlowDown into OSError(EBUSY, "Please reduce your request rate.")
-    if (isinstance(e, OSError) and e.errno == errno.EBUSY) or \
+    # s3fs turns SlowDown into OSError(EBUSY, "Please reduce your request rate."); gcsfs's 429 and azure's 503
+    # ServerBusy keep their status
+    if (isinstance(e, OSError) and e.errno == errno.EBUSY) or status in (429, 503) or \
             any(code in text for code in ("SlowDown", "reduce your request rate", "Throttl", "RequestLimitExceeded",
-                                          "503")):
-        return MergerError(f"the object store kept throttling (503 SlowDown) after the client's retries, "
+                                          "503", "ServerBusy")):
+        return MergerError(f"the object store kept throttling ({THROTTLING[package]}) after the client's retries, "
                            f"{url}")
-    if name in BROKEN:
+    if set(_causes(e)) & set(BROKEN):
         return MergerError(f"{doing} failed after the client's retries: the object store's answers broke off "
                            f"(connection reset, stalled past the read timeout, or cut short), {url}")
     first = text.strip().splitlines()[0][:200] if text.strip() else ""

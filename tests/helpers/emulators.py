@@ -13,6 +13,9 @@ from pathlib import Path
 
 from tests.helpers.processes import free_port
 
+# The session fixture that serves each scheme (tests/conftest.py): a test of any store asks for the one it needs.
+SERVERS = {"s3": "s3_server", "gs": "gcs_server", "az": "azure_server"}
+
 # Azurite's one account, with the key every Azure storage emulator publishes (not a secret): Azurite checks it.
 ACCOUNT = "devstoreaccount1"
 ACCOUNT_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="

@@ -1,9 +1,11 @@
-"""A fault-injecting HTTP forwarder on the loopback, put between merger and the tests' S3 server (moto's): what an
-object store under load does to its clients, on purpose and reproducibly.
+"""A fault-injecting HTTP forwarder on the loopback, put between merger and the tests' object stores (moto's S3
+server, the GCS emulator, Azurite): what an object store under load does to its clients, on purpose and
+reproducibly.
 
-Each request of a faulted kind (an object's GET, ranged or whole; PutObject; CreateMultipartUpload; UploadPart;
-CompleteMultipartUpload) is faulted with probability `rate`, one fault drawn from `faults`:
-- "slowdown": answered 503 SlowDown by the proxy, never reaching the store (S3's throttling answer);
+Each request of a faulted kind (an object's GET, ranged or whole; for S3 also PutObject, CreateMultipartUpload,
+UploadPart, CompleteMultipartUpload) is faulted with probability `rate`, one fault drawn from `faults`:
+- "throttle": answered by the proxy with the store's throttling answer, never reaching the store (S3's 503
+  SlowDown, GCS's 429 rateLimitExceeded, Azure's 503 ServerBusy);
 - "reset": forwarded, then the connection is reset (RST) halfway through the response's body (at once where the
   body is empty): the store acted, the client never learns it;
 - "stall": forwarded, then the response stops halfway for `stall_s` seconds (longer than the client's read
@@ -14,7 +16,7 @@ CompleteMultipartUpload) is faulted with probability `rate`, one fault drawn fro
   with a Content-Length that says half, so that the HTTP layer finds nothing wrong.
 
 Deterministic: whether a request is faulted depends only on the seed, the request (method, path, query without
-the store's random upload id, Range) and how many times that request came before, never on the order threads
+the store's random upload id, the range asked for) and how many times that request came before, never on the order threads
 send requests in; so a retry draws anew, and a merge run twice with the same seed meets the same faults.
 `where(kind, path)` narrows the faults to some requests (one object, one operation); `limit` faults each request
 that many times at most (rate 1 and limit 1: each one's first send fails, its retry goes through).
@@ -22,23 +24,24 @@ that many times at most (rate 1 and limit 1: each one's first send fails, its re
 from __future__ import annotations
 
 import http.client
+import json
 import random
 import socket
 import struct
 import threading
 from collections import Counter
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-FAULTS = ("slowdown", "reset", "stall", "truncate")
-SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-            b"<Message>Please reduce your request rate.</Message></Error>")
+FAULTS = ("throttle", "reset", "stall", "truncate")
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection", "upgrade", "te",
               "content-length"}
 
 
-def kind(method: str, target: str) -> str | None:
+def s3_kind(method: str, target: str) -> str | None:
     """Which S3 operation a request is, among those faulted; None for the others (listings, HEAD, DELETE...)."""
     parts = urlsplit(target)
     query = {q.split("=", 1)[0] for q in parts.query.split("&") if q}
@@ -52,10 +55,46 @@ def kind(method: str, target: str) -> str | None:
     return None
 
 
+def gcs_kind(method: str, target: str) -> str | None:
+    """"read" for an object's download (its JSON API's media GET, ranged or whole); None for the rest (metadata,
+    listings)."""
+    return "read" if method == "GET" and urlsplit(target).path.startswith("/download/storage/v1/b/") else None
+
+
+def azure_kind(method: str, target: str) -> str | None:
+    """"read" for a blob's GET (/account/container/blob, ranged or whole); None for the rest (listings and
+    properties: a query with comp or restype; HEAD)."""
+    parts = urlsplit(target)
+    query = {q.split("=", 1)[0] for q in parts.query.split("&") if q}
+    on_blob = parts.path.strip("/").count("/") >= 2
+    return "read" if method == "GET" and on_blob and not query & {"comp", "restype"} else None
+
+
+@dataclass(frozen=True)
+class Protocol:
+    kind: Callable[[str, str], str | None]  # (method, target) -> the faulted kind of request, or None
+    throttle: tuple[int, list[tuple[str, str]], bytes]  # the store's throttling answer: status, headers, body
+    range_header: str  # where a ranged GET names its bytes
+
+
+PROTOCOLS = {
+    "s3": Protocol(s3_kind, (503, [("Content-Type", "application/xml")],
+                             b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+                             b"<Message>Please reduce your request rate.</Message></Error>"), "Range"),
+    "gs": Protocol(gcs_kind, (429, [("Content-Type", "application/json")], json.dumps({"error": {
+        "code": 429, "message": "The rate of requests exceeds the rate limit.",
+        "errors": [{"reason": "rateLimitExceeded"}]}}).encode()), "Range"),
+    "az": Protocol(azure_kind, (503, [("Content-Type", "application/xml"), ("x-ms-error-code", "ServerBusy")],
+                                b'<?xml version="1.0" encoding="utf-8"?><Error><Code>ServerBusy</Code>'
+                                b"<Message>The server is busy.</Message></Error>"), "x-ms-range"),
+}
+
+
 class FlakyProxy:
     def __init__(self, upstream: str, rate: float, faults=FAULTS, where=None, limit: int | None = None,
-                 seed: int = 0, stall_s: float = 4.0):
+                 seed: int = 0, stall_s: float = 4.0, store: str = "s3"):
         self.upstream = urlsplit(upstream)
+        self.protocol = PROTOCOLS[store]
         self.rate, self.faults, self.where, self.limit = rate, tuple(faults), where, limit
         self.seed, self.stall_s = seed, stall_s
         self.seen: Counter = Counter()  # request -> times it came
@@ -120,10 +159,10 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         target = urlsplit(self.path)
         query = sorted(q for q in target.query.split("&") if q and not q.startswith("uploadId="))
-        request = (self.command, target.path, tuple(query), self.headers.get("Range", ""))
-        fault = proxy.draw(kind(self.command, self.path), target.path, request)
-        if fault == "slowdown":
-            self._respond(503, [("Content-Type", "application/xml")], SLOWDOWN)
+        request = (self.command, target.path, tuple(query), self.headers.get(proxy.protocol.range_header, ""))
+        fault = proxy.draw(proxy.protocol.kind(self.command, self.path), target.path, request)
+        if fault == "throttle":
+            self._respond(*proxy.protocol.throttle)
             return
         upstream = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
         try:
