@@ -192,6 +192,27 @@ def test_an_unreachable_endpoint_is_one_line(dcp_root, tmp_path):
                                               "(AWS_ENDPOINT_URL?), s3://ckpt/runs/dcp/plain")
 
 
+def test_a_read_timeout_that_is_no_number_of_seconds_is_a_usage_line(tmp_path):
+    """MERGER_READ_TIMEOUT, and MERGER_S3_READ_TIMEOUT (its older name), bound the reads of every store."""
+    for name, url in (("MERGER_READ_TIMEOUT", "gs://ckpt/x"), ("MERGER_S3_READ_TIMEOUT", "az://ckpt/x")):
+        proc = run_merger("merge", "--local_dir", url, "--target_dir", tmp_path / "out", env={name: "soon"},
+                          check=False)
+        assert proc.returncode == 2
+        assert single_error_line(proc.stderr) == \
+            f"merger: error: {name} must be a number of seconds above 0, not 'soon'"
+
+
+def test_an_azure_source_with_no_account_anywhere_is_the_credentials_line(tmp_path):
+    """adlfs, finding no connection string, account or key in the environment, refuses to make its client: merger
+    says so as the credentials' kind (before: `unknown storage az://`, the wrong diagnosis)."""
+    proc = run_merger("merge", "--local_dir", "az://ckpt/x", "--target_dir", tmp_path / "out", check=False)
+    assert proc.returncode == os.EX_NOPERM
+    assert single_error_line(proc.stderr) == (
+        "merger: error: no credentials for the object store (set AZURE_STORAGE_CONNECTION_STRING, "
+        "AZURE_STORAGE_ACCOUNT_KEY...), az://ckpt/x")
+    assert not (tmp_path / "out").exists()
+
+
 # gs:// and az:// under torchrun only: one rank reads through the same code, and their servers are the slow ones
 @pytest.mark.parametrize("scheme,nproc", [("s3", 1), ("s3", 2), ("gs", 2), ("az", 2)])
 def test_verl_fsdp_rank_files_from_a_bucket(request, scheme, fsdp_checkpoint, nproc, tmp_path):

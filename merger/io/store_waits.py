@@ -63,8 +63,9 @@ def store_filesystem(scheme: str):
     these waits and retries. ImportError where its library is missing, ValueError for a scheme fsspec does not know."""
     import fsspec
 
+    timeout = read_timeout()
     if scheme == "s3":
-        config = {"connect_timeout": CONNECT_TIMEOUT, "read_timeout": read_timeout()}
+        config = {"connect_timeout": CONNECT_TIMEOUT, "read_timeout": timeout}
         if not ({"AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE"} & os.environ.keys()):
             config["retries"] = {"mode": "standard", "total_max_attempts": S3_ATTEMPTS}
         fs = fsspec.filesystem("s3", skip_instance_cache=True, config_kwargs=config)
@@ -75,14 +76,14 @@ def store_filesystem(scheme: str):
 
         # gcsfs hands requests_timeout to each aiohttp request as it is: None (its default) is no limit at all
         return fsspec.filesystem(scheme, skip_instance_cache=True, requests_timeout=aiohttp.ClientTimeout(
-            sock_connect=CONNECT_TIMEOUT, sock_read=read_timeout()))
+            sock_connect=CONNECT_TIMEOUT, sock_read=timeout))
     fs = fsspec.filesystem(scheme, skip_instance_cache=True)
     if scheme in ("az", "abfs"):
-        _tune_azure(fs.service_client)
+        _tune_azure(fs.service_client, timeout)
     return fs
 
 
-def _tune_azure(client) -> None:
+def _tune_azure(client, timeout: float) -> None:
     """adlfs builds its client with azure-storage-blob's default policy and transport and takes no retry setting;
     its timeout keywords reach blob reads and writes only, not listings or properties. So the one policy and the
     one transport that the client's container and blob clients share are set here, for every request."""
@@ -91,4 +92,4 @@ def _tune_azure(client) -> None:
     policy.initial_backoff, policy.increment_base = 0, AZ_BACKOFF_BASE
     policy.random_jitter_range = AZ_JITTER
     connection = client._config.transport.connection_config
-    connection.timeout, connection.read_timeout = CONNECT_TIMEOUT, read_timeout()
+    connection.timeout, connection.read_timeout = CONNECT_TIMEOUT, timeout

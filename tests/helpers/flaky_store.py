@@ -16,8 +16,8 @@ UploadPart, CompleteMultipartUpload) is faulted with probability `rate`, one fau
   with a Content-Length that says half, so that the HTTP layer finds nothing wrong.
 
 Deterministic: whether a request is faulted depends only on the seed, the request (method, path, query without
-the store's random upload id, the range asked for) and how many times that request came before, never on the order threads
-send requests in; so a retry draws anew, and a merge run twice with the same seed meets the same faults.
+the store's random upload id, the range asked for) and how many times that request came before, never on the order
+threads send requests in; so a retry draws anew, and a merge run twice with the same seed meets the same faults.
 `where(kind, path)` narrows the faults to some requests (one object, one operation); `limit` faults each request
 that many times at most (rate 1 and limit 1: each one's first send fails, its retry goes through).
 """
