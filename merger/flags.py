@@ -188,7 +188,7 @@ def _add_source_args(p: argparse.ArgumentParser, what: str = "the checkpoint fol
 
 # --dtype spellings of formats that are no dtype to cast to: each is written with its scales by a flag of its own
 _QUANTIZED_DTYPES = {"fp8": "--quantize fp8-block", "float8": "--quantize fp8-block",
-                     "float8_e4m3fn": "--quantize fp8-block", "mxfp4": "--quantize mxfp4"}
+                     "float8_e4m3fn": "--quantize fp8-block", "mxfp4": "--quantize mxfp4", "mxfp8": "--quantize mxfp8"}
 
 
 def _dtype(text: str) -> str:
@@ -217,10 +217,11 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
                                            "id): FP8 block-scaled (the tensors it quantizes as float8 with "
                                            "per-block weight_scale_inv) or gpt-oss MXFP4 (its experts as _blocks "
                                            "and _scales); the rest in its dtypes, its quantization_config")
-    p.add_argument("--quantize", choices=["fp8-block", "mxfp4"], default=None,
+    p.add_argument("--quantize", choices=["fp8-block", "mxfp8", "mxfp4"], default=None,
                    help="fp8-block: FP8 block-scaled weights (128x128 blocks, float32 weight_scale_inv) for the "
                         "modules transformers' FP8 quantizer converts by default (Linear layers and experts; not "
                         "lm_head, nor one with a weight that is not whole 128x128 blocks); "
+                        "mxfp8: the same modules as transformers' mxfp8 (1x32 blocks, e8m0 weight_scale_inv); "
                         "mxfp4: gpt-oss's MoE experts in MXFP4 as the gpt-oss release stores them "
                         "(gpt-oss only)")
 

@@ -1,5 +1,6 @@
 """transformers' `mxfp8` releases (`quant_method: "mxfp8"`: float8_e4m3fn weights, one e8m0 byte per block of 1x32,
-`weight_scale_inv` uint8 [out, in / 32]) read by `merge` and written back by `--quantize_like`.
+`weight_scale_inv` uint8 [out, in / 32]) read by `merge` and written back by `--quantize_like`, or written from a
+model with no release by `--quantize mxfp8`.
 
 The release is written by transformers itself (tests/writers/mxfp8_release.py: its `Fp8Quantize` on a tiny bfloat16
 Llama, saved by save_pretrained). Oracles, none of them merger's code:
@@ -105,6 +106,21 @@ def test_quantize_like_is_transformers_quantizer_and_the_release_itself(release,
                                          "--json"))["notes"]
     assert (f"14 tensors written as FP8 like {folder} (float8_e4m3fn, block 1x32, weight_scale_inv uint8 (e8m0), "
             f"scale_fmt ue8m0); quantization_config copied into config.json") in notes
+
+
+def test_quantize_mxfp8_without_a_release_writes_the_release_transformers_writes(release, tmp_path, capsys):
+    """`--quantize mxfp8` on the model alone: transformers' default choice of modules (every Linear but lm_head),
+    its quantize op, its config: the release transformers wrote of this model, every byte and the
+    quantization_config."""
+    folder, model = release
+    out = tmp_path / "out"
+    assert merge_here(capsys, "--local_dir", model, "--target_dir", out, "--quantize", "mxfp8", "--verify") == (0, [])
+    got, stored = load_safetensors_folder(out), load_safetensors_folder(folder)
+    assert sorted(got) == sorted(stored) and sum(n.endswith(SCALE) for n in got) == 14
+    for name, t in stored.items():
+        assert got[name].dtype == t.dtype and torch.equal(bits(got[name]), bits(t)), name
+    config, release_config = (json.loads((f / "config.json").read_text()) for f in (out, folder))
+    assert config["quantization_config"] == release_config["quantization_config"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,4 +1,7 @@
-"""`--quantize fp8-block`: FP8 block-scaled output for a model with no FP8 release, in 128x128 blocks.
+"""`--quantize fp8-block` and `--quantize mxfp8`: FP8 block-scaled output for a model with no FP8 release, as
+transformers writes it: in 128x128 blocks with float32 scales (`quant_method: "fp8"`), or as transformers' `mxfp8`,
+in blocks of 1x32 whose scales are powers of two stored as e8m0 bytes (`quant_method: "mxfp8"`, `scale_fmt:
+"ue8m0"`, the bytes transformers' `Fp8Quantize` and ModelOpt's MXFP8 write alike: FORMATS.md).
 
 Which modules are quantized is transformers' own default choice, asked of transformers itself: the model is built
 on the meta device (no memory), its FP8 quantizer's default skips are taken (`get_modules_to_not_convert`: the
@@ -6,25 +9,46 @@ output embedding and any tied or last module, plus the class's `_keep_in_fp32_mo
 `replace_with_fp8_linear` converts the rest: every plain `nn.Linear` and every fused `experts` module. Norms,
 embeddings and routers are never Linear layers, so they stay as they are. A converted module's saved weights
 (`<module>.weight`, or an experts module's per-expert weights) are the tensors quantized. A module
-with a weight that is not whole 128x128 blocks stays at --dtype, as transformers' own `Fp8Quantize` leaves such a
+with a weight that is not whole blocks stays at --dtype, as transformers' own `Fp8Quantize` leaves such a
 weight: its FP8Linear would read a partial scale grid wrongly, with no warning, so the module is added to
 modules_to_not_convert, where transformers loads it as a plain Linear (an experts module whole: it has no half-FP8
 form). config.json gets the quantization_config transformers writes, its skips listed.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..errors import MergerError
-from .fp8_quantize import Fp8Output
+from .fp8 import E8M0_BYTES
+from .fp8_quantize import SCALE_DTYPE, Fp8Output
 from .meta_model import meta_model
 from .saved_names import saved_names
 
-SCHEME = "fp8-block"
-BLOCK = (128, 128)
+
+@dataclass(frozen=True)
+class Scheme:
+    """One --quantize scheme of FP8 blocks: transformers' FineGrainedFP8Config keywords and how the scales are kept."""
+
+    block: tuple[int, int]
+    ue8m0: bool
+    scale_dtype: torch.dtype
+    config: dict
+
+    def transformers_config(self, **more):
+        import transformers
+
+        return transformers.FineGrainedFP8Config(weight_block_size=list(self.block), **self.config, **more)
 
 
-def _transformers_choice(hf_dir: Path, config: dict, trust_remote_code: bool) -> tuple[list[str], list[str]]:
+SCHEMES = {"fp8-block": Scheme((128, 128), False, SCALE_DTYPE, {}),
+           "mxfp8": Scheme((1, 32), True, E8M0_BYTES, {"quant_method": "mxfp8", "scale_fmt": "ue8m0"})}
+
+
+def _transformers_choice(hf_dir: Path, config: dict, trust_remote_code: bool, name: str
+                         ) -> tuple[list[str], list[str]]:
     """(the modules transformers' FP8 quantizer converts by default, the module patterns it skips)."""
     import transformers
     from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear, replace_with_fp8_linear
@@ -34,17 +58,17 @@ def _transformers_choice(hf_dir: Path, config: dict, trust_remote_code: bool) ->
     try:
         model = meta_model(hf_dir, config, trust_remote_code)
     except ValueError as e:
-        raise MergerError(f"--quantize {SCHEME} asks transformers which modules to quantize, and it knows no class "
+        raise MergerError(f"--quantize {name} asks transformers which modules to quantize, and it knows no class "
                           f"for this config.json (architectures {archs}, model_type {config.get('model_type')!r}: "
                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}), {hf_dir / 'config.json'}") from e
-    qc = transformers.FineGrainedFP8Config(weight_block_size=BLOCK)
+    qc = SCHEMES[name].transformers_config()
     skip = FineGrainedFP8HfQuantizer.get_modules_to_not_convert(model, qc.modules_to_not_convert,
                                                                model._keep_in_fp32_modules)
     try:
         replace_with_fp8_linear(model, modules_to_not_convert=skip, quantization_config=qc, pre_quantized=False)
     except (AssertionError, NotImplementedError, ValueError) as e:  # a module its FP8 classes do not take
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise MergerError(f"--quantize {SCHEME}: transformers {transformers.__version__} cannot make this model FP8 "
+        raise MergerError(f"--quantize {name}: transformers {transformers.__version__} cannot make this model FP8 "
                           f"(model_type {config.get('model_type')!r}: {why}), so it could not load the output either; "
                           f"merge without --quantize, {hf_dir / 'config.json'}") from e
     return [name for name, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Experts))], sorted(skip)
@@ -59,24 +83,24 @@ def _weights_of(module: str, outputs: dict[str, tuple[int, ...]]) -> list[str]:
     return [module + ".weight"] if module + ".weight" in outputs else []
 
 
-def _whole_blocks(shape: tuple[int, ...]) -> bool:
+def _whole_blocks(shape: tuple[int, ...], block: tuple[int, int]) -> bool:
     """Fp8Quantize's own test (`_quantize_one`): the last two dims are multiples of the block's."""
-    return shape[-2] % BLOCK[0] == 0 and shape[-1] % BLOCK[1] == 0
+    return shape[-2] % block[0] == 0 and shape[-1] % block[1] == 0
 
 
-def default_layout(hf_dir: Path, config: dict, outputs: dict[str, tuple[int, ...]],
-                   trust_remote_code: bool) -> tuple[Fp8Output, list[str], list[str]]:
-    """How to write `outputs` as FP8 in transformers' default choice, the module patterns it leaves out, and the
-    weights left unquantized for not being whole blocks."""
-    import transformers
-
-    modules, skip = _transformers_choice(hf_dir, config, trust_remote_code)
+def default_layout(hf_dir: Path, config: dict, outputs: dict[str, tuple[int, ...]], trust_remote_code: bool,
+                   name: str) -> tuple[Fp8Output, list[str], list[str]]:
+    """How to write `outputs` as FP8 in scheme `name` (SCHEMES) in transformers' default choice, the module patterns
+    it leaves out, and the weights left unquantized for not being whole blocks."""
+    scheme = SCHEMES[name]
+    modules, skip = _transformers_choice(hf_dir, config, trust_remote_code, name)
     # transformers may name a composite model's modules otherwise than it saves them (Qwen2-VL's language_model);
     # modules_to_not_convert takes saved names (transformers renames them as it loads)
     probes = [m + ".weight" for m in modules]
     renamed = saved_names(hf_dir, config, probes, trust_remote_code)
     weights = {m: _weights_of(m, outputs) for m in (renamed.get(p, p).removesuffix(".weight") for p in probes)}
-    partial = sorted(m for m, ws in weights.items() if not all(_whole_blocks(outputs[w]) for w in ws))
+    partial = sorted(m for m, ws in weights.items() if not all(_whole_blocks(outputs[w], scheme.block) for w in ws))
     quantized = frozenset(w for m, ws in weights.items() if m not in partial for w in ws)
-    qc = transformers.FineGrainedFP8Config(weight_block_size=BLOCK, modules_to_not_convert=skip + partial).to_dict()
-    return Fp8Output(BLOCK, False, quantized, {}, qc), skip, sorted(w for m in partial for w in weights[m])
+    qc = scheme.transformers_config(modules_to_not_convert=skip + partial).to_dict()
+    return (Fp8Output(scheme.block, scheme.ue8m0, quantized, {}, qc, scheme.scale_dtype), skip,
+            sorted(w for m in partial for w in weights[m]))

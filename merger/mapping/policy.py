@@ -26,7 +26,7 @@ from ..io import location
 from ..options import MergeOptions
 from . import int4_release_layout, modelopt_scheme, mxfp4_layout, mxfp4_pack_release_layout, mxfp8_release_layout
 from .compressed_tensors_scheme import COMPRESSED_TENSORS
-from .fp8_default_modules import BLOCK, default_layout
+from .fp8_default_modules import default_layout
 from .fp8_release_layout import release_layout
 from .model_class import keep_in_fp32
 from .int4_release_layout import PACK_QUANTIZED, Int4Output
@@ -156,13 +156,15 @@ def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[in
         return (layout, f"({options.quantize}, gpt-oss's experts)", "; left unquantized: every other tensor "
                 "(attention, router, embeddings, norms, lm_head, the experts' biases), as the gpt-oss release",
                 "written into", ())
-    layout, skip, partial = default_layout(mapping.hf_dir, mapping.config, outputs, options.trust_remote_code)
+    layout, skip, partial = default_layout(mapping.hf_dir, mapping.config, outputs, options.trust_remote_code,
+                                           options.quantize)
     left = (f"; left unquantized: {', '.join(skip)} (transformers' default skips) and every module that is not "
             f"a Linear layer or experts (embeddings, norms, routers)")
     notes = ()
     if partial:  # a line of its own: these are Linear layers a reader expects in FP8
         notes = (f"merger: {len(partial)} tensors left at {str(options.torch_dtype).removeprefix('torch.')}, not "
-                 f"whole {BLOCK[0]}x{BLOCK[1]} blocks (transformers' Fp8Quantize quantizes only whole blocks), their "
+                 f"whole {layout.block[0]}x{layout.block[1]} blocks (transformers' Fp8Quantize quantizes only whole "
+                 f"blocks), their "
                  f"modules in modules_to_not_convert: {', '.join(partial[:PARTIAL_NAMED])}"
                  f"{', ...' if len(partial) > PARTIAL_NAMED else ''}",)
     return layout, f"({options.quantize}, transformers' default choice of modules)", left, "written into", notes
