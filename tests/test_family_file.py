@@ -96,3 +96,28 @@ def test_a_file_that_does_not_fit_the_checkpoint_is_one_line_naming_it(edit, exp
                               "--hf_model_config_path", megatron_root / CASE / "hf", "--family", family)
     assert code == 1 and len(errors) == 1 and expected in errors[0] and errors[0].endswith(f", {family}"), errors
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_sees_a_family_file_fixed_under_the_same_path(megatron_root, tmp_path, capsys):
+    """A family file whose two layer norms' targets were swapped, merged, then fixed in place: the same names, shapes
+    and file header, other bytes. `--resume` must not take the finished merge for this one (before, the manifest
+    held the file's path only, and it said 'nothing to do', keeping the swapped norms); `--overwrite` writes what the
+    fixed file maps, the built-in family's bytes."""
+    family, out = tmp_path / "qwen2.toml", tmp_path / "out"
+    right = EXAMPLE.read_text()
+    attention, mlp = ('targets = ["input_layernorm.weight"]', 'targets = ["post_attention_layernorm.weight"]')
+    assert right.count(attention) == 2 and right.count(mlp) == 2  # each norm: the local and the TE spec's row
+    family.write_text(right.replace(attention, "SWAP").replace(mlp, attention).replace("SWAP", mlp))
+    common = ("--local_dir", megatron_root / CASE / "legacy", "--hf_model_config_path", megatron_root / CASE / "hf",
+              "--target_dir", out, "--family", family)
+    assert merge_here(capsys, *common) == (0, [])
+    wrong = _written(out)
+    family.write_text(right)
+    code, errors = merge_here(capsys, *common, "--resume")
+    assert code == 73 and errors == [f"merger: error: target folder holds an earlier merge: pass --overwrite to "
+                                    f"replace it, {out}"], errors
+    assert _written(out) == wrong
+    assert merge_here(capsys, *common, "--overwrite") == (0, [])
+    built_in = merge_in_process(megatron_root / CASE / "legacy", tmp_path / "built_in", "--hf_model_config_path",
+                                megatron_root / CASE / "hf")
+    assert _written(out) == _written(built_in) != wrong

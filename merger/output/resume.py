@@ -2,7 +2,7 @@
 
 `merge_manifest.json` is written into the staging folder before any tensor byte, and kept up to date: the
 resolved source folder and each source file's identity (size, mtime, ctime, inode), the options that shape the
-output (MergeOptions marks them), each output file's size and the CRC-32 of its header, and each output
+output (MergeOptions marks them; a family file with its content's CRC-32), each output file's size and the CRC-32 of its header, and each output
 file's checksums: the CRC-32 of each block of `checksum_block_bytes` (CHECKSUM_BLOCK) bytes, the last one
 shorter, each recorded once every rank has written and flushed all of its bytes. `--resume` reuses the files
 whose every block still checks against the recorded value when source, options and layout are unchanged, and
@@ -122,6 +122,17 @@ def _blocks_match(path: Path, size: int, block: int, want: list[str], buf: memor
             and all(crc32_range(path, start, end, buf) == crc for (start, end), crc in zip(spans, want)))
 
 
+def _shaping(options: MergeOptions) -> dict:
+    """The options that shape the output as the manifest records them; a family file by its path and the CRC-32 of
+    its content: a row fixed in the file (gate and up swapped back) maps anew under the same path, into files whose
+    names, shapes and headers are the old ones, which their checksums alone would let a resume keep."""
+    shaping = json.loads(json.dumps(options.output_shaping(), default=str))
+    if options.family is not None:
+        shaping["family"] = {"file": str(options.family),
+                             "crc32": crc32_hex(zlib.crc32(Path(options.family).read_bytes()))}
+    return shaping
+
+
 def start_manifest(catalog: Catalog, sources: dict[str, dict[str, int]], options: MergeOptions, plan: Plan,
                    world: int) -> Manifest:
     """What a staging folder is the start of; everything but the block checksums is known before streaming.
@@ -129,7 +140,7 @@ def start_manifest(catalog: Catalog, sources: dict[str, dict[str, int]], options
     return Manifest(
         merger_version=__version__, source_format=catalog.format,
         source_dir=source_folder(catalog), source_files=sources,
-        options=json.loads(json.dumps(options.output_shaping(), default=str)), dtype=options.dtype,
+        options=_shaping(options), dtype=options.dtype,
         merge_ranks=world, checksum_algorithm=CHECKSUM, checksum_block_bytes=CHECKSUM_BLOCK,
         output_files={f.name: OutputEntry(size=f.size, header_crc32=crc32_hex(zlib.crc32(f.prefix)),  # a few KiB
                                           crc32_blocks=[None] * len(block_spans(f.size, CHECKSUM_BLOCK)))
