@@ -61,7 +61,7 @@ def _filesystem(scheme: str, url: str):
         raise MergerError(f"reading {scheme}:// needs the {package} package (pip install "
                           f"'merger[{EXTRAS[package]}]'), {url}") from e
     except ValueError as e:
-        if scheme in PACKAGES:  # its library found nothing to connect with: adlfs, with no account named anywhere
+        if PACKAGES.get(scheme) == "adlfs":  # adlfs found no account named anywhere, so nothing to connect with
             raise CredentialsError(f"no credentials for the object store (set "
                                    f"{CREDENTIALS[PACKAGES[scheme]]}), {url}") from e
         raise MergerError(f"unknown storage {scheme}:// (s3://, gs:// and az:// are known), {url}") from e
