@@ -139,10 +139,6 @@ def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, st
         raise
     finally:
         staging.release()
-        # Its cleanup holds it (discard): a cycle only the garbage collector frees, which kept the merge's buffers
-        # and gloo's last collectives alive into a trainer's interpreter teardown, aborting it now and then
-        # ("terminate called without an active exception": Group.close says why)
-        staging.cleanup = None
     _log_written(staging.target, prepared.plan, group, started)
     return verified
 

@@ -185,7 +185,7 @@ class Staging:
                 self.sink.close()
         ctrl_c = isinstance(e, KeyboardInterrupt) and str(e) in ("", "SIGINT")  # the handler's SIGTERM has args
         self.keep = self.keep or (ctrl_c and not self.temporary)
-        if self.group.rank == 0:
+        if self.group.rank == 0 and self.cleanup is not None:  # None: released already, by a peer watch's cleanup
             self.cleanup()
             if ctrl_c and self.target is not None and self.target.stage.exists():
                 raise Interrupted("SIGINT", f"the partial merge is kept in {self.target.stage}: rerun with --resume "
@@ -206,5 +206,10 @@ class Staging:
         self.release()
 
     def release(self) -> None:
+        """The end of the staging step, whichever way it ended: the lock released, and the cleanup dropped. The
+        cleanup holds this object (discard), a cycle only the garbage collector frees, which kept the merge's buffers
+        and gloo's last collectives alive into a trainer's interpreter teardown, aborting it now and then ("terminate
+        called without an active exception": Group.close says why). A peer watch that still holds it keeps it."""
         if self.lock is not None:
             self.lock.release()
+        self.cleanup = None

@@ -35,7 +35,7 @@ HELD = 2 * FETCH  # bytes held per process, at most (64 MiB): what the last miss
 
 
 # The client libraries log at INFO where they found the credentials and the endpoint: not merger's progress.
-for _name in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "gcsfs", "adlfs", "azure"):
+for _name in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "adlfs", "azure"):
     logging.getLogger(_name).setLevel(logging.WARNING)
 # gcsfs logs the error it gives up on, traceback and all, as it raises it: merger says it, in one line
 logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
