@@ -33,6 +33,10 @@ def qwen_mtp(count_key: str) -> MtpLayout:
 MLA_CONFIG_ROWS = {"self_attn.q_a_proj.weight": lambda c: c["q_lora_rank"],
                    "self_attn.kv_a_proj_with_mqa.weight": lambda c: c["kv_lora_rank"] + c["qk_rope_head_dim"]}
 
+# q/k norms across all heads (heads x head_dim): a legacy TP file's share of them is checked against these widths
+FULL_WIDTH_QK_NORMS = {"self_attn.q_norm.weight": lambda c: head_counts(c)[0] * head_counts(c)[2],
+                       "self_attn.k_norm.weight": lambda c: head_counts(c)[1] * head_counts(c)[2]}
+
 FAMILIES = (
     Family("llama", ("llama",), megatron=mr.ATTENTION + mr.DENSE_MLP,
            torchtitan=tr.NORMS + tr.gqa("rotary_q", "rotary_kv") + tr.DENSE_FFN, torchtitan_any_config=True),
@@ -91,8 +95,14 @@ FAMILIES = (
            torchtitan_marks=("moe.routed_experts.inner_experts.mlp1_weight_EGD",)),
     # MiniMax-M2: q/k norms across all heads (heads x head_dim, split over TP with the heads: sources/megatron_tp.py)
     Family("minimax_m2", ("minimax_m2",), megatron=mr.ATTENTION + mr.QK_NORM + mr.MINIMAX_M2_MOE,
-           config_rows={"self_attn.q_norm.weight": lambda c: head_counts(c)[0] * head_counts(c)[2],
-                        "self_attn.k_norm.weight": lambda c: head_counts(c)[1] * head_counts(c)[2]}),
+           config_rows=FULL_WIDTH_QK_NORMS),
+    # ERNIE-4.5-MoE: interleaved RoPE (Megatron's rotary_interleaved, so q/k are HF's as they are), dense first
+    # layers (moe_layer_start_index) then a softmax router, routed and shared experts
+    Family("ernie4_5_moe", ("ernie4_5_moe",), megatron=mr.ATTENTION + mr.DENSE_MLP + mr.ERNIE_MOE),
+    # OLMoE: MiniMax-M2's full-width q/k norms, a softmax router and routed experts in every layer
+    Family("olmoe", ("olmoe",), megatron=mr.ATTENTION + mr.QK_NORM + mr.EXPERTS, config_rows=FULL_WIDTH_QK_NORMS),
+    # Hunyuan v3: per-head q/k norms, dense first layers (mlp_layer_types) then DeepSeek-V3's MoE, renamed
+    Family("hy_v3", ("hy_v3",), megatron=mr.ATTENTION + mr.QK_NORM + mr.DENSE_MLP + mr.HY_V3_MOE),
 )
 MEGATRON_FAMILIES = tuple(f for f in FAMILIES if f.megatron)
 TORCHTITAN_FAMILIES = tuple(f for f in FAMILIES if f.torchtitan)

@@ -73,6 +73,10 @@ def _rotary(key_value: bool, name: str, shape: tuple[int, ...], config: dict):
     return tf.rotary_shapes(shape, count, head_dim, name), partial(tf.permute_rotary, heads=count)
 
 
+def _with_zero_bias(name: str, shape: tuple[int, ...], config: dict):
+    return [shape, (1, shape[0])], tf.with_zero_bias
+
+
 def _one_expert(name: str, shape: tuple[int, ...], config: dict):
     return [shape[1:]], None
 
@@ -141,6 +145,9 @@ register(
     # (gate and up interleaved) and its gate_up_proj (interleaved, then [E, in, out] as experts_fused writes it)
     Kind("gate_up_interleaved", 1, partial(_interleaved, False), expertwise=True),
     Kind("experts_gate_up_interleaved", 1, partial(_interleaved, True), expertwise=True),
+    # a softmax router as ERNIE-4.5's gate and its moe_statics correction bias, which megatron-core cannot train
+    # (it takes an expert bias with sigmoid scores only): written as 0, which chooses as Megatron's router did
+    Kind("router_zero_bias", 2, _with_zero_bias),
     Kind("skip", 0, None),  # no HF equivalent: left out, for the reason its row gives
     # torchtitan's Qwen3.5 Gated DeltaNet keeps q, k and v apart (projections, conv channels) where HF fuses them
     # (in_proj_qkv, conv1d): rows [q; k; v]

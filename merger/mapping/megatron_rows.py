@@ -31,18 +31,22 @@ DENSE_MLP = (
     Row("mlp.linear_fc1.weight", "gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     Row("mlp.linear_fc2.weight", "rename", ("mlp.down_proj.weight",)),
 )
-EXPERTS = (
-    Row("mlp.router.weight", "rename", ("mlp.gate.weight",)),
+ROUTED_EXPERTS = (
     Row("mlp.experts.local_experts.{e}.linear_fc1.weight", "gate_up",
         ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
     Row("mlp.experts.local_experts.{e}.linear_fc2.weight", "rename", ("mlp.experts.{e}.down_proj.weight",)),
 )
-SHARED_EXPERT = (
-    Row("mlp.shared_experts.linear_fc1.weight", "gate_up",
-        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")),
-    Row("mlp.shared_experts.linear_fc2.weight", "rename", ("mlp.shared_expert.down_proj.weight",)),
-    Row("mlp.shared_experts.gate_weight", "rename", ("mlp.shared_expert_gate.weight",)),
-)
+EXPERTS = (Row("mlp.router.weight", "rename", ("mlp.gate.weight",)),) + ROUTED_EXPERTS
+
+
+def shared_experts(hf: str) -> tuple[Row, ...]:
+    """Megatron's shared experts (one gated MLP) as HF's MLP named `hf`."""
+    return (Row("mlp.shared_experts.linear_fc1.weight", "gate_up", (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight")),
+            Row("mlp.shared_experts.linear_fc2.weight", "rename", (f"{hf}.down_proj.weight",)))
+
+
+SHARED_EXPERT = shared_experts("mlp.shared_expert") + (
+    Row("mlp.shared_experts.gate_weight", "rename", ("mlp.shared_expert_gate.weight",)),)
 MIXTRAL_EXPERTS = (  # the hub's names, which transformers converts to its fused layout on load
     Row("mlp.router.weight", "rename", ("block_sparse_moe.gate.weight",)),
     Row("mlp.experts.local_experts.{e}.linear_fc1.weight", "gate_up",
@@ -73,10 +77,15 @@ DSA_INDEXER = tuple(  # DeepSeek Sparse Attention's lightning indexer, beside ML
                          ("linear_weights_proj.weight", "weights_proj.weight")))
 DEEPSEEK_MOE = EXPERTS + (  # a sigmoid router whose expert bias steers the choice, and shared experts
     Row("mlp.router.expert_bias", "rename", ("mlp.gate.e_score_correction_bias",)),
-    Row("mlp.shared_experts.linear_fc1.weight", "gate_up",
-        ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")),
-    Row("mlp.shared_experts.linear_fc2.weight", "rename", ("mlp.shared_experts.down_proj.weight",)),
-)
+) + shared_experts("mlp.shared_experts")
+# ERNIE-4.5-MoE: a softmax router beside its moe_statics correction bias (0 from Megatron: kinds.py), shared experts
+ERNIE_MOE = (Row("mlp.router.weight", "router_zero_bias", ("mlp.gate.weight", "mlp.moe_statics.e_score_correction_bias")),
+             ) + ROUTED_EXPERTS + shared_experts("mlp.shared_experts")
+# Hunyuan v3: DeepSeek-V3's MoE under the release's names (transformers renames them on load and back on save)
+HY_V3_MOE = (
+    Row("mlp.router.weight", "rename", ("mlp.router.gate.weight",)),
+    Row("mlp.router.expert_bias", "rename", ("mlp.expert_bias",)),
+) + ROUTED_EXPERTS + shared_experts("mlp.shared_mlp")
 # Nemotron-H (MambaModel): each layer is one norm and one mixer, a Mamba2 mixer, attention, an MLP (relu2, not
 # gated) or a MoE by the hybrid pattern; HF keeps each as `norm` and `mixer.*`. TE fuses the norm into the mixer's first
 # linear. in_proj and conv1d are the whole tensors HF has ([z; x; B; C; dt], [x; B; C]: sources/megatron_sections.py).

@@ -44,6 +44,13 @@ def split_gate_up(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(tensors[0].chunk(2, dim=0))
 
 
+def with_zero_bias(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A router's weight [E, hidden] as it is, and the [1, E] score-correction bias HF keeps beside it, all 0: a
+    router that chooses without a bias chooses as one whose bias is 0."""
+    (w,) = tensors
+    return [w, w.new_zeros(1, w.shape[0])]
+
+
 def vocab_shapes(shape: tuple[int, ...], vocab: int, name: str) -> list[tuple[int, ...]]:
     if shape[0] < vocab:
         raise MergerError(f"tensor {name} has {shape[0]} vocab rows, fewer than config.json's vocab_size {vocab}")

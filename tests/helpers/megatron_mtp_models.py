@@ -5,6 +5,7 @@ checks against Megatron's logits (fp32, max abs diff < 1e-4, the same argmax).""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -15,12 +16,15 @@ from tests.helpers.processes import run_merger, run_writer
 from tests.helpers.weights import load_safetensors_folder
 
 
-def write_cases(tmp_path_factory, name: str, cases: dict[str, str], writer: str = "megatron_deepseek.py") -> Path:
+def write_cases(tmp_path_factory, name: str, cases: dict[str, str], writer: str = "megatron_deepseek.py",
+                python: str = sys.executable) -> Path:
     """The folder holding ROOT/case/{legacy,dist,hf,logits.pt} for each NAME: spec of `cases`, written by
-    tests/writers/`writer` (one that writes that layout: megatron_deepseek.py, megatron_gdn.py)."""
+    tests/writers/`writer` (one that writes that layout: megatron_deepseek.py, megatron_gdn.py) run by `python`
+    (the writer venv's for megatron-core 0.19: tests/helpers/writers312.py)."""
     root = tmp_path_factory.mktemp(name)
     run_writer(writer, "--out", root,
-               *[arg for case, spec in cases.items() for arg in ("--case", f"{case}:{spec}")], nproc=2)
+               *[arg for case, spec in cases.items() for arg in ("--case", f"{case}:{spec}")], nproc=2,
+               python=python)
     return root
 
 

@@ -15,7 +15,7 @@ from merger.mapping.transformers_release import FIRST_RELEASE, require_model_typ
 pytestmark = pytest.mark.unit
 
 # model types transformers 4.50 (merger's floor) already had, the rest of the records' types listed or remote code
-IN_4_50 = {"llama", "mistral", "qwen2", "qwen2_moe", "mixtral"}
+IN_4_50 = {"llama", "mistral", "qwen2", "qwen2_moe", "mixtral", "olmoe"}
 REMOTE_CODE = {"kimi_k2"}
 
 

@@ -130,13 +130,13 @@ def layer_spec(a: Namespace):
     return spec
 
 
-def _draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
 
 
-def distinct_values(model, a: Namespace) -> None:
-    """Vectors and experts drawn from their global name (the rank's slice of a TP-split one): norms near 1, sinks
-    and biases around 0, expert matrices at the init's scale."""
+def distinct_values(model, a: Namespace, split_unflagged: tuple[str, ...] = SPLIT_UNFLAGGED) -> None:
+    """Vectors and experts drawn from their global name (the rank's slice of a TP-split one, or of one named in
+    `split_unflagged`): norms near 1, sinks and biases around 0, expert matrices at the init's scale."""
     from megatron.core import parallel_state as ps
 
     tp, ep = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
@@ -148,8 +148,8 @@ def distinct_values(model, a: Namespace) -> None:
             if p.dim() != 1 and not expert:
                 continue
             split = p.dim() == 1 and not expert and (getattr(p, "tensor_model_parallel", False)
-                                                     or name.endswith(SPLIT_UNFLAGGED))
-            whole = _draw(name, (p.shape[0] * a.tp, *p.shape[1:]) if split else p.shape)
+                                                     or name.endswith(split_unflagged))
+            whole = draw(name, (p.shape[0] * a.tp, *p.shape[1:]) if split else p.shape)
             value = whole.chunk(a.tp)[tp] if split else whole
             p.copy_(1 + 0.1 * value if "norm" in name else 0.05 * value if p.dim() > 1 else 0.3 * value)
 
@@ -167,7 +167,7 @@ def build_model(a: Namespace, config):
     with torch.no_grad():  # the expert bias is a buffer, 0 at first: the same on every rank
         for name, buf in model.named_buffers():
             if name.endswith("router.expert_bias"):
-                buf.copy_(_draw(name, buf.shape) * 0.5)
+                buf.copy_(draw(name, buf.shape) * 0.5)
     return model
 
 
