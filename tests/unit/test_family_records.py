@@ -282,11 +282,11 @@ def test_a_join_names_its_parts_and_they_are_rows_of_no_one_else():
 def _megatron_cases() -> set[str]:
     """The model types the Megatron logits tests write (test_megatron.py, test_megatron_deepseek.py,
     test_megatron_glm45.py, test_megatron_nemotron_h.py, test_megatron_gpt_oss_minimax.py, test_megatron_dsa.py,
-    test_megatron_gdn.py)."""
+    test_megatron_gdn.py, test_megatron_moe_renames.py)."""
     from tests import (test_megatron, test_megatron_deepseek, test_megatron_dsa, test_megatron_gdn, test_megatron_glm45,
-                       test_megatron_gpt_oss_minimax, test_megatron_nemotron_h)
+                       test_megatron_gpt_oss_minimax, test_megatron_moe_renames, test_megatron_nemotron_h)
     from tests.writers import (megatron_checkpoint, megatron_deepseek, megatron_dsa, megatron_gdn,
-                               megatron_gpt_oss_minimax, megatron_nemotron_h)
+                               megatron_gpt_oss_minimax, megatron_moe_renames, megatron_nemotron_h)
 
     found = set()
     for cases, names, defaults in ((test_megatron.CASES, test_megatron.MODELS, megatron_checkpoint.DEFAULTS),
@@ -299,7 +299,9 @@ def _megatron_cases() -> set[str]:
                                    (test_megatron_gpt_oss_minimax.CASES, test_megatron_gpt_oss_minimax.CASES,
                                     megatron_gpt_oss_minimax.DEFAULTS),
                                    (test_megatron_dsa.CASES, test_megatron_dsa.CASES, megatron_dsa.DEFAULTS),
-                                   (test_megatron_gdn.CASES, test_megatron_gdn.CASES, megatron_gdn.DEFAULTS)):
+                                   (test_megatron_gdn.CASES, test_megatron_gdn.CASES, megatron_gdn.DEFAULTS),
+                                   (test_megatron_moe_renames.CASES, test_megatron_moe_renames.CASES,
+                                    megatron_moe_renames.DEFAULTS)):
         for name in names:
             spec = dict(pair.split("=") for pair in cases[name].split(",") if pair)
             found.add(spec.get("arch", defaults["arch"]))
