@@ -30,7 +30,8 @@ import torch
 from tests.helpers.expert_slabs import assert_stacks_written_by_expert
 from tests.helpers.files import assert_same_files, block_crc32
 from tests.helpers.in_process import merge_here, merge_in_process
-from tests.helpers.megatron_mtp_models import assert_megatron_logits, load, logits_of, merged_once, oracle, write_cases
+from tests.helpers.megatron_mtp_models import (assert_loads_with_megatron_logits, merged_once, oracle,
+                                               saved_by_transformers, write_cases)
 from tests.helpers.processes import run_merger, start_merger
 from tests.helpers.reliability import wait_paused
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
@@ -58,10 +59,7 @@ def merged(frontier_root, tmp_path_factory):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_merge_reproduces_megatron_logits(case, frontier_root, merged):
-    expected = oracle(frontier_root, case)
-    model, unexpected = load(merged(case, "legacy"))
-    assert not unexpected
-    assert_megatron_logits(logits_of(model, expected["tokens"]), expected["logits"])
+    assert_loads_with_megatron_logits(merged(case, "legacy"), oracle(frontier_root, case))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -71,11 +69,7 @@ def test_torch_dist_merge_equals_legacy_merge(case, merged):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_names_and_shapes_are_those_save_pretrained_writes(case, frontier_root, merged, tmp_path):
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(frontier_root / case / "hf")
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "own")
-    own = {n: t.shape for n, t in load_safetensors_folder(tmp_path / "own").items()}
+    own = {n: t.shape for n, t in saved_by_transformers(frontier_root / case / "hf", tmp_path / "own").items()}
     assert {n: t.shape for n, t in load_safetensors_folder(merged(case, "legacy")).items()} == own
 
 
@@ -87,10 +81,7 @@ def test_full_width_norms_a_legacy_file_cannot_tell_from_one_heads_are_refused(f
                               "--hf_model_config_path", frontier_root / MHA / "hf")
     assert code != 0 and len(errors) == 1 and not (tmp_path / "hf").exists()
     assert "q_layernorm.weight has 16 rows where config.json needs 32 for model.layers.0.self_attn.q_norm" in errors[0]
-    expected = oracle(frontier_root, MHA)
-    model, unexpected = load(merged(MHA, "dist"))
-    assert not unexpected
-    assert_megatron_logits(logits_of(model, expected["tokens"]), expected["logits"])
+    assert_loads_with_megatron_logits(merged(MHA, "dist"), oracle(frontier_root, MHA))
 
 
 def test_a_config_with_other_experts_than_the_checkpoint_is_one_error_line(frontier_root, tmp_path, capsys):

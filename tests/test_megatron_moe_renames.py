@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from tests.helpers.in_process import merge_in_process
-from tests.helpers.megatron_mtp_models import assert_megatron_logits, load, logits_of, merged_once, oracle, write_cases
+from tests.helpers.megatron_mtp_models import (assert_loads_with_megatron_logits, merged_once, oracle,
+                                               saved_by_transformers, write_cases)
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 from tests.helpers.writers312 import writers312_python
 
@@ -47,10 +48,7 @@ def merged(renames_root, tmp_path_factory):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_merge_reproduces_megatron_logits(case, renames_root, merged):
-    expected = oracle(renames_root, case)
-    model, unexpected = load(merged(case, "legacy"))
-    assert not unexpected
-    assert_megatron_logits(logits_of(model, expected["tokens"]), expected["logits"])
+    assert_loads_with_megatron_logits(merged(case, "legacy"), oracle(renames_root, case))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -60,26 +58,20 @@ def test_torch_dist_merge_equals_legacy_merge(case, merged):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_names_and_shapes_are_those_save_pretrained_writes(case, renames_root, merged, tmp_path):
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(renames_root / case / "hf")
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "own")
-    own = {n: t.shape for n, t in load_safetensors_folder(tmp_path / "own").items()}
-    assert {n: t.shape for n, t in load_safetensors_folder(merged(case, "legacy")).items()} == own
+    own = saved_by_transformers(renames_root / case / "hf", tmp_path / "own")
+    ours = load_safetensors_folder(merged(case, "legacy"))
+    assert {n: t.shape for n, t in ours.items()} == {n: t.shape for n, t in own.items()}
 
 
 def test_ernie_correction_bias_is_zero_and_float32_as_transformers_keeps_it(renames_root, tmp_path):
     """At bfloat16 each tensor has the dtype transformers' own save of the model at bfloat16 gives it (the router and
     its correction bias float32), and the correction bias Megatron's softmax router has none of is 0."""
-    import transformers
-
     case = "ernie4_5_moe_tp2_ep2"
     out = merge_in_process(renames_root / case / "dist", tmp_path / "bf16", "--hf_model_config_path",
                            renames_root / case / "hf", "--dtype", "bfloat16")
-    config = transformers.AutoConfig.from_pretrained(renames_root / case / "hf")
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "own")
-    own = {n: t.dtype for n, t in load_safetensors_folder(tmp_path / "own").items()}
+    own = saved_by_transformers(renames_root / case / "hf", tmp_path / "own", torch.bfloat16)
     weights = load_safetensors_folder(out)
-    assert {n: t.dtype for n, t in weights.items()} == own
-    assert own["model.layers.1.mlp.moe_statics.e_score_correction_bias"] == torch.float32
-    assert torch.equal(weights["model.layers.1.mlp.moe_statics.e_score_correction_bias"], torch.zeros(1, 4))
+    assert {n: t.dtype for n, t in weights.items()} == {n: t.dtype for n, t in own.items()}
+    bias = "model.layers.1.mlp.moe_statics.e_score_correction_bias"
+    assert own[bias].dtype == torch.float32
+    assert torch.equal(weights[bias], torch.zeros(1, 4))

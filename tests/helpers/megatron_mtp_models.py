@@ -77,6 +77,24 @@ def load_beside_mtp(folder: Path, expected: dict):
     return model
 
 
+def assert_loads_with_megatron_logits(folder: Path, expected: dict) -> None:
+    """The merged model loads whole, every tensor in it taken, and gives Megatron's logits."""
+    model, unexpected = load(folder)
+    assert not unexpected
+    assert_megatron_logits(logits_of(model, expected["tokens"]), expected["logits"])
+
+
+def saved_by_transformers(config: Path, out: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The tensors transformers' own save_pretrained writes into OUT for a model of the config folder CONFIG (at
+    `dtype`, else the config's), by name."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(config),
+                                                          **({"dtype": dtype} if dtype else {}))
+    model.save_pretrained(out)
+    return load_safetensors_folder(out)
+
+
 def assert_megatron_logits(logits: torch.Tensor, expected: torch.Tensor) -> None:
     assert logits.shape == expected.shape
     assert (logits - expected).abs().max().item() < 1e-4

@@ -130,7 +130,7 @@ def layer_spec(a: Namespace):
     return spec
 
 
-def draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
 
 
@@ -149,25 +149,27 @@ def distinct_values(model, a: Namespace, split_unflagged: tuple[str, ...] = SPLI
                 continue
             split = p.dim() == 1 and not expert and (getattr(p, "tensor_model_parallel", False)
                                                      or name.endswith(split_unflagged))
-            whole = draw(name, (p.shape[0] * a.tp, *p.shape[1:]) if split else p.shape)
+            whole = _draw(name, (p.shape[0] * a.tp, *p.shape[1:]) if split else p.shape)
             value = whole.chunk(a.tp)[tp] if split else whole
             p.copy_(1 + 0.1 * value if "norm" in name else 0.05 * value if p.dim() > 1 else 0.3 * value)
 
 
-def build_model(a: Namespace, config):
+def build_model(a: Namespace, config, spec=None, split_unflagged: tuple[str, ...] = SPLIT_UNFLAGGED):
+    """The model of `spec` (a layer's or a block's; this writer's layer_spec by default), its values drawn apart
+    (distinct_values)."""
     from megatron.core.models.gpt import GPTModel
 
     torch.manual_seed(1234)  # CPU init draws each full weight from this seed, then keeps this rank's slice
-    model = GPTModel(config=config, transformer_layer_spec=layer_spec(a), vocab_size=padded_vocab(a.vocab, a.tp),
-                     max_sequence_length=64, pre_process=True, post_process=True,
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
+    model = GPTModel(config=config, transformer_layer_spec=spec or layer_spec(a),
+                     vocab_size=padded_vocab(a.vocab, a.tp), max_sequence_length=64, pre_process=True,
+                     post_process=True, share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      rotary_base=10000, rotary_percent=MINIMAX_ROTARY if a.arch == "minimax_m2" else 1.0,
                      parallel_output=False).eval()
-    distinct_values(model, a)
+    distinct_values(model, a, split_unflagged)
     with torch.no_grad():  # the expert bias is a buffer, 0 at first: the same on every rank
         for name, buf in model.named_buffers():
             if name.endswith("router.expert_bias"):
-                buf.copy_(draw(name, buf.shape) * 0.5)
+                buf.copy_(_draw(name, buf.shape) * 0.5)
     return model
 
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tests.writers.megatron_checkpoint import cpu_patches, padded_vocab, parse, write_cases, write_model
+from tests.writers.megatron_checkpoint import cpu_patches, parse, write_cases, write_model
 from tests.writers.megatron_deepseek import oracle
-from tests.writers.megatron_gpt_oss_minimax import (EXPERTS, SPLIT_UNFLAGGED, FullWidthRMSNorm, distinct_values,
-                                                     draw)
+from tests.writers import megatron_gpt_oss_minimax as oss_minimax
+from tests.writers.megatron_gpt_oss_minimax import EXPERTS, SPLIT_UNFLAGGED, FullWidthRMSNorm
 
 DEFAULTS = dict(arch="ernie4_5_moe", tp=2, ep=2, layers=2, dense=1, heads=4, groups=2, vocab=101, mtp=0)
 HIDDEN, HEAD_DIM, FFN, MOE_FFN, TOPK, SCALE = 64, 16, 40, 24, 2, 2.5
@@ -97,20 +97,8 @@ def block_spec(a: Namespace, config):
 
 
 def build_model(a: Namespace, config):
-    from megatron.core.models.gpt import GPTModel
-
-    torch.manual_seed(1234)  # CPU init draws each full weight from this seed, then keeps this rank's slice
-    model = GPTModel(config=config, transformer_layer_spec=block_spec(a, config),
-                     vocab_size=padded_vocab(a.vocab, a.tp), max_sequence_length=64, pre_process=True,
-                     post_process=True, share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                     rotary_base=10000, parallel_output=False).eval()
     # per-head q/k norms (hy_v3's) are whole on every TP rank; OLMoE's full-width ones are split with the heads
-    distinct_values(model, a, SPLIT_UNFLAGGED if a.arch == "olmoe" else ())
-    with torch.no_grad():  # the expert bias is a buffer, 0 at first: the same on every rank
-        for name, buf in model.named_buffers():
-            if name.endswith("router.expert_bias"):
-                buf.copy_(draw(name, buf.shape) * 0.5)
-    return model
+    return oss_minimax.build_model(a, config, block_spec(a, config), SPLIT_UNFLAGGED if a.arch == "olmoe" else ())
 
 
 def write_case(a: Namespace, out: Path) -> None:
