@@ -158,14 +158,18 @@ def test_a_lora_into_a_release_is_refused(fmt, ct_release, tmp_path, capsys):
                    "base", release / "config.json", tmp_path, before)
 
 
-def test_quantize_like_a_release_is_refused(ct_release, plain, tmp_path, capsys):
-    """NVFP4: the compressed-tensors format merger reads but does not write yet."""
-    release = ct_release("nvfp4-pack-quantized")
+def test_quantize_like_an_nvfp4_release_with_calibrated_activations_is_refused(ct_release, plain, tmp_path, capsys):
+    """NVFP4 W4A4: merger writes NVFP4's weights (test_compressed_tensors_nvfp4_write.py), but not the activations'
+    `input_global_scale`, a calibration on data merger does not have."""
+    release = ct_release("nvfp4 W4A4")
+    with safe_open(str(release / "model.safetensors"), "pt") as f:
+        assert any(name.endswith(".input_global_scale") for name in f.keys())  # compressed-tensors wrote them
     before = {p.name for p in tmp_path.iterdir()}
     code, errors = merge_here(capsys, "--local_dir", plain, "--target_dir", tmp_path / "out", "--quantize_like",
                               release)
-    assert_refused(code, errors, "compressed-tensors nvfp4-pack-quantized weights (config.json's quantization_config) "
-                   "as --quantize_like's release", release / "config.json", tmp_path, before)
+    assert_refused(code, errors, "compressed-tensors nvfp4-pack-quantized with its activations calibrated (14 "
+                   "input_global_scale, e.g. model.layers.0.mlp.down_proj.input_global_scale) as --quantize_like's "
+                   "release", release / "model.safetensors", tmp_path, before)
 
 
 def test_packed_tensors_that_no_config_describes_are_refused(ct_release, tmp_path, capsys):

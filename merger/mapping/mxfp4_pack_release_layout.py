@@ -45,10 +45,17 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes uint8 [..., n / 2], e8m0 scale bytes [..., n / 32]) of `weight` by compressed-tensors' rule."""
     groups = weight.to(torch.float32).unflatten(-1, (-1, GROUP))  # exact: every --dtype is float32's subset
     scales, factor = compressed_tensors_scales(groups, E2M1_OFFSET)
-    magnitude = torch.clamp(groups / factor, -E2M1_MAX, E2M1_MAX).abs()
+    return pack_e2m1((groups / factor).flatten(-2)), scales
+
+
+def pack_e2m1(scaled: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n / 2] of the e2m1 codes of float32 `scaled` [..., n] (each weight over its group's scale) by
+    compressed-tensors' `cast_to_fp4` and `pack_fp4_to_uint8`: clamped to ±6, rounded as the module docstring says,
+    the sign bit set for a negative value."""
+    magnitude = torch.clamp(scaled, -E2M1_MAX, E2M1_MAX).abs()
     codes = sum((magnitude >= at if up else magnitude > at).to(torch.uint8) for at, up in STEPS)
-    codes = (codes | (groups < 0).to(torch.uint8) * SIGN).flatten(-2)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), scales
+    codes = codes | (scaled < 0).to(torch.uint8) * SIGN
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from ..errors import MergerError
 from ..hf_folder import read_config
 from ..io import location
 from ..options import MergeOptions
-from . import int4_release_layout, modelopt_scheme, mxfp4_layout, mxfp4_pack_release_layout, mxfp8_release_layout
+from . import (int4_release_layout, modelopt_scheme, mxfp4_layout, mxfp4_pack_release_layout, mxfp8_release_layout,
+               nvfp4_release_layout)
 from .compressed_tensors_scheme import COMPRESSED_TENSORS
 from .fp8_default_modules import default_layout
 from .fp8_release_layout import release_layout
@@ -34,6 +35,7 @@ from .modelopt_scheme import MODELOPT, MODELOPT_CONFIG
 from .mxfp4_pack_release_layout import MXFP4_PACK_QUANTIZED, Mxfp4PackOutput
 from .mxfp4_quantize import Mxfp4Output
 from .mxfp8_release_layout import MODELOPT_MXFP8, MXFP8_QUANTIZED, Mxfp8Output
+from .nvfp4_release_layout import NVFP4_PACK_QUANTIZED, Nvfp4Output
 from .quantized_formats import MXFP4, QUANTIZATION_CONFIG, READ_ONLY, config_format, read_only
 from .quantized_steps import quantize_steps, quantized_count
 from .steps import FLOAT8, Mapping, OutputSpec, Step, Tie, output_dtype
@@ -134,7 +136,7 @@ def apply_policy(mapping: Mapping, options: MergeOptions) -> Mapping:
 def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[int, ...]]):
     """(the quantized layout, how the log names it, what it leaves out, what is done to config.json's
     quantization_config, the log's lines on weights left unquantized for not being whole blocks): --quantize_like's
-    release (FP8, gpt-oss MXFP4, compressed-tensors' INT4 or MXFP4, compressed-tensors' or ModelOpt's MXFP8), or
+    release (FP8, gpt-oss MXFP4, compressed-tensors' INT4, MXFP4 or NVFP4, compressed-tensors' or ModelOpt's MXFP8), or
     --quantize's scheme."""
     if options.quantize_like is not None:
         folder = location(options.quantize_like)  # a folder, a Hub snapshot's, or a bucket's
@@ -146,6 +148,8 @@ def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[in
             layout = int4_release_layout.release_layout(folder, outputs)
         elif written == MXFP4_PACK_QUANTIZED:
             layout = mxfp4_pack_release_layout.release_layout(folder, outputs)
+        elif written == NVFP4_PACK_QUANTIZED:
+            layout = nvfp4_release_layout.release_layout(folder, outputs)
         elif stored in READ_ONLY:
             layout = _mxfp8_layout(folder, config, stored, outputs)
         else:
@@ -197,6 +201,9 @@ def _format(layout) -> tuple[str, str]:
                                            f" weight_scale per 32 elements, int64 weight_shape")
     if isinstance(layout, Mxfp4PackOutput):
         return "compressed-tensors MXFP4", "uint8 weight_packed of 2 e2m1 codes, uint8 (e8m0) weight_scale per 32 elements"
+    if isinstance(layout, Nvfp4Output):
+        return "compressed-tensors NVFP4", ("uint8 weight_packed of 2 e2m1 codes, float8_e4m3fn weight_scale per 16 "
+                                            "elements, float32 weight_global_scale")
     if isinstance(layout, Mxfp8Output):
         return f"{layout.producer} MXFP8", "float8_e4m3fn weight, uint8 (e8m0) weight_scale per 32 elements"
     scales = "uint8 (e8m0)" if layout.scale_dtype == torch.uint8 else "float32"
@@ -209,8 +216,13 @@ def _kept_blocks(layout, name: str) -> str:
     if layout.release is None:
         return (f"merger: every {name} block quantized again: only the release's headers were read (a Hub id), so "
                 f"its bytes cannot be kept where nothing changed; a local copy of the release keeps them")
+    shared = ""
+    if isinstance(layout, Nvfp4Output):
+        shared = (f", where its global scale is the release's too ({len(layout.shared)} sets of layers share one, "
+                  f"as the release does: one whose weights changed and whose global scale then differs is "
+                  f"quantized whole)")
     return (f"merger: each {name} block whose values are the release's own keeps the release's bytes (codes and "
-            f"scale); every other block is quantized")
+            f"scale){shared}; every other block is quantized")
 
 
 def _quantized(mapping: Mapping, options: MergeOptions) -> Mapping:

@@ -8,8 +8,9 @@ gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`, written by mxfp4_quantize.py; 
 `nvfp4-pack-quantized`, INT4 `pack-quantized`, `mxfp4-pack-quantized` or `mxfp8-quantized` with the scheme
 compressed_tensors_scheme.py names, and ModelOpt's NVFP4 and MXFP8 exports (`hf_quant_config.json`,
 modelopt_scheme.py). The last two are read, dequantized by compressed_tensors.py and modelopt.py; not a LoRA base nor
-a layout to write, yet (but their MXFP8 and compressed-tensors' INT4 and MXFP4, which `--quantize_like` writes:
-mxfp8_release_layout.py, int4_release_layout.py, mxfp4_pack_release_layout.py): those say so in one line. Every
+a layout to write, yet (but their MXFP8 and compressed-tensors' INT4, MXFP4 and NVFP4, which `--quantize_like`
+writes: mxfp8_release_layout.py, int4_release_layout.py, mxfp4_pack_release_layout.py, nvfp4_release_layout.py):
+those say so in one line. Every
 other format is refused with one line naming it and the file that says it: compressed-tensors' other formats and
 schemes (`mxfp6-pack-quantized`, zero points, other group sizes, ...), ModelOpt's other algorithms (FP8, INT4_AWQ,
 W4A8_AWQ, NVFP4_AWQ, mixed precision, ...), transformers' `mxfp8` in other blocks, FP8 with experts in another
@@ -45,7 +46,8 @@ HANDLED = ("a quantized format merger does not handle: it reads and writes FP8 b
            "(quant_method mxfp4), and reads compressed-tensors "
            f"{', '.join(READ)} (symmetric, in groups of 16 for NVFP4 and of 32 for the others) and ModelOpt "
            f"{' and '.join(f'{algo} (groups of {group})' for algo, (group, _) in modelopt_scheme.READ.items())}, "
-           f"and writes compressed-tensors' mxfp8-quantized, pack-quantized and mxfp4-pack-quantized and ModelOpt's "
+           f"and writes compressed-tensors' mxfp8-quantized, pack-quantized, mxfp4-pack-quantized and "
+           f"nvfp4-pack-quantized and ModelOpt's "
            f"MXFP8 back with --quantize_like")
 READ_ONLY = (COMPRESSED_TENSORS, MODELOPT)  # the formats merger reads but neither folds a LoRA into nor writes
 # The last part of a name that compressed-tensors, ModelOpt and FP8 releases give a quantized weight's pieces

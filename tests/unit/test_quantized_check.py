@@ -1,6 +1,6 @@
 """--verify's read-back of a quantized output (merger/mapping/quantized_check.py), for each layout merger writes:
 what the layout's quantizer writes (the producing tool's bytes, tested in test_fp8_write, test_mxfp4_write,
-test_compressed_tensors_write and test_modelopt_write) reads back within the format's bound of the weight,
+test_compressed_tensors_write, test_compressed_tensors_nvfp4_write and test_modelopt_write) reads back within the format's bound of the weight,
 outliers and all-zero groups included; the same bytes with one group's scale doubled (a bug of the kind that
 --verify's byte comparison cannot see) do not."""
 from __future__ import annotations
@@ -14,6 +14,7 @@ from merger.mapping.int4_release_layout import Int4Output
 from merger.mapping.mxfp4_pack_release_layout import Mxfp4PackOutput
 from merger.mapping.mxfp4_quantize import Mxfp4Output
 from merger.mapping.mxfp8_release_layout import Mxfp8Output, compressed_tensors_quantize, modelopt_quantize
+from merger.mapping.nvfp4_release_layout import Nvfp4Output
 from merger.mapping.quantized_check import check
 from merger.mapping.steps import OutputSpec
 
@@ -31,6 +32,7 @@ LAYOUTS = {
     "int4 fp32 scales": (Int4Output(frozenset({NAME}), {}, {}, torch.float32), (64, 96)),
     "gpt-oss mxfp4": (Mxfp4Output(frozenset({NAME}), {}, {}), (2, 64, 96)),  # [E, in, out]
     "compressed-tensors mxfp4": (Mxfp4PackOutput(frozenset({NAME}), {}, {}), (64, 96)),
+    "compressed-tensors nvfp4": (Nvfp4Output(frozenset({NAME}), {}, {}), (64, 96)),
 }
 
 
@@ -50,6 +52,8 @@ def _doubled_scale(parts: list[torch.Tensor]) -> list[torch.Tensor]:
     scale = parts[1].view(-1)
     if scale.dtype == torch.uint8:
         scale[-1] += 1
+    elif scale.dtype == torch.float8_e4m3fn:  # no arithmetic in float8
+        scale[-1] = (scale[-1].float() * 2).to(scale.dtype)
     else:
         scale[-1] *= 2
     return parts

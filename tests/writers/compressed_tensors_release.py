@@ -8,7 +8,8 @@ layers get one of the schemes of FORMATS, the ones merger reads: INT4 `pack-quan
 and `mxfp8-quantized`; or of VARIANTS: the NVFP4 preset with activations (W4A4, its `input_global_scale`s written
 uncalibrated), and schemes merger refuses: the `mxfp6-pack-quantized` preset, INT4 with zero points. Everything past the model is compressed-tensors' code: `apply_quantization_config` attaches the
 scheme, `compute_dynamic_scales_and_zp` computes each weight's scales from its groups' min and max
-(`generate_gparam` NVFP4's global scale, from the whole weight's), and `ModelCompressor` packs the weights and writes
+(`generate_gparam` NVFP4's global scale, from the whole weight's, shared among q/k/v and gate/up as llmcompressor
+shares it where a test asks: SHARED), and `ModelCompressor` packs the weights and writes
 config.json's quantization_config, in the order its own docstring gives for llmcompressor's save_pretrained. No
 calibration data: the weights' own groups give the scales, as for a weights-only (A16) scheme.
 """
@@ -31,6 +32,10 @@ INT4_GROUP_32 = dict(num_bits=4, type="int", symmetric=True, strategy="group", g
 # format -> compressed-tensors' preset scheme (weights only), or the weights' arguments
 FORMATS = {"pack-quantized": INT4_GROUP_32, "mxfp4-pack-quantized": "MXFP4A16",
            "nvfp4-pack-quantized": "NVFP4A16", "mxfp8-quantized": "MXFP8A16"}
+# NVFP4's global scale as llmcompressor's tools share it (FORMATS.md): oneshot across q/k/v and across gate/up,
+# model_free_ptq across q/k/v only
+SHARED = {"oneshot": (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
+          "model_free_ptq": (("q_proj", "k_proj", "v_proj"),)}
 # what a test calls another scheme -> (its format, the preset or the weights' arguments)
 VARIANTS = {"nvfp4 W4A4": ("nvfp4-pack-quantized", "NVFP4"),
             "mxfp6-pack-quantized": ("mxfp6-pack-quantized", "MXFP6A16"),
@@ -44,26 +49,44 @@ def _scheme(preset: str | dict):
 
 
 @torch.no_grad()
-def _calibrate(model: torch.nn.Module) -> None:
-    """Each quantized Linear's weight scales (and NVFP4's global scale), from the weight alone."""
+def _share_global_scales(model: torch.nn.Module, shared: tuple[tuple[str, ...], ...]) -> None:
+    """llmcompressor's `update_fused_layer_weight_global_scales` (llmcompressor/modifiers/utils/helpers.py; not
+    installed here, its rule is one line): each set of sibling layers named in `shared` (q/k/v, gate/up) takes the
+    smallest of their NVFP4 global scales."""
+    for parent in model.modules():
+        for names in shared:
+            layers = [getattr(parent, name) for name in names if hasattr(parent, name)]
+            if len(layers) == len(names):
+                smallest = torch.min(torch.cat([layer.weight_global_scale.data for layer in layers])).reshape([1])
+                for layer in layers:
+                    layer.weight_global_scale.copy_(smallest)
+
+
+@torch.no_grad()
+def _calibrate(model: torch.nn.Module, shared: tuple[tuple[str, ...], ...] = ()) -> None:
+    """Each quantized Linear's weight scales (and NVFP4's global scale, `shared` as llmcompressor shares them), from
+    the weight alone."""
+    for module in model.modules():
+        if hasattr(module, "weight_global_scale"):
+            module.weight_global_scale.copy_(generate_gparam(module.weight.amin(), module.weight.amax()))
+    _share_global_scales(model, shared)
     for module in model.modules():
         scheme = getattr(module, "quantization_scheme", None)
         if scheme is None:
             continue
         weight = module.weight
-        global_scale = None
-        if hasattr(module, "weight_global_scale"):
-            global_scale = generate_gparam(weight.amin(), weight.amax())
-            module.weight_global_scale.copy_(global_scale)
+        global_scale = getattr(module, "weight_global_scale", None)
         scale, zero_point = compute_dynamic_scales_and_zp(weight, scheme.weights, module, global_scale=global_scale)
         module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
         if hasattr(module, "weight_zero_point"):
             module.weight_zero_point.copy_(zero_point.reshape(module.weight_zero_point.shape))
 
 
-def write_release(folder: Path, fmt: str, seed: int = 0, weights: dict[str, torch.Tensor] | None = None) -> Path:
+def write_release(folder: Path, fmt: str, seed: int = 0, weights: dict[str, torch.Tensor] | None = None,
+                  shared: tuple[tuple[str, ...], ...] = ()) -> Path:
     """The tiny Llama quantized in `fmt` (a key of FORMATS or of VARIANTS), saved in `folder`; `weights`: the
-    model's weights instead of the seeded ones (a trained model: its bfloat16 state dict)."""
+    model's weights instead of the seeded ones (a trained model: its bfloat16 state dict); `shared`: NVFP4's sets
+    of sibling layers that share a global scale (SHARED), none by default."""
     fmt, preset = VARIANTS.get(fmt, (fmt, FORMATS.get(fmt)))
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).to(torch.bfloat16)
@@ -72,7 +95,7 @@ def write_release(folder: Path, fmt: str, seed: int = 0, weights: dict[str, torc
     config = QuantizationConfig(config_groups={"group_0": _scheme(preset)}, ignore=["lm_head"],
                                 quantization_status=QuantizationStatus.INITIALIZED)
     apply_quantization_config(model, config, show_progress=False)
-    _calibrate(model)
+    _calibrate(model, shared)
     compressor = ModelCompressor.from_pretrained_model(model, fmt)
     compressor.compress_model(model)
     model.save_pretrained(folder)

@@ -1,0 +1,155 @@
+"""`--quantize_like` a compressed-tensors `nvfp4-pack-quantized` release: the output in the release's layout, every
+byte of it where training changed nothing, and compressed-tensors' own bytes where it did, the global scale shared
+among the layers the release shares it among (#49 items 2 and 3).
+
+The releases are written by compressed-tensors itself (tests/writers/compressed_tensors_release.py: its
+`generate_gparam`, `compute_dynamic_scales_and_zp` and `ModelCompressor` on a tiny bfloat16 Llama, as llmcompressor
+saves NVFP4A16), their global scales shared as llmcompressor's two tools share them: oneshot across q/k/v and across
+gate/up, model_free_ptq across q/k/v only (llmcompressor's rule: the smallest of the layers' global scales). Oracles,
+none of them merger's code: the release's own bytes for what training left alone, and the release compressed-tensors
+writes of the trained model, with the same sharing, for what it changed. compressed-tensors' rule is no fixed point
+on its own output (a negative weight that rounds to 0 is written as -0, which reads back as a 0 it writes as +0): the
+tests check that premise too.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from tests.helpers.in_process import merge_in_process, stdout_in_process
+from tests.helpers.release_bytes import bits, written_back_like
+from tests.helpers.weights import load_safetensors_folder
+from tests.writers.compressed_tensors_release import SHARED, TINY, write_release
+
+FMT = "nvfp4-pack-quantized"
+PARTS = (".weight_packed", ".weight_scale", ".weight_global_scale")
+PACKED, SCALE, GLOBAL = PARTS
+GROUP = 16
+LOGGED = ("14 tensors written as compressed-tensors NVFP4 like {} (uint8 weight_packed of 2 e2m1 codes, "
+          "float8_e4m3fn weight_scale per 16 elements, float32 weight_global_scale); quantization_config copied "
+          "into config.json")
+
+
+O_PROJ = "model.layers.1.self_attn.o_proj"  # its largest magnitude a power of two: it reads back exactly
+
+
+@pytest.fixture(scope="module", params=list(SHARED))
+def plain(request, tmp_path_factory):
+    """(the tool whose sharing the release has, its release, the model merger reads from it: bfloat16). The release
+    is of the seeded tiny Llama with one weight of O_PROJ set to 0.125, above all of its others."""
+    root = tmp_path_factory.mktemp("nvfp4_write")
+    torch.manual_seed(0)
+    weights = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).to(torch.bfloat16).state_dict()
+    assert weights[O_PROJ + ".weight"].abs().max() < 0.125
+    weights[O_PROJ + ".weight"][1, 2] = 0.125
+    release = write_release(root / "release", FMT, weights=weights, shared=SHARED[request.param])
+    return request.param, release, merge_in_process(release, root / "bf16")
+
+
+def modules(state: dict) -> list[str]:
+    return [n.removesuffix(SCALE) for n in state if n.endswith(SCALE)]
+
+
+def groups_differ(module: str, a: dict, b: dict) -> torch.Tensor:
+    """bool [out, in / 16]: whether each group of `module`'s weight has other bytes (codes or scale) in `a` and `b`."""
+    codes = [bits(s[module + PACKED]).unflatten(-1, (a[module + SCALE].shape[-1], -1)) for s in (a, b)]
+    return (codes[0] != codes[1]).any(-1) | (bits(a[module + SCALE]) != bits(b[module + SCALE]))
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_release_read_and_written_like_itself_is_every_byte_of_it(plain, tmp_path, capsys, dtype):
+    tool, release, bf16 = plain
+    stored = written_back_like(release, bf16, tmp_path / "back", dtype)
+    assert len(modules(stored)) == 14
+    config, release_config = (json.loads((f / "config.json").read_text()) for f in (tmp_path / "back", release))
+    assert config["quantization_config"] == release_config["quantization_config"]
+    # the release shares its global scales as its tool does: q/k/v always, gate/up for oneshot only
+    layer = "model.layers.0."
+    qkv = [stored[f"{layer}self_attn.{p}_proj{GLOBAL}"] for p in "qkv"]
+    gate_up = [stored[f"{layer}mlp.{p}_proj{GLOBAL}"] for p in ("gate", "up")]
+    assert all(same_bytes(g, qkv[0]) for g in qkv)
+    assert same_bytes(*gate_up) == (tool == "oneshot")
+    # the premise: compressed-tensors itself, on the values read back, writes other bytes somewhere (-0 as +0)
+    again = load_safetensors_folder(write_release(tmp_path / "again", FMT, weights=load_safetensors_folder(bf16),
+                                                  shared=SHARED[tool]))
+    assert any(groups_differ(m, again, stored).any() for m in modules(stored))
+    notes = json.loads(stdout_in_process(capsys, "inspect", "--local_dir", bf16, "--quantize_like", release,
+                                         "--json"))["notes"]
+    assert LOGGED.format(release) in notes
+
+
+def _trained(bf16, folder, layer0: list[str], q: str, gate: str, o: str) -> dict[str, torch.Tensor]:
+    """`bf16`'s model after "training", saved as HF folder `folder`: every weight of `layer0` plus a seeded random
+    delta; one element of `q` and of `o` (their smallest magnitude: no largest changes) plus 0.01; and one element
+    of `gate` set to four times the largest magnitude of gate/up."""
+    weights = load_safetensors_folder(bf16)
+    torch.manual_seed(3)
+    for name in layer0:
+        weights[name] = weights[name] + (torch.randn(weights[name].shape) / 500).to(weights[name].dtype)
+    for name in (q, o):
+        weights[name] = weights[name].clone()
+        weights[name][divmod(int(weights[name].abs().argmin()), weights[name].shape[1])] += 0.01
+    weights[gate] = weights[gate].clone()
+    weights[gate][0, 0] = 4 * max(weights[gate].abs().max(), weights[gate.replace("gate", "up")].abs().max())
+    shutil.copytree(bf16, folder)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return weights
+
+
+def test_after_training_unchanged_tensors_keep_their_bytes_and_changed_ones_are_compressed_tensors(plain, tmp_path):
+    """Training changed every weight of layer 0, one element each of layer 1's q_proj and o_proj, and the largest
+    element of layer 1's gate_proj.
+    - A global scale is computed again from its set's weights as they now are, and those read back from the release
+      have another largest magnitude than the weights the release was made of: q_proj's global scale changes, and
+      with it k_proj's and v_proj's, which are requantized although training left them alone; gate_proj's changes,
+      and up_proj's with it where it is shared (oneshot), not where it is not (model_free_ptq: up_proj keeps its
+      bytes). Each of these is compressed-tensors' bytes, as is layer 0.
+    - o_proj's largest magnitude is a power of two (0.125, the release's weights made so), which reads back exactly:
+      its global scale stays the release's, so the group training changed is compressed-tensors' and every other
+      group keeps the release's bytes (the block-level rule).
+    Every other tensor is the release's bytes."""
+    tool, release, bf16 = plain
+    stored = load_safetensors_folder(release)
+    layer0 = [m + ".weight" for m in modules(stored) if m.startswith("model.layers.0.")]
+    assert len(layer0) == 7
+    q, gate, o = "model.layers.1.self_attn.q_proj", "model.layers.1.mlp.gate_proj", O_PROJ
+    weights = _trained(bf16, tmp_path / "trained", layer0, q + ".weight", gate + ".weight", o + ".weight")
+    got = load_safetensors_folder(merge_in_process(tmp_path / "trained", tmp_path / "out", "--quantize_like",
+                                                  release, "--verify"))
+    want = load_safetensors_folder(write_release(tmp_path / "want", FMT, weights=weights, shared=SHARED[tool]))
+    assert sorted(got) == sorted(stored)
+
+    kv = [q.replace("q_proj", p) for p in ("k_proj", "v_proj")]
+    up = gate.replace("gate", "up")
+    redone = [m.removesuffix(".weight") for m in layer0] + [q, *kv, gate] + ([up] if tool == "oneshot" else [])
+    for name in (m + part for m in redone for part in PARTS):
+        assert same_bytes(got[name], want[name]), name
+    for m in (q, gate):  # the premise: the global scales had to change, and the unchanged members with them
+        assert not same_bytes(want[m + GLOBAL], stored[m + GLOBAL])
+    assert groups_differ(kv[0], want, stored).any()
+    if tool == "oneshot":
+        assert groups_differ(up, want, stored).any()
+
+    # o_proj: its global scale stays, so only the changed group is compressed-tensors'
+    assert same_bytes(want[o + GLOBAL], stored[o + GLOBAL]) and same_bytes(got[o + GLOBAL], stored[o + GLOBAL])
+    before = load_safetensors_folder(bf16)[o + ".weight"]
+    moved = (bits(weights[o + ".weight"]) != bits(before)).unflatten(-1, (-1, GROUP)).any(-1)
+    assert int(moved.sum()) == 1
+    for part in (PACKED, SCALE):
+        got_o, want_o, stored_o = (s[o + part].unflatten(-1, (moved.shape[-1], -1)) for s in (got, want, stored))
+        assert torch.equal(bits(got_o[moved]), bits(want_o[moved])), part
+        assert torch.equal(bits(got_o[~moved]), bits(stored_o[~moved])), part
+    assert (groups_differ(o, want, got) & ~moved).any()  # kept, not redone
+
+    written = {m + part for m in (*redone, o) for part in PARTS}
+    for name in set(stored) - written:
+        assert same_bytes(got[name], stored[name]), name
