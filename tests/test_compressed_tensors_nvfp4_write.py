@@ -153,3 +153,16 @@ def test_after_training_unchanged_tensors_keep_their_bytes_and_changed_ones_are_
     written = {m + part for m in (*redone, o) for part in PARTS}
     for name in set(stored) - written:
         assert same_bytes(got[name], stored[name]), name
+
+
+def test_a_w4a4_release_keeps_its_activations_calibration(ct_release, tmp_path, capsys):
+    """NVFP4 W4A4 (compressed-tensors' NVFP4 preset, with `input_global_scale`s): written back every byte, the
+    activations' calibration copied from the release (merger has no data to calibrate on), and the log says so."""
+    release = ct_release("nvfp4 W4A4")
+    bf16 = merge_in_process(release, tmp_path / "bf16")
+    stored = written_back_like(release, bf16, tmp_path / "back", "bfloat16")
+    assert sum(name.endswith(".input_global_scale") for name in stored) == 14  # compressed-tensors wrote them
+    notes = json.loads(stdout_in_process(capsys, "inspect", "--local_dir", bf16, "--quantize_like", release,
+                                         "--json"))["notes"]
+    assert LOGGED.format(release).replace("weight_global_scale)", "weight_global_scale, float32 input_global_scale "
+                                          "the release's)") in notes

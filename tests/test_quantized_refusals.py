@@ -1,8 +1,8 @@
 """Quantized formats merger does not read are refused with one line naming the format and the file, by every
 command that reads such a folder: `merge` of it, `inspect` of it, `lora` into it as the base, `--quantize_like` it.
 Their packed tensors are never copied through as if they were weights. The compressed-tensors formats and ModelOpt
-algorithms merger reads (test_compressed_tensors_read.py, test_modelopt_read.py) are refused as a LoRA base and as a
-layout to write, which it does not do yet.
+algorithms merger reads (test_compressed_tensors_read.py, test_modelopt_read.py) are refused as a LoRA base, which it
+does not do yet, and a ModelOpt export with its KV cache quantized as a layout to write.
 
 The releases are written by compressed-tensors itself (tests/writers/compressed_tensors_release.py: a tiny Llama
 quantized as INT4 `pack-quantized` in groups of 32, `mxfp4-pack-quantized`, `nvfp4-pack-quantized`,
@@ -158,20 +158,6 @@ def test_a_lora_into_a_release_is_refused(fmt, ct_release, tmp_path, capsys):
                    "base", release / "config.json", tmp_path, before)
 
 
-def test_quantize_like_an_nvfp4_release_with_calibrated_activations_is_refused(ct_release, plain, tmp_path, capsys):
-    """NVFP4 W4A4: merger writes NVFP4's weights (test_compressed_tensors_nvfp4_write.py), but not the activations'
-    `input_global_scale`, a calibration on data merger does not have."""
-    release = ct_release("nvfp4 W4A4")
-    with safe_open(str(release / "model.safetensors"), "pt") as f:
-        assert any(name.endswith(".input_global_scale") for name in f.keys())  # compressed-tensors wrote them
-    before = {p.name for p in tmp_path.iterdir()}
-    code, errors = merge_here(capsys, "--local_dir", plain, "--target_dir", tmp_path / "out", "--quantize_like",
-                              release)
-    assert_refused(code, errors, "compressed-tensors nvfp4-pack-quantized with its activations calibrated (14 "
-                   "input_global_scale, e.g. model.layers.0.mlp.down_proj.input_global_scale) as --quantize_like's "
-                   "release", release / "model.safetensors", tmp_path, before)
-
-
 def test_packed_tensors_that_no_config_describes_are_refused(ct_release, tmp_path, capsys):
     """The INT4 release with its quantization_config taken out: nothing then says how to read `weight_packed`,
     `weight_scale`, `weight_shape`, and none of them is a weight."""
@@ -249,9 +235,11 @@ def test_a_quantized_layer_the_export_excludes_is_refused(mo_release, tmp_path, 
     assert "which hf_quant_config.json excludes ('model.layers.1.mlp.*')" in errors[0]
 
 
-def test_a_lora_into_a_modelopt_export_and_quantize_like_one_are_refused(mo_release, plain, tmp_path, capsys):
-    """merger reads ModelOpt's MXFP8 export but does not fold an adapter into it yet, and does not write the NVFP4
-    layout yet (MXFP8's it writes: test_modelopt_write.py)."""
+def test_a_lora_into_a_modelopt_export_and_quantize_like_one_with_a_kv_cache_are_refused(mo_release, plain, tmp_path,
+                                                                                        capsys):
+    """merger reads ModelOpt's MXFP8 export but does not fold an adapter into it yet; it writes NVFP4 exports
+    (test_modelopt_nvfp4_write.py), but not one with its KV cache quantized (ModelOpt's FP8 KV-cache preset), whose
+    k_scale and v_scale calibrate the cache on data."""
     release = mo_release("mxfp8")
     adapter = tmp_path / "adapter"
     torch.manual_seed(1)
@@ -263,8 +251,11 @@ def test_a_lora_into_a_modelopt_export_and_quantize_like_one_are_refused(mo_rele
                                 tmp_path / "out")
     assert_refused(code, errors, "ModelOpt MXFP8 weights (hf_quant_config.json) as a LoRA base",
                    release / "hf_quant_config.json", tmp_path, before)
-    release = mo_release("nvfp4")
+    release = mo_release("nvfp4", "fp8")
+    with safe_open(str(release / "model.safetensors"), "pt") as f:
+        assert any(name.endswith(".k_scale") for name in f.keys())  # ModelOpt wrote its KV cache's scales
     code, errors = merge_here(capsys, "--local_dir", plain, "--target_dir", tmp_path / "out", "--quantize_like",
                               release)
-    assert_refused(code, errors, "ModelOpt NVFP4 weights (hf_quant_config.json) as --quantize_like's release",
+    assert_refused(code, errors, "ModelOpt NVFP4 with its KV cache quantized (FP8) as --quantize_like's release: its "
+                   "k_scale and v_scale calibrate the cache on data merger does not have",
                    release / "hf_quant_config.json", tmp_path, before)

@@ -37,7 +37,6 @@ from .release_blocks import StoredTensor, as_read, keep, per_element, unchanged_
 from .steps import OutputSpec
 
 MXFP8_QUANTIZED = "mxfp8-quantized"  # compressed-tensors' format
-MODELOPT_MXFP8 = "MXFP8"  # ModelOpt's quant_algo
 GROUP = 32
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max

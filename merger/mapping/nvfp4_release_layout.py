@@ -30,12 +30,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from ..errors import MergerError
 from ..hf_folder import read_config
-from .compressed_tensors_codec import nvfp4
+from .compressed_tensors_codec import modelopt_nvfp4, nvfp4
 from .fp8_release_layout import FLAG, packed_release, readable
 from .mxfp4_pack_release_layout import E2M1_MAX, pack_e2m1
 from .quantized_check import E2M1_HALF_STEP
@@ -43,51 +44,95 @@ from .quantized_formats import QUANTIZATION_CONFIG
 from .release_blocks import StoredTensor, as_read, keep, unchanged_blocks
 from .steps import OutputSpec
 
-NVFP4_PACK_QUANTIZED = "nvfp4-pack-quantized"
+NVFP4_PACK_QUANTIZED = "nvfp4-pack-quantized"  # compressed-tensors' format
+MODELOPT_NVFP4 = "NVFP4"  # ModelOpt's quant_algo
 GROUP = 16
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 FP8_EPS = 0.125  # what compressed-tensors writes for a group scale of 0 (its _get_dtype_eps of float8)
+FP8_SMALLEST = 2.0**-9  # ModelOpt clamps a group's scale to [2^-9, 448] (and makes one of 0 1.0 before)
 # the half step of a float8 e4m3 scale: 2^-4 of it in the normal range, 2^-10 among the subnormals
 E4M3_HALF_ULP, E4M3_SUBNORMAL_HALF_STEP = 2.0**-4, 2.0**-10
-PACKED, SCALE, GLOBAL = "_packed", "_scale", "_global_scale"  # `<m>.weight` -> `<m>.weight_packed`, ...
-INPUT_GLOBAL_SCALE = ".input_global_scale"
-# the layers whose global scales llmcompressor's oneshot shares, by the last part of their module's name
+# the layers whose global scales llmcompressor's oneshot and ModelOpt share, by the last part of their module's name
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
-    """float32 [1]: compressed-tensors' global scale of `weights` taken as one tensor (generate_gparam on their
-    smallest and largest elements, in their dtype: the smallest of each one's global scale, as llmcompressor
-    shares them)."""
-    lo = torch.stack([w.amin() for w in weights]).amin().clamp(max=0)
-    hi = torch.stack([w.amax() for w in weights]).amax().clamp(min=0)
-    amax = torch.maximum(lo.abs(), hi).clamp(min=torch.finfo(hi.dtype).tiny)
-    scale = torch.nan_to_num(FP8_MAX * E2M1_MAX / amax, nan=1.0, posinf=1.0, neginf=1.0)
-    return scale.to(torch.float32).reshape(1)
+def _amax(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The largest magnitude of `weights` taken as one tensor, in their dtype."""
+    return torch.stack([w.abs().amax() for w in weights]).amax()
 
 
-def quantize(weight: torch.Tensor, gscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def compressed_tensors_global(weights: list[torch.Tensor]) -> torch.Tensor:
+    """float32 [1]: compressed-tensors' global scale of `weights` taken as one tensor (generate_gparam: 448 x 6 /
+    amax in their dtype; the smallest of each one's, as llmcompressor shares them)."""
+    amax = _amax(weights).clamp(min=torch.finfo(weights[0].dtype).tiny)
+    return torch.nan_to_num(FP8_MAX * E2M1_MAX / amax, nan=1.0, posinf=1.0, neginf=1.0).to(torch.float32).reshape(1)
+
+
+def compressed_tensors_quantize(weight: torch.Tensor, gscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes uint8 [..., n / 2], float8 scales [..., n / 16]) of `weight` by compressed-tensors' rule with
-    global scale `gscale`."""
+    global scale `gscale`: a group's scale is amax / 6 in the weight's dtype times `gscale` in float32, rounded to
+    float8 (0: 0.125); each code the weight over (scale / gscale)."""
     groups = weight.unflatten(-1, (-1, GROUP))
-    amax = torch.maximum(groups.amin(-1).clamp(max=0).abs(), groups.amax(-1).clamp(min=0))
+    amax = groups.abs().amax(-1)
     scales = (gscale * (amax / torch.tensor(E2M1_MAX, dtype=weight.dtype))).clamp(-FP8_MAX, FP8_MAX)
     scales = scales.to(FP8).to(torch.float32)
     scales = torch.where(scales == 0, FP8_EPS, scales)
     return pack_e2m1((groups / (scales / gscale).unsqueeze(-1)).flatten(-2)), scales.to(FP8)
 
 
-def shared_groups(here: frozenset[str], release: dict[str, StoredTensor] | None) -> list[frozenset[str]]:
+def modelopt_global(weights: list[torch.Tensor]) -> torch.Tensor:
+    """float32 []: ModelOpt's weight_scale_2 of `weights` taken as one tensor (get_weights_scaling_factor_2: amax in
+    float32 / (6 x 448); the export's preprocess_linear_fusion takes the fused layers' largest amax)."""
+    return _amax(weights).to(torch.float32) / (E2M1_MAX * FP8_MAX)
+
+
+def modelopt_quantize(weight: torch.Tensor, scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes, float8 scales) of `weight` by ModelOpt's NVFP4QTensor.quantize with `scale_2`: a group's scale
+    is its amax in float32 / (6 x scale_2) (0: 1.0), clamped to [2^-9, 448] and rounded to float8; each code the
+    weight over (scale x scale_2)."""
+    groups = weight.unflatten(-1, (-1, GROUP))
+    scales = groups.abs().amax(-1).to(torch.float32) / (E2M1_MAX * scale_2)
+    scales = torch.where(scales == 0, 1.0, scales).clamp(FP8_SMALLEST, FP8_MAX).to(FP8)
+    return pack_e2m1((groups / (scales.to(torch.float32) * scale_2).unsqueeze(-1)).flatten(-2)), scales
+
+
+@dataclass(frozen=True)
+class Producer:
+    """What differs between the two NVFP4 writers: the tool's name, the parts `<m>.weight` is stored as (suffixes of
+    its name: codes, group scales, the scale shared across the tensor; and of its module's name: the activations'
+    calibration), the shared scale's shape, its rule, the quantizer given it, the reader, and a group's step as a
+    function of its float8 scale and the shared scale."""
+
+    name: str
+    parts: tuple[str, str, str]
+    calibration: str
+    global_shape: tuple[int, ...]
+    global_of: Callable[[list[torch.Tensor]], torch.Tensor]
+    quantize: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    read: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+COMPRESSED_TENSORS = Producer("compressed-tensors", ("_packed", "_scale", "_global_scale"), ".input_global_scale",
+                              (1,), compressed_tensors_global, compressed_tensors_quantize, nvfp4,
+                              lambda scale, gscale: scale / gscale)
+MODELOPT = Producer("ModelOpt", ("", "_scale", "_scale_2"), ".input_scale", (), modelopt_global, modelopt_quantize,
+                    modelopt_nvfp4, lambda scale, scale_2: scale * scale_2)
+
+
+def shared_groups(here: frozenset[str], release: dict[str, StoredTensor] | None, shared_part: str
+                  ) -> list[frozenset[str]]:
     """The sets of quantized weights (by name) that share a global scale: the fused layers of one module (FUSED)
-    whose global scales in the release are equal (every fused set, for a release whose bytes are not read)."""
+    whose shared scales (`<m>.weight` + `shared_part`) in the release are equal (every fused set, for a release
+    whose bytes are not read)."""
     found = []
     for names in FUSED:
-        fused: dict[tuple[str, ...], list[str]] = {}
+        fused: dict[tuple, list[str]] = {}
         for name in sorted(here):
             parent, _, leaf = name.removesuffix(".weight").rpartition(".")
             if leaf in names and name.endswith(".weight"):
-                key = (parent,) if release is None else (parent, release[name + GLOBAL].read().numpy().tobytes())
+                key = (parent,) if release is None else (parent, release[name + shared_part].read().numpy().tobytes())
                 fused.setdefault(key, []).append(name)
         found += [frozenset(members) for members in fused.values() if len(members) > 1]
     return found
@@ -95,72 +140,92 @@ def shared_groups(here: frozenset[str], release: dict[str, StoredTensor] | None)
 
 @dataclass(frozen=True)
 class Nvfp4Output:
-    """How an nvfp4-pack-quantized output is written: which outputs are quantized (by name), the dtypes the other
-    tensors take (the release's), config.json's quantization_config (the release's), the release's tensors, whose
-    bytes unchanged groups keep (None: a Hub id's, every group quantized), and the weights that share a global
-    scale (quantized_steps.py quantizes each such set in one step)."""
+    """How an NVFP4 output is written: which outputs are quantized (by name), the dtypes the other tensors take
+    (the release's), config.json's quantization_config (the release's), the producer's rules, the release's
+    tensors, whose bytes unchanged groups keep (None: a Hub id's, every group quantized), the weights that share a
+    global scale (quantized_steps.py quantizes each such set in one step), whether the release stores the
+    activations' calibration beside each weight (copied from it), and files written beside config.json (a
+    ModelOpt export's hf_quant_config.json)."""
 
     quantized: frozenset[str]
     dtypes: dict[str, torch.dtype]
     quantization_config: dict
+    producer: Producer = COMPRESSED_TENSORS
     release: dict[str, StoredTensor] | None = None
     shared: list[frozenset[str]] = field(default_factory=list)
+    calibrated: frozenset[str] = frozenset()
+    files: dict[str, str] = field(default_factory=dict)
 
     def quantizes(self, spec: OutputSpec) -> bool:
         return spec.file is None and spec.name in self.quantized and spec.rows is None
 
+    def _calibration(self, name: str) -> str:
+        return name.removesuffix(".weight") + self.producer.calibration
+
     def written_as(self, spec: OutputSpec) -> tuple[OutputSpec, ...]:
         out, cols = spec.shape
-        return (OutputSpec(spec.name + PACKED, (out, cols // 2), torch.uint8),
-                OutputSpec(spec.name + SCALE, (out, cols // GROUP), FP8),
-                OutputSpec(spec.name + GLOBAL, (1,), torch.float32))
+        codes, scale, shared = (spec.name + part for part in self.producer.parts)
+        return (OutputSpec(codes, (out, cols // 2), torch.uint8), OutputSpec(scale, (out, cols // GROUP), FP8),
+                OutputSpec(shared, self.producer.global_shape, torch.float32),
+                *((OutputSpec(self._calibration(spec.name), self.producer.global_shape, torch.float32),)
+                  if spec.name in self.calibrated else ()))
 
     def quantize(self, tensor: torch.Tensor, spec: OutputSpec) -> list[torch.Tensor]:
         return self.quantize_together({spec.name: tensor})[spec.name]
 
     def quantize_together(self, weights: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         """Each of `weights` (a set that shares one global scale, or one weight) quantized: the release's bytes
-        where its values and the global scale are the release's (the module docstring)."""
+        where its values and the global scale are the release's (the module docstring); the activations'
+        calibration, where the release has one, the release's."""
+        rule = self.producer
+        calibration = {name: [self.release[self._calibration(name)].read()] if name in self.calibrated else []
+                       for name in weights}
         if self.release is None:
-            gscale = global_scale(list(weights.values()))
-            return {name: [*quantize(w, gscale), gscale] for name, w in weights.items()}
-        stored = {name: [self.release[name + part].read() for part in (PACKED, SCALE, GLOBAL)] for name in weights}
-        grids = {name: unchanged_blocks(as_read(nvfp4(*stored[name]), w), (1, GROUP)) for name, w in weights.items()}
+            shared = rule.global_of(list(weights.values()))
+            return {name: [*rule.quantize(w, shared), shared] for name, w in weights.items()}
+        stored = {name: [self.release[name + part].read() for part in rule.parts] for name in weights}
+        grids = {name: unchanged_blocks(as_read(rule.read(*stored[name]), w), (1, GROUP)) for name, w in weights.items()}
         if all(grid.all() for grid in grids.values()):  # nothing changed: no quantizing
-            return stored
-        gscale = global_scale(list(weights.values()))
-        same = all(torch.equal(gscale.view(torch.int32), s[2].view(torch.int32)) for s in stored.values())
+            return {name: stored[name] + calibration[name] for name in weights}
+        shared = rule.global_of(list(weights.values()))
+        same = all(torch.equal(shared.view(torch.int32), s[2].view(torch.int32)) for s in stored.values())
         out = {}
         for name, w in weights.items():
-            packed, scales = quantize(w, gscale)
+            packed, scales = rule.quantize(w, shared)
             if same:
                 packed = keep(grids[name].repeat_interleave(GROUP // 2, dim=-1), stored[name][0], packed)
                 scales = keep(grids[name], stored[name][1], scales)
-            out[name] = [packed, scales, gscale]
+            out[name] = [packed, scales, shared, *calibration[name]]
         return out
 
     def read_back(self, parts: list[torch.Tensor], spec: OutputSpec) -> tuple[torch.Tensor, torch.Tensor]:
         """(the weight as merger reads `parts`, each element's bound: quantized_check.py). The bound is e2m1's half
-        step times the group's scale, plus what rounding the scale to float8 may have left beyond ±6 (half a float8
-        step, and 2^-7 for the scale's rounding in bfloat16 before it, times 6)."""
-        packed, scales, gscale = parts
-        step = scales.to(torch.float32)
-        half_ulp = torch.maximum(step * E4M3_HALF_ULP, torch.tensor(E4M3_SUBNORMAL_HALF_STEP))
-        bound = (E2M1_HALF_STEP * step + E2M1_MAX * (half_ulp + step * 2.0**-7)) / gscale.to(torch.float32)
-        return nvfp4(packed, scales, gscale), bound.repeat_interleave(GROUP, dim=-1)
+        step times the group's step, plus what rounding the group's scale to float8 may have left beyond ±6 (half a
+        float8 step, and 2^-7 for compressed-tensors' rounding of amax / 6 to bfloat16 before it, times 6)."""
+        packed, scales, shared = parts[:3]
+        scale = scales.to(torch.float32)
+        half_ulp = torch.maximum(scale * E4M3_HALF_ULP, torch.tensor(E4M3_SUBNORMAL_HALF_STEP))
+        bound = E2M1_HALF_STEP * scale + E2M1_MAX * (half_ulp + scale * 2.0**-7)
+        bound = self.producer.step(bound, shared.to(torch.float32))
+        return self.producer.read(packed, scales, shared), bound.repeat_interleave(GROUP, dim=-1)
 
 
-def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Nvfp4Output:
-    """How to write `outputs` (name -> shape) as the nvfp4-pack-quantized release in `folder` (its scheme checked by
-    config_format) stores them. A release with activations calibrated (W4A4's `input_global_scale`) is refused:
-    the calibration is of data merger does not have."""
-    tensors, here, dtypes = packed_release(folder, outputs, (PACKED, SCALE, GLOBAL), 2, GROUP)
-    calibrated = sorted(name for name in tensors if name.endswith(INPUT_GLOBAL_SCALE))
-    if calibrated:
-        raise MergerError(f"compressed-tensors {NVFP4_PACK_QUANTIZED} with its activations calibrated ("
-                          f"{len(calibrated)} input_global_scale, e.g. {calibrated[0]}) as {FLAG}'s release: they "
-                          f"calibrate the activations on data merger does not have, and merger writes NVFP4 only "
-                          f"for weights (NVFP4A16), {tensors[calibrated[0]].file or folder}")
+def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]], producer: Producer = COMPRESSED_TENSORS,
+                   files: tuple[str, ...] = ()) -> Nvfp4Output:
+    """How to write `outputs` (name -> shape) as the NVFP4 release in `folder` (its scheme checked by
+    config_format) stores them; `files`: the release's files beside config.json that the output gets too. The
+    activations' calibration (W4A4's `input_global_scale`, ModelOpt's `input_scale`) is copied from the release,
+    which a Hub id's release (its bytes not here) cannot give: refused."""
+    tensors, here, dtypes = packed_release(folder, outputs, producer.parts, 2, GROUP)
+    calibrated = sorted(name for name in tensors if name.endswith(producer.calibration)
+                        and name.removesuffix(producer.calibration) + ".weight" in here)
+    weights = frozenset(name.removesuffix(producer.calibration) + ".weight" for name in calibrated)
     release = readable(tensors)
-    return Nvfp4Output(here, dtypes, read_config(folder)[QUANTIZATION_CONFIG], release,
-                       shared_groups(here, release))
+    if calibrated and release is None:
+        raise MergerError(f"{producer.name} NVFP4 with its activations calibrated ({len(calibrated)} "
+                          f"{producer.calibration.lstrip('.')}, e.g. {calibrated[0]}) as {FLAG}'s release: merger "
+                          f"copies the calibration from the release's files, and only their headers are here (a Hub "
+                          f"id): download the release and name its folder, {folder}")
+    return Nvfp4Output(here, dtypes, read_config(folder)[QUANTIZATION_CONFIG], producer, release,
+                       shared_groups(here, release, producer.parts[2]), weights,
+                       {name: (folder / name).read_text() for name in files})

@@ -34,9 +34,9 @@ from .int4_release_layout import PACK_QUANTIZED, Int4Output
 from .modelopt_scheme import MODELOPT, MODELOPT_CONFIG
 from .mxfp4_pack_release_layout import MXFP4_PACK_QUANTIZED, Mxfp4PackOutput
 from .mxfp4_quantize import Mxfp4Output
-from .mxfp8_release_layout import MODELOPT_MXFP8, MXFP8_QUANTIZED, Mxfp8Output
-from .nvfp4_release_layout import NVFP4_PACK_QUANTIZED, Nvfp4Output
-from .quantized_formats import MXFP4, QUANTIZATION_CONFIG, READ_ONLY, config_format, read_only
+from .mxfp8_release_layout import MXFP8_QUANTIZED, Mxfp8Output
+from .nvfp4_release_layout import MODELOPT_NVFP4, NVFP4_PACK_QUANTIZED, Nvfp4Output
+from .quantized_formats import MXFP4, QUANTIZATION_CONFIG, config_format
 from .quantized_steps import quantize_steps, quantized_count
 from .steps import FLOAT8, Mapping, OutputSpec, Step, Tie, output_dtype
 
@@ -150,8 +150,11 @@ def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[in
             layout = mxfp4_pack_release_layout.release_layout(folder, outputs)
         elif written == NVFP4_PACK_QUANTIZED:
             layout = nvfp4_release_layout.release_layout(folder, outputs)
-        elif stored in READ_ONLY:
-            layout = _mxfp8_layout(folder, config, stored, outputs)
+        elif written == MXFP8_QUANTIZED:
+            layout = mxfp8_release_layout.release_layout(folder, outputs, "compressed-tensors",
+                                                         mxfp8_release_layout.compressed_tensors_quantize)
+        elif stored == MODELOPT:
+            layout = _modelopt_layout(folder, config, outputs)
         else:
             layout = (mxfp4_layout.release_layout if stored == MXFP4 else release_layout)(folder, outputs)
         return layout, f"like {options.quantize_like}", "", "copied into", ()
@@ -174,20 +177,18 @@ def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[in
     return layout, f"({options.quantize}, transformers' default choice of modules)", left, "written into", notes
 
 
-def _mxfp8_layout(folder, config: dict, stored: str, outputs: dict[str, tuple[int, ...]]) -> Mxfp8Output:
-    """--quantize_like a compressed-tensors or ModelOpt release: written in its MXFP8 format (mxfp8_release_layout.py);
-    its other formats are read only, refused here."""
-    if stored == COMPRESSED_TENSORS and config[QUANTIZATION_CONFIG]["format"] == MXFP8_QUANTIZED:
-        return mxfp8_release_layout.release_layout(folder, outputs, "compressed-tensors",
-                                                   mxfp8_release_layout.compressed_tensors_quantize)
-    described, _, said = modelopt_scheme.described(folder, config) if stored == MODELOPT else (None, None, None)
-    if described is None or described["quant_algo"] != MODELOPT_MXFP8:
-        raise read_only("--quantize_like's release", folder, config)
+def _modelopt_layout(folder, config: dict, outputs: dict[str, tuple[int, ...]]) -> Mxfp8Output | Nvfp4Output:
+    """--quantize_like a ModelOpt export, MXFP8 or NVFP4 (the algorithms config_format lets through), in its format
+    (mxfp8_release_layout.py, nvfp4_release_layout.py); one with its KV cache quantized is refused."""
+    described, _, said = modelopt_scheme.described(folder, config)
+    algo = described["quant_algo"]
     if described.get("kv_cache_quant_algo") is not None:
-        raise MergerError(f"ModelOpt MXFP8 with its KV cache quantized ({described['kv_cache_quant_algo']}) as "
+        raise MergerError(f"ModelOpt {algo} with its KV cache quantized ({described['kv_cache_quant_algo']}) as "
                           f"--quantize_like's release: its k_scale and v_scale calibrate the cache on data merger "
                           f"does not have, and merger writes such an export only without them, {said}")
     files = (MODELOPT_CONFIG,) if (folder / MODELOPT_CONFIG).is_file() else ()
+    if algo == MODELOPT_NVFP4:
+        return nvfp4_release_layout.release_layout(folder, outputs, nvfp4_release_layout.MODELOPT, files)
     return mxfp8_release_layout.release_layout(folder, outputs, "ModelOpt", mxfp8_release_layout.modelopt_quantize,
                                                files)
 
@@ -202,8 +203,11 @@ def _format(layout) -> tuple[str, str]:
     if isinstance(layout, Mxfp4PackOutput):
         return "compressed-tensors MXFP4", "uint8 weight_packed of 2 e2m1 codes, uint8 (e8m0) weight_scale per 32 elements"
     if isinstance(layout, Nvfp4Output):
-        return "compressed-tensors NVFP4", ("uint8 weight_packed of 2 e2m1 codes, float8_e4m3fn weight_scale per 16 "
-                                            "elements, float32 weight_global_scale")
+        codes, scale, shared = layout.producer.parts
+        calibration = (f", float32 {layout.producer.calibration.lstrip('.')} the release's"
+                       if layout.calibrated else "")
+        return f"{layout.producer.name} NVFP4", (f"uint8 weight{codes} of 2 e2m1 codes, float8_e4m3fn weight{scale} "
+                                                 f"per 16 elements, float32 weight{shared}{calibration}")
     if isinstance(layout, Mxfp8Output):
         return f"{layout.producer} MXFP8", "float8_e4m3fn weight, uint8 (e8m0) weight_scale per 32 elements"
     scales = "uint8 (e8m0)" if layout.scale_dtype == torch.uint8 else "float32"
@@ -242,7 +246,8 @@ def _quantized(mapping: Mapping, options: MergeOptions) -> Mapping:
     count = quantized_count(mapping.steps, layout)
     notes = (f"merger: {count} tensors written as {name} {how} ({stored}){left}; {QUANTIZATION_CONFIG} {config} "
              f"config.json",)
-    files = layout.files if isinstance(layout, Mxfp8Output) else {}  # a ModelOpt export's hf_quant_config.json
+    # a ModelOpt export's hf_quant_config.json
+    files = layout.files if isinstance(layout, (Mxfp8Output, Nvfp4Output)) else {}
     if files:
         notes = (f"{notes[0]}, {', '.join(files)} beside it",)
     notes += partial

@@ -7,11 +7,9 @@ gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`, written by mxfp4_quantize.py; 
 `_scales` are kept as stored, with the quantization_config that says what they are), compressed-tensors releases in
 `nvfp4-pack-quantized`, INT4 `pack-quantized`, `mxfp4-pack-quantized` or `mxfp8-quantized` with the scheme
 compressed_tensors_scheme.py names, and ModelOpt's NVFP4 and MXFP8 exports (`hf_quant_config.json`,
-modelopt_scheme.py). The last two are read, dequantized by compressed_tensors.py and modelopt.py; not a LoRA base nor
-a layout to write, yet (but their MXFP8 and compressed-tensors' INT4, MXFP4 and NVFP4, which `--quantize_like`
-writes: mxfp8_release_layout.py, int4_release_layout.py, mxfp4_pack_release_layout.py, nvfp4_release_layout.py):
-those say so in one line. Every
-other format is refused with one line naming it and the file that says it: compressed-tensors' other formats and
+modelopt_scheme.py). The last two are read, dequantized by compressed_tensors.py and modelopt.py, and written back by
+`--quantize_like` (mxfp8_release_layout.py, int4_release_layout.py, mxfp4_pack_release_layout.py,
+nvfp4_release_layout.py), but not taken as a LoRA base yet: that says so in one line. Every other format is refused with one line naming it and the file that says it: compressed-tensors' other formats and
 schemes (`mxfp6-pack-quantized`, zero points, other group sizes, ...), ModelOpt's other algorithms (FP8, INT4_AWQ,
 W4A8_AWQ, NVFP4_AWQ, mixed precision, ...), transformers' `mxfp8` in other blocks, FP8 with experts in another
 `expert_dtype`, FP8 without blocks, GPTQ, AWQ, bitsandbytes and any other `quant_method`. Merged as plain tensors,
@@ -49,7 +47,7 @@ HANDLED = ("a quantized format merger does not handle: it reads and writes FP8 b
            f"and writes compressed-tensors' mxfp8-quantized, pack-quantized, mxfp4-pack-quantized and "
            f"nvfp4-pack-quantized and ModelOpt's "
            f"MXFP8 back with --quantize_like")
-READ_ONLY = (COMPRESSED_TENSORS, MODELOPT)  # the formats merger reads but neither folds a LoRA into nor writes
+READ_ONLY = (COMPRESSED_TENSORS, MODELOPT)  # the formats merger reads and writes but does not fold a LoRA into
 # The last part of a name that compressed-tensors, ModelOpt and FP8 releases give a quantized weight's pieces
 # (FORMATS.md, "Quantized release formats of 2026"); exact names, since plain models have `layer_scale_2` and such.
 PACKED_PARTS = frozenset({"weight_packed", "weight_scale", "weight_shape", "weight_global_scale",
@@ -142,8 +140,7 @@ def refuse_fp4_experts(use: str, folder: Path, config: dict) -> None:
 
 
 def read_only(use: str, folder: Path, config: dict) -> MergerError:
-    """The error for a release merger reads (READ_ONLY) but cannot serve as `use` (a LoRA base, a layout to write)
-    yet."""
+    """The error for a release merger reads (READ_ONLY) but cannot serve as `use` (a LoRA base) yet."""
     found = config_format(folder, config)
     described, _ = _described(found, folder, config)
     said = (modelopt_scheme.described(folder, config)[2] if found == MODELOPT else folder / "config.json")

@@ -39,13 +39,18 @@ class StoredTensor:
 
     def read(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor, or the rows [lo, hi) of its first dim (the slab of experts a step writes)."""
+        if not self.shape:  # a scalar (ModelOpt's weight_scale_2, input_scale): one row of its one element
+            return self._rows(0, 1, nbytes_of((), self.dtype)).reshape(())
         lo, hi = rows or (0, self.shape[0])
-        row = nbytes_of(self.shape[1:], self.dtype)
+        return self._rows(lo, hi, nbytes_of(self.shape[1:], self.dtype)).reshape(hi - lo, *self.shape[1:])
+
+    def _rows(self, lo: int, hi: int, row: int) -> torch.Tensor:
+        """The bytes of rows [lo, hi) of `row` bytes each, as a flat tensor of the dtype."""
         data = read_range(self.file, self.offset + lo * row, (hi - lo) * row)
         if len(data) != (hi - lo) * row:
             raise CorruptSourceError(f"the release's file ends inside one of its tensors (--quantize_like reads it "
                                      f"back to keep the bytes of unchanged blocks), {self.file}")
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).reshape(hi - lo, *self.shape[1:])
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -53,18 +53,47 @@ def _calibrate(model: torch.nn.Module) -> None:
         model(tokens)
 
 
-def write_release(folder: Path, fmt: str, seed: int = 0, kv_cache: str | None = None) -> Path:
-    """The tiny Llama quantized by ModelOpt in `fmt` (a key of PRESETS), exported into `folder`."""
-    torch.manual_seed(seed)
+def _export(folder: Path, fmt: str, kv_cache: str | None, weights: dict[str, torch.Tensor] | None = None) -> None:
+    """The tiny Llama (its seeded weights, or `weights`) quantized by ModelOpt in `fmt`, exported into `folder`."""
     # architectures as save_pretrained would write them: ModelOpt's export reads them off the live config
     config = transformers.LlamaConfig(**TINY, architectures=["LlamaForCausalLM"])
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    if weights is not None:
+        model.load_state_dict(weights)
     mtq.quantize(model, _config(fmt, kv_cache), _calibrate)
     export_hf_checkpoint(model, export_dir=folder)
+
+
+def trained(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model of `weights` (bfloat16) after "training", as tests/test_modelopt_nvfp4_write.py describes it:
+    every quantized weight of layer 0 plus a seeded random delta; the smallest-magnitude element of layer 1's
+    q_proj plus 0.01; one element of layer 1's gate_proj set to four times the largest magnitude of its gate/up."""
+    weights = dict(weights)
+    torch.manual_seed(3)
+    for name in sorted(n for n in weights if n.startswith("model.layers.0.") and n.endswith("_proj.weight")):
+        weights[name] = weights[name] + (torch.randn(weights[name].shape) / 500).to(weights[name].dtype)
+    q, gate = "model.layers.1.self_attn.q_proj.weight", "model.layers.1.mlp.gate_proj.weight"
+    weights[q], weights[gate] = weights[q].clone(), weights[gate].clone()
+    weights[q][divmod(int(weights[q].abs().argmin()), weights[q].shape[1])] += 0.01
+    weights[gate][0, 0] = 4 * max(weights[gate].abs().max(), weights[gate.replace("gate", "up")].abs().max())
+    return weights
+
+
+def write_release(folder: Path, fmt: str, seed: int = 0, kv_cache: str | None = None) -> Path:
+    """The tiny Llama quantized by ModelOpt in `fmt` (a key of PRESETS), exported into `folder`. For NVFP4 without
+    a KV cache, beside it too: `<folder>.trained.safetensors`, the model ModelOpt's bfloat16 dequantization of the
+    export gives after `trained`, and `<folder>.trained/`, ModelOpt's export of that model (the oracle of
+    tests/test_modelopt_nvfp4_write.py)."""
+    torch.manual_seed(seed)
+    _export(folder, fmt, kv_cache)
     algo = json.loads((folder / "hf_quant_config.json").read_text())["quantization"]["quant_algo"]
     assert algo == fmt.upper(), (algo, fmt)
     for key, dtype in ORACLE_DTYPES.items():
         save_file(oracle(folder, dtype, algo), folder.with_name(f"{folder.name}.oracle-{key}.safetensors"))
+    if algo == "NVFP4" and kv_cache is None:
+        weights = trained(oracle(folder, torch.bfloat16, algo))
+        save_file(weights, folder.with_name(f"{folder.name}.trained.safetensors"))
+        _export(folder.with_name(f"{folder.name}.trained"), fmt, None, weights)
     return folder
 
 
