@@ -1,30 +1,43 @@
-"""`--quantize_like` a compressed-tensors `nvfp4-pack-quantized` release (llmcompressor's NVFP4A16): the output
-written as the release stores its weights, quantized by compressed-tensors' own rule, with the global scale shared
-as the release shares it.
+"""`--quantize_like` an NVFP4 release: a compressed-tensors `nvfp4-pack-quantized` one (llmcompressor's NVFP4A16,
+or NVFP4 with activations) or a ModelOpt `NVFP4` export. The output is written as the release stores its weights,
+quantized by the producing tool's own rule, with the scale shared across tensors shared as the release shares it.
 
-A quantized weight `<m>.weight` [out, in] is stored as `<m>.weight_packed` uint8 [out, in / 2] (two e2m1 codes a
-byte, the even element in the low nibble), `<m>.weight_scale` float8_e4m3fn [out, in / 16] and
-`<m>.weight_global_scale` float32 [1]; a group reads back as its codes times weight_scale / weight_global_scale
-(compressed_tensors_codec.nvfp4).
+A quantized weight `<m>.weight` [out, in] is stored as e2m1 codes uint8 [out, in / 2] (two a byte, the even element
+in the low nibble), a float8_e4m3fn scale per group of 16 [out, in / 16], and one float32 scale for the tensor:
+- compressed-tensors: `<m>.weight_packed`, `<m>.weight_scale`, `<m>.weight_global_scale` [1]; a group reads back as
+  its codes times weight_scale / weight_global_scale (compressed_tensors_codec.nvfp4);
+- ModelOpt: `<m>.weight` itself, `<m>.weight_scale`, `<m>.weight_scale_2` [] ; codes times weight_scale x
+  weight_scale_2 (compressed_tensors_codec.modelopt_nvfp4).
+The activations' calibration beside a weight (compressed-tensors' `<m>.input_global_scale` with NVFP4 W4A4,
+ModelOpt's `<m>.input_scale`, in every NVFP4 export) is copied from the release: merger has no data to calibrate on,
+and the format needs it. A release whose bytes are not here (a Hub id's) cannot give it, and is refused then.
 
-The rule is compressed-tensors 0.20's, on the weights at --dtype, in the dtype they have:
-- the global scale (`generate_gparam`): 448 x 6 / amax, amax the largest magnitude of the weight, computed in the
-  weight's dtype and stored as float32. llmcompressor shares one global scale among the layers vLLM fuses
-  (`update_fused_layer_weight_global_scales`: the smallest of theirs, which is this rule on their largest amax):
-  `oneshot` across q/k/v and across gate/up, `model_free_ptq` across q/k/v only. Which layers share is read off the
-  release: the q/k/v (and gate/up) of one module whose stored global scales are equal share one (a Hub id's
-  release, whose bytes are not read: q/k/v and gate/up, as oneshot);
-- a group's scale (`calculate_qparams`): its amax / 6 in the weight's dtype, times the global scale in float32,
-  clamped to ±448 and rounded to float8 (0 becomes 0.125, float8's eps as compressed-tensors takes it);
-- each code (`quantize`, `cast_to_fp4`, `pack_fp4_to_uint8`): the weight over (scale / global scale), in float32,
-  clamped to ±6 and rounded to e2m1 as mxfp4_pack_release_layout.pack_e2m1 does.
+The rules, on the weights at --dtype (amax: the largest magnitude):
+- compressed-tensors 0.20: the global scale (`generate_gparam`) 448 x 6 / amax computed in the weights' dtype,
+  stored as float32; a group's scale (`calculate_qparams`) its amax / 6 in the weights' dtype times the global
+  scale in float32, clamped to ±448 and rounded to float8 (0 becomes 0.125, float8's eps as compressed-tensors takes
+  it); each code (`quantize`, `cast_to_fp4`, `pack_fp4_to_uint8`) the weight over (scale / global scale) in float32;
+- ModelOpt 0.47 (`NVFP4QTensor.quantize(w, 16, weights_scaling_factor_2=...)`): weight_scale_2 amax in float32 /
+  (6 x 448); a group's scale its amax in float32 / (6 x weight_scale_2) (0 becomes 1), clamped to [2^-9, 448] and
+  rounded to float8; each code the weight over (scale x weight_scale_2) in float32;
+- both round a code to e2m1 as mxfp4_pack_release_layout.pack_e2m1 does (ties to the even code, ±6 at most, -0 for
+  a negative weight that rounds to 0).
 
-Kept bytes (release_blocks.py): where every weight of a sharing group holds the release's values, the group is the
-release's bytes. Where one changed, the group's global scale is computed again from all of its weights; if it is
-the release's, each group of 16 whose values are the release's keeps its codes and scale and the others are
-quantized; if it is not, every group of 16 of every member (the unchanged ones too) is quantized with the new
-global scale, as compressed-tensors would write the whole fused layer: a kept byte would read back at another
-scale.
+The shared scale: vLLM fuses q/k/v and gate/up, and the tools give such layers one scale computed on their largest
+amax (llmcompressor's `update_fused_layer_weight_global_scales` takes the smallest global scale, ModelOpt's export
+`preprocess_linear_fusion` the largest amax): llmcompressor's `oneshot` and ModelOpt across q/k/v and across
+gate/up, its `model_free_ptq` across q/k/v only. Which layers share is read off the release: the q/k/v (and
+gate/up) of one module whose stored shared scales are equal share one (a Hub id's release, whose bytes are not
+read: q/k/v and gate/up, as oneshot and ModelOpt).
+
+Kept bytes (release_blocks.py): where every weight of a sharing set (or a weight of its own) holds the release's
+values, it is the release's bytes. Where one changed, the set's shared scale is computed again, by the tool's rule,
+from all of its weights as they now are; if it is the release's, each group of 16 whose values are the release's
+keeps its codes and scale and the others are quantized; if it is not, every group of every member (the unchanged
+ones too) is quantized with the new shared scale, as the tool would write the whole fused layer: a kept byte would
+read back at another scale. The values read back from a release seldom have the largest magnitude of the weights
+it was made of (a group's float8 scale rounds), so compressed-tensors' global scale, 448 x 6 / amax, mostly comes
+out another after any change to its set; ModelOpt's, amax / (6 x 448), mostly comes out the same.
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ another way, fails here, before anything is moved to the target, and not in the 
 
 The bound of an element is half the largest step between the format's codes, times its block's or group's scale:
 rounding to the nearest code is off by at most that, and no scheme merger writes saturates (each scale makes its
-block's largest magnitude a code or less). FP8 e4m3: codes up to 448, the largest step 32, so 16 x scale; INT4:
+block's largest magnitude a code or less) but NVFP4, whose float8 group scale may round below amax / 6: its bound
+adds what that leaves beyond 6 codes (nvfp4_release_layout.py). FP8 e4m3: codes up to 448, the largest step 32, so 16 x scale; INT4:
 steps of 1, so 0.5 x scale, plus what the scale's own rounding to its dtype adds; e2m1 (MXFP4): the step from 4
 to 6, so 1 x scale. A block `--quantize_like` kept from the release reads back as the release's values, which the
 weight equals as cast to its dtype (release_blocks.py): well within the bound.

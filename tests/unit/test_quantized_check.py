@@ -14,7 +14,7 @@ from merger.mapping.int4_release_layout import Int4Output
 from merger.mapping.mxfp4_pack_release_layout import Mxfp4PackOutput
 from merger.mapping.mxfp4_quantize import Mxfp4Output
 from merger.mapping.mxfp8_release_layout import Mxfp8Output, compressed_tensors_quantize, modelopt_quantize
-from merger.mapping.nvfp4_release_layout import Nvfp4Output
+from merger.mapping.nvfp4_release_layout import MODELOPT, Nvfp4Output
 from merger.mapping.quantized_check import check
 from merger.mapping.steps import OutputSpec
 
@@ -33,6 +33,7 @@ LAYOUTS = {
     "gpt-oss mxfp4": (Mxfp4Output(frozenset({NAME}), {}, {}), (2, 64, 96)),  # [E, in, out]
     "compressed-tensors mxfp4": (Mxfp4PackOutput(frozenset({NAME}), {}, {}), (64, 96)),
     "compressed-tensors nvfp4": (Nvfp4Output(frozenset({NAME}), {}, {}), (64, 96)),
+    "modelopt nvfp4": (Nvfp4Output(frozenset({NAME}), {}, {}, MODELOPT), (64, 96)),
 }
 
 
