@@ -22,7 +22,8 @@ import transformers
 from safetensors.torch import save_file
 
 from tests.helpers.in_process import merge_in_process, stdout_in_process
-from tests.helpers.release_bytes import bits, written_back_like
+from tests.helpers.release_bytes import (assert_only_changed_groups_redone, groups_differ, same_bytes,
+                                        written_back_like)
 from tests.helpers.weights import load_safetensors_folder
 from tests.writers.compressed_tensors_release import SHARED, TINY, write_release
 
@@ -55,16 +56,6 @@ def modules(state: dict) -> list[str]:
     return [n.removesuffix(SCALE) for n in state if n.endswith(SCALE)]
 
 
-def groups_differ(module: str, a: dict, b: dict) -> torch.Tensor:
-    """bool [out, in / 16]: whether each group of `module`'s weight has other bytes (codes or scale) in `a` and `b`."""
-    codes = [bits(s[module + PACKED]).unflatten(-1, (a[module + SCALE].shape[-1], -1)) for s in (a, b)]
-    return (codes[0] != codes[1]).any(-1) | (bits(a[module + SCALE]) != bits(b[module + SCALE]))
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_release_read_and_written_like_itself_is_every_byte_of_it(plain, tmp_path, capsys, dtype):
     tool, release, bf16 = plain
@@ -81,7 +72,7 @@ def test_release_read_and_written_like_itself_is_every_byte_of_it(plain, tmp_pat
     # the premise: compressed-tensors itself, on the values read back, writes other bytes somewhere (-0 as +0)
     again = load_safetensors_folder(write_release(tmp_path / "again", FMT, weights=load_safetensors_folder(bf16),
                                                   shared=SHARED[tool]))
-    assert any(groups_differ(m, again, stored).any() for m in modules(stored))
+    assert any(groups_differ(m, (PACKED, SCALE), again, stored).any() for m in modules(stored))
     notes = json.loads(stdout_in_process(capsys, "inspect", "--local_dir", bf16, "--quantize_like", release,
                                          "--json"))["notes"]
     assert LOGGED.format(release) in notes
@@ -135,20 +126,15 @@ def test_after_training_unchanged_tensors_keep_their_bytes_and_changed_ones_are_
         assert same_bytes(got[name], want[name]), name
     for m in (q, gate):  # the premise: the global scales had to change, and the unchanged members with them
         assert not same_bytes(want[m + GLOBAL], stored[m + GLOBAL])
-    assert groups_differ(kv[0], want, stored).any()
+    assert groups_differ(kv[0], (PACKED, SCALE), want, stored).any()
     if tool == "oneshot":
-        assert groups_differ(up, want, stored).any()
+        assert groups_differ(up, (PACKED, SCALE), want, stored).any()
 
     # o_proj: its global scale stays, so only the changed group is compressed-tensors'
     assert same_bytes(want[o + GLOBAL], stored[o + GLOBAL]) and same_bytes(got[o + GLOBAL], stored[o + GLOBAL])
-    before = load_safetensors_folder(bf16)[o + ".weight"]
-    moved = (bits(weights[o + ".weight"]) != bits(before)).unflatten(-1, (-1, GROUP)).any(-1)
-    assert int(moved.sum()) == 1
-    for part in (PACKED, SCALE):
-        got_o, want_o, stored_o = (s[o + part].unflatten(-1, (moved.shape[-1], -1)) for s in (got, want, stored))
-        assert torch.equal(bits(got_o[moved]), bits(want_o[moved])), part
-        assert torch.equal(bits(got_o[~moved]), bits(stored_o[~moved])), part
-    assert (groups_differ(o, want, got) & ~moved).any()  # kept, not redone
+    moved = assert_only_changed_groups_redone(o, (PACKED, SCALE), load_safetensors_folder(bf16)[o + ".weight"],
+                                              weights[o + ".weight"], got, want, stored, GROUP)
+    assert (groups_differ(o, (PACKED, SCALE), want, got) & ~moved).any()  # kept, not redone
 
     written = {m + part for m in (*redone, o) for part in PARTS}
     for name in set(stored) - written:

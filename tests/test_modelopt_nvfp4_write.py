@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from tests.helpers.in_process import merge_in_process, stdout_in_process
-from tests.helpers.release_bytes import bits, written_back_like
+from tests.helpers.release_bytes import (assert_only_changed_groups_redone, groups_differ, same_bytes,
+                                        written_back_like)
 from tests.helpers.weights import load_safetensors_folder
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -37,16 +38,6 @@ def plain(mo_release, tmp_path_factory):
 
 def modules(state: dict) -> list[str]:
     return [n.removesuffix(SCALE) for n in state if n.endswith(SCALE)]
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
-
-
-def groups_differ(module: str, a: dict, b: dict) -> torch.Tensor:
-    """bool [out, in / 16]: whether each group of `module`'s weight has other bytes (codes or scale) in `a` and `b`."""
-    codes = [bits(s[module + CODES]).unflatten(-1, (a[module + SCALE].shape[-1], -1)) for s in (a, b)]
-    return (codes[0] != codes[1]).any(-1) | (bits(a[module + SCALE]) != bits(b[module + SCALE]))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -97,17 +88,12 @@ def test_after_training_unchanged_tensors_keep_their_bytes_and_changed_ones_are_
     for name in (m + part for m in redone for part in (CODES, SCALE, SCALE_2)):
         assert same_bytes(got[name], want[name]), name
     assert not same_bytes(want[gate + SCALE_2], stored[gate + SCALE_2])  # the premise: it had to change
-    assert groups_differ(up, want, stored).any()  # up_proj, unchanged, is not the export's bytes
+    assert groups_differ(up, (CODES, SCALE), want, stored).any()  # up_proj, unchanged, is not the export's bytes
 
     # q_proj: its weight_scale_2 stays, so only the changed group is ModelOpt's
     assert same_bytes(want[q + SCALE_2], stored[q + SCALE_2]) and same_bytes(got[q + SCALE_2], stored[q + SCALE_2])
-    before = load_safetensors_folder(bf16)[q + ".weight"]
-    moved = (bits(weights[q + ".weight"]) != bits(before)).unflatten(-1, (-1, GROUP)).any(-1)
-    assert int(moved.sum()) == 1
-    for part in (CODES, SCALE):
-        got_q, want_q, stored_q = (s[q + part].unflatten(-1, (moved.shape[-1], -1)) for s in (got, want, stored))
-        assert torch.equal(bits(got_q[moved]), bits(want_q[moved])), part
-        assert torch.equal(bits(got_q[~moved]), bits(stored_q[~moved])), part
+    assert_only_changed_groups_redone(q, (CODES, SCALE), load_safetensors_folder(bf16)[q + ".weight"],
+                                      weights[q + ".weight"], got, want, stored, GROUP)
 
     written = {m + part for m in (*redone, q) for part in (CODES, SCALE, SCALE_2)}
     for name in set(stored) - written:

@@ -43,3 +43,30 @@ def trained(plain: Path, whole: list[str], partly: str, at: tuple[int, ...], fol
     shutil.copytree(plain, folder)
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder, weights
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same dtype, shape and bytes."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def assert_only_changed_groups_redone(module: str, parts: tuple[str, str], before: torch.Tensor, after: torch.Tensor,
+                                      got: dict, want: dict, stored: dict, group: int) -> torch.Tensor:
+    """Weight `<module>.weight` changed from `before` to `after` in one group of `group` elements: in `got`, that
+    group's codes and scale (`parts`: their suffixes) are `want`'s (the producing tool's), every other group's
+    `stored`'s (the release's); the changed groups, bool [out, in / group]."""
+    moved = (bits(after) != bits(before)).unflatten(-1, (-1, group)).any(-1)
+    assert int(moved.sum()) == 1
+    for part in parts:
+        got_g, want_g, stored_g = (s[module + part].unflatten(-1, (moved.shape[-1], -1)) for s in (got, want, stored))
+        assert torch.equal(bits(got_g[moved]), bits(want_g[moved])), part
+        assert torch.equal(bits(got_g[~moved]), bits(stored_g[~moved])), part
+    return moved
+
+
+def groups_differ(module: str, parts: tuple[str, str], a: dict, b: dict) -> torch.Tensor:
+    """bool [out, in / group]: whether each group of `<module>.weight` has other bytes (its codes or its scale: the
+    suffixes `parts`) in the state dicts `a` and `b`."""
+    codes, scale = parts
+    grouped = [bits(s[module + codes]).unflatten(-1, (a[module + scale].shape[-1], -1)) for s in (a, b)]
+    return (grouped[0] != grouped[1]).any(-1) | (bits(a[module + scale]) != bits(b[module + scale]))
