@@ -22,6 +22,7 @@ import transformers
 from safetensors.torch import save_file
 
 from tests.helpers.in_process import merge_in_process, stdout_in_process
+from tests.helpers.processes import run_merger
 from tests.helpers.release_bytes import (assert_only_changed_groups_redone, groups_differ, same_bytes,
                                         written_back_like)
 from tests.helpers.weights import load_safetensors_folder
@@ -152,3 +153,21 @@ def test_a_w4a4_release_keeps_its_activations_calibration(ct_release, tmp_path, 
                                          "--json"))["notes"]
     assert LOGGED.format(release).replace("weight_global_scale)", "weight_global_scale, float32 input_global_scale "
                                           "the release's)") in notes
+
+
+def test_merge_ranks_write_the_bytes_one_process_writes(plain, tmp_path):
+    """The layers that share a global scale are quantized in one step (the scale needs all of them): 2 merge ranks,
+    with a budget that splits the merge into batches, write the bytes 1 process does, after training changed
+    layers of every kind of set."""
+    _, release, bf16 = plain
+    stored = load_safetensors_folder(release)
+    layer0 = [m + ".weight" for m in modules(stored) if m.startswith("model.layers.0.")]
+    _trained(bf16, tmp_path / "trained", layer0, "model.layers.1.self_attn.q_proj.weight",
+             "model.layers.1.mlp.gate_proj.weight", O_PROJ + ".weight")
+    for nproc in (1, 2):
+        run_merger("merge", "--local_dir", tmp_path / "trained", "--target_dir", tmp_path / f"out-{nproc}",
+                   "--quantize_like", release, "--max_inflight", "16KiB", nproc=nproc)
+    one, two = load_safetensors_folder(tmp_path / "out-1"), load_safetensors_folder(tmp_path / "out-2")
+    assert sorted(one) == sorted(two) == sorted(stored)
+    assert all(same_bytes(one[n], two[n]) for n in one)
+    assert not all(same_bytes(one[n], stored[n]) for n in one)  # training changed what was written
