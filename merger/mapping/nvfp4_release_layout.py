@@ -187,9 +187,21 @@ class Nvfp4Output:
         return self.quantize_together({spec.name: tensor})[spec.name]
 
     def quantize_together(self, weights: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-        """Each of `weights` (a set that shares one global scale, or one weight) quantized: the release's bytes
-        where its values and the global scale are the release's (the module docstring); the activations'
-        calibration, where the release has one, the release's."""
+        """Each of `weights` (the quantized outputs of one step) quantized, each set of them that shares a global
+        scale (`shared`: quantized_steps.py joined their steps) together, every other one on its own: a step that
+        writes layers the release does not share a scale among (a Megatron fc1's gate and up, for model_free_ptq)
+        gives each its own."""
+        sets = [members & weights.keys() for members in self.shared if members & weights.keys()]
+        alone = weights.keys() - set().union(*sets)
+        out = {}
+        for members in [*sets, *({name} for name in sorted(alone))]:
+            out.update(self._quantize_set({name: weights[name] for name in sorted(members)}))
+        return out
+
+    def _quantize_set(self, weights: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+        """`weights`, which share one global scale (or one weight), quantized: the release's bytes where their values
+        and the global scale are the release's (the module docstring); the activations' calibration, where the
+        release has one, the release's."""
         rule = self.producer
         calibration = {name: [self.release[self._calibration(name)].read()] if name in self.calibrated else []
                        for name in weights}
