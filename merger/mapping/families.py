@@ -103,6 +103,9 @@ FAMILIES = (
     Family("olmoe", ("olmoe",), megatron=mr.ATTENTION + mr.QK_NORM + mr.EXPERTS, config_rows=FULL_WIDTH_QK_NORMS),
     # Hunyuan v3: per-head q/k norms, dense first layers (mlp_layer_types) then DeepSeek-V3's MoE, renamed
     Family("hy_v3", ("hy_v3",), megatron=mr.ATTENTION + mr.QK_NORM + mr.DENSE_MLP + mr.HY_V3_MOE),
+    # MiMo-V2-Flash: full and sliding-window layers (layer_types) with their own key-value heads, sinks on the
+    # sliding ones, values narrower than q/k (v_head_dim); a dense first layer, then a sigmoid-routed MoE
+    Family("mimo_v2_flash", ("mimo_v2_flash",), megatron=mr.MIMO_V2_FLASH),
 )
 MEGATRON_FAMILIES = tuple(f for f in FAMILIES if f.megatron)
 TORCHTITAN_FAMILIES = tuple(f for f in FAMILIES if f.torchtitan)

@@ -7,6 +7,7 @@ as one HF tensor, concatenated along that dim (`step`).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -46,6 +47,23 @@ def head_counts(config: dict) -> tuple[int, int, int]:
     return heads, int(config.get("num_key_value_heads") or heads), int(config.get("head_dim") or hidden // heads)
 
 
+def layer_attention(config: dict, name: str) -> tuple[int, int, int, int]:
+    """(query heads, key-value heads, q/k head dim, value head dim) of the layer source tensor `name` is in, for a
+    model whose layer types differ in their key-value heads (MiMo-V2-Flash: transformers' MiMoV2FlashAttention gives
+    a sliding-window layer twice num_key_value_heads, every layer values v_head_dim wide)."""
+    heads, groups, head_dim = head_counts(config)
+    layer = re.search(r"layers\.(\d+)\.", name)
+    types = config.get("layer_types")
+    if layer is None or not isinstance(types, list) or int(layer[1]) >= len(types):
+        # a release's own config.json may give the pattern under another name (MiMo's hybrid_layer_pattern), which
+        # transformers does not read: its save_pretrained of the loaded config writes layer_types
+        raise MergerError(f"config.json's layer_types does not give the type of the layer of tensor {name} (the HF "
+                          f"config of the model as transformers' save_pretrained writes it, --hf_model_config_path)")
+    if types[int(layer[1])] == "sliding_attention":
+        groups *= 2
+    return heads, groups, head_dim, int(config.get("v_head_dim") or head_dim)
+
+
 def _as_is(name: str, shape: tuple[int, ...], config: dict):
     return [shape], None
 
@@ -54,6 +72,12 @@ def _qkv(name: str, shape: tuple[int, ...], config: dict):
     heads, groups, head_dim = head_counts(config)
     return tf.qkv_shapes(shape, heads, groups, head_dim, name), partial(
         tf.split_qkv, heads=heads, groups=groups, head_dim=head_dim)
+
+
+def _layer_qkv(name: str, shape: tuple[int, ...], config: dict):
+    heads, groups, head_dim, v_head_dim = layer_attention(config, name)
+    return tf.qkv_shapes(shape, heads, groups, head_dim, name, v_head_dim), partial(
+        tf.split_qkv, heads=heads, groups=groups, head_dim=head_dim, v_head_dim=v_head_dim)
 
 
 def _gate_up(name: str, shape: tuple[int, ...], config: dict):
@@ -133,6 +157,8 @@ def register(*kinds: Kind) -> None:
 register(
     Kind("rename", 1, _as_is),
     Kind("qkv", 3, _qkv),  # Megatron's fused QKV: q, k, v
+    # the same with its layer's own key-value heads and values v_head_dim wide (MiMo-V2-Flash: layer_attention)
+    Kind("layer_qkv", 3, _layer_qkv),
     Kind("gate_up", 2, _gate_up),  # a gated fc1, cat(gate, up): gate, up
     Kind("vocab", 1, _vocab),  # Megatron's padded vocab rows, unpadded
     Kind("rotary_q", 1, partial(_rotary, False)),  # torchtitan Llama's wq, permuted by query head

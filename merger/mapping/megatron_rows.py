@@ -75,9 +75,9 @@ DSA_INDEXER = tuple(  # DeepSeek Sparse Attention's lightning indexer, beside ML
     for megatron, hf in (("linear_wq_b.weight", "wq_b.weight"), ("linear_wk.weight", "wk.weight"),
                          ("k_norm.weight", "k_norm.weight"), ("k_norm.bias", "k_norm.bias"),
                          ("linear_weights_proj.weight", "weights_proj.weight")))
-DEEPSEEK_MOE = EXPERTS + (  # a sigmoid router whose expert bias steers the choice, and shared experts
-    Row("mlp.router.expert_bias", "rename", ("mlp.gate.e_score_correction_bias",)),
-) + shared_experts("mlp.shared_experts")
+BIASED_EXPERTS = EXPERTS + (  # a sigmoid router whose expert bias steers the choice
+    Row("mlp.router.expert_bias", "rename", ("mlp.gate.e_score_correction_bias",)),)
+DEEPSEEK_MOE = BIASED_EXPERTS + shared_experts("mlp.shared_experts")
 # ERNIE-4.5-MoE: a softmax router beside its moe_statics correction bias (0 from Megatron: kinds.py), shared experts
 ERNIE_MOE = (Row("mlp.router.weight", "router_zero_bias", ("mlp.gate.weight", "mlp.moe_statics.e_score_correction_bias")),
              ) + ROUTED_EXPERTS + shared_experts("mlp.shared_experts")
@@ -86,6 +86,12 @@ HY_V3_MOE = (
     Row("mlp.router.weight", "rename", ("mlp.router.gate.weight",)),
     Row("mlp.router.expert_bias", "rename", ("mlp.expert_bias",)),
 ) + ROUTED_EXPERTS + shared_experts("mlp.shared_mlp")
+# MiMo-V2-Flash: attention whose key-value heads differ by layer type (the fused QKV split by its layer's own: kinds.py's
+# layer_qkv), sinks on the sliding-window layers (saved as the release names them, transformers' `sinks` on load), a
+# dense first layer then DeepSeek-V3's sigmoid router with its expert bias, routed experts and no shared expert
+MIMO_V2_FLASH = tuple(Row(r.source, "layer_qkv", r.targets) if r.kind == "qkv" else r for r in ATTENTION) + (
+    Row("self_attention.core_attention.softmax_offset", "rename", ("self_attn.attention_sink_bias",)),
+) + DENSE_MLP + BIASED_EXPERTS
 # Nemotron-H (MambaModel): each layer is one norm and one mixer, a Mamba2 mixer, attention, an MLP (relu2, not
 # gated) or a MoE by the hybrid pattern; HF keeps each as `norm` and `mixer.*`. TE fuses the norm into the mixer's first
 # linear. in_proj and conv1d are the whole tensors HF has ([z; x; B; C; dt], [x; B; C]: sources/megatron_sections.py).

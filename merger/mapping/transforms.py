@@ -1,7 +1,8 @@
 """Pure tensor transforms from a training framework's layouts to HF's, each with its shape rule beside it.
 
 Megatron's grouped QKV layout stacks, per query group, that group's query heads then one key and one value head:
-rows = groups x (heads_per_group + 2) x head_dim (MHA: groups = heads; MQA: groups = 1). torchtitan's Llama (like
+rows = groups x (heads_per_group + 2) x head_dim (MHA: groups = heads; MQA: groups = 1; MiMo-V2-Flash's values are
+narrower than its heads: groups x (heads_per_group x head_dim + head_dim + v_head_dim)). torchtitan's Llama (like
 Meta's original) applies rotary embeddings to adjacent pairs of each head's channels, HF's Llama rotates the first
 half of a head against the second half, so the same model in HF stores q_proj / k_proj rows permuted within each
 head (row 2i goes to row i and row 2i+1 to row i + head_dim/2).
@@ -16,21 +17,29 @@ import torch
 from ..errors import MergerError
 
 
-def qkv_shapes(shape: tuple[int, ...], heads: int, groups: int, head_dim: int, name: str) -> list[tuple[int, ...]]:
-    if heads % groups or shape[0] != groups * (heads // groups + 2) * head_dim:
+def qkv_shapes(shape: tuple[int, ...], heads: int, groups: int, head_dim: int, name: str,
+               v_head_dim: int | None = None) -> list[tuple[int, ...]]:
+    """q, k and v's shapes; values `v_head_dim` wide where they are not head_dim (MiMo-V2-Flash)."""
+    v_dim = v_head_dim or head_dim
+    rows = groups * (heads // groups * head_dim + head_dim + v_dim) if groups else 0
+    if not groups or heads % groups or shape[0] != rows:
+        values = f" and values {v_dim} wide" if v_dim != head_dim else ""
         raise MergerError(f"tensor {name} has {shape[0]} rows; {heads} heads in {groups} query groups of head "
-                          f"dim {head_dim} need {groups * (heads // groups + 2) * head_dim} (check config.json)")
+                          f"dim {head_dim}{values} need {rows} (check config.json)")
     rest = tuple(shape[1:])
-    return [(heads * head_dim, *rest), (groups * head_dim, *rest), (groups * head_dim, *rest)]
+    return [(heads * head_dim, *rest), (groups * head_dim, *rest), (groups * v_dim, *rest)]
 
 
-def split_qkv(tensors: list[torch.Tensor], heads: int, groups: int, head_dim: int) -> list[torch.Tensor]:
+def split_qkv(tensors: list[torch.Tensor], heads: int, groups: int, head_dim: int,
+              v_head_dim: int | None = None) -> list[torch.Tensor]:
+    """Megatron's fused QKV, per query group [its q heads; k; v], as HF's q, k and v."""
     (w,) = tensors
     rest = w.shape[1:]
-    per = heads // groups
-    q, k, v = w.reshape(groups, (per + 2) * head_dim, *rest).split([per * head_dim, head_dim, head_dim], dim=1)
+    per, v_dim = heads // groups, v_head_dim or head_dim
+    q, k, v = w.reshape(groups, per * head_dim + head_dim + v_dim, *rest).split([per * head_dim, head_dim, v_dim],
+                                                                              dim=1)
     return [q.reshape(heads * head_dim, *rest), k.reshape(groups * head_dim, *rest),
-            v.reshape(groups * head_dim, *rest)]
+            v.reshape(groups * v_dim, *rest)]
 
 
 def gate_up_shapes(shape: tuple[int, ...], name: str) -> list[tuple[int, ...]]:
