@@ -100,6 +100,28 @@ def test_qkv_splits_megatrons_grouped_layout():
         _plan("qkv", (33, hidden), config)
 
 
+def test_layer_qkv_splits_with_its_layers_own_kv_heads_and_narrower_values():
+    """MiMo-V2-Flash: a sliding-window layer has twice num_key_value_heads (transformers' MiMoV2FlashAttention), and
+    every layer's values are v_head_dim wide; the layer is read off the tensor's name."""
+    heads, head_dim, v_head_dim, hidden = 4, 4, 2, 8
+    config = dict(num_attention_heads=heads, num_key_value_heads=1, head_dim=head_dim, v_head_dim=v_head_dim,
+                  hidden_size=hidden, layer_types=["full_attention", "sliding_attention"])
+    for layer, groups in ((0, 1), (1, 2)):
+        q = torch.randn(heads * head_dim, hidden)
+        k, v = torch.randn(groups * head_dim, hidden), torch.randn(groups * v_head_dim, hidden)
+        per = heads // groups
+        fused = torch.cat([torch.cat([q[g * per * head_dim:(g + 1) * per * head_dim],
+                                      k[g * head_dim:(g + 1) * head_dim], v[g * v_head_dim:(g + 1) * v_head_dim]])
+                           for g in range(groups)])
+        name = f"decoder.layers.{layer}.self_attention.linear_qkv.weight"
+        shapes, fn = KINDS["layer_qkv"].plan(name, tuple(fused.shape), config)
+        assert shapes == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+        assert all(torch.equal(a, b) for a, b in zip(fn([fused]), [q, k, v]))
+    with pytest.raises(MergerError, match="layer_types does not give the type of the layer of tensor "
+                                          "decoder.layers.2.self_attention.linear_qkv.weight"):
+        KINDS["layer_qkv"].plan("decoder.layers.2.self_attention.linear_qkv.weight", (24, hidden), config)
+
+
 def test_gate_up_splits_the_halves_and_refuses_odd_rows():
     gate, up = torch.randn(5, 3), torch.randn(5, 3)
     shapes, fn = _plan("gate_up", (10, 3), {})
@@ -282,11 +304,13 @@ def test_a_join_names_its_parts_and_they_are_rows_of_no_one_else():
 def _megatron_cases() -> set[str]:
     """The model types the Megatron logits tests write (test_megatron.py, test_megatron_deepseek.py,
     test_megatron_glm45.py, test_megatron_nemotron_h.py, test_megatron_gpt_oss_minimax.py, test_megatron_dsa.py,
-    test_megatron_gdn.py, test_megatron_moe_renames.py)."""
+    test_megatron_gdn.py, test_megatron_moe_renames.py, test_megatron_mimo_v2_flash.py)."""
     from tests import (test_megatron, test_megatron_deepseek, test_megatron_dsa, test_megatron_gdn, test_megatron_glm45,
-                       test_megatron_gpt_oss_minimax, test_megatron_moe_renames, test_megatron_nemotron_h)
+                       test_megatron_gpt_oss_minimax, test_megatron_mimo_v2_flash, test_megatron_moe_renames,
+                       test_megatron_nemotron_h)
     from tests.writers import (megatron_checkpoint, megatron_deepseek, megatron_dsa, megatron_gdn,
-                               megatron_gpt_oss_minimax, megatron_moe_renames, megatron_nemotron_h)
+                               megatron_gpt_oss_minimax, megatron_mimo_v2_flash, megatron_moe_renames,
+                               megatron_nemotron_h)
 
     found = set()
     for cases, names, defaults in ((test_megatron.CASES, test_megatron.MODELS, megatron_checkpoint.DEFAULTS),
@@ -301,7 +325,9 @@ def _megatron_cases() -> set[str]:
                                    (test_megatron_dsa.CASES, test_megatron_dsa.CASES, megatron_dsa.DEFAULTS),
                                    (test_megatron_gdn.CASES, test_megatron_gdn.CASES, megatron_gdn.DEFAULTS),
                                    (test_megatron_moe_renames.CASES, test_megatron_moe_renames.CASES,
-                                    megatron_moe_renames.DEFAULTS)):
+                                    megatron_moe_renames.DEFAULTS),
+                                   (test_megatron_mimo_v2_flash.CASES, test_megatron_mimo_v2_flash.CASES,
+                                    megatron_mimo_v2_flash.DEFAULTS)):
         for name in names:
             spec = dict(pair.split("=") for pair in cases[name].split(",") if pair)
             found.add(spec.get("arch", defaults["arch"]))

@@ -39,10 +39,10 @@ def dense_layers(a: Namespace) -> int:
     return 0 if a.arch == "olmoe" else a.dense
 
 
-def transformer_config(a: Namespace):
-    from megatron.core.transformer import TransformerConfig
-
-    kw = dict(
+def moe_config(a: Namespace, moe_layer_freq: list[int]) -> dict:
+    """The TransformerConfig keywords this writer's models share with megatron_mimo_v2_flash.py's: RMSNorm, SiLU
+    GLU, no linear biases, TP a.tp and EP a.ep with expert TP 1, a MoE layer where `moe_layer_freq` says 1."""
+    return dict(
         num_layers=a.layers, hidden_size=HIDDEN, num_attention_heads=a.heads, num_query_groups=a.groups,
         kv_channels=HEAD_DIM, ffn_hidden_size=FFN, normalization="RMSNorm", layernorm_epsilon=1e-5,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, tensor_model_parallel_size=a.tp,
@@ -50,9 +50,15 @@ def transformer_config(a: Namespace):
         params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, init_method_std=0.05, num_moe_experts=EXPERTS,
-        moe_layer_freq=[0] * dense_layers(a) + [1] * (a.layers - dense_layers(a)), moe_ffn_hidden_size=MOE_FFN,
-        moe_router_topk=TOPK, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="allgather", moe_permute_fusion=False)
+        moe_layer_freq=moe_layer_freq, moe_ffn_hidden_size=MOE_FFN, moe_router_topk=TOPK,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather",
+        moe_permute_fusion=False)
+
+
+def transformer_config(a: Namespace):
+    from megatron.core.transformer import TransformerConfig
+
+    kw = moe_config(a, [0] * dense_layers(a) + [1] * (a.layers - dense_layers(a)))
     if a.arch == "ernie4_5_moe":
         return TransformerConfig(rotary_interleaved=True, moe_router_score_function="softmax",
                                  moe_shared_expert_intermediate_size=MOE_FFN, **kw)
@@ -101,13 +107,19 @@ def build_model(a: Namespace, config):
     return oss_minimax.build_model(a, config, block_spec(a, config), SPLIT_UNFLAGGED if a.arch == "olmoe" else ())
 
 
-def write_case(a: Namespace, out: Path) -> None:
+def write_expert_parallel(a: Namespace, out: Path, build, config, hf) -> None:
+    """The model `build(a, config(a))` at TP a.tp and EP a.ep with expert TP 1, saved by write_model with Megatron's
+    logits and the HF config `hf(a)` (this writer's and megatron_mimo_v2_flash.py's cases)."""
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(a.tp, expert_model_parallel_size=a.ep, expert_tensor_parallel_size=1)
-    model = build_model(a, transformer_config(a))
-    write_model(a, model, out, lambda: oracle(a, model), lambda: hf_config(a))
+    model = build(a, config(a))
+    write_model(a, model, out, lambda: oracle(a, model), lambda: hf(a))
     ps.destroy_model_parallel()
+
+
+def write_case(a: Namespace, out: Path) -> None:
+    write_expert_parallel(a, out, build_model, transformer_config, hf_config)
 
 
 def main() -> None:
