@@ -18,7 +18,7 @@ from merger.io.store_waits import AZ_ATTEMPTS, AZ_BODY_TRIES, GS_TRIES, S3_ATTEM
 from tests.helpers.emulators import SERVERS
 from tests.helpers.files import assert_same_files
 from tests.helpers.flaky_store import FAULTS, flaky_proxy
-from tests.helpers.in_process import run_in_process, single_error_line
+from tests.helpers.in_process import single_error_line
 from tests.helpers.object_store import download, open_uploads
 from tests.helpers.processes import run_merger
 

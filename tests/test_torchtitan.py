@@ -15,7 +15,7 @@ import transformers
 
 from tests.helpers.expert_slabs import assert_stacks_written_by_expert
 from tests.helpers.in_process import merge_in_process, single_error_line
-from tests.helpers.processes import run_merger, run_writer
+from tests.helpers.processes import run_merger
 from tests.helpers.torchtitan_writes import TOKENS, refused_as_kimi_k25, written_by_torchtitan
 from tests.helpers.weights import load_safetensors_folder
 

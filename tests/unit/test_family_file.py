@@ -66,7 +66,7 @@ def test_a_bad_row_is_refused_as_a_built_in_one_is_naming_its_entry(edit, args, 
                                                                                   "'target' (known: source, kind"),
     (f'name = "x"\nmodel_types = ["qwen2"]\nmtp = 1\n[[megatron]]\n{ROW}\n', "the family file has the unknown key "
                                                                              "'mtp'"),
-    (f'name = "x"\nmodel_types = ["qwen2"]\n[[megatron]]\nsource = "mlp.linear_fc2.weight"\n',
+    ('name = "x"\nmodel_types = ["qwen2"]\n[[megatron]]\nsource = "mlp.linear_fc2.weight"\n',
      "megatron[0] has no kind"),
     (f'name = "x"\nmodel_types = ["qwen2"\n[[megatron]]\n{ROW}\n', "the family file is not valid TOML: "),
     # a source whose TP split merger does not know, as families.py refuses a record's
