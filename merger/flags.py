@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from .errors import MergerError, UsageError
 from .io import location
-from .io.locations import ObjectPath
+from .io.locations import OBJECT_SCHEMES, ObjectPath
 from .options import DTYPES, MergeOptions, dtype_name
 from .sources import BACKENDS
 from .units import parse_size, positive_int, positive_size
@@ -81,19 +81,20 @@ def local_path(text: str) -> Path:
                                      f"folder, or one of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2); "
                                      f"--local_dir, --hf_model_config_path, --base_model, --adapter, "
                                      f"--adapter_config and --quantize_like read buckets directly, and --target_dir "
-                                     f"writes to s3://, {text}")
+                                     f"writes to a bucket too, {text}")
 
 
 def target_path(text: str) -> Path | str:
-    """Where a merge writes: a local or mounted folder, or an s3:// prefix, kept as the URL given."""
+    """Where a merge writes: a local or mounted folder, or a bucket's prefix (s3://, gs://, az://), kept as the URL
+    given."""
     scheme = _SCHEME.match(text)
     if scheme is None or scheme.group(1).lower() == "file":
         return local_path(text)
-    if scheme.group(1).lower() != "s3":
+    if scheme.group(1).lower() not in OBJECT_SCHEMES:
         hub = " (--hf_upload_path USER/NAME publishes the merged model to the Hub)" if \
             scheme.group(1).lower() in ("hf", "http", "https") else ""
-        raise argparse.ArgumentTypeError(f"merged models are written to a local folder or an s3:// bucket, not to "
-                                         f"{scheme.group(1)}:// (gs:// and az:// are read, not written){hub}, {text}")
+        raise argparse.ArgumentTypeError(f"merged models are written to a local folder or a bucket (s3://, gs://, "
+                                         f"az://), not to {scheme.group(1)}://{hub}, {text}")
     try:
         location(text)  # a URL naming no bucket is refused here
     except MergerError as e:
@@ -128,9 +129,9 @@ def _add_target_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(*_flag("--target_dir"), dest="target_dir", type=target_path, required=True,
                         help=TARGET_HELP)
     parser.add_argument(*_flag("--stage_dir"), dest="stage_dir", type=local_path, default=None, metavar="DIR",
-                        help="with an s3:// --target_dir: the local folder the model is written to before its "
-                             "parts are uploaded (default: a temporary folder, removed after; ranks on several "
-                             "nodes need one they all share); kept after the upload, for --resume")
+                        help="with a bucket --target_dir (s3://, gs://, az://): the local folder the model is written to "
+                             "before its parts are uploaded (default: a temporary folder, removed after; ranks on "
+                             "several nodes need one they all share); kept after the upload, for --resume")
 
 
 def _flag(*names: str) -> list[str]:
@@ -238,7 +239,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
-TARGET_HELP = "where the HF model goes (a folder, or an s3:// prefix); it appears whole or not at all"
+TARGET_HELP = "where the HF model goes (a folder, or a bucket's s3://, gs:// or az:// prefix); it appears whole or not at all"
 SHARD_HELP = "largest output safetensors file (default 5GB; 200KB, 2GB, 2GiB or bytes)"
 VERIFY_HELP = "before the final rename, re-read every written tensor and compare it with its source"
 OVERWRITE_HELP = ("replace an earlier merger output at the target, or start over from a partial merge kept beside "

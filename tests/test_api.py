@@ -47,7 +47,7 @@ def test_merge_returns_the_summary_and_leaves_the_process_as_found(fsdp_checkpoi
     (lambda tmp: merger.merge(local_dir=tmp, target_dir=tmp / "out", summary_json="s3://bucket/summary.json"),
      "argument --summary_json/--summary-json: s3:// paths are not supported here: this flag takes a local folder, or "
      "one of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2); --local_dir, --hf_model_config_path, --base_model, "
-     "--adapter, --adapter_config and --quantize_like read buckets directly, and --target_dir writes to s3://, "
+     "--adapter, --adapter_config and --quantize_like read buckets directly, and --target_dir writes to a bucket too, "
      "s3://bucket/summary.json"),
 ])
 def test_bad_input_raises_the_clis_line(tmp_path, call, line):

@@ -7,7 +7,6 @@ conditional puts, listings), so merger's client calls run as they would against 
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -23,9 +22,8 @@ import torch
 from merger.output.bucket_target import MAX_PARTS, PART, parts_of, shares
 from tests.helpers.files import allocated, assert_same_files, peak_allocated
 from tests.helpers.in_process import run_in_process, single_error_line
-from tests.helpers.object_store import KEY_ID, SECRET, download, open_uploads
-from tests.helpers.processes import run_merger, start_merger
-from tests.helpers.reliability import wait_paused
+from tests.helpers.object_store import KEY_ID, SECRET, STREAMED, download, open_uploads, paused_merge
+from tests.helpers.processes import run_merger
 from tests.helpers.weights import assert_same_weights
 
 pytestmark = [pytest.mark.infra, pytest.mark.slow]
@@ -51,9 +49,6 @@ def layered_model(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("bucket_stream") / "hf"
     transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="1GB")
     return folder
-
-
-STREAMED = ("--dtype", "float32", "--max_shard_size", "20MB", "--max_inflight", "16MB")
 
 
 @pytest.fixture(scope="module")
@@ -206,24 +201,6 @@ def test_verify_keeps_the_staged_files_whole_for_its_check(store, llama34, llama
     assert_same_files(llama34_local, tmp_path / "remote")
 
 
-@contextlib.contextmanager
-def _paused_merge(store, model: Path, url: str, stage: Path | None, pause: Path, env: dict | None = None,
-                  flags: tuple = ()):
-    """A merge into `url` paused after its 6th batch, once some files' parts are sent (paused_merger.py); killed on
-    the way out if the test left it running (a failed check would leave it paused for an hour). `stage` None: no
-    --stage_dir (a temporary folder)."""
-    env = {**store.env, "MERGER_TEST_PAUSE_AFTER_BATCH": "5", "MERGER_TEST_PAUSE_FILE": str(pause), **(env or {})}
-    staged = ["--stage_dir", stage] if stage else []
-    proc = start_merger("merge", "--local_dir", model, "--target_dir", url, *staged, *STREAMED, *flags, env=env)
-    try:
-        wait_paused([proc], pause, [0])
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-
-
 def _sent_parts(store, prefix: str) -> int:
     """The parts of the uploads under `prefix` the store holds, once it holds some (0 after a minute): a paused
     merge's upload threads go on sending the parts queued before the pause, which may still be on their way."""
@@ -254,7 +231,7 @@ def _resumed_as_local(store, model: Path, local: Path, url: str, stage: Path, tm
 
 def test_ctrl_c_mid_stream_aborts_the_uploads_and_resume_finishes(store, layered_model, layered_local, tmp_path):
     url, stage = "s3://models/interrupted", tmp_path / "stage"
-    with _paused_merge(store, layered_model, url, stage, tmp_path / "paused") as proc:
+    with paused_merge(store.env, layered_model, url, stage, tmp_path / "paused") as proc:
         assert _sent_parts(store, "interrupted") > 0  # mid-upload: parts sent, no upload complete
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
@@ -272,7 +249,7 @@ def test_files_a_resume_reuses_are_released_once_sent(store, layered_model, laye
     after the merge, giving back their space as it goes, so the stage ends hollow as after any merge. Here an
     interrupted --verify merge, which sends its parts but keeps the staged files whole, leaves such files."""
     url, stage = "s3://models/reused", tmp_path / "stage"
-    with _paused_merge(store, layered_model, url, stage, tmp_path / "paused", flags=("--verify",)) as proc:
+    with paused_merge(store.env, layered_model, url, stage, tmp_path / "paused", flags=("--verify",)) as proc:
         assert _sent_parts(store, "reused") > 0
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
@@ -286,7 +263,7 @@ def test_ctrl_c_without_a_stage_dir_names_no_folder_it_removed(store, layered_mo
     must not point at a partial merge there for --resume. Every path its lines name exists afterwards."""
     url, temp = "s3://models/interrupted-unstaged", tmp_path / "tmp"
     temp.mkdir()
-    with _paused_merge(store, layered_model, url, None, tmp_path / "paused", env={"TMPDIR": str(temp)}) as proc:
+    with paused_merge(store.env, layered_model, url, None, tmp_path / "paused", env={"TMPDIR": str(temp)}) as proc:
         assert _sent_parts(store, "interrupted-unstaged") > 0
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
@@ -301,7 +278,7 @@ def test_ctrl_c_without_a_stage_dir_names_no_folder_it_removed(store, layered_mo
 
 def test_kill_9_mid_stream_then_resume(store, layered_model, layered_local, tmp_path):
     url, stage = "s3://models/killed-streaming", tmp_path / "stage"
-    with _paused_merge(store, layered_model, url, stage, tmp_path / "paused") as proc:
+    with paused_merge(store.env, layered_model, url, stage, tmp_path / "paused") as proc:
         assert _sent_parts(store, "killed-streaming") > 0
         proc.kill()
         proc.wait()
@@ -318,10 +295,11 @@ def test_a_missing_bucket_is_one_line(store, llama34, tmp_path):
     assert single_error_line(proc.stderr) == "merger: error: no such bucket, s3://no-such-bucket"
 
 
-def test_targets_other_than_s3_are_refused_at_the_flag(llama34):
-    proc = run_merger("merge", "--local_dir", llama34, "--target_dir", "gs://models/x", check=False)
+def test_targets_other_than_a_folder_or_a_bucket_are_refused_at_the_flag(llama34):
+    proc = run_merger("merge", "--local_dir", llama34, "--target_dir", "ftp://models/x", check=False)
     assert proc.returncode == 2
-    assert "merged models are written to a local folder or an s3:// bucket, not to gs://" in proc.stderr
+    assert "merged models are written to a local folder or a bucket (s3://, gs://, az://), not to ftp://" in \
+        proc.stderr
 
 
 @pytest.mark.parametrize("size", [0, 1, PART - 1, PART, PART + 1, 3 * PART + 5, 10 * MAX_PARTS * PART + 7])

@@ -150,8 +150,8 @@ def test_every_option_has_help_text():
     (["lora", "--base_model", "b", "--adapter", "a", "--target_dir", "out", "--dtype", "MXFP4"],
      "--quantize mxfp4 writes it"),
     (["merge", "--local_dir", "ckpt", "--target_dir", "hf://someone/model"],
-     "argument --target_dir/--target-dir: merged models are written to a local folder or an s3:// bucket, not to "
-     "hf:// (gs:// and az:// are read, not written) (--hf_upload_path USER/NAME publishes the merged model to the "
+     "argument --target_dir/--target-dir: merged models are written to a local folder or a bucket (s3://, gs://, "
+     "az://), not to hf:// (--hf_upload_path USER/NAME publishes the merged model to the "
      "Hub), hf://someone/model"),
     (["merge", "--local_dir", "ckpt", "--target_dir", "https://example.com/m"], "not to https://"),
     (["merge", *REQUIRED, "--quantize_like", "hf://org/release"], "hf:// paths are not supported"),

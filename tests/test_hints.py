@@ -92,9 +92,8 @@ def test_a_config_that_names_no_model_is_refused(fsdp_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("flag", ["--local_dir", "--target_dir", "--hf_model_config_path", "--summary_json"])
 def test_a_url_is_refused_with_the_scheme_named(fsdp_checkpoint, tmp_path, flag, capsys, monkeypatch):
-    """A flag that reads buckets names the package gs:// needs (gcsfs, an extra: hidden here, as on a machine without
-    it) and the extra that installs it; --target_dir, which writes s3:// only, and the flags that take no URL refuse
-    gs:// at the flag. Neither leaves a folder `gs:/bucket/run` behind, as a URL read as a relative path would."""
+    """A flag that reads or writes buckets names the package gs:// needs (gcsfs, an extra: hidden here, as on a
+    machine without it) and the extra that installs it; the flags that take no URL refuse gs:// at the flag. Neither leaves a folder `gs:/bucket/run` behind, as a URL read as a relative path would."""
     from merger.io import locations
 
     actor, _ = fsdp_checkpoint("llama", world=1)
@@ -110,19 +109,15 @@ def test_a_url_is_refused_with_the_scheme_named(fsdp_checkpoint, tmp_path, flag,
     status = main(["merge", *[a for pair in args.items() for a in pair]])
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    if flag in ("--local_dir", "--hf_model_config_path"):
-        assert (status, err) == (1, "merger: error: reading gs:// needs the gcsfs package (pip install 'merger[gs]'), "
+    if flag in ("--local_dir", "--hf_model_config_path", "--target_dir"):
+        assert (status, err) == (1, "merger: error: gs:// needs the gcsfs package (pip install 'merger[gs]'), "
                                     "gs://bucket/run\n")
-    elif flag == "--target_dir":
-        assert status == 2 and err == (
-            "merger: error: argument --target_dir/--target-dir: merged models are written to a local folder or an "
-            "s3:// bucket, not to gs:// (gs:// and az:// are read, not written), gs://bucket/run\n")
     else:
         assert status == 2 and err == (
             f"merger: error: argument {flag}/{flag.replace('_', '-')}: gs:// paths are not supported here: this flag "
             f"takes a local folder, or one of a mounted bucket (e.g. s3fs, gcsfuse, blobfuse2); --local_dir, "
             f"--hf_model_config_path, --base_model, --adapter, --adapter_config and --quantize_like read buckets "
-            f"directly, and --target_dir writes to s3://, gs://bucket/run\n")
+            f"directly, and --target_dir writes to a bucket too, gs://bucket/run\n")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -1,6 +1,6 @@
-"""A merge into an s3:// prefix: the bucket's lock taken first, the model merged into a local staging folder as any
-merge is while every rank uploads the parts of the weight files as their blocks are written (output/part_stream.py),
-then the rest uploaded and rank 0 completing the uploads (output/bucket_target.py)."""
+"""A merge into a bucket prefix (s3://, gs://, az://): the bucket's lock taken first, the model merged into a local
+staging folder as any merge is while every rank uploads the parts of the weight files as their blocks are written
+(output/part_stream.py), then the rest uploaded and rank 0 completing the uploads (output/bucket_target.py)."""
 from __future__ import annotations
 
 import dataclasses

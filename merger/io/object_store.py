@@ -58,7 +58,7 @@ def _filesystem(scheme: str, url: str):
         return store_filesystem(scheme)
     except ImportError as e:
         package = PACKAGES.get(scheme, "adlfs")
-        raise MergerError(f"reading {scheme}:// needs the {package} package (pip install "
+        raise MergerError(f"{scheme}:// needs the {package} package (pip install "
                           f"'merger[{EXTRAS[package]}]'), {url}") from e
     except ValueError as e:
         if PACKAGES.get(scheme) == "adlfs":  # adlfs found no account named anywhere, so nothing to connect with

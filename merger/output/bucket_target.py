@@ -1,4 +1,6 @@
-"""An s3:// target: the merged folder sent by every rank at once as multipart uploads, the model's entry points last.
+"""A bucket target (s3://, gs://, az://): the merged folder sent by every rank at once as uploads in parts
+(io/object_writers.py: S3's multipart uploads, GCS's composed objects, Azure's block blobs), the model's entry
+points last.
 
 The merge writes the model into a local staging folder (the staging rules of target.py hold there) and the ranks
 send the weight files' parts as their blocks are written (part_stream.py); what was not streamed (small files, files
@@ -24,7 +26,7 @@ from pathlib import Path
 from ..errors import MergerError, TargetBusyError, TargetError
 from ..hf_folder import INDEX
 from ..io.local import punch_hole
-from ..io.object_upload import ObjectWriter
+from ..io.object_writers import object_writer
 from ..units import format_size
 from .manifest import MANIFEST
 from .target_lock import busy_line, holder_running, lock_record
@@ -90,11 +92,11 @@ def folder_files(folder: Path) -> dict[str, int]:
 
 
 class BucketTarget:
-    """Rank 0's side of an s3:// target: its checks, its lock, the uploads it begins and completes."""
+    """Rank 0's side of a bucket target: its checks, its lock, the uploads it begins and completes."""
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")
-        self.writer = ObjectWriter(self.url)
+        self.writer = object_writer(self.url)
         self.token = uuid.uuid4().hex
         self.locked = False
         self.uploads: dict[str, str] = {}  # name -> multipart upload id, begun and not yet completed
@@ -224,7 +226,7 @@ def upload_share(url: str, folder: Path, mine: list[Part], uploads: dict[str, st
                  release: frozenset[str]) -> dict[tuple[str, int], str]:
     """One rank's parts (LAST files excluded: rank 0 puts those at the end), UPLOADS_IN_FLIGHT at a time: the
     ETag of each multipart part. The parts of the files in `release` are given back once the store has them."""
-    writer = ObjectWriter(url)
+    writer = object_writer(url)
 
     def send(part: Part) -> tuple[tuple[str, int], str | None]:
         with open(folder / part.name, "rb") as f:

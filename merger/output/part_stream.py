@@ -1,4 +1,4 @@
-"""An s3:// target's weight files uploaded while the merge runs: each upload part, once written, read once for both
+"""A bucket target's weight files uploaded while the merge runs: each upload part, once written, read once for both
 its block's checksum and its upload, and its disk space given back once the store has it.
 
 The rank that checksums a block (resume.FileTracker deals the blocks) sends the upload parts that lie in it: the
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine.dist import Group, on_every_rank
-from ..io.object_upload import ObjectWriter
+from ..io.object_writers import object_writer
 from ..sources.crc32 import crc32
 from .bucket_target import UPLOADS_IN_FLIGHT, BucketTarget, give_back, part_size, parts_of, streams
 from .resume import crc32_hex
@@ -29,7 +29,7 @@ class PartSender:
     """One rank's uploads of the parts in its checksum blocks; the ETags of the parts it sent, for rank 0."""
 
     def __init__(self, url: str, files: set[str], uploads: dict[str, str], release: bool):
-        self.writer = ObjectWriter(url)
+        self.writer = object_writer(url)
         self.files = files  # the files streamed: the others are checksummed only, and sent after the merge
         self.uploads = uploads  # name -> multipart upload id (files of one part are put whole)
         self.release = release  # False (--verify): the staging files stay whole for the check that reads them

@@ -6,9 +6,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.helpers.processes import start_merger
+from tests.helpers.reliability import wait_paused
+
 # Made-up credentials the server accepts; the tests check that neither ever reaches merger's output.
 KEY_ID = "AKIAMERGERTESTKEY000"
 SECRET = "merger-test-secret-0123456789abcdefSECRET"
+
+# The flags of the bucket tests' merges that are paused mid-stream (paused_merge): files of 20 MB, two upload parts
+# each, written in batches of 16 MB, so a merge paused after a batch has sent parts and completed no upload (rank 0
+# completes them all after the last batch).
+STREAMED = ("--dtype", "float32", "--max_shard_size", "20MB", "--max_inflight", "16MB")
 
 
 @dataclass
@@ -73,3 +81,21 @@ def moto_server():
         yield ObjectStore(f"http://{host}:{port}")
     finally:
         server.stop()
+
+
+@contextmanager
+def paused_merge(store_env: dict, model: Path, url: str, stage: Path | None, pause: Path, env: dict | None = None,
+                 flags: tuple = ()):
+    """A merge into the bucket `url` paused after its 6th batch, once some files' parts are sent (paused_merger.py);
+    killed on the way out if the test left it running (a failed check would leave it paused for an hour). `stage`
+    None: no --stage_dir (a temporary folder)."""
+    env = {**store_env, "MERGER_TEST_PAUSE_AFTER_BATCH": "5", "MERGER_TEST_PAUSE_FILE": str(pause), **(env or {})}
+    staged = ["--stage_dir", stage] if stage else []
+    proc = start_merger("merge", "--local_dir", model, "--target_dir", url, *staged, *STREAMED, *flags, env=env)
+    try:
+        wait_paused([proc], pause, [0])
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
