@@ -208,6 +208,25 @@ def test_unknown_family_is_reported(megatron_root, tmp_path, capsys):
     assert "no Megatron mapping for model_type 'gpt2'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model_type, reason", [("step3p7", "head-wise attention gate is not in megatron-core"),
+                                                ("gemma4_text", "norms after attention and MLP")])
+def test_family_megatron_core_cannot_build_says_why(megatron_root, tmp_path, capsys, model_type, reason):
+    """Step-3.7 and Gemma 4 need modules megatron-core 0.19.2 lacks, so merger has no layout of theirs to read: the
+    line says which, rather than only 'no Megatron mapping' and a list of every model type merger knows."""
+    from merger.cli import main
+
+    hf = tmp_path / "hf"
+    shutil.copytree(megatron_root / "tp2_gqa_bias" / "hf", hf)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    assert main(["merge", "--local_dir", str(megatron_root / "tp2_gqa_bias" / "dist"), "--target_dir",
+                 str(tmp_path / "out"), "--hf_model_config_path", str(hf)]) == 1
+    error = single_error_line(capsys.readouterr().err)
+    assert f"no Megatron mapping for model_type {model_type!r}: " in error and "megatron-core 0.19.2" in error, error
+    assert reason in error and "(known:" not in error and error.endswith("config.json"), error
+    assert not (tmp_path / "out").exists()
+
+
 def _as_vlm(state: dict) -> dict:
     """A language model's tensors as a Megatron VLM holds them (mbridge / Megatron-Bridge: `language_model.`),
     beside a vision tower's tensor."""

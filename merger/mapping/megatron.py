@@ -18,6 +18,7 @@ from .family import Family, Row
 from .family_file import misspelt_row, read_family
 from .hf import model_config
 from .megatron_rows import MEGATRON
+from .megatron_unbuildable import UNBUILDABLE
 from .naming import Entry, compile_table, lookup
 from .policy import ties
 from .steps import Mapping, OutputSpec, Step, Transform, cast
@@ -56,6 +57,8 @@ def family_of(config: dict, options: MergeOptions) -> Family:
         raise MergerError(f"Megatron checkpoints of {text.name} are written as the text model of HF {model_type}: "
                           f"pass a folder whose config.json is this config's text_config (model_type "
                           f"{' or '.join(text.model_types)}) with --hf_model_config_path, config.json")
+    if family is None and (why := UNBUILDABLE.get(model_type)):
+        raise MergerError(f"no Megatron mapping for model_type {model_type!r}: {why} (docs/megatron.md), config.json")
     if family is None:
         known = ", ".join(t for f in FAMILIES for t in f.model_types)
         raise MergerError(f"no Megatron mapping for model_type {model_type!r} (known: {known}), config.json")
