@@ -42,8 +42,10 @@ FAMILIES = (
            torchtitan=tr.NORMS + tr.gqa("rotary_q", "rotary_kv") + tr.DENSE_FFN, torchtitan_any_config=True),
     Family("mistral", ("mistral",), megatron=mr.ATTENTION + mr.DENSE_MLP),
     Family("qwen2", ("qwen2",), megatron=mr.ATTENTION + mr.DENSE_MLP),
-    # dense and MoE under one record: Qwen3-MoE's rows add the experts (and keep the dense MLP for mlp_only_layers)
+    # dense and MoE under one record: Qwen3-MoE's rows add the experts (and keep the dense MLP for mlp_only_layers);
+    # Qwen3-VL's Megatron checkpoints are this text model with a vision tower, written whole as HF qwen3_vl
     Family("qwen3", ("qwen3", "qwen3_moe"), megatron=mr.ATTENTION + mr.QK_NORM + mr.DENSE_MLP + mr.EXPERTS,
+           megatron_vision=mr.QWEN3_VL_VISION,
            torchtitan=tr.NORMS + tr.gqa("rename", "rename") + tr.QK_NORM + tr.DENSE_FFN + tr.ROUTED_EXPERTS + (
                Row("moe.expert_bias_E", "skip", reason="Qwen3-MoE routes by scores alone: torchtitan's "
                                                           "load-balancing bias has no HF equivalent"),),
@@ -114,8 +116,7 @@ TORCHTITAN_FAMILIES = tuple(f for f in FAMILIES if f.torchtitan)
 def _one_family_per_model_type(families: tuple[Family, ...]) -> None:
     owner: dict[str, str] = {}
     for family in families:
-        vlms = family.torchtitan_vision.model_types if family.torchtitan_vision else ()
-        for model_type in family.model_types + family.text_model_of + vlms:
+        for model_type in family.model_types + family.vlm_types():
             if owner.setdefault(model_type, family.name) != family.name:
                 raise ValueError(f"model type {model_type!r} belongs to families {owner[model_type]} and {family.name}")
 
@@ -123,6 +124,9 @@ def _one_family_per_model_type(families: tuple[Family, ...]) -> None:
 def tp_split_known(families: tuple[Family, ...]) -> None:
     """Every Megatron row names a tensor whose TP split is known (family_file.py checks a user's rows too)."""
     tables = [(f"the {f.name} family", f.megatron) for f in families] + [
+        (f"the {f.name} family's vision tower", tower.globals + tower.rows + tuple(r for _, _, rows in tower.lists
+                                                                                    for r in rows))
+        for f in families if (tower := f.megatron_vision)] + [
         ("Megatron's global rows", mr.MEGATRON.globals), ("Megatron's MTP rows", mr.MEGATRON.mtp.rows)]
     for where, rows in tables:
         for row in rows:

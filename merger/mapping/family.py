@@ -84,9 +84,10 @@ def sources_once(rows: tuple[Row, ...], where: str) -> None:
 
 @dataclass(frozen=True)
 class VisionTower:
-    """A torchtitan VLM's vision tower, written whole where config.json is the HF VLM's: its tensors under their
-    own naming (globals named in full, block rows after `blocks` and block i, written after `hf_blocks`), and the
-    text model's names moved under the VLM's (`text_prefixes`: each (text model's prefix, the VLM's))."""
+    """A VLM's vision tower (torchtitan's, Megatron's), written whole where config.json is the HF VLM's: its tensors
+    under their own naming (globals named in full, block rows after `blocks` and block i, written after
+    `hf_blocks`; other numbered module lists as `lists`), and the text model's names moved under the VLM's
+    (`text_prefixes`: each (text model's prefix, the VLM's))."""
     model_types: tuple[str, ...]  # the HF VLMs' config.json model types
     prefix: str  # the names of the tower's tensors start with it
     blocks: str  # then block i and a dot
@@ -94,6 +95,9 @@ class VisionTower:
     globals: tuple[Row, ...]
     rows: tuple[Row, ...]
     text_prefixes: tuple[tuple[str, str], ...]  # where the VLM keeps what the text model keeps under `model.`...
+    # Numbered module lists beside the blocks, each (the prefix before module i, where HF keeps module i, its rows):
+    # Qwen3-VL's deepstack mergers
+    lists: tuple[tuple[str, str, tuple[Row, ...]], ...] = ()
 
     def text_name(self, name: str) -> str:
         return next((new + name[len(old):] for old, new in self.text_prefixes if name.startswith(old)), name)
@@ -139,6 +143,8 @@ class Family:
     # Its torchtitan checkpoints' vision tower, written whole (with the text model under the VLM's names) where
     # config.json is one of the HF VLMs it names
     torchtitan_vision: VisionTower | None = None
+    # The same for its Megatron VLM checkpoints (the text model under `language_model.`, the tower beside it)
+    megatron_vision: VisionTower | None = None
     mtp: MtpLayout | None = None  # where HF keeps its MTP layers; None: HF has no MTP layers for it
     # HF layer-row name -> the row count config.json fixes for it, for tensors a TP layout could leave ambiguous
     config_rows: dict[str, Callable[[dict], int]] = field(default_factory=dict)
@@ -152,6 +158,12 @@ class Family:
 
     def hf_name(self, name: str) -> str:
         return next((new + name[len(old):] for old, new in self.hf_prefixes if name.startswith(old)), name)
+
+    def vlm_types(self) -> tuple[str, ...]:
+        """The HF VLMs' model types around its text model: those it refuses, naming the text config, and those it
+        writes with a vision tower."""
+        towers = (self.torchtitan_vision, self.megatron_vision)
+        return self.text_model_of + tuple(t for tower in towers if tower for t in tower.model_types)
 
     def __post_init__(self):
         for naming, rows in (("Megatron", self.megatron), ("torchtitan", self.torchtitan)):

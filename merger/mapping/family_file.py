@@ -87,8 +87,7 @@ def _pairs(value: list, where: str, path: Path) -> tuple[tuple[str, str], ...]:
 def _refuse_vlm_types(family: Family, path: Path) -> None:
     """A built-in family's VLM model type names no text model a Megatron checkpoint holds."""
     for builtin in FAMILIES:
-        vlms = builtin.text_model_of + (builtin.torchtitan_vision.model_types if builtin.torchtitan_vision else ())
-        for model_type in set(family.model_types).intersection(vlms):
+        for model_type in set(family.model_types).intersection(builtin.vlm_types()):
             raise MergerError(f"model type {model_type!r} is the HF VLM around the {builtin.name} family's text model "
                               f"({', '.join(builtin.model_types)}): a family file names the text model's model type, "
                               f"{path}")

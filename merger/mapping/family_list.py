@@ -11,6 +11,8 @@ def _frameworks(family: Family) -> str:
     named = [name for name, rows in (("Megatron", family.megatron), ("torchtitan", family.torchtitan)) if rows]
     if family.torchtitan_vision:
         named.append(f"torchtitan's VLM as {' or '.join(family.torchtitan_vision.model_types)}")
+    if family.megatron_vision:
+        named.append(f"Megatron's VLM as {' or '.join(family.megatron_vision.model_types)}")
     return ", ".join(named)
 
 

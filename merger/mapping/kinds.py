@@ -80,6 +80,17 @@ def _layer_qkv(name: str, shape: tuple[int, ...], config: dict):
         tf.split_qkv, heads=heads, groups=groups, head_dim=head_dim, v_head_dim=v_head_dim)
 
 
+def _vision_qkv(name: str, shape: tuple[int, ...], config: dict):
+    vision = config.get("vision_config") or {}
+    try:
+        heads, hidden = int(vision["num_heads"]), int(vision["hidden_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise MergerError(f"config.json's vision_config has no {e} (the vision tower's heads of tensor {name} come "
+                          f"from the HF config of the model, --hf_model_config_path)") from e
+    tf.qkv_shapes(shape, heads, heads, hidden // heads, name)  # the rows the heads need, checked
+    return [shape], partial(tf.qkv_by_part, heads=heads, head_dim=hidden // heads)
+
+
 def _gate_up(name: str, shape: tuple[int, ...], config: dict):
     return tf.gate_up_shapes(shape, name), tf.split_gate_up
 
@@ -159,6 +170,9 @@ register(
     Kind("qkv", 3, _qkv),  # Megatron's fused QKV: q, k, v
     # the same with its layer's own key-value heads and values v_head_dim wide (MiMo-V2-Flash: layer_attention)
     Kind("layer_qkv", 3, _layer_qkv),
+    # a ViT's fused QKV, a query group per head (per head [q; k; v]), as HF's one qkv [q; k; v] (Qwen3-VL's
+    # tower: vision_config's num_heads and hidden_size)
+    Kind("vision_qkv", 1, _vision_qkv),
     Kind("gate_up", 2, _gate_up),  # a gated fc1, cat(gate, up): gate, up
     Kind("vocab", 1, _vocab),  # Megatron's padded vocab rows, unpadded
     Kind("rotary_q", 1, partial(_rotary, False)),  # torchtitan Llama's wq, permuted by query head

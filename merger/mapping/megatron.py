@@ -30,8 +30,7 @@ EXPERT = re.compile(r"\.local_experts\.(\d+)\.")  # the catalog's name of every 
 
 def _vlm_of(model_type: str) -> Family | None:
     """The family whose text model HF VLM `model_type` wraps (Qwen3.5's qwen3_5, Kimi-K2.5's kimi_k25)."""
-    return next((f for f in FAMILIES if model_type in f.text_model_of + (
-        f.torchtitan_vision.model_types if f.torchtitan_vision else ())), None)
+    return next((f for f in FAMILIES if model_type in f.vlm_types()), None)
 
 
 def _file_family(config: dict, options: MergeOptions) -> Family | None:

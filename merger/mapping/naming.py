@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .family import MtpLayout, Row, joined_part, sources_once
+from .family import MtpLayout, Row, VisionTower, joined_part, sources_once
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,14 @@ def compile_table(naming: Naming, rows: tuple[Row, ...], mtp: MtpLayout | None =
         table += [Entry(row.pattern(prefix + inner), row, in_layer(row, mtp_layer)) for row in rows]
         table += [Entry(row.pattern(prefix), row, tuple(own.get(t) or mtp_layer + t for t in row.targets))
                   for row in naming.mtp.rows]
+    return table
+
+
+def tower_table(tower: VisionTower, name: str) -> list[Entry]:
+    """A vision tower's table: its globals, its block rows, and the rows of each of its other numbered lists."""
+    table = compile_table(Naming(name, tower.blocks, tower.globals, None, tower.hf_blocks), tower.rows)
+    for prefix, hf, rows in tower.lists:
+        table += compile_table(Naming(name, prefix, (), None, hf), rows)
     return table
 
 

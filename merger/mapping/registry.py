@@ -17,7 +17,7 @@ from ..catalog import Catalog
 from ..errors import MergerError
 from ..hf_folder import local_config_folder
 from ..options import MergeOptions
-from . import compressed_tensors, fp8, hf, megatron, modelopt, torchtitan
+from . import compressed_tensors, fp8, hf, megatron, megatron_vlm, modelopt, torchtitan
 from .lora import adapter_folders, adapter_state, megatron_lora_model, megatron_peft, megatron_shards, peft_state
 from .lora.flags import LORA_FLAGS, refuse_unused
 from .model_class import config_updates
@@ -46,6 +46,8 @@ MAPPERS = (
     Mapper("verl Megatron LoRA shards", megatron_shards.claims, megatron_shards.build, LORA_FLAGS, family=True),
     Mapper("Megatron model with LoRA shards", megatron_lora_model.claims, megatron_lora_model.build,
            LORA_FLAGS - {"base_model"}, family=True),
+    # a VLM: its text model under `language_model.`, its vision tower under `vision_model.`
+    Mapper("Megatron VLM", megatron_vlm.claims, megatron_vlm.build),
     Mapper("megatron", megatron.claims, megatron.build, family=True),
     Mapper("torchtitan", torchtitan.claims, torchtitan.build),
     # HF names whose config.json says FP8 blocks; asking decides the stored format (quantized_formats.py), and one

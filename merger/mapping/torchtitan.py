@@ -25,7 +25,7 @@ from .families import TORCHTITAN_FAMILIES as FAMILIES
 from .families import TORCHTITAN_UNMARKED
 from .family import Family, Row, VisionTower
 from .hf import model_config
-from .naming import Naming, compile_table, lookup
+from .naming import compile_table, lookup, tower_table
 from .steps import Mapping, cast
 from .torchtitan_rows import DROPPED_BUFFERS, TORCHTITAN
 from .transformers_release import require_model_type
@@ -96,8 +96,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     require_model_type(config.get("model_type"), hf_dir / "config.json")
     table = compile_table(TORCHTITAN, family.torchtitan, family.mtp)
     vision = _vision(family, config)
-    vision_table = compile_table(Naming("torchtitan vision", vision.blocks, vision.globals, None, vision.hf_blocks),
-                                 vision.rows) if vision else None
+    vision_table = tower_table(vision, "torchtitan vision") if vision else None
     layers = mtp.mtp_layers(catalog, TORCHTITAN, family, config, options)
     steps, stacks, skipped, left_out = [], {}, [], Counter()
     kept_stacked = 0  # of the stacks, those HF keeps stacked too

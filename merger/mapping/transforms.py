@@ -42,6 +42,12 @@ def split_qkv(tensors: list[torch.Tensor], heads: int, groups: int, head_dim: in
             v.reshape(groups * v_dim, *rest)]
 
 
+def qkv_by_part(tensors: list[torch.Tensor], heads: int, head_dim: int) -> list[torch.Tensor]:
+    """Megatron's fused QKV with a query group per head (per head [q; k; v]: a ViT's attention) as one tensor
+    [every head's q; every k; every v], HF's fused ViT qkv."""
+    return [torch.cat(split_qkv(tensors, heads=heads, groups=heads, head_dim=head_dim))]
+
+
 def gate_up_shapes(shape: tuple[int, ...], name: str) -> list[tuple[int, ...]]:
     if shape[0] % 2:
         raise MergerError(f"gated tensor {name} has an odd number of rows ({shape[0]}), so it is not [gate; up]")

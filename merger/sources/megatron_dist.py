@@ -37,16 +37,10 @@ from .megatron_skips import NOT_A_TENSOR, skip_rule
 STACKED = "decoder.layers."
 EXPERTS = "mlp.experts.experts."  # SequentialMLP experts, stacked on an expert axis
 MODEL_PREFIXES = ("decoder.", "embedding.", "output_layer.")
-# A vision-language model as verl's Megatron engine builds it (mbridge / Megatron-Bridge: a GPTModel as
-# `language_model`, a ViT as `vision_model`), which no family record maps (docs/megatron.md says why)
+# A vision-language model as Megatron-Bridge and verl's Megatron engine build it (a GPTModel as `language_model`, a
+# ViT as `vision_model`): each stacks its own decoder layers
 VLM_PREFIXES = ("language_model.", "vision_model.")
-
-
-def refuse_vlm(names, where: object) -> None:
-    """One line for a Megatron VLM checkpoint, instead of its first tensor without an HF name."""
-    if any(n.startswith(VLM_PREFIXES) for n in names):
-        raise MergerError(f"a Megatron vision-language checkpoint (language_model.*, vision_model.* tensors): merger "
-                          f"merges Megatron language models only (docs/megatron.md), {where}")
+STACKS = (STACKED,) + tuple(p + STACKED for p in VLM_PREFIXES)
 
 
 def detect(root: Path) -> bool:
@@ -61,17 +55,19 @@ def detect(root: Path) -> bool:
 def holds_model(ckpt: Path) -> bool:
     """False when the checkpoint has no model tensors (verl then wrote HF safetensors beside it)."""
     meta, _ = load_compact(ckpt)  # the names alone: no object per chunk
-    return any(fqn.startswith(MODEL_PREFIXES) for fqn in meta.state_dict_metadata)
+    return any(fqn.startswith(MODEL_PREFIXES + VLM_PREFIXES) for fqn in meta.state_dict_metadata)
 
 
 def _stacked_axes(fqn: str):
     """How many leading axes of a stored tensor are stacked (layer, then expert), and the canonical name
-    of one (layer, expert) entry: `decoder.layers.{l}.mlp.experts.local_experts.{e}.<rest>`."""
-    layered = fqn.startswith(STACKED) and not fqn[len(STACKED):].split(".")[0].isdigit()
+    of one (layer, expert) entry: `decoder.layers.{l}.mlp.experts.local_experts.{e}.<rest>` (a VLM's under its
+    model's prefix)."""
+    stack = next((s for s in STACKS if fqn.startswith(s)), "")
+    layered = bool(stack) and not fqn[len(stack):].split(".")[0].isdigit()
     expert = EXPERTS in fqn
 
     def name_of(index: tuple[int, ...]) -> str:
-        name = f"{STACKED}{index[0]}.{fqn[len(STACKED):]}" if layered else fqn
+        name = f"{stack}{index[0]}.{fqn[len(stack):]}" if layered else fqn
         if expert:
             head, _, tail = name.partition(EXPERTS)
             name = f"{head}mlp.experts.local_experts.{index[-1]}.{tail}"
@@ -106,8 +102,7 @@ def open_catalog(root: Path) -> Catalog:
                 copy = PieceCopy(files[file], with_index(key, local), (offset, length))
                 pieces.setdefault(name, []).append(ShardPiece(offsets[axes:], sizes[axes:], (copy,)))
                 shapes[name], dtypes[name] = tuple(md.size[axes:]), md.properties.dtype
-    refuse_vlm(pieces, ckpt)
-    if not any(n.startswith(MODEL_PREFIXES) for n in pieces):
+    if not any(n.startswith(MODEL_PREFIXES + VLM_PREFIXES) for n in pieces):
         raise MergerError(f"torch_dist checkpoint holds no model weights (decoder.*, embedding.*), {ckpt}")
     tensors = join_sections({n: SourceTensor(n, shapes[n], dtypes[n], tuple(p)) for n, p in pieces.items()}, ckpt)
     files = sorted({c.file for t in tensors.values() for p in t.pieces for c in p.copies})

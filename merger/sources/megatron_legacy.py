@@ -27,7 +27,7 @@ from ..catalog import Catalog, PieceCopy, ShardPiece, SourceTensor, Stored
 from ..errors import MergerError, SourceError
 from .mapped_states import MappedStates
 from .piece_keys import split_expert, split_key, take, take_expert, with_expert, with_slice
-from .megatron_dist import refuse_vlm
+from .megatron_dist import VLM_PREFIXES
 from .megatron_skips import NOT_A_TENSOR, skip_rule
 from .megatron_layout import checkpoint_dir
 from .megatron_sections import local_sections
@@ -244,7 +244,10 @@ def open_catalog(root: Path) -> Catalog:
                     for tp, file in slice_files:
                         rank = etp_of[file] if expert else tp
                         entry["copies"].setdefault(rank, []).append(PieceCopy(file, f"{key}/{stored}"))
-    refuse_vlm(entries, ckpt)
+    if pp_size > 1 and any(n.startswith(VLM_PREFIXES) for n in entries):
+        # its stages number their language_model.* and vision_model.* layers locally, which is not renumbered here
+        raise MergerError(f"a Megatron vision-language checkpoint saved in {pp_size} pipeline stages: merger reads "
+                          f"Megatron VLMs saved without pipeline parallelism (docs/megatron.md), {ckpt}")
     tensors = {}
     for g, entry in entries.items():
         shape, pieces = _pieces(entry["value"], entry["dim"], entry["sections"], entry["copies"],

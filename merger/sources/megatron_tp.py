@@ -36,8 +36,10 @@ QK_NORMS = ("q_layernorm.weight", "k_layernorm.weight")
 # DeepSeek Sparse Attention's indexer (core_attention.indexer.*): replicated Linears and a LayerNorm on every rank
 DSA_INDEXER = ("indexer.linear_wq_b.weight", "indexer.linear_wk.weight", "indexer.linear_weights_proj.weight",
                "indexer.k_norm.bias")
+# A ViT's (Qwen3-VL's tower: LayerNorms with biases, a patch embedding Conv3d and a position embedding, none split)
+VIT_WHOLE = ("norm.bias", "layer_norm_bias", "patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed.weight")
 WHOLE = ("norm.weight", "layer_norm_weight", "router.weight", "router.bias", "router.expert_bias", "gate_weight",
-         "linear_proj.bias", "linear_fc2.bias") + DSA_INDEXER
+         "linear_proj.bias", "linear_fc2.bias") + DSA_INDEXER + VIT_WHOLE
 
 
 def split_known(name: str) -> bool:

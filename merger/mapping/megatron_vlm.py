@@ -1,0 +1,71 @@
+"""Megatron vision-language checkpoints (Megatron-Bridge's and verl's Megatron engine's: the text model as a GPTModel
+under `language_model.`, the vision tower beside it under `vision_model.`) as the HF VLM, whole.
+
+The VLM is found from config.json's model_type among the families' Megatron vision towers (family.megatron_vision:
+Qwen3-VL's qwen3_vl). The text model's tensors are the family's Megatron rows, mapped with config.json's
+`text_config` (its heads, its vocabulary) and written under the VLM's names (`model.language_model.`, `lm_head`);
+the tower's are the tower's rows, mapped with the whole config.json (its `vision_config`).
+"""
+from __future__ import annotations
+
+from ..catalog import Catalog
+from ..errors import MergerError
+from ..options import MergeOptions
+from ..sources.megatron_dist import VLM_PREFIXES
+from . import kinds
+from .families import MEGATRON_FAMILIES
+from .family import Family, VisionTower
+from .hf import model_config
+from .megatron import family_table, row_of
+from .naming import lookup, tower_table
+from .policy import ties
+from .steps import Mapping
+from .transformers_release import require_model_type
+
+TEXT, VISION = VLM_PREFIXES
+
+
+def claims(catalog: Catalog, options: MergeOptions) -> bool:
+    return catalog.naming == "megatron" and any(n.startswith(VISION) for n in catalog.tensors)
+
+
+def _family(config: dict, catalog: Catalog) -> tuple[Family, VisionTower]:
+    model_type = config.get("model_type")
+    towers = [(f, f.megatron_vision) for f in MEGATRON_FAMILIES if f.megatron_vision]
+    found = next(((f, t) for f, t in towers if model_type in t.model_types), None)
+    if found is None:
+        known = ", ".join(m for _, t in towers for m in t.model_types)
+        raise MergerError(f"a Megatron vision-language checkpoint (language_model.*, vision_model.* tensors) with "
+                          f"config.json model_type {model_type!r}: merger writes Megatron VLMs as {known} "
+                          f"(docs/megatron.md; --hf_model_config_path gives the HF VLM's config), {catalog.root}")
+    if not isinstance(config.get("text_config"), dict):
+        raise MergerError(f"config.json of HF {model_type} has no text_config, which the text model is mapped by "
+                          f"(the HF config of the model, --hf_model_config_path), {catalog.root}")
+    require_model_type(model_type, "config.json")
+    return found
+
+
+def build(catalog: Catalog, options: MergeOptions) -> Mapping:
+    hf_dir, config = model_config(catalog, options)
+    family, tower = _family(config, catalog)
+    text_config = config["text_config"]
+    text_table, vision_table = family_table(family), tower_table(tower, "Megatron vision")
+    steps = []
+    for name, t in catalog.tensors.items():
+        if name.startswith(TEXT):
+            row, targets = row_of(text_table, name[len(TEXT):], 0, family, catalog)
+            steps.append(kinds.step(name, t.shape, t.dtype, row.kind, tuple(map(tower.text_name, targets)),
+                                    text_config))
+            continue
+        found = lookup(vision_table, name, 0) if name.startswith(VISION) else None
+        if found is None:
+            raise MergerError(f"no HF name for Megatron tensor {name} in the {family.name} family's HF "
+                              f"{config['model_type']} table (language_model.*, vision_model.*), {catalog.root}")
+        row, targets = found
+        steps.append(kinds.step(name, t.shape, t.dtype, row.kind, targets, config))
+    # Tied: HF re-creates lm_head from the embedding
+    if not ties(config, options) and f"{TEXT}output_layer.weight" not in catalog.tensors:
+        raise MergerError(f"config.json has untied embeddings but the checkpoint has no "
+                          f"{TEXT}output_layer.weight, {catalog.root}")
+    return Mapping(steps, hf_dir, config, notes=(f"merger: Megatron {family.name} VLM names, written as HF "
+                                                 f"{config['model_type']} with its vision tower",))
