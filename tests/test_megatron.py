@@ -234,17 +234,22 @@ def _as_vlm(state: dict) -> dict:
             torch.zeros(8, 12)}
 
 
-def test_a_vision_language_checkpoint_is_refused_in_one_line(megatron_root, tmp_path):
-    """A Megatron VLM (legacy rank files, or a torch_dist save made by torch's own DCP writer) stops with one line
-    saying what it is, in place of its first tensor without an HF name, and writes nothing."""
-    import torch.distributed.checkpoint as dcp
-
-    legacy = tmp_path / "legacy"
-    shutil.copytree(megatron_root / "tp2_gqa_bias" / "legacy", legacy)
-    for rank_file in legacy.glob("iter_0000001/mp_rank_*/model_optim_rng.pt"):
+def _vlm_legacy(megatron_root, case: str, into) -> None:
+    shutil.copytree(megatron_root / case / "legacy", into)
+    for rank_file in into.glob("iter_0000001/mp_rank_*/model_optim_rng.pt"):
         state = torch.load(rank_file, weights_only=False)  # our own test file
         state["model"] = _as_vlm(state["model"])
         torch.save(state, rank_file)
+
+
+def test_a_vision_language_checkpoint_with_a_text_models_config_is_refused_in_one_line(megatron_root, tmp_path):
+    """A Megatron VLM (legacy rank files, or a torch_dist save made by torch's own DCP writer) whose config.json is
+    no HF VLM merger writes from Megatron (qwen2's here) stops with one line saying what it is, in place of its
+    first tensor without an HF name, and writes nothing."""
+    import torch.distributed.checkpoint as dcp
+
+    legacy = tmp_path / "legacy"
+    _vlm_legacy(megatron_root, "tp2_gqa_bias", legacy)
     dist = tmp_path / "dist"
     dcp.save(_as_vlm({"decoder.final_layernorm.weight": torch.ones(8)}), checkpoint_id=str(dist), no_dist=True)
     (dist / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -253,10 +258,24 @@ def test_a_vision_language_checkpoint_is_refused_in_one_line(megatron_root, tmp_
         proc = run_merger("merge", "--local_dir", src, "--target_dir", tmp_path / f"out_{src.name}",
                           "--hf_model_config_path", megatron_root / "tp2_gqa_bias" / "hf", check=False)
         assert proc.returncode == 1
-        error = single_error_line(proc.stderr)
-        assert "a Megatron vision-language checkpoint (language_model.*, vision_model.* tensors)" in error, error
-        assert str(src) in error, error
+        assert single_error_line(proc.stderr) == (
+            "merger: error: a Megatron vision-language checkpoint (language_model.*, vision_model.* tensors) with "
+            "config.json model_type 'qwen2': merger writes Megatron VLMs as qwen3_vl (docs/megatron.md; "
+            f"--hf_model_config_path gives the HF VLM's config), {src}")
         assert not (tmp_path / f"out_{src.name}").exists()
+
+
+def test_a_pipelined_legacy_vision_language_checkpoint_is_refused_in_one_line(megatron_root, tmp_path):
+    """Its stages number their language_model.* layers from 0 each: read as they are, they would overwrite one
+    another."""
+    _vlm_legacy(megatron_root, "qwen3_mqa_pp2", tmp_path / "legacy")
+    proc = run_merger("merge", "--local_dir", tmp_path / "legacy", "--target_dir", tmp_path / "out",
+                      "--hf_model_config_path", megatron_root / "qwen3_mqa_pp2" / "hf", check=False)
+    assert proc.returncode == 1
+    error = single_error_line(proc.stderr)
+    assert error.startswith("merger: error: a Megatron vision-language checkpoint saved in 2 pipeline stages: merger "
+                            "reads Megatron VLMs saved without pipeline parallelism (docs/megatron.md), "), error
+    assert not (tmp_path / "out").exists()
 
 
 class _RunsCode:

@@ -100,6 +100,23 @@ def test_qkv_splits_megatrons_grouped_layout():
         _plan("qkv", (33, hidden), config)
 
 
+def test_vision_qkv_puts_each_heads_q_k_v_into_hfs_q_k_v_order():
+    """A ViT's linear_qkv in megatron-core has a query group per head: per head [q; k; v]. HF's fused qkv (Qwen3-VL's
+    tower: its forward reshapes the output as (3, heads, head_dim)) is [every q; every k; every v]."""
+    heads, head_dim, hidden = 3, 4, 12
+    q, k, v = (torch.randn(heads * head_dim, hidden) for _ in range(3))
+    per_head = torch.cat([part[h * head_dim:(h + 1) * head_dim] for h in range(heads) for part in (q, k, v)])
+    config = {"vision_config": {"num_heads": heads, "hidden_size": hidden}}
+    shapes, fn = _plan("vision_qkv", tuple(per_head.shape), config)
+    assert shapes == [tuple(per_head.shape)]
+    assert torch.equal(fn([per_head])[0], torch.cat([q, k, v]))
+    assert torch.equal(fn([per_head[:, 0]])[0], torch.cat([q, k, v])[:, 0])  # its bias
+    with pytest.raises(MergerError, match="tensor t has 30 rows; 3 heads in 3 query groups of head dim 4 need 36"):
+        _plan("vision_qkv", (30, hidden), config)
+    with pytest.raises(MergerError, match="config.json's vision_config has no 'num_heads'"):
+        _plan("vision_qkv", tuple(per_head.shape), {})
+
+
 def test_layer_qkv_splits_with_its_layers_own_kv_heads_and_narrower_values():
     """MiMo-V2-Flash: a sliding-window layer has twice num_key_value_heads (transformers' MiMoV2FlashAttention), and
     every layer's values are v_head_dim wide; the layer is read off the tensor's name."""
@@ -358,6 +375,17 @@ def _families_of(model_types: set[str]) -> set[str]:
 
 def test_every_megatron_family_has_a_test_case():
     assert {f.name for f in MEGATRON_FAMILIES} - _families_of(_megatron_cases()) == set()
+
+
+def test_every_megatron_vision_tower_has_a_test_case():
+    """test_megatron_qwen3_vl.py merges what its writer writes, whose HF config is the VLM's."""
+    from argparse import Namespace
+
+    from tests.writers import megatron_qwen3_vl
+
+    written = megatron_qwen3_vl.hf_config(Namespace(vocab=101, layers=2, heads=4, groups=2)).model_type
+    towers = {t for f in MEGATRON_FAMILIES if f.megatron_vision for t in f.megatron_vision.model_types}
+    assert towers == {written}
 
 
 def test_every_torchtitan_family_has_a_test_case():

@@ -1,0 +1,100 @@
+"""Qwen3-VL (HF qwen3_vl) Megatron checkpoints merged to HF Qwen3VLForConditionalGeneration, vision tower included,
+checked against Megatron's own forward passes.
+
+tests/writers/megatron_qwen3_vl.py writes it with megatron-core 0.19.2 at TP 2, legacy and torch_dist, in
+Megatron-Bridge's Qwen3VLModel layout rebuilt on megatron-core's local modules: Qwen3's text model as
+`language_model`, the vision tower as `vision_model` (patch embedding, position embedding, ViT blocks with a fused
+per-head [q; k; v] linear_qkv, two deepstack mergers and the final patch merger, split over TP).
+Oracles, all Megatron's own forwards against transformers' forward of the merged folder (fp32, max abs diff < 1e-4):
+the language model's logits on text tokens (and the same argmax); the vision blocks over a patch sequence, the same
+rotary table given to both; each patch merger (final and deepstack) on the same input; the patch embedding. Names
+and shapes are those transformers' save_pretrained writes for the config; legacy and torch_dist merge to the same
+bytes; the tokenizer, chat template and image processor files are those of the config folder.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.megatron_mtp_models import assert_megatron_logits, merged_once, oracle, write_cases
+from tests.helpers.weights import assert_same_weights, load_safetensors_folder
+from tests.helpers.writers312 import writers312_python
+from tests.writers.tiny_models import build_image_processor
+
+pytestmark = pytest.mark.slow
+
+CASE = "qwen3_vl_tp2"
+CASES = {CASE: "tp=2"}
+
+
+@pytest.fixture(scope="session")
+def vl_root(tmp_path_factory):
+    root = write_cases(tmp_path_factory, "megatron_qwen3_vl", CASES, writer="megatron_qwen3_vl.py",
+                       python=writers312_python())
+    build_image_processor().save_pretrained(root / CASE / "hf")  # the writer venv has no torchvision / PIL
+    return root
+
+
+@pytest.fixture(scope="session")
+def merged(vl_root, tmp_path_factory):
+    return merged_once(vl_root, tmp_path_factory)
+
+
+def _load(folder):
+    import transformers
+
+    model, info = transformers.Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32,
+                                                                               output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()
+
+
+def _close(ours: torch.Tensor, megatron: torch.Tensor) -> None:
+    assert ours.shape == megatron.shape
+    assert (ours - megatron).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "dist"])
+def test_text_logits_are_megatrons(fmt, vl_root, merged):
+    expected = oracle(vl_root, CASE)
+    with torch.no_grad():
+        logits = _load(merged(CASE, fmt))(input_ids=expected["tokens"]).logits
+    assert_megatron_logits(logits, expected["logits"])
+
+
+def test_vision_tower_modules_compute_what_megatrons_do(vl_root, merged):
+    """The blocks (fused qkv split per head into HF's [q; k; v], TP-split linears, LayerNorms), the final and
+    deepstack patch mergers and the patch embedding, each given Megatron's inputs."""
+    expected = oracle(vl_root, CASE)
+    visual = _load(merged(CASE, "dist")).model.visual
+    hidden, freqs = expected["hidden"], expected["freqs"]
+    cu_seqlens = torch.tensor([0, hidden.shape[0]], dtype=torch.int32)
+    with torch.no_grad():
+        for block in visual.blocks:
+            hidden = block(hidden, cu_seqlens=cu_seqlens, position_embeddings=(freqs.cos(), freqs.sin()))
+        _close(hidden, expected["blocks"])
+        for merger, out in zip((visual.merger, *visual.deepstack_merger_list), expected["mergers"], strict=True):
+            _close(merger(expected["hidden"]), out)
+        _close(visual.patch_embed(expected["pixels"]), expected["embedded"])
+
+
+def test_torch_dist_merge_equals_legacy_merge(merged):
+    assert_same_weights(merged(CASE, "dist"), merged(CASE, "legacy"), None)
+
+
+def test_names_and_shapes_are_those_save_pretrained_writes(vl_root, merged, tmp_path):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(vl_root / CASE / "hf")
+    transformers.Qwen3VLForConditionalGeneration(config).save_pretrained(tmp_path / "own")
+    own = load_safetensors_folder(tmp_path / "own")
+    ours = load_safetensors_folder(merged(CASE, "legacy"))
+    assert {n: t.shape for n, t in ours.items()} == {n: t.shape for n, t in own.items()}
+    assert "model.visual.deepstack_merger_list.1.linear_fc1.weight" in ours
+
+
+def test_processor_and_chat_template_files_are_the_config_folders(vl_root, merged):
+    given = vl_root / CASE / "hf"
+    out = merged(CASE, "dist")
+    for name in ("preprocessor_config.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (given / name).read_bytes(), name

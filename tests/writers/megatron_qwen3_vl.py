@@ -1,0 +1,189 @@
+"""Write Qwen3-VL Megatron checkpoints with megatron-core 0.19.2, on CPU under gloo (torchrun).
+
+    torchrun --nproc_per_node 2 -m tests.writers.megatron_qwen3_vl --out ROOT --case qwen3_vl:tp=2
+
+Megatron-Bridge trains Qwen3-VL as its Qwen3VLModel: a GPTModel (Qwen3's text model) as `language_model` and the
+vision tower as `vision_model`, both on Transformer Engine's specs, which have no CPU build (shared/FORMATS.md). This
+writer builds the same layout from megatron-core's local modules, as the bridge's models/qwen_vl/modelling_qwen3_vl
+lays it out:
+- `language_model`: a GPTModel with Qwen3's local spec (q/k norms, RMSNorm, gated SiLU MLP; megatron_checkpoint.py's);
+- `vision_model.patch_embed.proj` (a Conv3d over [C, T, P, P] patches), `vision_model.pos_embed` (an Embedding);
+- `vision_model.decoder`: a TransformerBlock of megatron-core's ViT layers (get_vit_layer_with_local_spec: LayerNorms,
+  bidirectional attention with a query group per head, so linear_qkv is per head [q; k; v], biased linears, a
+  tanh-GELU MLP), column- and row-parallel over TP;
+- `vision_model.decoder.deepstack_merger_list.N` and `vision_model.merger`: patch mergers (`patch_norm`, a
+  column-parallel linear_fc1, GELU, a row-parallel linear_fc2; the deepstack ones normalise after merging 2x2
+  patches, the final one before).
+Saved by megatron_checkpoint.py's write_model (legacy/, dist/, hf/ with Qwen3VLConfig, a tokenizer with the vision
+tokens and a chat template; the test adds Qwen2-VL's image processor, which needs torchvision and PIL, absent from
+the writer venv). The oracle logits.pt holds Megatron's own forwards: the
+language model's logits on text tokens; the vision blocks over a patch sequence with a rotary table given to both
+sides; each patch merger on its own input; the patch embedding over pixel patches. The tower's whole image path
+(2D rotary from the grid, interpolated position embeddings, deepstack injection, MRoPE) is the bridge's code, which
+is not rebuilt here: each module the mapping touches is checked through its own forward instead.
+"""
+from __future__ import annotations
+
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tests.writers.megatron_checkpoint import (SEQ, build_chunks, cpu_patches, forward_logits, parse,
+                                               randomise_vectors, transformer_config, write_cases, write_model)
+from tests.writers.tiny_models import VISION_TOKENS, WORDS, build_tokenizer
+
+DEFAULTS = dict(arch="qwen3", tp=2, heads=4, groups=2, vocab=101)
+V_HIDDEN, V_HEADS, V_FFN, V_DEPTH = 32, 4, 48, 2
+PATCH, FRAMES, CHANNELS, MERGE, POSITIONS = 4, 2, 3, 2, 16
+DEEPSTACK = (0, 1)  # the vision blocks whose output a deepstack merger takes
+TEXT_HIDDEN = 32  # megatron_checkpoint.transformer_config's
+TOKEN_IDS = {tok: len(WORDS) + 2 + i for i, tok in enumerate(VISION_TOKENS)}  # as build_tokenizer(vision=True)
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def vision_config(a: Namespace):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=V_DEPTH, hidden_size=V_HIDDEN, num_attention_heads=V_HEADS, num_query_groups=V_HEADS,
+        ffn_hidden_size=V_FFN, kv_channels=V_HIDDEN // V_HEADS, normalization="LayerNorm", layernorm_epsilon=1e-6,
+        gated_linear_unit=False, activation_func=lambda x: F.gelu(x, approximate="tanh"), add_bias_linear=True,
+        add_qkv_bias=True, tensor_model_parallel_size=a.tp, use_cpu_initialization=True,
+        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        init_method_std=0.05)
+
+
+def _classes():
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    class PatchMerger(MegatronModule):
+        """2x2 patches merged into one text-width token: the bridge's Qwen3VLVisionPatchMerger's layout."""
+
+        def __init__(self, config, postshuffle: bool):
+            super().__init__(config)
+            self.wide, self.postshuffle = config.hidden_size * MERGE ** 2, postshuffle
+            self.patch_norm = torch.nn.LayerNorm(self.wide if postshuffle else config.hidden_size, eps=1e-6)
+            self.linear_fc1 = ColumnParallelLinear(self.wide, self.wide, config=config, bias=True,
+                                                   init_method=config.init_method, gather_output=False)
+            self.linear_fc2 = RowParallelLinear(self.wide, TEXT_HIDDEN, config=config, bias=True,
+                                                init_method=config.output_layer_init_method, input_is_parallel=True,
+                                                skip_bias_add=False)
+
+        def forward(self, x):
+            x = self.patch_norm(x.view(-1, self.wide) if self.postshuffle else x).view(-1, 1, self.wide)
+            h, _ = self.linear_fc1(x)
+            out, _ = self.linear_fc2(F.gelu(h))
+            return out.view(-1, TEXT_HIDDEN)
+
+    class Numbered(MegatronModule):
+        """A module list whose members save their own TP shards (a plain ModuleList saves as replicated)."""
+
+        def __init__(self, config, modules):
+            super().__init__(config)
+            for i, module in enumerate(modules):
+                self.add_module(str(i), module)
+
+    class PatchEmbed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            kernel = (FRAMES, PATCH, PATCH)
+            self.proj = torch.nn.Conv3d(CHANNELS, V_HIDDEN, kernel_size=kernel, stride=kernel, bias=True)
+
+        def forward(self, pixels):
+            return self.proj(pixels.view(-1, CHANNELS, FRAMES, PATCH, PATCH)).view(-1, V_HIDDEN)
+
+    class VisionModel(MegatronModule):
+        def __init__(self, config):
+            super().__init__(config)
+            self.patch_embed = PatchEmbed()
+            self.pos_embed = torch.nn.Embedding(POSITIONS, V_HIDDEN)
+            self.decoder = TransformerBlock(config, get_vit_layer_with_local_spec(), post_layer_norm=False)
+            self.decoder.deepstack_merger_list = Numbered(config, [PatchMerger(config, True) for _ in DEEPSTACK])
+            self.merger = PatchMerger(config, False)
+
+    class Qwen3VLModel(MegatronModule):
+        def __init__(self, config, language_model, vision_model):
+            super().__init__(config)
+            self.language_model, self.vision_model = language_model, vision_model
+
+    return VisionModel, Qwen3VLModel
+
+
+def hf_config(a: Namespace):
+    import transformers
+
+    text = dict(vocab_size=a.vocab, hidden_size=TEXT_HIDDEN, intermediate_size=40, num_hidden_layers=a.layers,
+                num_attention_heads=a.heads, num_key_value_heads=a.groups, head_dim=TEXT_HIDDEN // a.heads,
+                rms_norm_eps=1e-6, max_position_embeddings=64, attention_bias=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=V_DEPTH, hidden_size=V_HIDDEN, intermediate_size=V_FFN, num_heads=V_HEADS,
+                  in_channels=CHANNELS, patch_size=PATCH, temporal_patch_size=FRAMES, spatial_merge_size=MERGE,
+                  out_hidden_size=TEXT_HIDDEN, num_position_embeddings=POSITIONS,
+                  deepstack_visual_indexes=list(DEEPSTACK))
+    return transformers.Qwen3VLConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=False,
+        image_token_id=TOKEN_IDS["<|image_pad|>"], video_token_id=TOKEN_IDS["<|video_pad|>"],
+        vision_start_token_id=TOKEN_IDS["<|vision_start|>"], vision_end_token_id=TOKEN_IDS["<|vision_end|>"])
+
+
+def _oracle(a: Namespace, model) -> dict:
+    """Megatron's own forwards, on inputs every rank draws alike."""
+    tokens = torch.tensor([[3, 17, 42, 5, 99, 64, 8]])
+    assert tokens.shape[1] == SEQ
+    g = torch.Generator().manual_seed(7)
+    patches = 8  # two 2x2 merge groups
+    pixels = torch.randn(patches, CHANNELS * FRAMES * PATCH * PATCH, generator=g)
+    hidden = torch.randn(patches, V_HIDDEN, generator=g)
+    rotary = torch.randn(patches, V_HIDDEN // V_HEADS // 2, generator=g)
+    freqs = torch.cat([rotary, rotary], dim=-1)  # megatron-core's (and HF's) rotate-half table, one per patch
+    vision = model.vision_model
+    with torch.no_grad():
+        blocks = vision.decoder(hidden[:, None], None, rotary_pos_emb=freqs[:, None, None])[:, 0]
+        mergers = [m(hidden) for m in (vision.merger, *vision.decoder.deepstack_merger_list.children())]
+        embedded = vision.patch_embed(pixels)
+    return dict(tokens=tokens, logits=forward_logits(a, [model.language_model], tokens), pixels=pixels,
+                hidden=hidden, freqs=freqs, blocks=blocks, mergers=mergers, embedded=embedded)
+
+
+def write_case(a: Namespace, out: Path) -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(a.tp)
+    (language_model,) = build_chunks(a, transformer_config(a))
+    vision_class, model_class = _classes()
+    torch.manual_seed(4321)  # every rank draws the tower alike, then keeps its TP slice
+    vision_model = vision_class(vision_config(a)).eval()
+    randomise_vectors([vision_model])
+    model = model_class(language_model.config, language_model, vision_model)
+
+    write_model(a, model, out, lambda: _oracle(a, model), lambda: hf_config(a))
+    if torch.distributed.get_rank() == 0:  # the VLM's own class, tokenizer and processor files over the text model's
+        _save_vlm_folder(a, out / "hf")
+    ps.destroy_model_parallel()
+
+
+def _save_vlm_folder(a: Namespace, folder: Path) -> None:
+    config = hf_config(a)
+    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    config.save_pretrained(folder)
+    tokenizer = build_tokenizer(vision=True)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+
+
+def main() -> None:
+    out, cases = parse(DEFAULTS, "arch: qwen3 (the text model) only; Qwen3-VL's vision tower is fixed",
+                       fixed=dict(pp=1, vpp=None, ep=1, tied=False, layers=2, experts=4, lora=0, value=0))
+    cpu_patches()
+    write_cases(out, cases, write_case)
+
+
+if __name__ == "__main__":
+    main()
