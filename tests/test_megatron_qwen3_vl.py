@@ -13,9 +13,12 @@ bytes; the tokenizer, chat template and image processor files are those of the c
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
+from tests.helpers.in_process import merge_here
 from tests.helpers.megatron_mtp_models import assert_megatron_logits, merged_once, oracle, write_cases
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 from tests.helpers.writers312 import writers312_python
@@ -98,3 +101,18 @@ def test_processor_and_chat_template_files_are_the_config_folders(vl_root, merge
     out = merged(CASE, "dist")
     for name in ("preprocessor_config.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (given / name).read_bytes(), name
+
+
+def test_an_mtp_layer_in_the_text_model_is_refused_in_one_line(vl_root, tmp_path, capsys):
+    """transformers' Qwen3-VL has no multi-token-prediction layer: one would otherwise land on decoder layer 0."""
+    legacy = shutil.copytree(vl_root / CASE / "legacy", tmp_path / "legacy")
+    for rank_file in legacy.glob("iter_0000001/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(rank_file, weights_only=False)  # our own test file
+        state["model"]["language_model.mtp.layers.0.enorm.weight"] = torch.ones(32)
+        torch.save(state, rank_file)
+    code, errors = merge_here(capsys, "--local_dir", legacy, "--target_dir", tmp_path / "out",
+                              "--hf_model_config_path", vl_root / CASE / "hf")
+    assert code != 0
+    assert errors == [f"merger: error: Megatron tensor language_model.mtp.layers.0.enorm.weight is a "
+                      f"multi-token-prediction layer's, which HF qwen3_vl has no place for, {legacy}"]
+    assert not (tmp_path / "out").exists()

@@ -17,6 +17,7 @@ from .families import MEGATRON_FAMILIES
 from .family import Family, VisionTower
 from .hf import model_config
 from .megatron import family_table, row_of
+from .megatron_rows import MEGATRON
 from .naming import lookup, tower_table
 from .policy import ties
 from .steps import Mapping
@@ -52,6 +53,9 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     text_table, vision_table = family_table(family), tower_table(tower, "Megatron vision")
     steps = []
     for name, t in catalog.tensors.items():
+        if name.startswith(TEXT + MEGATRON.mtp.prefix):
+            raise MergerError(f"Megatron tensor {name} is a multi-token-prediction layer's, which HF "
+                              f"{config['model_type']} has no place for, {catalog.root}")
         if name.startswith(TEXT):
             row, targets = row_of(text_table, name[len(TEXT):], 0, family, catalog)
             steps.append(kinds.step(name, t.shape, t.dtype, row.kind, tuple(map(tower.text_name, targets)),
