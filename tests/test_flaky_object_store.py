@@ -186,3 +186,26 @@ def test_a_gcs_or_azure_source_that_always_fails_is_one_line_after_bounded_tries
     assert f"{emulated_source}/" in line and said in line, line
     bounded(proxy, emulator.scheme)
     assert list(tmp_path.iterdir()) == []
+
+
+# A seed per store under which RATE faults some of the writes of each fault's merge below (its prefix is in the
+# requests a seed draws for): GCS's uploads; Azure's Put Blob and Put Block
+TARGET_SEEDS = {"gs": 2, "az": 9}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_merge_into_a_flaky_gcs_or_azure_bucket_writes_the_unfaulted_bytes(emulator, llama34, llama34_local, fault,
+                                                                            tmp_path):
+    """A bucket target's writes faulted at RATE (GCS's uploads and composes, Azure's Put Blob, Put Block and Put Block
+    List, the lock's conditional create among them): the clients' retries, and the target's rules for a write whose
+    answer was lost (a lock found its own, a part sent twice), end with the bytes of a local merge and nothing
+    else at the prefix."""
+    seed, prefix = TARGET_SEEDS[emulator.scheme], f"flaky-{fault}"
+    emulator.bucket("flaky-out")
+    with flaky_proxy(emulator.endpoint, RATE, faults=[fault], seed=seed, stall_s=STALL, store=emulator.scheme,
+                     where=lambda kind, path: kind != "read") as proxy:
+        run_merger("merge", "--local_dir", llama34, "--target_dir", f"{emulator.scheme}://flaky-out/{prefix}",
+                   "--dtype", "float32", env=through(emulator, proxy))
+    assert proxy.injected, f"seed {seed} faulted none of {dict(proxy.requests)}: choose another"
+    emulator.download("flaky-out", prefix, tmp_path / "remote")
+    assert_same_files(llama34_local, tmp_path / "remote")

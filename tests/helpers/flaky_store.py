@@ -2,8 +2,9 @@
 server, the GCS emulator, Azurite): what an object store under load does to its clients, on purpose and
 reproducibly.
 
-Each request of a faulted kind (an object's GET, ranged or whole; for S3 also PutObject, CreateMultipartUpload,
-UploadPart, CompleteMultipartUpload) is faulted with probability `rate`, one fault drawn from `faults`:
+Each request of a faulted kind (an object's GET, ranged or whole; the writes of a bucket target: S3's PutObject,
+CreateMultipartUpload, UploadPart, CompleteMultipartUpload; GCS's uploads and composes; Azure's Put Blob, Put Block
+and Put Block List) is faulted with probability `rate`, one fault drawn from `faults`:
 - "throttle": answered by the proxy with the store's throttling answer, never reaching the store (S3's 503
   SlowDown, GCS's 429 rateLimitExceeded, Azure's 503 ServerBusy);
 - "reset": forwarded, then the connection is reset (RST) halfway through the response's body (at once where the
@@ -16,7 +17,7 @@ UploadPart, CompleteMultipartUpload) is faulted with probability `rate`, one fau
   with a Content-Length that says half, so that the HTTP layer finds nothing wrong.
 
 Deterministic: whether a request is faulted depends only on the seed, the request (method, path, query without
-the store's random upload id, the range asked for) and how many times that request came before, never on the order
+the random ids of S3's uploads and Azure's blocks, the range asked for) and how many times that request came before, never on the order
 threads send requests in; so a retry draws anew, and a merge run twice with the same seed meets the same faults.
 `where(kind, path)` narrows the faults to some requests (one object, one operation); `limit` faults each request
 that many times at most (rate 1 and limit 1: each one's first send fails, its retry goes through).
@@ -56,18 +57,30 @@ def s3_kind(method: str, target: str) -> str | None:
 
 
 def gcs_kind(method: str, target: str) -> str | None:
-    """"read" for an object's download (its JSON API's media GET, ranged or whole); None for the rest (metadata,
-    listings)."""
-    return "read" if method == "GET" and urlsplit(target).path.startswith("/download/storage/v1/b/") else None
+    """"read" for an object's download (its JSON API's media GET, ranged or whole), "upload" for an object's upload,
+    "compose" for a compose; None for the rest (metadata, listings, deletes)."""
+    path = urlsplit(target).path
+    if method == "GET" and path.startswith("/download/storage/v1/b/"):
+        return "read"
+    if method == "POST" and path.startswith("/upload/storage/v1/b/"):
+        return "upload"
+    return "compose" if method == "POST" and path.endswith("/compose") else None
 
 
 def azure_kind(method: str, target: str) -> str | None:
-    """"read" for a blob's GET (/account/container/blob, ranged or whole); None for the rest (listings and
-    properties: a query with comp or restype; HEAD)."""
+    """"read" for a blob's GET (/account/container/blob, ranged or whole); "put_blob", "put_block" and
+    "put_block_list" for its writes; None for the rest (listings and properties: a query with comp or restype;
+    HEAD; deletes)."""
     parts = urlsplit(target)
-    query = {q.split("=", 1)[0] for q in parts.query.split("&") if q}
+    query = dict(q.split("=", 1) for q in parts.query.split("&") if "=" in q)
     on_blob = parts.path.strip("/").count("/") >= 2
-    return "read" if method == "GET" and on_blob and not query & {"comp", "restype"} else None
+    if not on_blob:
+        return None
+    if method == "GET":
+        return "read" if not query.keys() & {"comp", "restype"} else None
+    if method == "PUT":
+        return {None: "put_blob", "block": "put_block", "blocklist": "put_block_list"}.get(query.get("comp"))
+    return None
 
 
 @dataclass(frozen=True)
@@ -158,7 +171,9 @@ class _Handler(BaseHTTPRequestHandler):
         proxy = self.owner
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         target = urlsplit(self.path)
-        query = sorted(q for q in target.query.split("&") if q and not q.startswith("uploadId="))
+        # the ids a client draws anew each run (S3's upload id, Azure's block id) left out, so a seed meets the same
+        # requests every run
+        query = sorted(q for q in target.query.split("&") if q and not q.startswith(("uploadId=", "blockid=")))
         request = (self.command, target.path, tuple(query), self.headers.get(proxy.protocol.range_header, ""))
         fault = proxy.draw(proxy.protocol.kind(self.command, self.path), target.path, request)
         if fault == "throttle":
