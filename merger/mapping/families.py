@@ -45,7 +45,7 @@ FAMILIES = (
     # dense and MoE under one record: Qwen3-MoE's rows add the experts (and keep the dense MLP for mlp_only_layers);
     # Qwen3-VL's Megatron checkpoints are this text model with a vision tower, written whole as HF qwen3_vl
     Family("qwen3", ("qwen3", "qwen3_moe"), megatron=mr.ATTENTION + mr.QK_NORM + mr.DENSE_MLP + mr.EXPERTS,
-           megatron_vision=mr.QWEN3_VL_VISION,
+           megatron_vision=mr.qwen3_vl_vision(("qwen3_vl",)),
            torchtitan=tr.NORMS + tr.gqa("rename", "rename") + tr.QK_NORM + tr.DENSE_FFN + tr.ROUTED_EXPERTS + (
                Row("moe.expert_bias_E", "skip", reason="Qwen3-MoE routes by scores alone: torchtitan's "
                                                           "load-balancing bias has no HF equivalent"),),
@@ -105,6 +105,11 @@ FAMILIES = (
     Family("olmoe", ("olmoe",), megatron=mr.ATTENTION + mr.QK_NORM + mr.EXPERTS, config_rows=FULL_WIDTH_QK_NORMS),
     # Hunyuan v3: per-head q/k norms, dense first layers (mlp_layer_types) then DeepSeek-V3's MoE, renamed
     Family("hy_v3", ("hy_v3",), megatron=mr.ATTENTION + mr.QK_NORM + mr.DENSE_MLP + mr.HY_V3_MOE),
+    # Qwen3-VL-MoE's text model: Qwen3-MoE's, its experts stacked as transformers saves them (dense rows for
+    # mlp_only_layers); written only with its vision tower, as HF qwen3_vl_moe
+    Family("qwen3_vl_moe", ("qwen3_vl_moe_text",),
+           megatron=mr.ATTENTION + mr.QK_NORM + mr.DENSE_MLP + mr.QWEN3_VL_MOE_EXPERTS,
+           megatron_vision=mr.qwen3_vl_vision(("qwen3_vl_moe",)), vlm_only=True),
     # MiMo-V2-Flash: full and sliding-window layers (layer_types) with their own key-value heads, sinks on the
     # sliding ones, values narrower than q/k (v_head_dim); a dense first layer, then a sigmoid-routed MoE
     Family("mimo_v2_flash", ("mimo_v2_flash",), megatron=mr.MIMO_V2_FLASH),

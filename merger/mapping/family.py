@@ -145,6 +145,9 @@ class Family:
     torchtitan_vision: VisionTower | None = None
     # The same for its Megatron VLM checkpoints (the text model under `language_model.`, the tower beside it)
     megatron_vision: VisionTower | None = None
+    # Its text model is written only inside its VLM: transformers has no causal LM of its text config alone
+    # (Qwen3-VL-MoE's qwen3_vl_moe_text), so a Megatron checkpoint without the tower is refused
+    vlm_only: bool = False
     mtp: MtpLayout | None = None  # where HF keeps its MTP layers; None: HF has no MTP layers for it
     # HF layer-row name -> the row count config.json fixes for it, for tensors a TP layout could leave ambiguous
     config_rows: dict[str, Callable[[dict], int]] = field(default_factory=dict)
@@ -176,6 +179,8 @@ class Family:
             if row.kind == "skip" or row.only_with or row.joined:
                 raise ValueError(f"row {row.source!r} of the {self.name} family: Megatron rows name weights, "
                                  f"one each (the named rules of sources/megatron_skips.py leave the rest out)")
+        if self.vlm_only and not self.megatron_vision:
+            raise ValueError(f"family {self.name}: written only inside its VLM, but it names no vision tower")
         sources = {row.source for row in self.torchtitan}
         for mark in self.torchtitan_marks:
             if mark not in sources:

@@ -8,7 +8,9 @@ from .family import Family
 
 
 def _frameworks(family: Family) -> str:
-    named = [name for name, rows in (("Megatron", family.megatron), ("torchtitan", family.torchtitan)) if rows]
+    # a family written only inside its VLM maps no Megatron checkpoint of its text model alone
+    named = [name for name, rows in (("Megatron", family.megatron and not family.vlm_only),
+                                     ("torchtitan", family.torchtitan)) if rows]
     if family.torchtitan_vision:
         named.append(f"torchtitan's VLM as {' or '.join(family.torchtitan_vision.model_types)}")
     if family.megatron_vision:

@@ -52,6 +52,11 @@ def family_of(config: dict, options: MergeOptions) -> Family:
         return given
     model_type = config.get("model_type")
     family = megatron_family(model_type)
+    vlm = family or _vlm_of(model_type)
+    if vlm is not None and vlm.vlm_only:
+        raise MergerError(f"the Megatron checkpoint holds no vision tower (vision_model.*), and merger writes the "
+                          f"{vlm.name} family only as HF {' or '.join(vlm.megatron_vision.model_types)} with it: "
+                          f"transformers has no causal LM of {' or '.join(vlm.model_types)} alone, config.json")
     if family is None and (text := _vlm_of(model_type)):
         raise MergerError(f"Megatron checkpoints of {text.name} are written as the text model of HF {model_type}: "
                           f"pass a folder whose config.json is this config's text_config (model_type "
@@ -185,6 +190,20 @@ def _stacked_steps(target: str, experts: dict[int, str], row: Row, catalog: Cata
     return kinds.stacked_steps(names, stack, catalog.tensors[names[0]].dtype, row.kind, target, config)
 
 
+class ExpertStacks:
+    """The experts' tensors of `stacked` rows, gathered by the HF tensor they are written into as one [E, ...]."""
+
+    def __init__(self):
+        self.stacks: dict[str, tuple[Row, dict[int, str]]] = {}  # HF name -> the row and its experts' tensors
+
+    def add(self, row: Row, target: str, name: str) -> None:
+        self.stacks.setdefault(target, (row, {}))[1][int(EXPERT.search(name).group(1))] = name
+
+    def steps(self, catalog: Catalog, config: dict) -> list[Step]:
+        return [step for target, (row, experts) in self.stacks.items()
+                for step in _stacked_steps(target, experts, row, catalog, config)]
+
+
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
     family = family_of(config, options)
@@ -193,7 +212,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     layers = mtp.mtp_layers(catalog, MEGATRON, family, config, options)
     first_mtp = config.get("num_hidden_layers", 0)
     steps = _value_head(catalog, options) if options.is_value_model else []
-    stacks: dict[str, tuple[Row, dict[int, str]]] = {}  # HF name -> a stacked row and its experts' tensors
+    stacks = ExpertStacks()
     for name, tensor in catalog.tensors.items():
         if name == "output_layer.weight" and options.is_value_model:
             continue  # the value head, above
@@ -201,7 +220,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
             continue  # --drop-mtp
         row, names = row_of(table, name, first_mtp, family, catalog)
         if row.stacked:
-            stacks.setdefault(names[0], (row, {}))[1][int(EXPERT.search(name).group(1))] = name
+            stacks.add(row, names[0], name)
             continue
         try:
             steps.append(_step(name, tensor.shape, row.kind, names, config, tensor.dtype, family))
@@ -210,8 +229,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
                 raise
             raise MergerError(f"row {row.source!r} of the family file does not fit the checkpoint: {e}, "
                               f"{family.file}") from e
-    steps += [step for target, (row, experts) in stacks.items()
-              for step in _stacked_steps(target, experts, row, catalog, config)]
+    steps += stacks.steps(catalog, config)
     steps += mtp.shared_steps(catalog, MEGATRON, family, config, layers)
     # Tied: HF re-creates lm_head from the embedding, and the policy drops PP's last-stage copy.
     if not ties(config, options) and not options.is_value_model and "output_layer.weight" not in catalog.tensors:

@@ -160,24 +160,40 @@ def _biased(rows: tuple[tuple[str, str], ...]) -> tuple[Row, ...]:
 
 
 # Qwen3-VL's vision tower as Megatron-Bridge's Qwen3VLModel saves it (`vision_model.`, the text model as
-# `language_model.`), written whole where config.json is the HF VLM's (qwen3_vl). Its blocks are megatron-core
-# TransformerLayers with LayerNorms (TE's names fused into linear_qkv / linear_fc1, or the local spec's own), a
+# `language_model.`), written whole where config.json is the HF VLM's (qwen3_vl, qwen3_vl_moe). Its blocks are
+# megatron-core TransformerLayers with LayerNorms (TE's names fused into linear_qkv / linear_fc1, or the local spec's own), a
 # query group per head (linear_qkv per head [q; k; v], HF's qkv [q; k; v]), biased linears; its patch merger and
 # deepstack mergers (`patch_norm`, fc1, fc2) are HF's `norm`, fc1, fc2; the patch embedding is HF's Conv3d.
 _MERGER = _biased((("patch_norm", "norm"), ("linear_fc1", "linear_fc1"), ("linear_fc2", "linear_fc2")))
-QWEN3_VL_VISION = VisionTower(
-    ("qwen3_vl",), "vision_model.", "vision_model.decoder.layers.", "model.visual.blocks.{i}.",
-    globals=(*_biased((("vision_model.patch_embed.proj", "model.visual.patch_embed.proj"),)),
-             Row("vision_model.pos_embed.weight", "rename", ("model.visual.pos_embed.weight",)),
-             *(Row(f"vision_model.merger.{r.source}", "rename", (f"model.visual.merger.{r.targets[0]}",))
-               for r in _MERGER)),
-    rows=(*_biased((("self_attention.linear_proj", "attn.proj"), ("mlp.linear_fc1", "mlp.linear_fc1"),
-                    ("mlp.linear_fc2", "mlp.linear_fc2"), ("input_layernorm", "norm1"), ("pre_mlp_layernorm", "norm2"))),
-          *(Row(f"{m}.layer_norm_{p}", "rename", (f"{hf}.{p}",))
-            for m, hf in (("self_attention.linear_qkv", "norm1"), ("mlp.linear_fc1", "norm2")) for p in ("weight", "bias")),
-          *(Row(f"self_attention.linear_qkv.{p}", "vision_qkv", (f"attn.qkv.{p}",)) for p in ("weight", "bias"))),
-    text_prefixes=(("model.", "model.language_model."),),
-    lists=(("vision_model.decoder.deepstack_merger_list.", "model.visual.deepstack_merger_list.{i}.", _MERGER),))
+
+
+def qwen3_vl_vision(model_types: tuple[str, ...]) -> VisionTower:
+    """Qwen3-VL's tower, the same in the dense VLM and the MoE one."""
+    return VisionTower(
+        model_types, "vision_model.", "vision_model.decoder.layers.", "model.visual.blocks.{i}.",
+        globals=(*_biased((("vision_model.patch_embed.proj", "model.visual.patch_embed.proj"),)),
+                 Row("vision_model.pos_embed.weight", "rename", ("model.visual.pos_embed.weight",)),
+                 *(Row(f"vision_model.merger.{r.source}", "rename", (f"model.visual.merger.{r.targets[0]}",))
+                   for r in _MERGER)),
+        rows=(*_biased((("self_attention.linear_proj", "attn.proj"), ("mlp.linear_fc1", "mlp.linear_fc1"),
+                        ("mlp.linear_fc2", "mlp.linear_fc2"), ("input_layernorm", "norm1"),
+                        ("pre_mlp_layernorm", "norm2"))),
+              *(Row(f"{m}.layer_norm_{p}", "rename", (f"{hf}.{p}",))
+                for m, hf in (("self_attention.linear_qkv", "norm1"), ("mlp.linear_fc1", "norm2"))
+                for p in ("weight", "bias")),
+              *(Row(f"self_attention.linear_qkv.{p}", "vision_qkv", (f"attn.qkv.{p}",)) for p in ("weight", "bias"))),
+        text_prefixes=(("model.", "model.language_model."),),
+        lists=(("vision_model.decoder.deepstack_merger_list.", "model.visual.deepstack_merger_list.{i}.",
+                _MERGER),))
+
+
+# Qwen3-VL-MoE's experts: transformers keeps them stacked on disk, gate_up_proj [E, 2F, D] (each expert's
+# cat(gate, up), Megatron's fc1 as it is) and down_proj [E, D, F]
+QWEN3_VL_MOE_EXPERTS = (
+    Row("mlp.router.weight", "rename", ("mlp.gate.weight",)),
+    Row("mlp.experts.local_experts.{e}.linear_fc1.weight", "rename", ("mlp.experts.gate_up_proj",), stacked=True),
+    Row("mlp.experts.local_experts.{e}.linear_fc2.weight", "rename", ("mlp.experts.down_proj",), stacked=True),
+)
 
 MEGATRON = Naming(
     "Megatron", "decoder.layers.",

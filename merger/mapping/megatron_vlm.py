@@ -2,8 +2,9 @@
 under `language_model.`, the vision tower beside it under `vision_model.`) as the HF VLM, whole.
 
 The VLM is found from config.json's model_type among the families' Megatron vision towers (family.megatron_vision:
-Qwen3-VL's qwen3_vl). The text model's tensors are the family's Megatron rows, mapped with config.json's
-`text_config` (its heads, its vocabulary) and written under the VLM's names (`model.language_model.`, `lm_head`);
+Qwen3-VL's qwen3_vl and qwen3_vl_moe). The text model's tensors are the family's Megatron rows, mapped with
+config.json's `text_config` (its heads, its vocabulary) and written under the VLM's names (`model.language_model.`,
+`lm_head`; experts stacked where a row says so, as megatron.py writes them);
 the tower's are the tower's rows, mapped with the whole config.json (its `vision_config`).
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from . import kinds
 from .families import MEGATRON_FAMILIES
 from .family import Family, VisionTower
 from .hf import model_config
-from .megatron import family_table, row_of
+from .megatron import ExpertStacks, family_table, row_of
 from .megatron_rows import MEGATRON
 from .naming import lookup, tower_table
 from .policy import ties
@@ -51,15 +52,18 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     family, tower = _family(config, catalog)
     text_config = config["text_config"]
     text_table, vision_table = family_table(family), tower_table(tower, "Megatron vision")
-    steps = []
+    steps, stacks = [], ExpertStacks()
     for name, t in catalog.tensors.items():
         if name.startswith(TEXT + MEGATRON.mtp.prefix):
             raise MergerError(f"Megatron tensor {name} is a multi-token-prediction layer's, which HF "
                               f"{config['model_type']} has no place for, {catalog.root}")
         if name.startswith(TEXT):
             row, targets = row_of(text_table, name[len(TEXT):], 0, family, catalog)
-            steps.append(kinds.step(name, t.shape, t.dtype, row.kind, tuple(map(tower.text_name, targets)),
-                                    text_config))
+            targets = tuple(map(tower.text_name, targets))
+            if row.stacked:
+                stacks.add(row, targets[0], name)
+            else:
+                steps.append(kinds.step(name, t.shape, t.dtype, row.kind, targets, text_config))
             continue
         found = lookup(vision_table, name, 0) if name.startswith(VISION) else None
         if found is None:
@@ -67,6 +71,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
                               f"{config['model_type']} table (language_model.*, vision_model.*), {catalog.root}")
         row, targets = found
         steps.append(kinds.step(name, t.shape, t.dtype, row.kind, targets, config))
+    steps += stacks.steps(catalog, text_config)
     # Tied: HF re-creates lm_head from the embedding
     if not ties(config, options) and f"{TEXT}output_layer.weight" not in catalog.tensors:
         raise MergerError(f"config.json has untied embeddings but the checkpoint has no "

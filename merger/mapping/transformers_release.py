@@ -17,7 +17,7 @@ FIRST_RELEASE = {
     "qwen3": "4.51.0", "qwen3_moe": "4.51.0", "deepseek_v3": "4.51.0", "glm4_moe": "4.54.0", "ernie4_5_moe": "4.54.0", "gpt_oss": "4.55.0", "qwen3_next": "4.57.0", "minimax_m2": "5.0.0",
     "glm_moe_dsa": "5.2.0", "qwen3_5": "5.2.0", "qwen3_5_moe": "5.2.0", "qwen3_5_text": "5.2.0",
     "qwen3_5_moe_text": "5.2.0", "nemotron_h": "5.3.0", "hy_v3": "5.6.0", "deepseek_v32": "5.11.0", "kimi_k25": "5.13.0",
-    "mimo_v2_flash": "5.13.0",
+    "mimo_v2_flash": "5.13.0", "qwen3_vl": "4.57.0", "qwen3_vl_moe": "4.57.0", "qwen3_vl_moe_text": "4.57.0",
 }
 
 
