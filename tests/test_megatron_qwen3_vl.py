@@ -1,11 +1,14 @@
-"""Qwen3-VL (HF qwen3_vl) Megatron checkpoints merged to HF Qwen3VLForConditionalGeneration, vision tower included,
-checked against Megatron's own forward passes.
+"""Qwen3-VL and Qwen3-VL-MoE (HF qwen3_vl, qwen3_vl_moe) Megatron checkpoints merged to HF
+Qwen3VLForConditionalGeneration / Qwen3VLMoeForConditionalGeneration, vision tower included, checked against
+Megatron's own forward passes.
 
-tests/writers/megatron_qwen3_vl.py writes it with megatron-core 0.19.2 at TP 2, legacy and torch_dist, in
-Megatron-Bridge's Qwen3VLModel layout rebuilt on megatron-core's local modules: Qwen3's text model as
-`language_model`, the vision tower as `vision_model` (patch embedding, position embedding, ViT blocks with a fused
+tests/writers/megatron_qwen3_vl.py writes both with megatron-core 0.19.2 at TP 2 (the MoE one with EP 2, expert TP
+1), legacy and torch_dist, in Megatron-Bridge's Qwen3VLModel layout rebuilt on megatron-core's local modules: the
+text model as `language_model` (Qwen3's; Qwen3-VL-MoE's with a dense first layer, then 4 experts transformers keeps
+stacked on disk), the vision tower as `vision_model` (patch embedding, position embedding, ViT blocks with a fused
 per-head [q; k; v] linear_qkv, two deepstack mergers and the final patch merger, split over TP).
-Oracles, all Megatron's own forwards against transformers' forward of the merged folder (fp32, max abs diff < 1e-4):
+Oracles, all Megatron's own forwards against transformers' forward of the merged folder (fp32, max abs diff < 1e-4;
+the MoE text logits depend on which expert is which: the EP ranks' experts are drawn apart):
 the language model's logits on text tokens (and the same argmax); the vision blocks over a patch sequence, the same
 rotary table given to both; each patch merger (final and deepstack) on the same input; the patch embedding. Names
 and shapes are those transformers' save_pretrained writes for the config; legacy and torch_dist merge to the same
@@ -13,6 +16,7 @@ bytes; the tokenizer, chat template and image processor files are those of the c
 """
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -26,15 +30,16 @@ from tests.writers.tiny_models import build_image_processor
 
 pytestmark = pytest.mark.slow
 
-CASE = "qwen3_vl_tp2"
-CASES = {CASE: "tp=2"}
+CASE, MOE_CASE = "qwen3_vl_tp2", "qwen3_vl_moe_tp2_ep2"
+CASES = {CASE: "tp=2", MOE_CASE: "arch=qwen3_vl_moe_text,ep=2"}
 
 
 @pytest.fixture(scope="session")
 def vl_root(tmp_path_factory):
     root = write_cases(tmp_path_factory, "megatron_qwen3_vl", CASES, writer="megatron_qwen3_vl.py",
                        python=writers312_python())
-    build_image_processor().save_pretrained(root / CASE / "hf")  # the writer venv has no torchvision / PIL
+    for case in CASES:  # the writer venv has no torchvision / PIL
+        build_image_processor().save_pretrained(root / case / "hf")
     return root
 
 
@@ -46,8 +51,8 @@ def merged(vl_root, tmp_path_factory):
 def _load(folder):
     import transformers
 
-    model, info = transformers.Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32,
-                                                                               output_loading_info=True)
+    model, info = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32,
+                                                                          output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     return model.eval()
 
@@ -57,19 +62,21 @@ def _close(ours: torch.Tensor, megatron: torch.Tensor) -> None:
     assert (ours - megatron).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("fmt", ["legacy", "dist"])
-def test_text_logits_are_megatrons(fmt, vl_root, merged):
-    expected = oracle(vl_root, CASE)
+def test_text_logits_are_megatrons(case, fmt, vl_root, merged):
+    expected = oracle(vl_root, case)
     with torch.no_grad():
-        logits = _load(merged(CASE, fmt))(input_ids=expected["tokens"]).logits
+        logits = _load(merged(case, fmt))(input_ids=expected["tokens"]).logits
     assert_megatron_logits(logits, expected["logits"])
 
 
-def test_vision_tower_modules_compute_what_megatrons_do(vl_root, merged):
+@pytest.mark.parametrize("case", CASES)
+def test_vision_tower_modules_compute_what_megatrons_do(case, vl_root, merged):
     """The blocks (fused qkv split per head into HF's [q; k; v], TP-split linears, LayerNorms), the final and
     deepstack patch mergers and the patch embedding, each given Megatron's inputs."""
-    expected = oracle(vl_root, CASE)
-    visual = _load(merged(CASE, "dist")).model.visual
+    expected = oracle(vl_root, case)
+    visual = _load(merged(case, "dist")).model.visual
     hidden, freqs = expected["hidden"], expected["freqs"]
     cu_seqlens = torch.tensor([0, hidden.shape[0]], dtype=torch.int32)
     with torch.no_grad():
@@ -81,19 +88,24 @@ def test_vision_tower_modules_compute_what_megatrons_do(vl_root, merged):
         _close(visual.patch_embed(expected["pixels"]), expected["embedded"])
 
 
-def test_torch_dist_merge_equals_legacy_merge(merged):
-    assert_same_weights(merged(CASE, "dist"), merged(CASE, "legacy"), None)
+@pytest.mark.parametrize("case", CASES)
+def test_torch_dist_merge_equals_legacy_merge(case, merged):
+    assert_same_weights(merged(case, "dist"), merged(case, "legacy"), None)
 
 
-def test_names_and_shapes_are_those_save_pretrained_writes(vl_root, merged, tmp_path):
+@pytest.mark.parametrize("case", CASES)
+def test_names_and_shapes_are_those_save_pretrained_writes(case, vl_root, merged, tmp_path):
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(vl_root / CASE / "hf")
-    transformers.Qwen3VLForConditionalGeneration(config).save_pretrained(tmp_path / "own")
+    config = transformers.AutoConfig.from_pretrained(vl_root / case / "hf")
+    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path / "own")
     own = load_safetensors_folder(tmp_path / "own")
-    ours = load_safetensors_folder(merged(CASE, "legacy"))
+    ours = load_safetensors_folder(merged(case, "legacy"))
     assert {n: t.shape for n, t in ours.items()} == {n: t.shape for n, t in own.items()}
     assert "model.visual.deepstack_merger_list.1.linear_fc1.weight" in ours
+    if case == MOE_CASE:  # the experts stacked as transformers keeps them: [E, 2F, D], [E, D, F]
+        assert ours["model.language_model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 48, 64)
+        assert "model.language_model.layers.0.mlp.gate_proj.weight" in ours  # the dense first layer
 
 
 def test_processor_and_chat_template_files_are_the_config_folders(vl_root, merged):
@@ -116,3 +128,26 @@ def test_an_mtp_layer_in_the_text_model_is_refused_in_one_line(vl_root, tmp_path
     assert errors == [f"merger: error: Megatron tensor language_model.mtp.layers.0.enorm.weight is a "
                       f"multi-token-prediction layer's, which HF qwen3_vl has no place for, {legacy}"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_qwen3_vl_moe_text_model_without_its_tower_is_refused_in_one_line(vl_root, tmp_path, capsys):
+    """transformers has no causal LM of qwen3_vl_moe_text alone: a language-model-only run stops, given the VLM's
+    config.json or its text_config, rather than writing a folder nothing loads as a causal LM."""
+    legacy = shutil.copytree(vl_root / MOE_CASE / "legacy", tmp_path / "legacy")
+    for rank_file in legacy.glob("iter_0000001/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(rank_file, weights_only=False)  # our own test file
+        state["model"] = {k[len("language_model."):]: v for k, v in state["model"].items()
+                          if k.startswith("language_model.")}
+        torch.save(state, rank_file)
+    text = tmp_path / "text"
+    text.mkdir()
+    config = json.loads((vl_root / MOE_CASE / "hf" / "config.json").read_text())
+    (text / "config.json").write_text(json.dumps(config["text_config"]))
+    for hf in (vl_root / MOE_CASE / "hf", text):
+        code, errors = merge_here(capsys, "--local_dir", legacy, "--target_dir", tmp_path / "out",
+                                  "--hf_model_config_path", hf)
+        assert code != 0
+        assert errors == ["merger: error: the Megatron checkpoint holds no vision tower (vision_model.*), and merger "
+                          "writes the qwen3_vl_moe family only as HF qwen3_vl_moe with it: transformers has no causal "
+                          "LM of qwen3_vl_moe_text alone, config.json"]
+        assert not (tmp_path / "out").exists()

@@ -104,8 +104,11 @@ def test_merger_families_lists_each_record_and_the_frameworks_it_is_mapped_from(
         types, mapped_from = shown[family.name].split("  ", 1)
         assert types == ", ".join(family.model_types)
         frameworks = mapped_from.strip().split(", ")
-        assert ("Megatron" in frameworks, "torchtitan" in frameworks) == (bool(family.megatron),
-                                                                          bool(family.torchtitan)), mapped_from
+        # a family written only inside its VLM maps Megatron's VLM checkpoints, not its text model alone
+        assert ("Megatron" in frameworks, "torchtitan" in frameworks) == (
+            bool(family.megatron) and not family.vlm_only, bool(family.torchtitan)), mapped_from
+        if family.megatron_vision:
+            assert f"Megatron's VLM as {' or '.join(family.megatron_vision.model_types)}" in frameworks
 
 
 def test_merger_families_shows_a_files_rows_or_one_line_for_a_bad_file(capsys, tmp_path):

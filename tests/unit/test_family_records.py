@@ -321,13 +321,13 @@ def test_a_join_names_its_parts_and_they_are_rows_of_no_one_else():
 def _megatron_cases() -> set[str]:
     """The model types the Megatron logits tests write (test_megatron.py, test_megatron_deepseek.py,
     test_megatron_glm45.py, test_megatron_nemotron_h.py, test_megatron_gpt_oss_minimax.py, test_megatron_dsa.py,
-    test_megatron_gdn.py, test_megatron_moe_renames.py, test_megatron_mimo_v2_flash.py)."""
+    test_megatron_gdn.py, test_megatron_moe_renames.py, test_megatron_mimo_v2_flash.py, test_megatron_qwen3_vl.py)."""
     from tests import (test_megatron, test_megatron_deepseek, test_megatron_dsa, test_megatron_gdn, test_megatron_glm45,
                        test_megatron_gpt_oss_minimax, test_megatron_mimo_v2_flash, test_megatron_moe_renames,
-                       test_megatron_nemotron_h)
+                       test_megatron_nemotron_h, test_megatron_qwen3_vl)
     from tests.writers import (megatron_checkpoint, megatron_deepseek, megatron_dsa, megatron_gdn,
                                megatron_gpt_oss_minimax, megatron_mimo_v2_flash, megatron_moe_renames,
-                               megatron_nemotron_h)
+                               megatron_nemotron_h, megatron_qwen3_vl)
 
     found = set()
     for cases, names, defaults in ((test_megatron.CASES, test_megatron.MODELS, megatron_checkpoint.DEFAULTS),
@@ -344,7 +344,9 @@ def _megatron_cases() -> set[str]:
                                    (test_megatron_moe_renames.CASES, test_megatron_moe_renames.CASES,
                                     megatron_moe_renames.DEFAULTS),
                                    (test_megatron_mimo_v2_flash.CASES, test_megatron_mimo_v2_flash.CASES,
-                                    megatron_mimo_v2_flash.DEFAULTS)):
+                                    megatron_mimo_v2_flash.DEFAULTS),
+                                   (test_megatron_qwen3_vl.CASES, test_megatron_qwen3_vl.CASES,
+                                    megatron_qwen3_vl.DEFAULTS)):
         for name in names:
             spec = dict(pair.split("=") for pair in cases[name].split(",") if pair)
             found.add(spec.get("arch", defaults["arch"]))
@@ -378,14 +380,18 @@ def test_every_megatron_family_has_a_test_case():
 
 
 def test_every_megatron_vision_tower_has_a_test_case():
-    """test_megatron_qwen3_vl.py merges what its writer writes, whose HF config is the VLM's."""
+    """test_megatron_qwen3_vl.py merges what its writer writes for each of its cases, whose HF config is the VLM's."""
     from argparse import Namespace
 
+    from tests import test_megatron_qwen3_vl
     from tests.writers import megatron_qwen3_vl
 
-    written = megatron_qwen3_vl.hf_config(Namespace(vocab=101, layers=2, heads=4, groups=2)).model_type
+    written = set()
+    for spec in test_megatron_qwen3_vl.CASES.values():
+        values = {**megatron_qwen3_vl.DEFAULTS, **dict(pair.split("=") for pair in spec.split(",") if pair)}
+        written.add(megatron_qwen3_vl.hf_config(Namespace(**values, layers=2)).model_type)
     towers = {t for f in MEGATRON_FAMILIES if f.megatron_vision for t in f.megatron_vision.model_types}
-    assert towers == {written}
+    assert towers == written
 
 
 def test_every_torchtitan_family_has_a_test_case():

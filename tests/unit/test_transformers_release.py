@@ -26,8 +26,7 @@ def test_every_listed_type_is_one_the_installed_transformers_knows():
 
 
 def test_every_family_type_is_listed_old_enough_or_remote_code():
-    types = {t for f in FAMILIES for t in f.model_types + f.text_model_of
-             + (f.torchtitan_vision.model_types if f.torchtitan_vision else ())}
+    types = {t for f in FAMILIES for t in f.model_types + f.vlm_types()}
     assert types - IN_4_50 - REMOTE_CODE <= set(FIRST_RELEASE), types - IN_4_50 - REMOTE_CODE - set(FIRST_RELEASE)
 
 

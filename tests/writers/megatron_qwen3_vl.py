@@ -1,12 +1,16 @@
 """Write Qwen3-VL Megatron checkpoints with megatron-core 0.19.2, on CPU under gloo (torchrun).
 
-    torchrun --nproc_per_node 2 -m tests.writers.megatron_qwen3_vl --out ROOT --case qwen3_vl:tp=2
+    torchrun --nproc_per_node 2 -m tests.writers.megatron_qwen3_vl --out ROOT --case qwen3_vl:tp=2 \
+        --case moe:arch=qwen3_vl_moe_text,ep=2
 
 Megatron-Bridge trains Qwen3-VL as its Qwen3VLModel: a GPTModel (Qwen3's text model) as `language_model` and the
 vision tower as `vision_model`, both on Transformer Engine's specs, which have no CPU build (shared/FORMATS.md). This
 writer builds the same layout from megatron-core's local modules, as the bridge's models/qwen_vl/modelling_qwen3_vl
 lays it out:
-- `language_model`: a GPTModel with Qwen3's local spec (q/k norms, RMSNorm, gated SiLU MLP; megatron_checkpoint.py's);
+- `language_model`: a GPTModel with Qwen3's local spec (q/k norms, RMSNorm, gated SiLU MLP; megatron_checkpoint.py's),
+  or with `arch=qwen3_vl_moe_text` Qwen3-VL-MoE's: a dense first layer (mlp_only_layers), then 4 experts behind a
+  softmax router whose top-k weights are renormalised, EP `ep` with expert TP 1 (megatron_moe_renames.py's
+  moe_config, values drawn apart per global name so the EP ranks' experts differ);
 - `vision_model.patch_embed.proj` (a Conv3d over [C, T, P, P] patches), `vision_model.pos_embed` (an Embedding);
 - `vision_model.decoder`: a TransformerBlock of megatron-core's ViT layers (get_vit_layer_with_local_spec: LayerNorms,
   bidirectional attention with a query group per head, so linear_qkv is per head [q; k; v], biased linears, a
@@ -14,10 +18,10 @@ lays it out:
 - `vision_model.decoder.deepstack_merger_list.N` and `vision_model.merger`: patch mergers (`patch_norm`, a
   column-parallel linear_fc1, GELU, a row-parallel linear_fc2; the deepstack ones normalise after merging 2x2
   patches, the final one before).
-Saved by megatron_checkpoint.py's write_model (legacy/, dist/, hf/ with Qwen3VLConfig, a tokenizer with the vision
-tokens and a chat template; the test adds Qwen2-VL's image processor, which needs torchvision and PIL, absent from
-the writer venv). The oracle logits.pt holds Megatron's own forwards: the
-language model's logits on text tokens; the vision blocks over a patch sequence with a rotary table given to both
+Saved by megatron_checkpoint.py's write_model (legacy/, dist/, hf/ with Qwen3VLConfig or Qwen3VLMoeConfig, a
+tokenizer with the vision tokens and a chat template; the test adds Qwen2-VL's image processor, which needs
+torchvision and PIL, absent from the writer venv). The oracle logits.pt holds Megatron's own forwards: the language
+model's logits on text tokens; the vision blocks over a patch sequence with a rotary table given to both
 sides; each patch merger on its own input; the patch embedding over pixel patches. The tower's whole image path
 (2D rotary from the grid, interpolated position embeddings, deepstack injection, MRoPE) is the bridge's code, which
 is not rebuilt here: each module the mapping touches is checked through its own forward instead.
@@ -32,13 +36,17 @@ import torch.nn.functional as F
 
 from tests.writers.megatron_checkpoint import (SEQ, build_chunks, cpu_patches, forward_logits, parse,
                                                randomise_vectors, transformer_config, write_cases, write_model)
+from tests.writers import megatron_gpt_oss_minimax as oss_minimax
+from tests.writers.megatron_moe_renames import FFN, HEAD_DIM, HIDDEN, MOE_FFN, TOPK, block_spec, moe_config
+from tests.writers.megatron_gpt_oss_minimax import EXPERTS
 from tests.writers.tiny_models import VISION_TOKENS, WORDS, build_tokenizer
 
-DEFAULTS = dict(arch="qwen3", tp=2, heads=4, groups=2, vocab=101)
+DEFAULTS = dict(arch="qwen3", tp=2, ep=1, heads=4, groups=2, vocab=101)
+MOE = "qwen3_vl_moe_text"
 V_HIDDEN, V_HEADS, V_FFN, V_DEPTH = 32, 4, 48, 2
 PATCH, FRAMES, CHANNELS, MERGE, POSITIONS = 4, 2, 3, 2, 16
 DEEPSTACK = (0, 1)  # the vision blocks whose output a deepstack merger takes
-TEXT_HIDDEN = 32  # megatron_checkpoint.transformer_config's
+TEXT_HIDDEN = {"qwen3": 32, MOE: HIDDEN}  # megatron_checkpoint.transformer_config's, megatron_moe_renames.moe_config's
 TOKEN_IDS = {tok: len(WORDS) + 2 + i for i, tok in enumerate(VISION_TOKENS)}  # as build_tokenizer(vision=True)
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 
@@ -65,13 +73,13 @@ def _classes():
     class PatchMerger(MegatronModule):
         """2x2 patches merged into one text-width token: the bridge's Qwen3VLVisionPatchMerger's layout."""
 
-        def __init__(self, config, postshuffle: bool):
+        def __init__(self, config, postshuffle: bool, out: int):
             super().__init__(config)
-            self.wide, self.postshuffle = config.hidden_size * MERGE ** 2, postshuffle
+            self.wide, self.postshuffle, self.out = config.hidden_size * MERGE ** 2, postshuffle, out
             self.patch_norm = torch.nn.LayerNorm(self.wide if postshuffle else config.hidden_size, eps=1e-6)
             self.linear_fc1 = ColumnParallelLinear(self.wide, self.wide, config=config, bias=True,
                                                    init_method=config.init_method, gather_output=False)
-            self.linear_fc2 = RowParallelLinear(self.wide, TEXT_HIDDEN, config=config, bias=True,
+            self.linear_fc2 = RowParallelLinear(self.wide, out, config=config, bias=True,
                                                 init_method=config.output_layer_init_method, input_is_parallel=True,
                                                 skip_bias_add=False)
 
@@ -79,7 +87,7 @@ def _classes():
             x = self.patch_norm(x.view(-1, self.wide) if self.postshuffle else x).view(-1, 1, self.wide)
             h, _ = self.linear_fc1(x)
             out, _ = self.linear_fc2(F.gelu(h))
-            return out.view(-1, TEXT_HIDDEN)
+            return out.view(-1, self.out)
 
     class Numbered(MegatronModule):
         """A module list whose members save their own TP shards (a plain ModuleList saves as replicated)."""
@@ -99,13 +107,13 @@ def _classes():
             return self.proj(pixels.view(-1, CHANNELS, FRAMES, PATCH, PATCH)).view(-1, V_HIDDEN)
 
     class VisionModel(MegatronModule):
-        def __init__(self, config):
+        def __init__(self, config, out: int):
             super().__init__(config)
             self.patch_embed = PatchEmbed()
             self.pos_embed = torch.nn.Embedding(POSITIONS, V_HIDDEN)
             self.decoder = TransformerBlock(config, get_vit_layer_with_local_spec(), post_layer_norm=False)
-            self.decoder.deepstack_merger_list = Numbered(config, [PatchMerger(config, True) for _ in DEEPSTACK])
-            self.merger = PatchMerger(config, False)
+            self.decoder.deepstack_merger_list = Numbered(config, [PatchMerger(config, True, out) for _ in DEEPSTACK])
+            self.merger = PatchMerger(config, False, out)
 
     class Qwen3VLModel(MegatronModule):
         def __init__(self, config, language_model, vision_model):
@@ -118,19 +126,32 @@ def _classes():
 def hf_config(a: Namespace):
     import transformers
 
-    text = dict(vocab_size=a.vocab, hidden_size=TEXT_HIDDEN, intermediate_size=40, num_hidden_layers=a.layers,
-                num_attention_heads=a.heads, num_key_value_heads=a.groups, head_dim=TEXT_HIDDEN // a.heads,
-                rms_norm_eps=1e-6, max_position_embeddings=64, attention_bias=False,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
-                                 "mrope_interleaved": True})
+    hidden = TEXT_HIDDEN[a.arch]
+    head_dim = HEAD_DIM if a.arch == MOE else hidden // a.heads
+    text = dict(vocab_size=a.vocab, hidden_size=hidden, intermediate_size=FFN, num_hidden_layers=a.layers,
+                num_attention_heads=a.heads, num_key_value_heads=a.groups, head_dim=head_dim,
+                rms_norm_eps=1e-5 if a.arch == MOE else 1e-6, max_position_embeddings=64, attention_bias=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+                                 "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8]})
+    if a.arch == MOE:
+        text.update(moe_intermediate_size=MOE_FFN, num_experts=EXPERTS, num_experts_per_tok=TOPK, mlp_only_layers=[0],
+                    decoder_sparse_step=1)
     vision = dict(depth=V_DEPTH, hidden_size=V_HIDDEN, intermediate_size=V_FFN, num_heads=V_HEADS,
                   in_channels=CHANNELS, patch_size=PATCH, temporal_patch_size=FRAMES, spatial_merge_size=MERGE,
-                  out_hidden_size=TEXT_HIDDEN, num_position_embeddings=POSITIONS,
+                  out_hidden_size=hidden, num_position_embeddings=POSITIONS,
                   deepstack_visual_indexes=list(DEEPSTACK))
-    return transformers.Qwen3VLConfig(
+    return (transformers.Qwen3VLMoeConfig if a.arch == MOE else transformers.Qwen3VLConfig)(
         text_config=text, vision_config=vision, tie_word_embeddings=False,
         image_token_id=TOKEN_IDS["<|image_pad|>"], video_token_id=TOKEN_IDS["<|video_pad|>"],
         vision_start_token_id=TOKEN_IDS["<|vision_start|>"], vision_end_token_id=TOKEN_IDS["<|vision_end|>"])
+
+
+def _moe_language_model(a: Namespace):
+    """Qwen3-VL-MoE's text model: Qwen3-MoE's attention and router, a dense first layer."""
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(qk_layernorm=True, moe_router_score_function="softmax", **moe_config(a, [0, 1]))
+    return oss_minimax.build_model(a, config, block_spec(a, config), ())
 
 
 def _oracle(a: Namespace, model) -> dict:
@@ -155,11 +176,12 @@ def _oracle(a: Namespace, model) -> dict:
 def write_case(a: Namespace, out: Path) -> None:
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(a.tp)
-    (language_model,) = build_chunks(a, transformer_config(a))
+    a.etp = 1 if a.arch == MOE else None  # the legacy files' args: the MoE model's expert TP, none else (TP's)
+    ps.initialize_model_parallel(a.tp, expert_model_parallel_size=a.ep, expert_tensor_parallel_size=1)
+    language_model = _moe_language_model(a) if a.arch == MOE else build_chunks(a, transformer_config(a))[0]
     vision_class, model_class = _classes()
     torch.manual_seed(4321)  # every rank draws the tower alike, then keeps its TP slice
-    vision_model = vision_class(vision_config(a)).eval()
+    vision_model = vision_class(vision_config(a), TEXT_HIDDEN[a.arch]).eval()
     randomise_vectors([vision_model])
     model = model_class(language_model.config, language_model, vision_model)
 
@@ -171,7 +193,7 @@ def write_case(a: Namespace, out: Path) -> None:
 
 def _save_vlm_folder(a: Namespace, folder: Path) -> None:
     config = hf_config(a)
-    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    config.architectures = [type(config).__name__.replace("Config", "ForConditionalGeneration")]
     config.save_pretrained(folder)
     tokenizer = build_tokenizer(vision=True)
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -179,8 +201,9 @@ def _save_vlm_folder(a: Namespace, folder: Path) -> None:
 
 
 def main() -> None:
-    out, cases = parse(DEFAULTS, "arch: qwen3 (the text model) only; Qwen3-VL's vision tower is fixed",
-                       fixed=dict(pp=1, vpp=None, ep=1, tied=False, layers=2, experts=4, lora=0, value=0))
+    out, cases = parse(DEFAULTS, f"arch: qwen3 (Qwen3-VL's text model) or {MOE} (Qwen3-VL-MoE's); ep: expert-parallel "
+                       "size, MoE only (expert TP 1); the vision tower is fixed",
+                       fixed=dict(pp=1, vpp=None, tied=False, layers=2, experts=EXPERTS, lora=0, value=0))
     cpu_patches()
     write_cases(out, cases, write_case)
 
