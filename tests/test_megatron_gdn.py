@@ -306,6 +306,6 @@ def test_a_qwen3_5_vlm_config_is_refused_naming_the_text_config(gdn_root, tmp_pa
     code, errors = merge_here(capsys, "--local_dir", gdn_root / case / "legacy", "--target_dir", tmp_path / "out",
                               "--hf_model_config_path", hf)
     assert code == 1 and len(errors) == 1, errors
-    assert "written as the text model of HF qwen3_5: pass a folder whose config.json is this config's text_config " \
-        "(model_type qwen3_5_text or qwen3_5_moe_text)" in errors[0], errors[0]
+    assert "written as the text model of HF qwen3_5: pass a folder whose config.json is this config's text_config, " \
+        "its model_type qwen3_5_text or qwen3_5_moe_text" in errors[0], errors[0]
     assert not (tmp_path / "out").exists()

@@ -59,8 +59,9 @@ def family_of(config: dict, options: MergeOptions) -> Family:
                           f"transformers has no causal LM of {' or '.join(vlm.model_types)} alone, config.json")
     if family is None and (text := _vlm_of(model_type)):
         raise MergerError(f"Megatron checkpoints of {text.name} are written as the text model of HF {model_type}: "
-                          f"pass a folder whose config.json is this config's text_config (model_type "
-                          f"{' or '.join(text.model_types)}) with --hf_model_config_path, config.json")
+                          f"pass a folder whose config.json is this config's text_config, its model_type "
+                          f"{' or '.join(text.model_types)} (a VLM's text_config may name its own, as qwen3_vl_text), "
+                          f"with --hf_model_config_path, config.json")
     if family is None and (why := UNBUILDABLE.get(model_type)):
         raise MergerError(f"no Megatron mapping for model_type {model_type!r}: {why} (docs/megatron.md), config.json")
     if family is None:
