@@ -114,3 +114,25 @@ def test_a_wrong_account_key_is_the_credentials_line(azure_server, llama34):
         "merger: error: access denied by the object store (check the credentials"), proc.stderr
     assert wrong not in proc.stderr + proc.stdout
     assert azure_server.names("models", "denied") == []
+
+
+def test_a_gcs_file_of_more_parts_than_one_compose_takes_is_composed_in_rounds(gcs_server, monkeypatch):
+    """GCS composes at most 32 objects a request: a file of 70 parts is composed in rounds (32, 32 and 6, then those
+    three) into the parts' bytes in order, and no part or round is left beside it. Small parts stand for PART-sized
+    ones (GCS sets no least size): the rounds are what is tested, with the emulator's own compose. Each part is one
+    byte repeated, LF and CR among them: a part ending in CR lost that byte when parts went up as gcsfs's
+    multipart/related uploads."""
+    from merger.io import locations
+    from merger.io.object_writers import object_writer
+
+    gcs_server.bucket("models")
+    for variable, value in gcs_server.env.items():  # the writer's client finds the emulator as a merge's does
+        monkeypatch.setenv(variable, value)
+    monkeypatch.setattr(locations, "_OBJECT_STORAGES", {})  # a client of this environment, not one made before
+    writer = object_writer("gs://models/rounds")
+    upload = writer.begin("big.safetensors")
+    parts = [bytes([i]) * (1000 + i) for i in range(70)]
+    etags = [writer.upload_part("big.safetensors", upload, i + 1, part) for i, part in enumerate(parts)]
+    writer.complete("big.safetensors", upload, etags)
+    assert gcs_server.names("models", "rounds") == ["big.safetensors"]
+    assert gcs_server.bucket("models").blob("rounds/big.safetensors").download_as_bytes() == b"".join(parts)

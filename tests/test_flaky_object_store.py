@@ -189,8 +189,8 @@ def test_a_gcs_or_azure_source_that_always_fails_is_one_line_after_bounded_tries
 
 
 # A seed per store under which RATE faults some of the writes of each fault's merge below (its prefix is in the
-# requests a seed draws for): GCS's uploads; Azure's Put Blob and Put Block
-TARGET_SEEDS = {"gs": 2, "az": 9}
+# requests a seed draws for): GCS's uploads and a compose; Azure's Put Blob and Put Block
+TARGET_SEEDS = {"gs": 3, "az": 9}
 
 
 @pytest.mark.parametrize("fault", FAULTS)

@@ -1,7 +1,7 @@
-"""Writes into a gs:// bucket, in the JSON API of Google Cloud Storage (gcsfs): whole objects by a simple upload,
-the lock by an upload that only creates (ifGenerationMatch=0, gcsfs's create mode), files of several parts by compose: each part an
-object of its own below PARTS, which any process uploads, composed in order into the file (32 sources a request,
-so larger files compose in rounds), then removed.
+"""Writes into a gs:// bucket, in the JSON API of Google Cloud Storage (gcsfs): whole objects by a media upload,
+the lock by an upload that only creates (ifGenerationMatch=0, gcsfs's create mode), files of several parts by
+compose: each part an object of its own below PARTS, which any process uploads, composed in order into the file (32
+sources a request, so larger files compose in rounds), then removed.
 
 Unlike S3's uploads and Azure's staged blocks, the parts are objects a listing shows. They lie under the target's
 `.merger-parts/`, beside the files, never under a file's own name: a reader of the target sees no weight file
@@ -10,6 +10,7 @@ before it is whole, and the next merge into the prefix finds a killed merge's pa
 from __future__ import annotations
 
 import uuid
+from urllib.parse import quote
 
 from .object_store import _refusal
 from .object_upload import ObjectWriter
@@ -21,6 +22,15 @@ COMPOSE_MAX = 32  # sources of one compose request, GCS's limit
 class GcsWriter(ObjectWriter):
     def names(self) -> list[str]:
         return [n for n in super().names() if not n.startswith(PARTS + "/")]
+
+    def put(self, name: str, data: bytes | bytearray) -> None:
+        # A media upload, whose body is the object's bytes. gcsfs's own one-request upload (pipe_file) is
+        # multipart/related with a bare LF before its closing delimiter, and a parser that takes CRLF for the
+        # delimiter (the GCS emulator's: Python's email parser) drops an object's last byte where it is CR; so parts
+        # and weight files never go that way. (`create` does: the lock is JSON, and its condition is sent there.)
+        url = f"{self.fs._location}/upload/storage/v1/b/{quote(self.bucket)}/o"
+        self._call(name, lambda: self.fs.call("POST", url, uploadType="media", name=self.key(name), data=bytes(data),
+                                              headers={"Content-Type": "application/octet-stream"}))
 
     def begin(self, name: str) -> str:
         return uuid.uuid4().hex  # no request: the parts are objects, composed at the end

@@ -17,8 +17,8 @@ and Put Block List) is faulted with probability `rate`, one fault drawn from `fa
   with a Content-Length that says half, so that the HTTP layer finds nothing wrong.
 
 Deterministic: whether a request is faulted depends only on the seed, the request (method, path, query without
-the random ids of S3's uploads and Azure's blocks, the range asked for) and how many times that request came before, never on the order
-threads send requests in; so a retry draws anew, and a merge run twice with the same seed meets the same faults.
+the random ids of S3's uploads, Azure's blocks and GCS's uploaded names, the range asked for) and how many times
+that request came before, never on the order threads send requests in; so a retry draws anew, and a merge run twice with the same seed meets the same faults.
 `where(kind, path)` narrows the faults to some requests (one object, one operation); `limit` faults each request
 that many times at most (rate 1 and limit 1: each one's first send fails, its retry goes through).
 """
@@ -171,9 +171,10 @@ class _Handler(BaseHTTPRequestHandler):
         proxy = self.owner
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         target = urlsplit(self.path)
-        # the ids a client draws anew each run (S3's upload id, Azure's block id) left out, so a seed meets the same
-        # requests every run
-        query = sorted(q for q in target.query.split("&") if q and not q.startswith(("uploadId=", "blockid=")))
+        # the ids drawn anew each run (S3's upload id, Azure's block id, a GCS upload's object name, which holds the
+        # upload id of merger's part objects) left out, so a seed meets the same requests every run
+        query = sorted(q for q in target.query.split("&")
+                       if q and not q.startswith(("uploadId=", "blockid=", "name=")))
         request = (self.command, target.path, tuple(query), self.headers.get(proxy.protocol.range_header, ""))
         fault = proxy.draw(proxy.protocol.kind(self.command, self.path), target.path, request)
         if fault == "throttle":
