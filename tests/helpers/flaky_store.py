@@ -18,7 +18,8 @@ and Put Block List) is faulted with probability `rate`, one fault drawn from `fa
 
 Deterministic: whether a request is faulted depends only on the seed, the request (method, path, query without
 the random ids of S3's uploads, Azure's blocks and GCS's uploaded names, the range asked for) and how many times
-that request came before, never on the order threads send requests in; so a retry draws anew, and a merge run twice with the same seed meets the same faults.
+that request came before, never on the order threads send requests in; so a retry draws anew, and a merge run
+twice with the same seed meets the same faults.
 `where(kind, path)` narrows the faults to some requests (one object, one operation); `limit` faults each request
 that many times at most (rate 1 and limit 1: each one's first send fails, its retry goes through).
 """
