@@ -12,7 +12,6 @@ from __future__ import annotations
 import uuid
 from urllib.parse import quote
 
-from .object_store import _refusal
 from .object_upload import ObjectWriter
 
 PARTS = ".merger-parts"  # below the target prefix: PARTS/<upload id>/<file name>/<part number>
@@ -20,8 +19,8 @@ COMPOSE_MAX = 32  # sources of one compose request, GCS's limit
 
 
 class GcsWriter(ObjectWriter):
-    def names(self) -> list[str]:
-        return [n for n in super().names() if not n.startswith(PARTS + "/")]
+    def names(self, under: str = "") -> list[str]:
+        return [n for n in super().names(under) if not n.startswith(PARTS + "/")]
 
     def put(self, name: str, data: bytes | bytearray) -> None:
         # A media upload, whose body is the object's bytes. gcsfs's own one-request upload (pipe_file) is
@@ -56,19 +55,13 @@ class GcsWriter(ObjectWriter):
 
     def abort(self, name: str, upload_id: str) -> None:
         """Remove the upload's parts (and the rounds composed of them)."""
-        prefix = self._path(f"{PARTS}/{upload_id}/{name}/")
-        try:
-            found = self.fs.find(prefix, refresh=True)
-        except FileNotFoundError:
-            return
-        except Exception as e:  # noqa: BLE001
-            raise _refusal(e, self.url_of(f"{PARTS}/{upload_id}/{name}"), "a listing") from e
+        folder = f"{PARTS}/{upload_id}/{name}"
+        found = ObjectWriter.names(self, folder)  # the parts themselves, which this class's names() leaves out
         if found:
-            self._call(f"{PARTS}/{upload_id}/{name}", self.fs.rm, found)
+            self._call(folder, self.fs.rm, [self._path(n) for n in found])
 
     def open_uploads(self) -> list[tuple[str, str]]:
         start = len(PARTS) + 1
         # PARTS/<upload id>/<file name, with its folders>/<part number or round>
-        found = {tuple(n[start:].rsplit("/", 1)[0].split("/", 1)) for n in super().names()
-                 if n.startswith(PARTS + "/")}
+        found = {tuple(n[start:].rsplit("/", 1)[0].split("/", 1)) for n in ObjectWriter.names(self, PARTS)}
         return sorted((name, upload_id) for upload_id, name in found)

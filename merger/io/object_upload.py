@@ -42,16 +42,17 @@ class ObjectWriter:
         if self.storage.kind(self.bucket) is None:
             raise TargetError(f"no such bucket, {self.scheme}://{self.bucket}")
 
-    def names(self) -> list[str]:
-        """Every object below the prefix, by its name relative to it."""
+    def names(self, under: str = "") -> list[str]:
+        """Every object below the prefix (or its folder `under`), by its name relative to the prefix."""
+        folder = f"{self.prefix.rstrip('/')}/{under}".rstrip("/")
         try:
-            found = self.fs.find(self.prefix, refresh=True)  # afresh: a listing cached before the lock is stale
+            found = self.fs.find(folder, refresh=True)  # afresh: a listing cached before the lock is stale
         except FileNotFoundError:
             return []
         except Exception as e:  # noqa: BLE001 - one line per refusal, never the credentials
-            raise _refusal(e, self.url, "a listing") from e
+            raise _refusal(e, f"{self.url}/{under}".rstrip("/"), "a listing") from e
         start = len(self.prefix.rstrip("/")) + 1
-        return sorted(f[start:] for f in found if f.startswith(self.prefix.rstrip("/") + "/"))
+        return sorted(f[start:] for f in found if f.startswith(folder + "/"))
 
     def read(self, name: str) -> bytes | None:
         """A small object's bytes, read afresh (the storage's caches are for sources, which do not change); None
