@@ -23,6 +23,7 @@ import torch
 
 from ..hf_folder import read_config
 from .compressed_tensors_codec import mxfp4
+from .e2m1_pack import pack_e2m1
 from .fp8_release_layout import packed_release, readable
 from .mxfp8_release_layout import compressed_tensors_scales
 from .quantized_check import E2M1_HALF_STEP
@@ -33,10 +34,6 @@ from .steps import OutputSpec
 MXFP4_PACK_QUANTIZED = "mxfp4-pack-quantized"
 GROUP = 32
 E2M1_OFFSET = 2
-E2M1_MAX = 6.0
-# where a magnitude reaches the next e2m1 code, and whether a tie there goes up (to an even code)
-STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
-SIGN = 0x8
 ONES = 0x22  # a byte of two codes of 1.0: times the scales, the group's scale at each element
 PACKED, SCALE = "_packed", "_scale"  # `<m>.weight` -> `<m>.weight_packed`, `<m>.weight_scale`
 
@@ -46,16 +43,6 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = weight.to(torch.float32).unflatten(-1, (-1, GROUP))  # exact: every --dtype is float32's subset
     scales, factor = compressed_tensors_scales(groups, E2M1_OFFSET)
     return pack_e2m1((groups / factor).flatten(-2)), scales
-
-
-def pack_e2m1(scaled: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., n / 2] of the e2m1 codes of float32 `scaled` [..., n] (each weight over its group's scale) by
-    compressed-tensors' `cast_to_fp4` and `pack_fp4_to_uint8`: clamped to ±6, rounded as the module docstring says,
-    the sign bit set for a negative value."""
-    magnitude = torch.clamp(scaled, -E2M1_MAX, E2M1_MAX).abs()
-    codes = sum((magnitude >= at if up else magnitude > at).to(torch.uint8) for at, up in STEPS)
-    codes = codes | (scaled < 0).to(torch.uint8) * SIGN
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ The rules, on the weights at --dtype (amax: the largest magnitude):
 - ModelOpt 0.47 (`NVFP4QTensor.quantize(w, 16, weights_scaling_factor_2=...)`): weight_scale_2 amax in float32 /
   (6 x 448); a group's scale its amax in float32 / (6 x weight_scale_2) (0 becomes 1), clamped to [2^-9, 448] and
   rounded to float8; each code the weight over (scale x weight_scale_2) in float32;
-- both round a code to e2m1 as mxfp4_pack_release_layout.pack_e2m1 does (ties to the even code, ±6 at most, -0 for
+- both round a code to e2m1 as e2m1_pack.pack_e2m1 does (ties to the even code, ±6 at most, -0 for
   a negative weight that rounds to 0).
 
 The shared scale: vLLM fuses q/k/v and gate/up, and the tools give such layers one scale computed on their largest
@@ -50,8 +50,8 @@ import torch
 from ..errors import MergerError
 from ..hf_folder import read_config
 from .compressed_tensors_codec import modelopt_nvfp4, nvfp4
+from .e2m1_pack import E2M1_MAX, pack_e2m1
 from .fp8_release_layout import FLAG, packed_release, readable
-from .mxfp4_pack_release_layout import E2M1_MAX, pack_e2m1
 from .quantized_check import E2M1_HALF_STEP
 from .quantized_formats import QUANTIZATION_CONFIG
 from .release_blocks import StoredTensor, as_read, keep, unchanged_blocks
