@@ -240,3 +240,14 @@ def _cold_starts_for_interpreter_tests(request):
     warm_merger.allowed = request.node.get_closest_marker("interpreter") is None
     yield
     warm_merger.allowed = True
+
+
+@pytest.fixture(scope="session")
+def deepseek_v4(tmp_path_factory) -> tuple[Path, Path]:
+    """(a tiny DeepSeek-V4 release, FP8 with FP4 experts: tests/writers/deepseek_v4_release.py; the model merger
+    reads from it, bfloat16), shared by the read and write tests."""
+    from tests.helpers.in_process import merge_in_process
+    from tests.writers.deepseek_v4_release import write_release
+
+    root = tmp_path_factory.mktemp("deepseek_v4")
+    return write_release(root / "release"), merge_in_process(root / "release", root / "bf16")

@@ -3,8 +3,10 @@
 What is read of the release here is its config.json (`quantization_config`: quant_method fp8 with
 weight_block_size, `scale_fmt`) and its safetensors headers: the tensors that have a `<name>_scale_inv` are the
 ones quantized, every other tensor takes the dtype the release stores it in. Where each quantized tensor is
-written, its codes and scales are read from the release (release_blocks.py: unchanged blocks keep their bytes). The scales are written float32, or
-as e8m0 bytes (uint8) where the release stores them so (transformers' `mxfp8`, `scale_fmt: "ue8m0"`). A local
+written, its codes and scales are read from the release (release_blocks.py: unchanged blocks keep their bytes). The
+scales are written float32, or as e8m0 where the release stores them so (`scale_fmt: "ue8m0"`): bytes (uint8) as
+transformers' `mxfp8` stores them, float8_e8m0fnu as DeepSeek-V4's. DeepSeek-V4's routed experts (`expert_dtype:
+"fp4"`, stored as int8 FP4 pairs) are written in FP4 as the release has them (fp4_experts_quantize.py). A local
 folder's headers are read from its files; a Hub snapshot (mapping/hub_folders.py fetches only its config files)
 has its headers read from the Hub by huggingface_hub's `get_safetensors_metadata` (ranged reads of each file's
 first bytes).
@@ -18,13 +20,14 @@ import torch
 from ..errors import MergerError
 from ..hf_folder import read_config, weight_files
 from ..safetensors_io import DTYPES_BY_NAME, read_header
-from .fp8 import E8M0_BYTES, block_size, ue8m0_scales
+from .fp8 import E8M0_BYTES, FP4_PAIRS, block_size, ue8m0_scales, weight_block
 from .fp8_quantize import FP8, SCALE_DTYPE, Fp8Output
 from .hub_folders import hub_id_of
 from .release_blocks import StoredTensor
-from .quantized_formats import QUANTIZATION_CONFIG, SCALE_SUFFIX, fp8_block_config, refuse_fp4_experts
+from .quantized_formats import QUANTIZATION_CONFIG, SCALE_SUFFIX, fp4_experts, fp8_block_config
 
 FLAG = "--quantize_like"
+E8M0_SCALES = frozenset({E8M0_BYTES, torch.float8_e8m0fnu})  # a power-of-two scale stored as its exponent
 
 
 def _local_headers(folder: Path) -> dict[str, StoredTensor]:
@@ -100,19 +103,21 @@ def release_headers(folder: Path) -> dict[str, StoredTensor]:
 
 
 def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Fp8Output:
-    """How to write `outputs` (name -> shape) as the release in `folder` stores them."""
+    """How to write `outputs` (name -> shape) as the release in `folder` stores them (DeepSeek-V4's: its experts
+    FP4, where its config says `expert_dtype: fp4` and the release stores them as FP4 pairs)."""
     config = read_config(folder)
-    refuse_fp4_experts(f"{FLAG}'s release", folder, config)
-    qc = fp8_block_config(config)
+    qc = fp8_block_config(config, fp4=True)
     if qc is None:
         raise MergerError(f"{FLAG} needs an FP8 block-scaled release: its config.json's {QUANTIZATION_CONFIG} must "
                           f"say quant_method fp8 with a weight_block_size, {folder / 'config.json'}")
     block = block_size(qc, folder / "config.json")
     tensors = release_headers(folder)
     quantized = frozenset(name for name in tensors if name + SCALE_SUFFIX in tensors)
+    fp4 = frozenset(name for name in quantized if fp4_experts(qc) and tensors[name].dtype == FP4_PAIRS)
     for name in sorted(quantized & outputs.keys()):
-        if tuple(outputs[name]) != tensors[name].shape:
-            raise MergerError(f"tensor {name} is {list(outputs[name])} here but {list(tensors[name].shape)} in the "
+        shape = weight_block(tensors[name], block)[0] if name in fp4 else tensors[name].shape
+        if tuple(outputs[name]) != shape:
+            raise MergerError(f"tensor {name} is {list(outputs[name])} here but {list(shape)} in the "
                               f"release: {FLAG} needs the release of this model, {folder}")
     if not quantized & outputs.keys():
         raise MergerError(f"no tensor of the output has a scale in the release ({len(quantized)} quantized tensors, "
@@ -121,13 +126,14 @@ def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Fp8Outp
               if name not in quantized and t.dtype.is_floating_point and t.dtype != FP8
               and not name.endswith(SCALE_SUFFIX)}
     scale_dtypes = {tensors[name + SCALE_SUFFIX].dtype for name in quantized}
-    if E8M0_BYTES in scale_dtypes and (len(scale_dtypes) > 1 or not ue8m0_scales(qc)):
+    e8m0 = scale_dtypes & E8M0_SCALES
+    if e8m0 and (len(scale_dtypes) > 1 or not ue8m0_scales(qc)):
         stored = ", ".join(sorted(str(d).removeprefix("torch.") for d in scale_dtypes))
         raise MergerError(f"the release stores its scales as {stored} with scale_fmt {qc.get('scale_fmt')!r}: "
-                          f"{FLAG} writes uint8 (e8m0) scales only where every scale is one and scale_fmt is "
-                          f"'ue8m0', {folder}")
-    return Fp8Output(block, ue8m0_scales(qc), quantized, dtypes, qc,
-                     E8M0_BYTES if E8M0_BYTES in scale_dtypes else SCALE_DTYPE, readable(tensors))
+                          f"{FLAG} writes e8m0 scales (uint8 or float8_e8m0fnu) only where every scale is one and "
+                          f"scale_fmt is 'ue8m0', {folder}")
+    return Fp8Output(block, ue8m0_scales(qc), quantized, dtypes, qc, next(iter(e8m0), SCALE_DTYPE),
+                     readable(tensors), fp4)
 
 
 def readable(tensors: dict[str, StoredTensor]) -> dict[str, StoredTensor] | None:

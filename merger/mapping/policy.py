@@ -210,9 +210,11 @@ def _format(layout) -> tuple[str, str]:
                                                  f"per 16 elements, float32 weight{shared}{calibration}")
     if isinstance(layout, Mxfp8Output):
         return f"{layout.producer} MXFP8", "float8_e4m3fn weight, uint8 (e8m0) weight_scale per 32 elements"
-    scales = "uint8 (e8m0)" if layout.scale_dtype == torch.uint8 else "float32"
+    scales = {torch.uint8: "uint8 (e8m0)", torch.float8_e8m0fnu: "float8_e8m0fnu"}.get(layout.scale_dtype, "float32")
+    fp4 = (f"; the experts FP4, {str(layout.fp4_pairs).removeprefix('torch.')} pairs of e2m1 codes, block 1x32"
+           if layout.fp4 else "")
     return "FP8", (f"float8_e4m3fn, block {layout.block[0]}x{layout.block[1]}, weight_scale_inv {scales}"
-                   f"{', scale_fmt ue8m0' if layout.ue8m0 else ''}")
+                   f"{', scale_fmt ue8m0' if layout.ue8m0 else ''}{fp4}")
 
 
 def _kept_blocks(layout, name: str) -> str:

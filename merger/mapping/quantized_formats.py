@@ -2,7 +2,8 @@
 merge of the folder (or of any checkpoint under HF names), a LoRA base, `--quantize_like`'s release.
 
 merger handles four: FP8 block-scaled releases (`quant_method: "fp8"` with a `weight_block_size`, dequantized by
-fp8.py, written by fp8_quantize.py; DeepSeek-V4's, whose routed experts are FP4 (`expert_dtype: "fp4"`), read only),
+fp8.py, written by fp8_quantize.py; DeepSeek-V4's, whose routed experts are FP4 (`expert_dtype: "fp4"`,
+fp4_experts_quantize.py), too, but not as a LoRA base),
 gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`, written by mxfp4_quantize.py; as a source its `_blocks` and
 `_scales` are kept as stored, with the quantization_config that says what they are), compressed-tensors releases in
 `nvfp4-pack-quantized`, INT4 `pack-quantized`, `mxfp4-pack-quantized` or `mxfp8-quantized` with the scheme
@@ -76,7 +77,7 @@ def _is_fp8_block(qc: object, fp4: bool = False) -> bool:
 
 def fp8_block_config(config: dict, fp4: bool = False) -> dict | None:
     """config.json's quantization_config when it names FP8 block scaling (with `fp4`, FP4 experts allowed: what
-    merger reads, but neither writes nor folds a LoRA into), else None."""
+    merger reads and writes, but folds no LoRA into), else None."""
     qc = config.get(QUANTIZATION_CONFIG)
     return qc if _is_fp8_block(qc, fp4) else None
 
@@ -130,8 +131,8 @@ def _described(found: str | None, folder: Path, config: dict) -> tuple[str | Non
 
 
 def refuse_fp4_experts(use: str, folder: Path, config: dict) -> None:
-    """Raise when `folder`'s config says FP8 with FP4 experts (DeepSeek-V4's layout), which merger reads but takes as
-    no `use` (a LoRA base, a layout to write) yet."""
+    """Raise when `folder`'s config says FP8 with FP4 experts (DeepSeek-V4's layout), which merger reads and writes
+    but takes as no `use` (a LoRA base) yet."""
     qc = config.get(QUANTIZATION_CONFIG)
     if isinstance(qc, dict) and fp4_experts(qc):
         raise MergerError(f"FP8 weights with FP4 experts (DeepSeek-V4's layout, config.json's {QUANTIZATION_CONFIG}) "

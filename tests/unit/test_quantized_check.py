@@ -1,8 +1,8 @@
 """--verify's read-back of a quantized output (merger/mapping/quantized_check.py), for each layout merger writes:
 what the layout's quantizer writes (the producing tool's bytes, tested in test_fp8_write, test_mxfp4_write,
-test_compressed_tensors_write, test_compressed_tensors_nvfp4_write and test_modelopt_write) reads back within the format's bound of the weight,
-outliers and all-zero groups included; the same bytes with one group's scale doubled (a bug of the kind that
---verify's byte comparison cannot see) do not."""
+test_compressed_tensors_write, test_compressed_tensors_nvfp4_write, test_modelopt_write and test_deepseek_v4_write)
+reads back within the format's bound of the weight, outliers and all-zero groups included; the same bytes with one
+group's scale doubled (a bug of the kind that --verify's byte comparison cannot see) do not."""
 from __future__ import annotations
 
 import pytest
@@ -25,6 +25,10 @@ LAYOUTS = {
     "fp8 128x128": (Fp8Output((128, 128), False, frozenset({NAME}), {}, {}), (256, 384)),
     "fp8 ue8m0": (Fp8Output((128, 128), True, frozenset({NAME}), {}, {}), (256, 384)),
     "transformers mxfp8": (Fp8Output((1, 32), True, frozenset({NAME}), {}, {}, scale_dtype=torch.uint8), (64, 96)),
+    "deepseek-v4 fp8": (Fp8Output((128, 128), True, frozenset({NAME}), {}, {}, scale_dtype=torch.float8_e8m0fnu),
+                        (256, 384)),
+    "deepseek-v4 fp4 experts": (Fp8Output((128, 128), True, frozenset({NAME}), {}, {},
+                                          scale_dtype=torch.float8_e8m0fnu, fp4=frozenset({NAME})), (64, 96)),
     "compressed-tensors mxfp8": (Mxfp8Output(frozenset({NAME}), {}, {}, "compressed-tensors",
                                              compressed_tensors_quantize), (64, 96)),
     "modelopt mxfp8": (Mxfp8Output(frozenset({NAME}), {}, {}, "ModelOpt", modelopt_quantize), (64, 96)),
@@ -51,8 +55,8 @@ def _doubled_scale(parts: list[torch.Tensor]) -> list[torch.Tensor]:
     """`parts` with the scale of the weight's last group or block doubled (an e8m0 byte: one more)."""
     parts = [p.clone() for p in parts]
     scale = parts[1].view(-1)
-    if scale.dtype == torch.uint8:
-        scale[-1] += 1
+    if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        scale.view(torch.uint8)[-1] += 1
     elif scale.dtype == torch.float8_e4m3fn:  # no arithmetic in float8
         scale[-1] = (scale[-1].float() * 2).to(scale.dtype)
     else:
