@@ -170,11 +170,19 @@ def dequantized_mapping(steps: list[Step], hf_dir, config: dict, options: MergeO
                    config, config_removals=(QUANTIZATION_CONFIG,), notes=(note, unquantized), **fields)
 
 
+def release_steps(names: dict[str, SourceTensor], config: dict) -> tuple[list[Step], dict[str, int]]:
+    """dequantizing_steps of a release's tensors `names` in the format its config.json (`config`) names: the
+    activations' calibration left out."""
+    fmt = config[QUANTIZATION_CONFIG]["format"]
+    args, parts = READ[fmt]
+    return dequantizing_steps(names, READERS[fmt], args["group_size"], parts, (INPUT_SCALE,))
+
+
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
     fmt = config[QUANTIZATION_CONFIG]["format"]
-    (args, parts), reader = READ[fmt], READERS[fmt]
-    steps, counts = dequantizing_steps(catalog.tensors, reader, args["group_size"], parts, (INPUT_SCALE,))
+    (args, _), reader = READ[fmt], READERS[fmt]
+    steps, counts = release_steps(catalog.tensors, config)
     left_out = counts[INPUT_SCALE]
     note = (f"merger: compressed-tensors {fmt} weights (groups of {args['group_size']}), "
             f"{dequantized_note(steps, reader)}"

@@ -18,11 +18,10 @@ dequantized in float32 where it is written; the policy then casts it to --dtype.
 output holds no quantized weight. Under `--dtype keep` the dequantized weights are written in float32, the
 dtype the dequantization computes in (so `merger test` compares them with a reference in its own dtype);
 float8 is written again only by --quantize_like (fp8_quantize.py). A LoRA folded into such a release reads its
-weights through `dequantizing_inputs`, the same dequantization before the fold.
+weights through the same steps (`release_steps`: lora/quantized_base.py).
 """
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 from math import prod
 
@@ -126,57 +125,38 @@ def _check_scale(name: str, tensors: dict[str, SourceTensor], block: tuple[int, 
     return scale
 
 
-def _dequantize_step(name: str, catalog: Catalog, block: tuple[int, int], ue8m0: bool, fp4: bool) -> Step:
-    scale = _check_scale(name, catalog.tensors, block, ue8m0, fp4)
-    shape, block = weight_block(catalog.tensors[name], block)
+def _dequantize_step(name: str, tensors: dict[str, SourceTensor], block: tuple[int, int], ue8m0: bool,
+                     fp4: bool) -> Step:
+    scale = _check_scale(name, tensors, block, ue8m0, fp4)
+    shape, block = weight_block(tensors[name], block)
     return Step((name, scale.name), (OutputSpec(name, shape, DEQUANTIZED),), partial(dequantize, block))
 
 
-def _dequantized_first(block: tuple[int, int], quantized: tuple[bool, ...], transform, tensors: list[torch.Tensor]
-                       ) -> list[torch.Tensor]:
-    """`transform` of the step's inputs, each quantized one (followed by its scale in `tensors`) dequantized."""
-    inputs, i = [], 0
-    for q in quantized:
-        inputs.append(dequantize(block, tensors[i:i + 2])[0] if q else tensors[i])
-        i += 1 + q
-    return inputs if transform is None else transform(inputs)
-
-
-def dequantizing_inputs(steps: list[Step], tensors: dict[str, SourceTensor], block: tuple[int, int],
-                        ue8m0: bool = False) -> list[Step]:
-    """`steps` over an FP8 release's weights (a LoRA folded into its base) reading each quantized weight with its
-    scale, dequantized before the step's own transform; what would have been written as float8 is then the
-    dequantized float32."""
-    out = []
-    for step in steps:
-        quantized = tuple(name + SCALE_SUFFIX in tensors for name in step.inputs)
-        if not any(quantized):
-            out.append(step)
-            continue
-        inputs = tuple(n for name, q in zip(step.inputs, quantized)
-                       for n in ((name, _check_scale(name, tensors, block, ue8m0).name) if q else (name,)))
-        outputs = tuple(dataclasses.replace(o, dtype=DEQUANTIZED) if o.dtype in FLOAT8 else o for o in step.outputs)
-        out.append(Step(inputs, outputs, partial(_dequantized_first, block, quantized, step.transform)))
-    return out
-
-
-def build(catalog: Catalog, options: MergeOptions) -> Mapping:
-    hf_dir, config = model_config(catalog, options)
-    qc = fp8_block_config(config, fp4=True)
-    block, ue8m0, fp4 = block_size(qc, hf_dir / "config.json"), ue8m0_scales(qc), fp4_experts(qc)
-    names = catalog.tensors
+def release_steps(names: dict[str, SourceTensor], qc: dict, where) -> list[Step]:
+    """The steps writing a release's tensors `names` (its quantization_config `qc`, in file `where`): each quantized
+    weight dequantized from it and its scale, every other tensor cast, no scale written."""
+    block, ue8m0, fp4 = block_size(qc, where), ue8m0_scales(qc), fp4_experts(qc)
     steps = []
     for name, t in names.items():
         if name.endswith(SCALE_SUFFIX):
             if name.removesuffix(SCALE_SUFFIX) not in names:
                 raise MergerError(f"scale {name} has no weight {name.removesuffix(SCALE_SUFFIX)} beside it, {t.file}")
         elif name + SCALE_SUFFIX in names:
-            steps.append(_dequantize_step(name, catalog, block, ue8m0, fp4))
+            steps.append(_dequantize_step(name, names, block, ue8m0, fp4))
         elif t.dtype in FLOAT8:
             raise MergerError(f"tensor {name} is stored as {str(t.dtype).removeprefix('torch.')} with no "
                               f"{name + SCALE_SUFFIX} beside it, {t.file}")
         else:
             steps.append(cast(name, name, t.shape, t.dtype))
+    return steps
+
+
+def build(catalog: Catalog, options: MergeOptions) -> Mapping:
+    hf_dir, config = model_config(catalog, options)
+    qc = fp8_block_config(config, fp4=True)
+    block = block_size(qc, hf_dir / "config.json")
+    names = catalog.tensors
+    steps = release_steps(names, qc, hf_dir / "config.json")
     count = sum(not s.is_cast for s in steps)
     scheme = f"{MXFP8}: " if qc["quant_method"] == MXFP8 else ""
     e8m0_bytes = any(t.dtype == E8M0_BYTES for n, t in names.items() if n.endswith(SCALE_SUFFIX))

@@ -17,7 +17,7 @@ from fnmatch import fnmatchcase
 
 import torch
 
-from ..catalog import Catalog
+from ..catalog import Catalog, SourceTensor
 from ..errors import MergerError
 from ..options import MergeOptions
 from . import compressed_tensors_codec as codec
@@ -26,7 +26,7 @@ from .compressed_tensors import (SCALE, Reader, dequantized_mapping, dequantized
 from .hf import model_config
 from .modelopt_scheme import KV_SCALES, MODELOPT, MODELOPT_CONFIG, READ, described
 from .quantized_formats import QUANTIZATION_CONFIG
-from .steps import Mapping
+from .steps import Mapping, Step
 
 INPUT_SCALE = "input_scale"  # the activations' calibration: read by no step, written nowhere
 READERS = {
@@ -42,9 +42,9 @@ def claims(catalog: Catalog, options: MergeOptions) -> bool:
     return hf_stored_format(catalog, options) == MODELOPT
 
 
-def _check_excluded(catalog: Catalog, excluded: list[str], where) -> None:
+def _check_excluded(names: dict[str, SourceTensor], excluded: list[str], where) -> None:
     """No quantized layer is one the export says it left out (its exclude_modules, names or fnmatch patterns)."""
-    for name, t in catalog.tensors.items():
+    for name, t in names.items():
         if name.endswith(f".{SCALE}"):
             module = name.removesuffix(f".{SCALE}")
             pattern = next((p for p in excluded if fnmatchcase(module, p)), None)
@@ -53,14 +53,21 @@ def _check_excluded(catalog: Catalog, excluded: list[str], where) -> None:
                                   f"{t.file}")
 
 
-def build(catalog: Catalog, options: MergeOptions) -> Mapping:
-    hf_dir, config = model_config(catalog, options)
+def release_steps(names: dict[str, SourceTensor], hf_dir, config: dict) -> tuple[list[Step], dict[str, int]]:
+    """dequantizing_steps of an export's tensors `names` (its folder `hf_dir`, config.json `config`) in the
+    algorithm its description names, checked against its exclude_modules: the calibration left out."""
     desc, _, where = described(hf_dir, config)
     algo = desc["quant_algo"]
     group, parts = READ[algo]
-    _check_excluded(catalog, desc.get("exclude_modules") or [], where)
-    reader = READERS[algo]
-    steps, counts = dequantizing_steps(catalog.tensors, reader, group, parts, (INPUT_SCALE, *KV_SCALES))
+    _check_excluded(names, desc.get("exclude_modules") or [], where)
+    return dequantizing_steps(names, READERS[algo], group, parts, (INPUT_SCALE, *KV_SCALES))
+
+
+def build(catalog: Catalog, options: MergeOptions) -> Mapping:
+    hf_dir, config = model_config(catalog, options)
+    algo = described(hf_dir, config)[0]["quant_algo"]
+    group, reader = READ[algo][0], READERS[algo]
+    steps, counts = release_steps(catalog.tensors, hf_dir, config)
     left = ", ".join(f"{n} {part}" for part, n in counts.items() if n)
     note = (f"merger: ModelOpt {algo} weights (groups of {group}), {dequantized_note(steps, reader)}"
             f"{f'; {left} (calibration, no weight) left out' if left else ''}"

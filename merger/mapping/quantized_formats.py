@@ -10,7 +10,7 @@ gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`, written by mxfp4_quantize.py; 
 compressed_tensors_scheme.py names, and ModelOpt's NVFP4 and MXFP8 exports (`hf_quant_config.json`,
 modelopt_scheme.py). The last two are read, dequantized by compressed_tensors.py and modelopt.py, and written back by
 `--quantize_like` (mxfp8_release_layout.py, int4_release_layout.py, mxfp4_pack_release_layout.py,
-nvfp4_release_layout.py), but not taken as a LoRA base yet: that says so in one line. Every other format is refused with one line naming it and the file that says it: compressed-tensors' other formats and
+nvfp4_release_layout.py), and a LoRA is folded into them (lora/quantized_base.py). Every other format is refused with one line naming it and the file that says it: compressed-tensors' other formats and
 schemes (`mxfp6-pack-quantized`, zero points, other group sizes, ...), ModelOpt's other algorithms (FP8, INT4_AWQ,
 W4A8_AWQ, NVFP4_AWQ, mixed precision, ...), transformers' `mxfp8` in other blocks, FP8 with experts in another
 `expert_dtype`, FP8 without blocks, GPTQ, AWQ, bitsandbytes and any other `quant_method`. Merged as plain tensors,
@@ -31,7 +31,7 @@ from ..catalog import SourceTensor
 from ..errors import MergerError
 from . import modelopt_scheme
 from .compressed_tensors_scheme import COMPRESSED_TENSORS, READ, stored_parts, unread
-from .modelopt_scheme import MODELOPT, MODELOPT_CONFIG
+from .modelopt_scheme import MODELOPT
 from .mxfp4_quantize import BLOCKS_SUFFIX, SCALES_SUFFIX
 
 QUANTIZATION_CONFIG = "quantization_config"
@@ -48,7 +48,6 @@ HANDLED = ("a quantized format merger does not handle: it reads and writes FP8 b
            f"and writes compressed-tensors' mxfp8-quantized, pack-quantized, mxfp4-pack-quantized and "
            f"nvfp4-pack-quantized and ModelOpt's "
            f"MXFP8 back with --quantize_like")
-READ_ONLY = (COMPRESSED_TENSORS, MODELOPT)  # the formats merger reads and writes but does not fold a LoRA into
 # The last part of a name that compressed-tensors, ModelOpt and FP8 releases give a quantized weight's pieces
 # (FORMATS.md, "Quantized release formats of 2026"); exact names, since plain models have `layer_scale_2` and such.
 PACKED_PARTS = frozenset({"weight_packed", "weight_scale", "weight_shape", "weight_global_scale",
@@ -138,16 +137,6 @@ def refuse_fp4_experts(use: str, folder: Path, config: dict) -> None:
         raise MergerError(f"FP8 weights with FP4 experts (DeepSeek-V4's layout, config.json's {QUANTIZATION_CONFIG}) "
                           f"as {use}: merger reads such a release (merger merge dequantizes it) but does not take one "
                           f"as {use} yet, {folder / 'config.json'}")
-
-
-def read_only(use: str, folder: Path, config: dict) -> MergerError:
-    """The error for a release merger reads (READ_ONLY) but cannot serve as `use` (a LoRA base) yet."""
-    found = config_format(folder, config)
-    described, _ = _described(found, folder, config)
-    said = (modelopt_scheme.described(folder, config)[2] if found == MODELOPT else folder / "config.json")
-    where = said.name if said.name == MODELOPT_CONFIG else f"config.json's {QUANTIZATION_CONFIG}"
-    return MergerError(f"{described} weights ({where}) as {use}: merger reads such a release (merger merge "
-                       f"dequantizes it) but does not take one as {use} yet, {said}")
 
 
 def _packed_part(name: str, names: Collection[str]) -> str | None:

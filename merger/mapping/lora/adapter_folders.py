@@ -18,15 +18,14 @@ from ...options import MergeOptions
 from ...sources import hf_safetensors
 from ...sources.peft_adapter import open_adapter_catalog
 from ...sources.union import union_catalog
-from .. import fp8
 from ..hub_folders import hub_id_of
 from ..policy import ties
-from ..quantized_formats import (FP8_BLOCK, QUANTIZATION_CONFIG, READ_ONLY, SCALE_SUFFIX, fp8_block_config, read_only,
-                                 refuse_fp4_experts, stored_format)
+from ..quantized_formats import QUANTIZATION_CONFIG
 from ..steps import Mapping, Step
 from .adapter import LoraAdapter, adapter_from_folder
 from .experts_orientation import experts_transposed
 from .fold_steps import fold_steps
+from .quantized_base import base_weights, dequantizing_inputs
 
 
 def open_base(base_dir: Path) -> Catalog:
@@ -62,27 +61,24 @@ def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[Lora
     catalog = union_catalog({"": base, **parts}, base_dir, fmt)
     config = read_config(base_dir)
     written = {o.name for s in folds for o in s.outputs}
-    # an FP8 release: its weights are dequantized, folded, then requantized or cast; a format the fold cannot
-    # read is refused (quantized_formats.py)
-    stored = stored_format(base_dir, config, base.tensors)
-    if stored in READ_ONLY:
-        raise read_only("a LoRA base", base_dir, config)
-    refuse_fp4_experts("a LoRA base", base_dir, config)
-    qc = fp8_block_config(config) if stored == FP8_BLOCK else None
-    weights = [n for n in base.tensors if n not in written and not (qc and n.endswith(SCALE_SUFFIX))]
-    result = fold_steps({n: n for n in weights}, adapters, catalog.tensors, ties(config, options),
+    # a quantized release: its weights are dequantized, folded, then requantized or cast; a format the fold cannot
+    # read is refused (quantized_base.py)
+    weights = base_weights(base)
+    tensors = {**{n: t for n, t in catalog.tensors.items() if n not in base.tensors}, **weights.tensors}
+    result = fold_steps({n: n for n in weights.tensors if n not in written}, adapters, tensors,
+                        ties(config, options),
                         experts_transposed(local_config_folder(base_dir), config, options.trust_remote_code))
     steps = result.steps + list(folds)
-    if qc is not None:  # folds by other rules (Megatron-Bridge's shards) read the base too
-        steps = fp8.dequantizing_inputs(steps, catalog.tensors, fp8.block_size(qc, base_dir / "config.json"),
-                                        fp8.ue8m0_scales(qc))
-        notes = (*notes, "merger: the base is an FP8 block-scaled release: its weights are dequantized before the "
-                         "fold (--dtype keep writes them back as FP8 in its layout)")
+    quantized = bool(weights.dequantizers)
+    if quantized:  # folds by other rules (Megatron-Bridge's shards) read the base too
+        steps = dequantizing_inputs(steps, weights.dequantizers)
+        notes = (*notes, f"merger: the base is {weights.described}: its weights are dequantized before the fold "
+                         f"(--dtype keep writes them back in its layout)")
     return Mapping(steps + list(side_steps), base_dir, config,
                    config_updates={"tie_word_embeddings": False} if result.untied else {},
-                   config_removals=(QUANTIZATION_CONFIG,) if qc else (),
-                   extra_files=dict(extra_files or {}), notes=notes, catalog=catalog,
-                   quantize_like=base_dir if qc else None)
+                   config_removals=(QUANTIZATION_CONFIG,) if quantized else (),
+                   files_left_out=weights.files_left_out, extra_files=dict(extra_files or {}), notes=notes,
+                   catalog=catalog, quantize_like=base_dir if quantized else None)
 
 
 def claims(catalog: Catalog, options: MergeOptions) -> bool:

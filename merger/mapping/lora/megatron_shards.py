@@ -36,6 +36,7 @@ from .adapter_state import ADAPTER_PART, adapter_folder_of
 from .checkpoint_config import given_config_path, resolve_flag
 from .fold import fold_lora, lora_scale
 from .peft_state import ADAPTER_DIR, ADAPTER_FILE, lora_note
+from .quantized_base import base_weights
 
 
 @dataclass(frozen=True)
@@ -130,12 +131,14 @@ def _fold(inputs: list[torch.Tensor], transform: Transform | None, index: int, s
 
 
 def fold_steps(base: Catalog, catalog: Catalog, linears: list[AdaptedLinear], scale: float) -> list[Step]:
-    """One step per adapted HF weight: the base weight, A and the whole B in; the folded weight out."""
+    """One step per adapted HF weight: the base weight (as the fold reads it: a quantized one dequantized), A and the
+    whole B in; the folded weight out."""
     steps = []
+    weights = base_weights(base).tensors
     for lin in linears:
         in_features = catalog.tensors[lin.a].shape[1]
         for index, (weight, b_shape) in enumerate(zip(lin.weights, lin.b_shapes)):
-            tensor = base.tensors.get(weight)
+            tensor = weights.get(weight)
             if tensor is None:
                 raise MergerError(f"adapter shard {lin.b} changes {weight}, which the base model lacks, {base.root}")
             if tensor.shape != (b_shape[0], in_features):
