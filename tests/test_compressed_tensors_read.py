@@ -25,12 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from compressed_tensors.compressors.mx_utils import decompress_mx_scale
-from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
-from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
-from compressed_tensors.quantization import QuantizationArgs
-from compressed_tensors.quantization.lifecycle.forward import dequantize
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -39,12 +34,11 @@ from tests.helpers.in_process import merge_in_process, stdout_in_process
 from tests.helpers.logits import assert_logits_of
 from tests.helpers.processes import run_merger
 from tests.helpers.weights import assert_bitwise
-from tests.writers.compressed_tensors_release import FORMATS, TINY
+from tests.writers.compressed_tensors_release import FORMATS, TINY, dequantized_float32
 
 pytestmark = pytest.mark.slow
 
 NOT_QUANTIZED = ["model.embed_tokens"]  # no Linear: what the dequantizer's name matching cannot tell
-PARTS = ("weight_packed", "weight", "weight_scale", "weight_shape", "weight_global_scale")  # of any format here
 
 
 def oracle_bfloat16(release: Path) -> dict[str, torch.Tensor]:
@@ -52,34 +46,11 @@ def oracle_bfloat16(release: Path) -> dict[str, torch.Tensor]:
         load_file(release / "model.safetensors"))
 
 
-def oracle_float32(release: Path) -> dict[str, torch.Tensor]:
-    """compressed-tensors' unpacking and `dequantize` in float32 for each quantized weight (one with a
-    weight_scale); every other tensor as stored."""
-    qc = json.loads((release / "config.json").read_text())["quantization_config"]
-    fmt, args = qc["format"], QuantizationArgs(**qc["config_groups"]["group_0"]["weights"])
-    state = load_file(release / "model.safetensors")
-    out = {}
-    for module in [n.removesuffix(".weight_scale") for n in state if n.endswith(".weight_scale")]:
-        part = {p: state.pop(f"{module}.{p}") for p in PARTS if f"{module}.{p}" in state}
-        scale, global_scale = part["weight_scale"].float(), part.get("weight_global_scale")
-        if fmt == "pack-quantized":
-            codes = unpack_from_int32(part["weight_packed"], 4, part["weight_shape"])
-        elif fmt == "mxfp8-quantized":
-            codes = part["weight"]
-        else:
-            packed = part["weight_packed"]
-            codes = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
-        if fmt.startswith("mx"):
-            scale = decompress_mx_scale(part["weight_scale"]).float()
-        out[f"{module}.weight"] = dequantize(codes, scale, args=args, dtype=torch.float32, global_scale=global_scale)
-    return {**out, **state}
-
-
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_a_release_is_read_as_compressed_tensors_dequantizes_it(fmt, ct_release, tmp_path):
     release = ct_release(fmt)
     merge_in_process(release, tmp_path / "f32", "--dtype", "float32")
-    assert_bitwise(load_file(tmp_path / "f32" / "model.safetensors"), oracle_float32(release), torch.float32)
+    assert_bitwise(load_file(tmp_path / "f32" / "model.safetensors"), dequantized_float32(release), torch.float32)
 
     out = merge_in_process(release, tmp_path / "bf16")
     oracle = oracle_bfloat16(release)

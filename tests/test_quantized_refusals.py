@@ -1,8 +1,7 @@
 """Quantized formats merger does not read are refused with one line naming the format and the file, by every
 command that reads such a folder: `merge` of it, `inspect` of it, `lora` into it as the base, `--quantize_like` it.
-Their packed tensors are never copied through as if they were weights. The compressed-tensors formats and ModelOpt
-algorithms merger reads (test_compressed_tensors_read.py, test_modelopt_read.py) are refused as a LoRA base, which it
-does not do yet, and a ModelOpt export with its KV cache quantized as a layout to write.
+Their packed tensors are never copied through as if they were weights. A ModelOpt export with its KV cache quantized
+is refused as a layout to write, and so as a LoRA base written back in its layout.
 
 The releases are written by compressed-tensors itself (tests/writers/compressed_tensors_release.py: a tiny Llama
 quantized as INT4 `pack-quantized` in groups of 32, `mxfp4-pack-quantized`, `nvfp4-pack-quantized`,
@@ -141,23 +140,6 @@ def test_the_refusal_is_one_line_and_no_traceback_from_a_process(ct_release, tmp
     assert error.endswith(f", {release / 'config.json'}") and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("fmt", ["pack-quantized", "mxfp4-pack-quantized"])
-def test_a_lora_into_a_release_is_refused(fmt, ct_release, tmp_path, capsys):
-    """`merger lora --base_model RELEASE` of a release merger reads: it does not fold into one yet, and the base's
-    packed weights are no weights to fold an adapter into."""
-    release = ct_release(fmt)
-    adapter = tmp_path / "adapter"
-    torch.manual_seed(1)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
-    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
-    peft.get_peft_model(model, config).save_pretrained(adapter)
-    before = {p.name for p in tmp_path.iterdir()}
-    code, errors = command_here(capsys, "lora", "--base_model", release, "--adapter", adapter, "--target_dir",
-                                tmp_path / "out")
-    assert_refused(code, errors, f"compressed-tensors {fmt} weights (config.json's quantization_config) as a LoRA "
-                   "base", release / "config.json", tmp_path, before)
-
-
 def test_packed_tensors_that_no_config_describes_are_refused(ct_release, tmp_path, capsys):
     """The INT4 release with its quantization_config taken out: nothing then says how to read `weight_packed`,
     `weight_scale`, `weight_shape`, and none of them is a weight."""
@@ -235,27 +217,27 @@ def test_a_quantized_layer_the_export_excludes_is_refused(mo_release, tmp_path, 
     assert "which hf_quant_config.json excludes ('model.layers.1.mlp.*')" in errors[0]
 
 
-def test_a_lora_into_a_modelopt_export_and_quantize_like_one_with_a_kv_cache_are_refused(mo_release, plain, tmp_path,
-                                                                                        capsys):
-    """merger reads ModelOpt's MXFP8 export but does not fold an adapter into it yet; it writes NVFP4 exports
-    (test_modelopt_nvfp4_write.py), but not one with its KV cache quantized (ModelOpt's FP8 KV-cache preset), whose
-    k_scale and v_scale calibrate the cache on data."""
-    release = mo_release("mxfp8")
+def test_quantize_like_or_a_lora_into_a_modelopt_export_with_a_kv_cache_is_refused(mo_release, plain, tmp_path,
+                                                                                    capsys):
+    """merger writes NVFP4 exports (test_modelopt_nvfp4_write.py), but not one with its KV cache quantized (ModelOpt's
+    FP8 KV-cache preset), whose k_scale and v_scale calibrate the cache on data: as --quantize_like's release, nor as
+    a LoRA base written back in its layout (`merger lora`'s default, --dtype keep)."""
     adapter = tmp_path / "adapter"
     torch.manual_seed(1)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False)
     peft.get_peft_model(model, config).save_pretrained(adapter)
     before = {p.name for p in tmp_path.iterdir()}
-    code, errors = command_here(capsys, "lora", "--base_model", release, "--adapter", adapter, "--target_dir",
-                                tmp_path / "out")
-    assert_refused(code, errors, "ModelOpt MXFP8 weights (hf_quant_config.json) as a LoRA base",
-                   release / "hf_quant_config.json", tmp_path, before)
     release = mo_release("nvfp4", "fp8")
     with safe_open(str(release / "model.safetensors"), "pt") as f:
         assert any(name.endswith(".k_scale") for name in f.keys())  # ModelOpt wrote its KV cache's scales
     code, errors = merge_here(capsys, "--local_dir", plain, "--target_dir", tmp_path / "out", "--quantize_like",
                               release)
+    assert_refused(code, errors, "ModelOpt NVFP4 with its KV cache quantized (FP8) as --quantize_like's release: its "
+                   "k_scale and v_scale calibrate the cache on data merger does not have",
+                   release / "hf_quant_config.json", tmp_path, before)
+    code, errors = command_here(capsys, "lora", "--base_model", release, "--adapter", adapter, "--target_dir",
+                                tmp_path / "out")
     assert_refused(code, errors, "ModelOpt NVFP4 with its KV cache quantized (FP8) as --quantize_like's release: its "
                    "k_scale and v_scale calibrate the cache on data merger does not have",
                    release / "hf_quant_config.json", tmp_path, before)

@@ -16,19 +16,26 @@ calibration data: the weights' own groups give the scales, as for a weights-only
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import load_file
 from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.compressors.mx_utils import decompress_mx_scale
+from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                              QuantizationStatus, apply_quantization_config, preset_name_to_scheme)
+from compressed_tensors.quantization.lifecycle.forward import dequantize
 from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp, generate_gparam
 
 # hidden and intermediate sizes in whole groups of 32 (MX, INT4) and of 16 (NVFP4)
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=False)
 INT4_GROUP_32 = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
+PARTS = ("weight_packed", "weight", "weight_scale", "weight_shape", "weight_global_scale")  # of any format here
 # format -> compressed-tensors' preset scheme (weights only), or the weights' arguments
 FORMATS = {"pack-quantized": INT4_GROUP_32, "mxfp4-pack-quantized": "MXFP4A16",
            "nvfp4-pack-quantized": "NVFP4A16", "mxfp8-quantized": "MXFP8A16"}
@@ -83,13 +90,14 @@ def _calibrate(model: torch.nn.Module, shared: tuple[tuple[str, ...], ...] = ())
 
 
 def write_release(folder: Path, fmt: str, seed: int = 0, weights: dict[str, torch.Tensor] | None = None,
-                  shared: tuple[tuple[str, ...], ...] = ()) -> Path:
+                  shared: tuple[tuple[str, ...], ...] = (), dtype: torch.dtype = torch.bfloat16) -> Path:
     """The tiny Llama quantized in `fmt` (a key of FORMATS or of VARIANTS), saved in `folder`; `weights`: the
-    model's weights instead of the seeded ones (a trained model: its bfloat16 state dict); `shared`: NVFP4's sets
-    of sibling layers that share a global scale (SHARED), none by default."""
+    model's weights instead of the seeded ones (a trained model: its state dict); `shared`: NVFP4's sets of sibling
+    layers that share a global scale (SHARED), none by default; `dtype`: the model's, which compressed-tensors
+    computes the scales in."""
     fmt, preset = VARIANTS.get(fmt, (fmt, FORMATS.get(fmt)))
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).to(torch.bfloat16)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).to(dtype)
     if weights is not None:
         model.load_state_dict(weights)
     config = QuantizationConfig(config_groups={"group_0": _scheme(preset)}, ignore=["lm_head"],
@@ -101,6 +109,30 @@ def write_release(folder: Path, fmt: str, seed: int = 0, weights: dict[str, torc
     model.save_pretrained(folder)
     compressor.update_config(folder)
     return folder
+
+
+def dequantized_float32(release: Path) -> dict[str, torch.Tensor]:
+    """compressed-tensors' unpacking and `dequantize` in float32 for each quantized weight (one with a
+    weight_scale) of the release in `release`; every other tensor as stored. (Its dequantizer asked for float32
+    rounds INT4's and NVFP4's products to bfloat16: tests/test_compressed_tensors_read.py.)"""
+    qc = json.loads((release / "config.json").read_text())["quantization_config"]
+    fmt, args = qc["format"], QuantizationArgs(**qc["config_groups"]["group_0"]["weights"])
+    state = load_file(release / "model.safetensors")
+    out = {}
+    for module in [n.removesuffix(".weight_scale") for n in state if n.endswith(".weight_scale")]:
+        part = {p: state.pop(f"{module}.{p}") for p in PARTS if f"{module}.{p}" in state}
+        scale, global_scale = part["weight_scale"].float(), part.get("weight_global_scale")
+        if fmt == "pack-quantized":
+            codes = unpack_from_int32(part["weight_packed"], 4, part["weight_shape"])
+        elif fmt == "mxfp8-quantized":
+            codes = part["weight"]
+        else:
+            packed = part["weight_packed"]
+            codes = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
+        if fmt.startswith("mx"):
+            scale = decompress_mx_scale(part["weight_scale"]).float()
+        out[f"{module}.weight"] = dequantize(codes, scale, args=args, dtype=torch.float32, global_scale=global_scale)
+    return {**out, **state}
 
 
 def main() -> None:
