@@ -25,6 +25,7 @@ from __future__ import annotations
 # 15 s of CPU
 
 import argparse
+import shutil
 from pathlib import Path
 
 import peft
@@ -105,6 +106,7 @@ def write_case(root: Path, case: str, adapter: Path) -> None:
         written = ct.write_release(root / "tool", fmt, weights={n: t.to(dtype) for n, t in merged.items()},
                                    shared=ct.SHARED["oneshot"] if fmt.startswith("nvfp4") else (), dtype=dtype)
         quantized = load_file(written / "model.safetensors")
+        shutil.rmtree(written)  # its other files are the release's
     save_file({n: t.contiguous() for n, t in quantized.items()}, root / "tool.safetensors")
 
 
