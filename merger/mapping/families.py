@@ -69,9 +69,10 @@ FAMILIES = (
            megatron=mr.MLA + mr.DSA_INDEXER + mr.DENSE_MLP + mr.DEEPSEEK_MOE,
            mtp=NEXTN, config_rows=MLA_CONFIG_ROWS),
     # GLM-4.5 / 4.6: GQA attention (qkv bias, q/k norms when use_qk_norm) before DeepSeek-V3's MoE; its MTP
-    # layers are HF's model.layers.{L+k}, as DeepSeek-V3's are
+    # layers are HF's model.layers.{L+k}, as DeepSeek-V3's are. GLM-4.5V's Megatron checkpoints are this text model
+    # (glm4v_moe_text) with a vision tower, written whole as HF glm4v_moe
     Family("glm4_moe", ("glm4_moe",), megatron=mr.ATTENTION + mr.QK_NORM + mr.DENSE_MLP + mr.DEEPSEEK_MOE,
-           mtp=NEXTN),
+           megatron_vision=mr.GLM4V_VISION, mtp=NEXTN),
     # Qwen3.5 / 3.6 dense and MoE (a Gated DeltaNet and gated full attention hybrid, layer_types in config.json):
     # the VLM with its vision tower (qwen3_5, qwen3_5_moe), or the text model alone, the tower left out
     Family("qwen3_5", ("qwen3_5_text", "qwen3_5_moe_text"),
@@ -127,15 +128,17 @@ def _one_family_per_model_type(families: tuple[Family, ...]) -> None:
 
 
 def tp_split_known(families: tuple[Family, ...]) -> None:
-    """Every Megatron row names a tensor whose TP split is known (family_file.py checks a user's rows too)."""
-    tables = [(f"the {f.name} family", f.megatron) for f in families] + [
-        (f"the {f.name} family's vision tower", tower.globals + tower.rows + tuple(r for _, _, rows in tower.lists
-                                                                                    for r in rows))
-        for f in families if (tower := f.megatron_vision)] + [
-        ("Megatron's global rows", mr.MEGATRON.globals), ("Megatron's MTP rows", mr.MEGATRON.mtp.rows)]
-    for where, rows in tables:
+    """Every Megatron row names a tensor whose TP split is known (family_file.py checks a user's rows too). A vision
+    tower's rows are checked by their full names: one kept as HF's own module is told by its prefix."""
+    tables = [(f"the {f.name} family", "", f.megatron) for f in families] + [
+        (f"the {f.name} family's vision tower", prefix, rows)
+        for f in families if (tower := f.megatron_vision)
+        for prefix, rows in (("", tower.globals), (tower.blocks, tower.rows),
+                             *((start, rows) for start, _, rows in tower.lists))] + [
+        ("Megatron's global rows", "", mr.MEGATRON.globals), ("Megatron's MTP rows", "", mr.MEGATRON.mtp.rows)]
+    for where, prefix, rows in tables:
         for row in rows:
-            if not split_known(row.source):
+            if not split_known(prefix + row.source):
                 raise ValueError(f"row {row.source!r} of {where}: sources/megatron_tp.py does not say how TP splits it")
 
 

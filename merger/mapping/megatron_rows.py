@@ -187,6 +187,25 @@ def qwen3_vl_vision(model_types: tuple[str, ...]) -> VisionTower:
                 _MERGER),))
 
 
+def _as_is(prefix: str, hf: str, names: tuple[str, ...]) -> tuple[Row, ...]:
+    return tuple(Row(f"{prefix}{n}", "rename", (f"{hf}{n}",)) for n in names)
+
+
+# GLM-4.5V's vision tower as Megatron-Bridge's GLM45VModel saves it: HF's own module as `visual.` (its names, whole
+# on every TP rank: sources/megatron_tp.py), the text model as `language_model.`; HF keeps it as `model.visual.`.
+# Every name is listed, so a tensor HF has no place for is refused rather than written.
+GLM4V_VISION = VisionTower(
+    ("glm4v_moe",), "visual.", "visual.blocks.", "model.visual.blocks.{i}.",
+    globals=_as_is("visual.", "model.visual.", (
+        "patch_embed.proj.weight", "patch_embed.proj.bias", "post_conv_layernorm.weight",
+        "embeddings.position_embedding.weight", "post_layernorm.weight", "downsample.weight", "downsample.bias",
+        "merger.proj.weight", "merger.post_projection_norm.weight", "merger.post_projection_norm.bias",
+        "merger.gate_proj.weight", "merger.up_proj.weight", "merger.down_proj.weight")),
+    rows=_as_is("", "", ("norm1.weight", "norm2.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
+                         "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")),
+    text_prefixes=(("model.", "model.language_model."),))
+
+
 # Qwen3-VL-MoE's experts: transformers keeps them stacked on disk, gate_up_proj [E, 2F, D] (each expert's
 # cat(gate, up), Megatron's fc1 as it is) and down_proj [E, D, F]
 QWEN3_VL_MOE_EXPERTS = (

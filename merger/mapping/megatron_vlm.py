@@ -1,10 +1,11 @@
 """Megatron vision-language checkpoints (Megatron-Bridge's and verl's Megatron engine's: the text model as a GPTModel
-under `language_model.`, the vision tower beside it under `vision_model.`) as the HF VLM, whole.
+under `language_model.`, the vision tower beside it, under `vision_model.` or, kept as HF's own module, `visual.`)
+as the HF VLM, whole.
 
 The VLM is found from config.json's model_type among the families' Megatron vision towers (family.megatron_vision:
-Qwen3-VL's qwen3_vl and qwen3_vl_moe). The text model's tensors are the family's Megatron rows, mapped with
-config.json's `text_config` (its heads, its vocabulary) and written under the VLM's names (`model.language_model.`,
-`lm_head`; experts stacked where a row says so, as megatron.py writes them);
+Qwen3-VL's qwen3_vl and qwen3_vl_moe, GLM-4.5V's glm4v_moe). The text model's tensors are the family's Megatron rows,
+mapped with config.json's `text_config` (its heads, its vocabulary) and written under the VLM's names
+(`model.language_model.`, `lm_head`; experts stacked where a row says so, as megatron.py writes them);
 the tower's are the tower's rows, mapped with the whole config.json (its `vision_config`).
 """
 from __future__ import annotations
@@ -24,22 +25,27 @@ from .policy import ties
 from .steps import Mapping
 from .transformers_release import require_model_type
 
-TEXT, VISION = VLM_PREFIXES
+TEXT = VLM_PREFIXES[0]
+TOWERS = tuple((f, f.megatron_vision) for f in MEGATRON_FAMILIES if f.megatron_vision)
+# what only a VLM's checkpoint holds: its text model's prefix, or a tower's
+VLM_STARTS = (TEXT, *sorted({t.prefix for _, t in TOWERS}))
 
 
 def claims(catalog: Catalog, options: MergeOptions) -> bool:
-    return catalog.naming == "megatron" and any(n.startswith(VISION) for n in catalog.tensors)
+    return catalog.naming == "megatron" and any(n.startswith(VLM_STARTS) for n in catalog.tensors)
 
 
 def _family(config: dict, catalog: Catalog) -> tuple[Family, VisionTower]:
     model_type = config.get("model_type")
-    towers = [(f, f.megatron_vision) for f in MEGATRON_FAMILIES if f.megatron_vision]
-    found = next(((f, t) for f, t in towers if model_type in t.model_types), None)
+    found = next(((f, t) for f, t in TOWERS if model_type in t.model_types), None)
     if found is None:
-        known = ", ".join(m for _, t in towers for m in t.model_types)
-        raise MergerError(f"a Megatron vision-language checkpoint (language_model.*, vision_model.* tensors) with "
+        known = ", ".join(m for _, t in TOWERS for m in t.model_types)
+        raise MergerError(f"a Megatron vision-language checkpoint ({TEXT}* tensors and a vision tower's) with "
                           f"config.json model_type {model_type!r}: merger writes Megatron VLMs as {known} "
                           f"(docs/megatron.md; --hf_model_config_path gives the HF VLM's config), {catalog.root}")
+    if not any(n.startswith(found[1].prefix) for n in catalog.tensors):
+        raise MergerError(f"the Megatron checkpoint holds no vision tower ({found[1].prefix}*), which HF {model_type} "
+                          f"is written with, {catalog.root}")
     if not isinstance(config.get("text_config"), dict):
         raise MergerError(f"config.json of HF {model_type} has no text_config, which the text model is mapped by "
                           f"(the HF config of the model, --hf_model_config_path), {catalog.root}")
@@ -65,10 +71,10 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
             else:
                 steps.append(kinds.step(name, t.shape, t.dtype, row.kind, targets, text_config))
             continue
-        found = lookup(vision_table, name, 0) if name.startswith(VISION) else None
+        found = lookup(vision_table, name, 0) if name.startswith(tower.prefix) else None
         if found is None:
             raise MergerError(f"no HF name for Megatron tensor {name} in the {family.name} family's HF "
-                              f"{config['model_type']} table (language_model.*, vision_model.*), {catalog.root}")
+                              f"{config['model_type']} table ({TEXT}*, {tower.prefix}*), {catalog.root}")
         row, targets = found
         steps.append(kinds.step(name, t.shape, t.dtype, row.kind, targets, config))
     steps += stacks.steps(catalog, text_config)

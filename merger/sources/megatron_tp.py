@@ -38,12 +38,15 @@ DSA_INDEXER = ("indexer.linear_wq_b.weight", "indexer.linear_wk.weight", "indexe
                "indexer.k_norm.bias")
 # A ViT's (Qwen3-VL's tower: LayerNorms with biases, a patch embedding Conv3d and a position embedding, none split)
 VIT_WHOLE = ("norm.bias", "layer_norm_bias", "patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed.weight")
+# A vision tower kept as HF's own module (Megatron-Bridge's GLM-4.5V: `visual.*`, HF's names): not a megatron-core
+# module, so TP never splits it and every rank holds it whole, whatever its names end with
+HF_MODULE_PREFIXES = ("visual.",)
 WHOLE = ("norm.weight", "layer_norm_weight", "router.weight", "router.bias", "router.expert_bias", "gate_weight",
          "linear_proj.bias", "linear_fc2.bias") + DSA_INDEXER + VIT_WHOLE
 
 
 def split_known(name: str) -> bool:
-    return name.endswith(COLUMN + MAMBA + GATED_DELTANET + ROW + MLA_DOWN + WHOLE)
+    return name.startswith(HF_MODULE_PREFIXES) or name.endswith(COLUMN + MAMBA + GATED_DELTANET + ROW + MLA_DOWN + WHOLE)
 
 
 def _full_width_qk_norm(name: str, held: Mapping[str, tuple[int, ...]]) -> bool:
@@ -73,6 +76,8 @@ def _mla_down_dim(name: str, held: Mapping[str, tuple[int, ...]]) -> int | None:
 def tp_dim(name: str, shape: tuple[int, ...], held: Mapping[str, tuple[int, ...]]) -> int | None:
     """The dim tensor `name` (of `shape` on one rank) is split along over TP (or expert TP) ranks, None: whole on
     every rank; `held` are the names its rank file holds beside it, with their shapes on that rank."""
+    if name.startswith(HF_MODULE_PREFIXES):
+        return None
     if name == "output_layer.weight" and shape[:1] == (1,):
         return None  # a critic's value head: a replicated Linear(hidden, 1), not a vocab-parallel layer
     if name.endswith(MLA_DOWN):
