@@ -22,6 +22,7 @@ import torch
 
 from tests.helpers.in_process import merge_here
 from tests.helpers.in_process import merge_in_process as merge
+from tests.helpers.legacy_copies import edited_copy
 from tests.helpers.logits import hf_logits
 from tests.helpers.processes import run_merger, run_writer
 from tests.helpers.weights import assert_same_weights
@@ -104,16 +105,6 @@ def test_missing_expert_tp_rank_file_is_reported(moe_root, tmp_path, capsys):
     assert code == os.EX_NOINPUT
     assert "rank file for tp 1 pp 0 ep 1 is missing" in error, error
     assert not (tmp_path / "out").exists()
-
-
-def edited_copy(legacy: Path, dest: Path, edit) -> Path:
-    """A copy of a legacy save whose rank files' states went through `edit`."""
-    shutil.copytree(legacy, dest)
-    for rank_file in dest.glob("iter_0000001/mp_rank_*/model_optim_rng.pt"):
-        state = torch.load(rank_file, weights_only=False)  # our own test file
-        edit(state)
-        torch.save(state, rank_file)
-    return dest
 
 
 def test_unmapped_tensor_is_an_error_naming_it(moe_root, tmp_path, capsys):

@@ -16,14 +16,13 @@ bytes; the tokenizer, chat template and image processor files are those of the c
 """
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 
-from tests.helpers.in_process import merge_here
-from tests.helpers.megatron_mtp_models import assert_megatron_logits, merged_once, oracle, write_cases
+from tests.helpers.in_process import refused_here
+from tests.helpers.legacy_copies import edited_copy
+from tests.helpers.megatron_mtp_models import (assert_megatron_logits, load_vlm, merged_once, oracle,
+                                               text_config_folder, write_cases)
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 from tests.helpers.writers312 import writers312_python
 from tests.writers.tiny_models import build_image_processor
@@ -48,15 +47,6 @@ def merged(vl_root, tmp_path_factory):
     return merged_once(vl_root, tmp_path_factory)
 
 
-def _load(folder):
-    import transformers
-
-    model, info = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32,
-                                                                          output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    return model.eval()
-
-
 def _close(ours: torch.Tensor, megatron: torch.Tensor) -> None:
     assert ours.shape == megatron.shape
     assert (ours - megatron).abs().max().item() < 1e-4
@@ -67,7 +57,7 @@ def _close(ours: torch.Tensor, megatron: torch.Tensor) -> None:
 def test_text_logits_are_megatrons(case, fmt, vl_root, merged):
     expected = oracle(vl_root, case)
     with torch.no_grad():
-        logits = _load(merged(case, fmt))(input_ids=expected["tokens"]).logits
+        logits = load_vlm(merged(case, fmt))(input_ids=expected["tokens"]).logits
     assert_megatron_logits(logits, expected["logits"])
 
 
@@ -76,7 +66,7 @@ def test_vision_tower_modules_compute_what_megatrons_do(case, vl_root, merged):
     """The blocks (fused qkv split per head into HF's [q; k; v], TP-split linears, LayerNorms), the final and
     deepstack patch mergers and the patch embedding, each given Megatron's inputs."""
     expected = oracle(vl_root, case)
-    visual = _load(merged(case, "dist")).model.visual
+    visual = load_vlm(merged(case, "dist")).model.visual
     hidden, freqs = expected["hidden"], expected["freqs"]
     cu_seqlens = torch.tensor([0, hidden.shape[0]], dtype=torch.int32)
     with torch.no_grad():
@@ -117,37 +107,26 @@ def test_processor_and_chat_template_files_are_the_config_folders(vl_root, merge
 
 def test_an_mtp_layer_in_the_text_model_is_refused_in_one_line(vl_root, tmp_path, capsys):
     """transformers' Qwen3-VL has no multi-token-prediction layer: one would otherwise land on decoder layer 0."""
-    legacy = shutil.copytree(vl_root / CASE / "legacy", tmp_path / "legacy")
-    for rank_file in legacy.glob("iter_0000001/mp_rank_*/model_optim_rng.pt"):
-        state = torch.load(rank_file, weights_only=False)  # our own test file
+    def add_mtp(state):
         state["model"]["language_model.mtp.layers.0.enorm.weight"] = torch.ones(32)
-        torch.save(state, rank_file)
-    code, errors = merge_here(capsys, "--local_dir", legacy, "--target_dir", tmp_path / "out",
-                              "--hf_model_config_path", vl_root / CASE / "hf")
-    assert code != 0
-    assert errors == [f"merger: error: Megatron tensor language_model.mtp.layers.0.enorm.weight is a "
-                      f"multi-token-prediction layer's, which HF qwen3_vl has no place for, {legacy}"]
-    assert not (tmp_path / "out").exists()
+
+    legacy = edited_copy(vl_root / CASE / "legacy", tmp_path / "legacy", add_mtp)
+    assert refused_here(capsys, tmp_path / "out", "--local_dir", legacy, "--hf_model_config_path",
+                        vl_root / CASE / "hf") == [
+        f"merger: error: Megatron tensor language_model.mtp.layers.0.enorm.weight is a multi-token-prediction "
+        f"layer's, which HF qwen3_vl has no place for, {legacy}"]
 
 
 def test_a_qwen3_vl_moe_text_model_without_its_tower_is_refused_in_one_line(vl_root, tmp_path, capsys):
     """transformers has no causal LM of qwen3_vl_moe_text alone: a language-model-only run stops, given the VLM's
     config.json or its text_config, rather than writing a folder nothing loads as a causal LM."""
-    legacy = shutil.copytree(vl_root / MOE_CASE / "legacy", tmp_path / "legacy")
-    for rank_file in legacy.glob("iter_0000001/mp_rank_*/model_optim_rng.pt"):
-        state = torch.load(rank_file, weights_only=False)  # our own test file
+    def text_model_alone(state):
         state["model"] = {k[len("language_model."):]: v for k, v in state["model"].items()
                           if k.startswith("language_model.")}
-        torch.save(state, rank_file)
-    text = tmp_path / "text"
-    text.mkdir()
-    config = json.loads((vl_root / MOE_CASE / "hf" / "config.json").read_text())
-    (text / "config.json").write_text(json.dumps(config["text_config"]))
-    for hf in (vl_root / MOE_CASE / "hf", text):
-        code, errors = merge_here(capsys, "--local_dir", legacy, "--target_dir", tmp_path / "out",
-                                  "--hf_model_config_path", hf)
-        assert code != 0
-        assert errors == ["merger: error: the Megatron checkpoint holds no vision tower (vision_model.*), and merger "
-                          "writes the qwen3_vl_moe family only as HF qwen3_vl_moe with it: transformers has no causal "
-                          "LM of qwen3_vl_moe_text alone, config.json"]
-        assert not (tmp_path / "out").exists()
+
+    legacy = edited_copy(vl_root / MOE_CASE / "legacy", tmp_path / "legacy", text_model_alone)
+    for hf in (vl_root / MOE_CASE / "hf", text_config_folder(vl_root / MOE_CASE / "hf", tmp_path / "text")):
+        assert refused_here(capsys, tmp_path / "out", "--local_dir", legacy, "--hf_model_config_path", hf) == [
+            "merger: error: the Megatron checkpoint holds no vision tower (vision_model.*), and merger writes the "
+            "qwen3_vl_moe family only as HF qwen3_vl_moe with it: transformers has no causal LM of "
+            "qwen3_vl_moe_text alone, config.json"]

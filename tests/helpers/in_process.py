@@ -60,6 +60,15 @@ def merge_here(capsys, *args) -> tuple[int, list[str]]:
     return command_here(capsys, "merge", *args)
 
 
+def refused_here(capsys, target: Path, *args) -> list[str]:
+    """Run `merger merge --target_dir TARGET ARGS` in this process, which must fail and leave nothing at TARGET;
+    returns the `merger: error:` lines."""
+    code, errors = merge_here(capsys, "--target_dir", target, *args)
+    assert code != 0
+    assert not target.exists()
+    return errors
+
+
 def single_error_line(stderr: str) -> str:
     """The one `merger: error:` line of a run's stderr (there must be exactly one)."""
     errors = [line for line in stderr.splitlines() if line.startswith("merger: error:")]

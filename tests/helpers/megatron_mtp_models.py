@@ -1,7 +1,9 @@
 """What the tests of tests/writers/megatron_deepseek.py's checkpoints share (DeepSeek-V3 and GLM-4.5 style, with
 multi-token-prediction layers): the cases written in one torchrun launch, each merged once per set of flags, the
 oracle the writer saved, the merged model loaded, its MTP layer's logits as transformers computes them, and the
-checks against Megatron's logits (fp32, max abs diff < 1e-4, the same argmax)."""
+checks against Megatron's logits (fp32, max abs diff < 1e-4, the same argmax). The Megatron VLM tests
+(test_megatron_qwen3_vl.py, test_megatron_glm45v.py) share them too, with the merged VLM loaded and a config folder
+of a VLM's text_config."""
 from __future__ import annotations
 
 import json
@@ -66,6 +68,25 @@ def load(folder: Path):
                                                                     output_loading_info=True)
     assert not info["missing_keys"], info
     return model.eval(), set(info["unexpected_keys"])
+
+
+def load_vlm(folder: Path):
+    """The merged HF VLM (AutoModelForImageTextToText), every tensor loaded and none left over."""
+    import transformers
+
+    model, info = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32,
+                                                                          output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()
+
+
+def text_config_folder(vlm_folder: Path, dest: Path) -> Path:
+    """A config folder whose config.json is the `text_config` of VLM_FOLDER's: a text model's config given for a
+    VLM."""
+    dest.mkdir()
+    config = json.loads((vlm_folder / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps(config["text_config"]))
+    return dest
 
 
 def load_beside_mtp(folder: Path, expected: dict):

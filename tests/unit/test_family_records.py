@@ -380,16 +380,20 @@ def test_every_megatron_family_has_a_test_case():
 
 
 def test_every_megatron_vision_tower_has_a_test_case():
-    """test_megatron_qwen3_vl.py merges what its writer writes for each of its cases, whose HF config is the VLM's."""
+    """test_megatron_qwen3_vl.py and test_megatron_glm45v.py merge what their writers write for each of their cases,
+    whose HF config is the VLM's."""
     from argparse import Namespace
 
-    from tests import test_megatron_qwen3_vl
-    from tests.writers import megatron_qwen3_vl
+    from tests import test_megatron_glm45v, test_megatron_qwen3_vl
+    from tests.writers import megatron_glm45v, megatron_qwen3_vl
 
+    cases = [(test_megatron_qwen3_vl.CASES, megatron_qwen3_vl, {"layers": 2}),
+             (test_megatron_glm45v.CASES, megatron_glm45v, {})]
     written = set()
-    for spec in test_megatron_qwen3_vl.CASES.values():
-        values = {**megatron_qwen3_vl.DEFAULTS, **dict(pair.split("=") for pair in spec.split(",") if pair)}
-        written.add(megatron_qwen3_vl.hf_config(Namespace(**values, layers=2)).model_type)
+    for specs, writer, fixed in cases:
+        for spec in specs.values():
+            values = {**writer.DEFAULTS, **dict(pair.split("=") for pair in spec.split(",") if pair), **fixed}
+            written.add(writer.hf_config(Namespace(**values)).model_type)
     towers = {t for f in MEGATRON_FAMILIES if f.megatron_vision for t in f.megatron_vision.model_types}
     assert towers == written
 

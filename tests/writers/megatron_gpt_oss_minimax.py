@@ -154,17 +154,18 @@ def distinct_values(model, a: Namespace, split_unflagged: tuple[str, ...] = SPLI
             p.copy_(1 + 0.1 * value if "norm" in name else 0.05 * value if p.dim() > 1 else 0.3 * value)
 
 
-def build_model(a: Namespace, config, spec=None, split_unflagged: tuple[str, ...] = SPLIT_UNFLAGGED):
+def build_model(a: Namespace, config, spec=None, split_unflagged: tuple[str, ...] = SPLIT_UNFLAGGED, **rope):
     """The model of `spec` (a layer's or a block's; this writer's layer_spec by default), its values drawn apart
-    (distinct_values)."""
+    (distinct_values); `rope` overrides GPTModel's position embedding keywords (GLM-4.5V's partial MRoPE)."""
     from megatron.core.models.gpt import GPTModel
 
+    rope = {"position_embedding_type": "rope", "rotary_base": 10000,
+            "rotary_percent": MINIMAX_ROTARY if a.arch == "minimax_m2" else 1.0, **rope}
     torch.manual_seed(1234)  # CPU init draws each full weight from this seed, then keeps this rank's slice
     model = GPTModel(config=config, transformer_layer_spec=spec or layer_spec(a),
                      vocab_size=padded_vocab(a.vocab, a.tp), max_sequence_length=64, pre_process=True,
-                     post_process=True, share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                     rotary_base=10000, rotary_percent=MINIMAX_ROTARY if a.arch == "minimax_m2" else 1.0,
-                     parallel_output=False).eval()
+                     post_process=True, share_embeddings_and_output_weights=False, parallel_output=False,
+                     **rope).eval()
     distinct_values(model, a, split_unflagged)
     with torch.no_grad():  # the expert bias is a buffer, 0 at first: the same on every rank
         for name, buf in model.named_buffers():

@@ -187,12 +187,13 @@ def write_case(a: Namespace, out: Path) -> None:
 
     write_model(a, model, out, lambda: _oracle(a, model), lambda: hf_config(a))
     if torch.distributed.get_rank() == 0:  # the VLM's own class, tokenizer and processor files over the text model's
-        _save_vlm_folder(a, out / "hf")
+        save_vlm_folder(hf_config(a), out / "hf")
     ps.destroy_model_parallel()
 
 
-def _save_vlm_folder(a: Namespace, folder: Path) -> None:
-    config = hf_config(a)
+def save_vlm_folder(config, folder: Path) -> None:
+    """The HF VLM's config (its ForConditionalGeneration class) and a tokenizer with the vision tokens and a chat
+    template, over write_model's text-model folder (megatron_glm45v.py's too)."""
     config.architectures = [type(config).__name__.replace("Config", "ForConditionalGeneration")]
     config.save_pretrained(folder)
     tokenizer = build_tokenizer(vision=True)
