@@ -18,6 +18,7 @@ FIRST_RELEASE = {
     "glm_moe_dsa": "5.2.0", "qwen3_5": "5.2.0", "qwen3_5_moe": "5.2.0", "qwen3_5_text": "5.2.0",
     "qwen3_5_moe_text": "5.2.0", "nemotron_h": "5.3.0", "hy_v3": "5.6.0", "deepseek_v32": "5.11.0", "kimi_k25": "5.13.0",
     "mimo_v2_flash": "5.13.0", "qwen3_vl": "4.57.0", "qwen3_vl_moe": "4.57.0", "qwen3_vl_moe_text": "4.57.0",
+    "glm4v_moe": "4.56.0",
 }
 
 
