@@ -176,12 +176,10 @@ def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = N
         if options.hf_upload_path:
             from ..output.publish import upload_merged
 
-            def publish():
-                nonlocal uploaded
-                uploaded = upload_merged(Path(options.target_dir).absolute(), options.hf_upload_path,
-                                         options.private)
-
-            on_rank_zero(group, publish, options.debug)  # one rank uploads; every rank learns if it failed
+            folder = Path(options.target_dir).absolute()
+            # one rank uploads; every rank learns if it failed
+            uploaded = on_rank_zero(group, lambda: upload_merged(folder, options.hf_upload_path, options.private),
+                                    options.debug)
     except MergerError as e:
         if options.summary_json:
             summary(str(e))

@@ -261,5 +261,6 @@ def on_every_rank(group: Group, fn: Callable[[], object], debug: bool = False):
     return result
 
 
-def on_rank_zero(group: Group, fn: Callable[[], object], debug: bool = False) -> None:
-    on_every_rank(group, fn if group.rank == 0 else (lambda: None), debug)
+def on_rank_zero(group: Group, fn: Callable[[], object], debug: bool = False):
+    """Run fn on rank 0, then sync as on_every_rank; fn's result on rank 0, None on the others."""
+    return on_every_rank(group, fn if group.rank == 0 else (lambda: None), debug)
