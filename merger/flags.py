@@ -225,13 +225,16 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
                                            "id): FP8 block-scaled (the tensors it quantizes as float8 with "
                                            "per-block weight_scale_inv) or gpt-oss MXFP4 (its experts as _blocks "
                                            "and _scales); the rest in its dtypes, its quantization_config")
-    p.add_argument("--quantize", choices=["fp8-block", "mxfp8", "mxfp4"], default=None,
+    p.add_argument("--quantize", choices=["fp8-block", "mxfp8", "mxfp4", "nvfp4", "int4"], default=None,
                    help="fp8-block: FP8 block-scaled weights (128x128 blocks, float32 weight_scale_inv) for the "
                         "modules transformers' FP8 quantizer converts by default (Linear layers and experts; not "
                         "lm_head, nor one with a weight that is not whole 128x128 blocks); "
                         "mxfp8: the same modules as transformers' mxfp8 (1x32 blocks, e8m0 weight_scale_inv); "
                         "mxfp4: gpt-oss's MoE experts in MXFP4 as the gpt-oss release stores them "
-                        "(gpt-oss only)")
+                        "(gpt-oss only); nvfp4: compressed-tensors nvfp4-pack-quantized (llmcompressor's NVFP4A16) "
+                        "for the Linear layers, not lm_head; int4: compressed-tensors pack-quantized INT4 in "
+                        "groups of 32 for the routed experts only (Kimi-K2's scheme); a weight not in whole "
+                        "groups stays unquantized")
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:

@@ -73,7 +73,8 @@ class MergeOptions:
     adapters: tuple[Path, ...] = _shapes_output(())  # `merger lora`: PEFT adapter folders folded into the base
     quantize_like: str | Path | None = _shapes_output(None)  # an FP8 or gpt-oss MXFP4 release (folder or Hub id)
     # fp8-block: FP8 in 128x128 blocks, transformers' choice of modules; mxfp8: the same in 1x32 blocks, e8m0 scales
-    # (transformers' mxfp8); mxfp4: gpt-oss's experts in MXFP4
+    # (transformers' mxfp8); mxfp4: gpt-oss's experts in MXFP4; nvfp4, int4: compressed-tensors' (Linear layers;
+    # routed experts)
     quantize: str | None = _shapes_output(None)
     family: Path | None = _shapes_output(None)  # Megatron: a family file (TOML or JSON) to map the checkpoint by
 

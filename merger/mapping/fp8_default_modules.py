@@ -61,7 +61,7 @@ def _transformers_choice(hf_dir: Path, config: dict, trust_remote_code: bool, na
         raise MergerError(f"--quantize {name} asks transformers which modules to quantize, and it knows no class "
                           f"for this config.json (architectures {archs}, model_type {config.get('model_type')!r}: "
                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}), {hf_dir / 'config.json'}") from e
-    qc = SCHEMES[name].transformers_config()
+    qc = SCHEMES.get(name, SCHEMES["fp8-block"]).transformers_config()  # another --quantize: the same modules
     skip = FineGrainedFP8HfQuantizer.get_modules_to_not_convert(model, qc.modules_to_not_convert,
                                                                model._keep_in_fp32_modules)
     try:
@@ -88,17 +88,24 @@ def _whole_blocks(shape: tuple[int, ...], block: tuple[int, int]) -> bool:
     return shape[-2] % block[0] == 0 and shape[-1] % block[1] == 0
 
 
-def default_layout(hf_dir: Path, config: dict, outputs: dict[str, tuple[int, ...]], trust_remote_code: bool,
-                   name: str) -> tuple[Fp8Output, list[str], list[str]]:
-    """How to write `outputs` as FP8 in scheme `name` (SCHEMES) in transformers' default choice, the module patterns
-    it leaves out, and the weights left unquantized for not being whole blocks."""
-    scheme = SCHEMES[name]
+def default_weights(hf_dir: Path, config: dict, outputs: dict[str, tuple[int, ...]], trust_remote_code: bool,
+                    name: str) -> tuple[dict[str, list[str]], list[str]]:
+    """(the saved weights of each module transformers' FP8 quantizer converts by default, by the module's saved
+    name; the module patterns it skips), asked for `--quantize name`."""
     modules, skip = _transformers_choice(hf_dir, config, trust_remote_code, name)
     # transformers may name a composite model's modules otherwise than it saves them (Qwen2-VL's language_model);
     # modules_to_not_convert takes saved names (transformers renames them as it loads)
     probes = [m + ".weight" for m in modules]
     renamed = saved_names(hf_dir, config, probes, trust_remote_code)
-    weights = {m: _weights_of(m, outputs) for m in (renamed.get(p, p).removesuffix(".weight") for p in probes)}
+    return {m: _weights_of(m, outputs) for m in (renamed.get(p, p).removesuffix(".weight") for p in probes)}, skip
+
+
+def default_layout(hf_dir: Path, config: dict, outputs: dict[str, tuple[int, ...]], trust_remote_code: bool,
+                   name: str) -> tuple[Fp8Output, list[str], list[str]]:
+    """How to write `outputs` as FP8 in scheme `name` (SCHEMES) in transformers' default choice, the module patterns
+    it leaves out, and the weights left unquantized for not being whole blocks."""
+    scheme = SCHEMES[name]
+    weights, skip = default_weights(hf_dir, config, outputs, trust_remote_code, name)
     partial = sorted(m for m, ws in weights.items() if not all(_whole_blocks(outputs[w], scheme.block) for w in ws))
     quantized = frozenset(w for m, ws in weights.items() if m not in partial for w in ws)
     qc = scheme.transformers_config(modules_to_not_convert=skip + partial).to_dict()

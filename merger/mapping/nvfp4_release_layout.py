@@ -134,13 +134,13 @@ MODELOPT = Producer("ModelOpt", ("", "_scale", "_scale_2"), ".input_scale", (), 
                     modelopt_nvfp4, lambda scale, scale_2: scale * scale_2)
 
 
-def shared_groups(here: frozenset[str], release: dict[str, StoredTensor] | None, shared_part: str
-                  ) -> list[frozenset[str]]:
-    """The sets of quantized weights (by name) that share a global scale: the fused layers of one module (FUSED)
+def shared_groups(here: frozenset[str], release: dict[str, StoredTensor] | None, shared_part: str,
+                  fused: tuple[tuple[str, ...], ...] = FUSED) -> list[frozenset[str]]:
+    """The sets of quantized weights (by name) that share a global scale: the fused layers of one module (`fused`)
     whose shared scales (`<m>.weight` + `shared_part`) in the release are equal (every fused set, for a release
     whose bytes are not read)."""
     found = []
-    for names in FUSED:
+    for names in fused:
         fused: dict[tuple, list[str]] = {}
         for name in sorted(here):
             parent, _, leaf = name.removesuffix(".weight").rpartition(".")

@@ -24,8 +24,8 @@ from ..errors import MergerError
 from ..hf_folder import read_config
 from ..io import location
 from ..options import MergeOptions
-from . import (int4_release_layout, modelopt_scheme, mxfp4_layout, mxfp4_pack_release_layout, mxfp8_release_layout,
-               nvfp4_release_layout)
+from . import (compressed_tensors_default, int4_release_layout, modelopt_scheme, mxfp4_layout,
+               mxfp4_pack_release_layout, mxfp8_release_layout, nvfp4_release_layout)
 from .compressed_tensors_scheme import COMPRESSED_TENSORS
 from .fp8_default_modules import default_layout
 from .fp8_release_layout import release_layout
@@ -163,18 +163,35 @@ def _layout(mapping: Mapping, options: MergeOptions, outputs: dict[str, tuple[in
         return (layout, f"({options.quantize}, gpt-oss's experts)", "; left unquantized: every other tensor "
                 "(attention, router, embeddings, norms, lm_head, the experts' biases), as the gpt-oss release",
                 "written into", ())
+    at = str(options.torch_dtype).removeprefix('torch.')
+    if options.quantize in compressed_tensors_default.SCHEMES:
+        layout, skip, partial = compressed_tensors_default.default_layout(
+            mapping.hf_dir, mapping.config, outputs, options.trust_remote_code, options.quantize, options.torch_dtype)
+        which = "the routed experts" if options.quantize == "int4" else "transformers' Linear layers"
+        left = (f"; left unquantized: {', '.join(skip)} (transformers' default skips)"
+                f"{', every other Linear layer' if options.quantize == 'int4' else ''} and every module that is not "
+                f"a Linear layer (embeddings, norms, routers)")
+        why = (f"whole groups of {compressed_tensors_default.GROUPS[options.quantize]} along the last dim (a "
+               f"2-dim weight in whole groups is what compressed-tensors' readers take; an experts module with one "
+               f"such weight whole), their modules in the quantization_config's ignore")
+        return layout, f"({options.quantize}, {which})", left, "written into", _partial_note(partial, at, why)
     layout, skip, partial = default_layout(mapping.hf_dir, mapping.config, outputs, options.trust_remote_code,
                                            options.quantize)
     left = (f"; left unquantized: {', '.join(skip)} (transformers' default skips) and every module that is not "
             f"a Linear layer or experts (embeddings, norms, routers)")
-    notes = ()
-    if partial:  # a line of its own: these are Linear layers a reader expects in FP8
-        notes = (f"merger: {len(partial)} tensors left at {str(options.torch_dtype).removeprefix('torch.')}, not "
-                 f"whole {layout.block[0]}x{layout.block[1]} blocks (transformers' Fp8Quantize quantizes only whole "
-                 f"blocks), their "
-                 f"modules in modules_to_not_convert: {', '.join(partial[:PARTIAL_NAMED])}"
-                 f"{', ...' if len(partial) > PARTIAL_NAMED else ''}",)
-    return layout, f"({options.quantize}, transformers' default choice of modules)", left, "written into", notes
+    why = (f"whole {layout.block[0]}x{layout.block[1]} blocks (transformers' Fp8Quantize quantizes only whole "
+           f"blocks), their modules in modules_to_not_convert")
+    return (layout, f"({options.quantize}, transformers' default choice of modules)", left, "written into",
+            _partial_note(partial, at, why))
+
+
+def _partial_note(partial: list[str], dtype: str, why: str) -> tuple[str, ...]:
+    """The log's line on weights left unquantized for not being whole blocks or groups (a line of its own: these
+    are Linear layers a reader expects quantized)."""
+    if not partial:
+        return ()
+    return (f"merger: {len(partial)} tensors left at {dtype}, not {why}: {', '.join(partial[:PARTIAL_NAMED])}"
+            f"{', ...' if len(partial) > PARTIAL_NAMED else ''}",)
 
 
 def _modelopt_layout(folder, config: dict, outputs: dict[str, tuple[int, ...]]) -> Mxfp8Output | Nvfp4Output:

@@ -135,6 +135,50 @@ def dequantized_float32(release: Path) -> dict[str, torch.Tensor]:
     return {**out, **state}
 
 
+def _checkpoint_model(weights: dict[str, torch.Tensor], linear: list[str]) -> torch.nn.Module:
+    """A module holding `weights` under their names: each of `linear` (names of `.weight`s) the weight of an
+    nn.Linear of its module's name, as llmcompressor's model_free_ptq makes one for each weight it quantizes
+    (`initialize_quantized_linear`); every other tensor a buffer. Modules are made in the names' sorted order."""
+    root = torch.nn.Module()
+    for name in sorted(weights):
+        *path, leaf = name.split(".")
+        parent = root
+        for part in path[:-1] if name in linear else path:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        if name in linear:
+            out, cols = weights[name].shape
+            layer = torch.nn.Linear(cols, out, bias=False, dtype=weights[name].dtype)
+            layer.weight.data.copy_(weights[name])
+            parent.add_module(path[-1], layer)
+        else:
+            parent.register_buffer(leaf, weights[name].clone())
+    return root
+
+
+def compress_checkpoint(folder: Path, weights: dict[str, torch.Tensor], fmt: str, linear: list[str],
+                        ignore: list[str], shared: tuple[tuple[str, ...], ...] = ()) -> tuple[dict, dict]:
+    """(the tensors, config.json's quantization_config) compressed-tensors writes for a checkpoint's `weights`
+    (bfloat16) in `fmt` (a key of FORMATS), its Linear layers `linear` (names of `.weight`s; the modules of `ignore`
+    among them left unquantized), NVFP4's global scales shared among the sibling layers of `shared`: the same
+    scheme, scales and compressor as write_release, on an nn.Linear per weight (as model_free_ptq quantizes a
+    checkpoint without its model class), and the quantization_config `ModelCompressor.update_config` writes into
+    `folder`'s config.json (made empty here)."""
+    model = _checkpoint_model(weights, linear)
+    config = QuantizationConfig(config_groups={"group_0": _scheme(FORMATS[fmt])}, ignore=ignore,
+                                quantization_status=QuantizationStatus.INITIALIZED)
+    apply_quantization_config(model, config, show_progress=False)
+    _calibrate(model, shared)
+    compressor = ModelCompressor.from_pretrained_model(model, fmt)
+    compressor.compress_model(model)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    compressor.update_config(folder)
+    return ({name: t.contiguous() for name, t in model.state_dict().items()},
+            json.loads((folder / "config.json").read_text())["quantization_config"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
