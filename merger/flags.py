@@ -196,7 +196,8 @@ def _add_source_args(p: argparse.ArgumentParser, what: str = "the checkpoint fol
 
 # --dtype spellings of formats that are no dtype to cast to: each is written with its scales by a flag of its own
 _QUANTIZED_DTYPES = {"fp8": "--quantize fp8-block", "float8": "--quantize fp8-block",
-                     "float8_e4m3fn": "--quantize fp8-block", "mxfp4": "--quantize mxfp4", "mxfp8": "--quantize mxfp8"}
+                     "float8_e4m3fn": "--quantize fp8-block", "mxfp4": "--quantize mxfp4", "mxfp8": "--quantize mxfp8",
+                     "nvfp4": "--quantize nvfp4", "int4": "--quantize int4"}
 
 
 def _dtype(text: str) -> str:
