@@ -134,13 +134,6 @@ def _add_target_args(parser: argparse.ArgumentParser) -> None:
                              "several nodes need one they all share); kept after the upload, for --resume")
 
 
-def _threads(text: str) -> int:
-    """--read_threads: a count, or 0 for the default."""
-    if not text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of threads (0: this rank's share of the cores)")
-    return int(text)
-
-
 def _flag(*names: str) -> list[str]:
     """verl spells flags with underscores; accept both `--local_dir` and `--local-dir`."""
     out = []
@@ -241,9 +234,6 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(*_flag("--max_inflight"), dest="max_inflight", type=parse_size, default="512MiB",
                    help="memory budget per rank for pieces in flight (default 512MiB; a larger tensor goes alone)")
-    p.add_argument(*_flag("--read_threads"), dest="read_threads", type=_threads, default=0,
-                   help="threads each rank reads, checksums and casts with (default 0: its share of its host's "
-                        "cores, at most 8)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where pieces travel under torchrun: cuda uses NCCL, cpu gloo (default: cuda if present)")
     p.add_argument(*_flag("--dist_timeout"), dest="dist_timeout", type=float, default=600.0,

@@ -49,7 +49,6 @@ class MergeOptions:
     dtype: str = _shapes_output("bfloat16")
     max_shard_size: int = _shapes_output(5_000_000_000)
     max_inflight: int = 512 << 20
-    read_threads: int = 0  # threads a rank reads and casts with; 0: its share of its host's cores
     device: str = "auto"
     overwrite: bool = False
     tie_word_embedding: bool = _shapes_output(False)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from merger.errors import CorruptSourceError, MergerError
 from merger.sources.safe_load import torch_load
 from merger.sources.crc32 import crc32, crc32_combine
-from merger.sources.file_reads import SPAN, SourceReads
+from merger.sources.file_reads import SourceReads
 from merger.sources.mapped_states import MappedStates
 
 
@@ -143,41 +143,4 @@ def test_a_flipped_bit_inside_a_strided_span_fails(tmp_path):
     reads.copy(piece, torch.empty(piece.view.shape), "t")
     with pytest.raises(CorruptSourceError):
         reads.finish()
-    reads.close()
-
-
-def _large_pieces(tmp_path: Path) -> tuple[str, dict, list]:
-    """A storage of 2.5 spans (a piece the read threads cut in three) and small tensors beside it, as pieces."""
-    state = {"big": torch.randn(SPAN * 5 // 8), "rows": torch.randn(300, 7), "ids": torch.arange(99)}
-    file = str(tmp_path / "state.pt")
-    torch.save(state, file)
-    states = MappedStates(lambda f: torch_load(f, "test file"))
-    pieces = [states.stored(file, states[file]["big"])] + _pieces(states, file, "rows", [(0, 120), (120, 300)])
-    return file, state, pieces + [states.stored(file, states[file]["ids"])]
-
-
-@pytest.mark.parametrize("threads", [1, 3])
-def test_read_threads_copy_every_piece_as_torch_loads_it_and_check_it(tmp_path, threads):
-    """Several threads copy a batch's pieces at once, the large one in spans: the values are torch.load's, cast,
-    and every storage's CRC-32 is checked as it completes."""
-    file, state, pieces = _large_pieces(tmp_path)
-    outs = [torch.empty(p.view.shape, dtype=torch.bfloat16 if p.view.is_floating_point() else p.view.dtype)
-            for p in pieces]
-    reads = SourceReads(threads)
-    reads.copy_all([(p, out, "t") for p, out in zip(pieces, outs)])
-    expected = [state["big"], state["rows"][:120], state["rows"][120:], state["ids"]]
-    for out, want in zip(outs, expected):
-        assert torch.equal(out, want.to(out.dtype))
-    assert reads.checks and all(check is None for check in reads.checks.values())  # each verified as it completed
-    reads.close()
-
-
-def test_a_flipped_bit_in_one_span_of_a_piece_read_by_threads_fails(tmp_path):
-    file, state, pieces = _large_pieces(tmp_path)
-    data = bytearray(Path(file).read_bytes())
-    data[data.find(state["big"][SPAN // 4 + 5:SPAN // 4 + 9].numpy().tobytes()) + 2] ^= 0x04  # in its second span
-    Path(file).write_bytes(data)
-    reads = SourceReads(3)
-    with pytest.raises(CorruptSourceError, match=f"checksum mismatch in tensor big: .*, {file}$"):
-        reads.copy_all([(pieces[0], torch.empty(pieces[0].view.shape, dtype=torch.bfloat16), "big")])
     reads.close()

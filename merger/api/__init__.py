@@ -75,7 +75,7 @@ def verify_with(options: MergeOptions, test_hf_dir: Path, atol: float, rtol: flo
     with one_intra_op_thread(), joined_group(options, group) as joined:
         prepared = prepare(options, joined)
         return compare_with_folder(prepared.plan, prepared.catalog, joined, test_hf_dir, atol=atol, rtol=rtol,
-                                   debug=options.debug, threads=options.read_threads)
+                                   debug=options.debug)
 
 
 def check_with(options: MergeOptions) -> SourceCheck:

@@ -105,8 +105,7 @@ def verify_staged(stage: Path, prepared: Prepared, group: Group, options: MergeO
     """Re-run the plan against what was written: every tensor byte-equal to its source after the same cast,
     the files' headers and index sound. Raises on every rank when anything is off."""
     result = compare_with_folder(prepared.plan, prepared.catalog, group, stage, cast=False, label="verify",
-                                 debug=options.debug, allow_overflow=options.allow_overflow,
-                                 threads=options.read_threads)
+                                 debug=options.debug, allow_overflow=options.allow_overflow)
     if not result.ok:  # every rank has the same result (gathered): one line, from rank 0
         raise AgreedError(f"the written output failed verification ({result.differ} tensors differ, "
                           f"{result.missing + result.extra} names disagree, {len(result.problems)} index "

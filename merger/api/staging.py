@@ -12,7 +12,7 @@ from pathlib import Path
 from ..engine.dist import Group, on_every_rank, on_rank_zero
 from ..engine.peer_watch import Cleanup
 from ..engine.progress import Progress, shown as progress_shown
-from ..engine.stream import read_threads, run_plan
+from ..engine.stream import run_plan
 from ..errors import Interrupted, TargetError
 from ..io import is_remote, location
 from ..options import MergeOptions
@@ -147,9 +147,8 @@ class Staging:
             group, {f.name: f.size for f in plan.files}, reused, self.manifest.checksum_block_bytes, debug)
         self.tracker = FileTracker(todo, self.sink, group, stage, self.manifest, one_host, sender)
         progress = Progress(sum(b.out_bytes for b in todo.batches)) if group.rank == 0 and progress_shown() else None
-        threads = read_threads(self.options.read_threads, group)
         run_plan(todo, self.prepared.catalog, group, self.sink, progress, debug, reader=reader, observer=self.tracker,
-                 allow_overflow=self.options.allow_overflow, read_threads=threads)
+                 allow_overflow=self.options.allow_overflow)
         on_every_rank(group, self._close, debug)  # a sync point: every rank's bytes on disk, its checksums done
         self.manifest = self.tracker.final_manifest()
         if self.stream is not None:

@@ -32,7 +32,7 @@ from ..sources.file_reads import CHUNK, Placed, pread_into
 from .dist import Group, on_every_rank
 from .plan import Plan, Runs, plan_layout
 from .progress import Progress, shown as progress_shown
-from .stream import read_in_place, read_threads, run_plan
+from .stream import read_in_place, run_plan
 
 
 class ReferenceModel:
@@ -279,9 +279,8 @@ def report(group: Group, sink: CompareSink, planned: set[str], reference: Refere
 
 def compare_with_folder(plan: Plan, catalog: Catalog, group: Group, folder: Path, *, atol: float = 0.0,
                         rtol: float = 0.0, cast: bool = True, label: str = "test",
-                        debug: bool = False, allow_overflow: bool = False, threads: int = 0) -> CompareResult:
-    """Stream `plan` and compare every output with `folder` on every rank; the same result on all ranks.
-    `threads`: --read_threads (0: this rank's share of the cores)."""
+                        debug: bool = False, allow_overflow: bool = False) -> CompareResult:
+    """Stream `plan` and compare every output with `folder` on every rank; the same result on all ranks."""
     reference = on_every_rank(group, lambda: ReferenceModel(Path(folder)), debug)
     try:
         aliases, compared = {}, plan
@@ -291,8 +290,7 @@ def compare_with_folder(plan: Plan, catalog: Catalog, group: Group, folder: Path
                                                                 plan.total_bytes, plan.max_inflight), debug)
         sink = CompareSink(reference, atol, rtol, cast, aliases)
         progress = Progress(compared.total_bytes, "comparing") if group.rank == 0 and progress_shown() else None
-        run_plan(compared, catalog, group, sink, progress, debug, allow_overflow=allow_overflow,
-                 read_threads=read_threads(threads, group))
+        run_plan(compared, catalog, group, sink, progress, debug, allow_overflow=allow_overflow)
     finally:
         reference.close()
     return report(group, sink, set(plan.weight_map), reference, label)

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
-import socket
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from ..catalog import Catalog, Stored
+from ..catalog import Catalog
 from ..errors import AgreedError, Failure, MergerError, failure_of
-from ..io import reads_objects
 from ..mapping.steps import OutputSpec
 from ..sources.file_reads import CHUNK, Placed, SourceReads, pread_into, source_shrank
 from .dist import Group
@@ -201,7 +198,6 @@ def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceRea
     buf = buffers.read
     local: dict[int, tuple[Route, torch.Tensor | None]] = {}
     send_split = [0] * group.world
-    copied: list[tuple[Route, Stored, torch.Tensor]] = []  # into the batch buffer, by the read threads at once
     at = 0
     for i, route in mine:
         stored = reader.locate(route.copy, route.piece, route.stored)
@@ -220,18 +216,16 @@ def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceRea
                 at += (phase - at) % PAGE
         out = buf[at:at + route.nbytes].view(route.dtype).view(route.piece.sizes)
         at = _slot(at + route.nbytes)  # the next piece aligned for any dtype again, after one placed off the grid
-        copied.append((route, stored, out))
-        if route.writer == me:
-            local[i] = route, out
-        else:
-            send_split[route.writer] += _slot(route.nbytes)
-    reads.copy_all([(stored, out, route.copy.key) for route, stored, out in copied])
-    for route, stored, out in copied:
+        reads.copy(stored, out, route.copy.key)
         if may_have_overflowed(out):  # rare: only then is the piece read again, as stored, to compare
             source = torch.empty(route.piece.sizes, dtype=route.stored)
             reads.copy(stored, source, route.copy.key)
             if overflowed(source, out):
                 overflows.add(route.step)
+        if route.writer == me:
+            local[i] = route, out
+        else:
+            send_split[route.writer] += _slot(route.nbytes)
     return local, buf[:sum(send_split)], send_split
 
 
@@ -297,25 +291,11 @@ def _write_batch(plan: Plan, catalog: Catalog, batch: Batch, me: int,
             observer.step_written(si)
 
 
-MAX_READ_THREADS = 8  # a rank's other threads (writing, checksums) and the kernel's writeback need cores too
-
-
-def read_threads(asked: int, group: Group) -> int:
-    """A rank's read threads: `asked`, or (0) its share of the cores this process may run on among the ranks of
-    its host, at most MAX_READ_THREADS. Every rank calls it (the hosts are gathered)."""
-    hosts = group.all_gather(socket.gethostname())
-    if asked:
-        return asked
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_READ_THREADS, cores // hosts.count(hosts[group.rank])))
-
-
 def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: Progress | None = None,
              debug: bool = False, reader=None, observer: BatchObserver | None = None,
-             allow_overflow: bool = False, read_threads: int = 1) -> None:
+             allow_overflow: bool = False) -> None:
     """Stream the whole plan through `sink`. Raises MergerError on every rank if any rank fails, and after the
-    last batch when a cast to float16 lost values (overflow.py), unless `allow_overflow`. `read_threads` copy a
-    batch's pieces out of local files (objects in a bucket are read in order, as fetched ahead)."""
+    last batch when a cast to float16 lost values (overflow.py), unless `allow_overflow`."""
     # The catalog, the plan and torch's modules live to the end: exempt them from the garbage collector, whose
     # full passes would otherwise walk them all again and again while the batches allocate. Unfrozen after, or
     # whatever was alive now (a caller's garbage cycles, triton's bindings: nanobind then reports them as leaked
@@ -324,13 +304,13 @@ def run_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: P
         raise TypeError(f"{type(sink).__name__} takes no parts (put_part), and the plan writes outputs in parts")
     gc.freeze()
     try:
-        _stream_plan(plan, catalog, group, sink, progress, debug, reader, observer, allow_overflow, read_threads)
+        _stream_plan(plan, catalog, group, sink, progress, debug, reader, observer, allow_overflow)
     finally:
         gc.unfreeze()
 
 
 def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progress: Progress | None, debug: bool,
-                 reader, observer: BatchObserver | None, allow_overflow: bool, read_threads: int) -> None:
+                 reader, observer: BatchObserver | None, allow_overflow: bool) -> None:
     """run_plan's work.
 
     Reading and writing overlap: while a writer thread writes batch k, the main thread reads batch k + 1
@@ -365,7 +345,7 @@ def _stream_plan(plan: Plan, catalog: Catalog, group: Group, sink: Sink, progres
         return None
 
     buffers = (BatchBuffers(plan.batches[0::2], group.rank), BatchBuffers(plan.batches[1::2], group.rank))
-    reads = SourceReads(1 if reads_objects() else read_threads)
+    reads = SourceReads()
     writing: Future | None = None
     with ThreadPoolExecutor(1, thread_name_prefix="merger-write") as writer:
         for index, batch in enumerate(plan.batches):

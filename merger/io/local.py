@@ -74,11 +74,8 @@ class LocalStorage:
 
     def local_fd(self, key: str) -> int:
         f = self.opened.get(key)
-        if f is None:  # read threads may open a file at once: the first one's stays, the others close theirs
-            opened = open(key, "rb", buffering=0)
-            f = self.opened.setdefault(key, opened)
-            if f is not opened:
-                opened.close()
+        if f is None:
+            f = self.opened[key] = open(key, "rb", buffering=0)
         return f.fileno()
 
     def close(self) -> None:

@@ -9,18 +9,10 @@ a CRC-32 of every storage; it is computed over the bytes as they are copied, eac
 (pieces of one storage may come in any order), and compared once the storage has been read whole. Bytes no
 piece reads (padding before or after the tensors in a storage) are read for the check alone.
 Safetensors files record no checksum.
-
-A rank copies the pieces of a batch over several threads (`SourceReads(threads)`): pread, the checksum and torch's
-cast each release the GIL, and one thread alone kept one core busy, bound at about 1.5 GB/s of fp32 source.
-A large piece is cut into spans of SPAN bytes, so that one embedding keeps every thread busy too; its spans'
-checksums join as pieces of a record do.
 """
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, Iterable
 
 import torch
@@ -33,7 +25,6 @@ from ..io.range_file import RangeFile
 from .crc32 import CrcSpans, crc32
 
 CHUNK = 1 << 20  # bytes per pread: small enough to stay in cache between the read, the checksum and the cast
-SPAN = 16 * CHUNK  # bytes of a piece one read thread copies at a time
 
 
 def source_shrank(file: str, end: int) -> MergerError:
@@ -149,20 +140,10 @@ class _Check:
 class SourceReads:
     """Copies pieces from source files into batch buffers, checking torch.save records as they complete."""
 
-    def __init__(self, threads: int = 1):
+    def __init__(self):
         self.files = SourceFiles()
+        self.scratch = torch.empty(CHUNK, dtype=torch.uint8)
         self.checks: dict[tuple[str, int], _Check | None] = {}  # None: verified
-        self.checking = threading.Lock()  # `checks`, which every read thread adds to
-        self.own = threading.local()  # each thread's scratch buffer
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="merger-read") if threads > 1 else None
-
-    @property
-    def scratch(self) -> torch.Tensor:
-        """The calling thread's CHUNK bytes for bytes on their way to a cast or a checksum."""
-        scratch = getattr(self.own, "scratch", None)
-        if scratch is None:
-            scratch = self.own.scratch = torch.empty(CHUNK, dtype=torch.uint8)
-        return scratch
 
     def will_read(self, reader: PieceReader, pieces: Iterable[tuple[PieceCopy, ShardPiece, torch.dtype]]) -> None:
         """Say which byte ranges the next copies read, in their order (`pieces` as `reader.locate` takes them), to
@@ -187,43 +168,20 @@ class SourceReads:
 
     def copy(self, stored: Stored, out: torch.Tensor, name: str) -> None:
         """Copy (casting to `out`'s dtype) the piece into `out`, a contiguous tensor of its shape."""
-        self.copy_all([(stored, out, name)])
-
-    def copy_all(self, pieces: list[tuple[Stored, torch.Tensor, str]]) -> None:
-        """`copy` each (stored, out, name), over the read threads; returns when all are copied. A failure is raised
-        once every copy has stopped, the first in the pieces' order."""
-        tasks = [task for stored, out, name in pieces for task in self._tasks(stored, out, name)]
-        if self.pool is None or len(tasks) < 2:
-            for task in tasks:
-                task()
-            return
-        copies = [self.pool.submit(task) for task in tasks]
-        wait(copies)
-        for copied in copies:
-            copied.result()
-
-    def _tasks(self, stored: Stored, out: torch.Tensor, name: str) -> list[Callable[[], None]]:
-        """The copies that put the piece into `out`: one per SPAN of a contiguous piece, one for a strided one."""
         view = stored.view
         if stored.start is None:
-            return [partial(out.copy_, view)]
+            out.copy_(view)
+            return
         if view.numel() == 0:
-            return []
+            return
         size = view.element_size()
         first = view.storage_offset() * size
-        if not view.is_contiguous():
-            return [partial(self._checked, self._copy_strided, stored, first, out, name)]
-        flat, step = out.view(-1), max(1, SPAN // size)
-        return [partial(self._checked, self._copy_run, stored, first + lo * size, flat[lo:lo + step], name)
-                for lo in range(0, flat.numel(), step)]
-
-    def _checked(self, copier: Callable[[Stored, int, torch.Tensor], tuple[int, int]], stored: Stored, first: int,
-                 out: torch.Tensor, name: str) -> None:
-        """Copy with `copier` from byte `first` of the storage, and count the bytes read towards its record."""
-        end, crc = copier(stored, first, out)
+        if view.is_contiguous():
+            end, crc = self._copy_run(stored, first, out.view(-1))
+        else:
+            end, crc = self._copy_strided(stored, first, out)
         if stored.record is not None:
-            with self.checking:
-                self._record(stored, first, end, crc, name)
+            self._record(stored, first, end, crc, name)
 
     def copy_unchanged(self, stored: Stored, name: str, place: Callable[[int, int, str], Placed | None]) -> bool:
         """Have `place(fd, at, file)` copy the piece, contiguous in its source file and wanted exactly as stored,
@@ -374,7 +332,5 @@ class SourceReads:
                 self.checks[key] = None
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
         self.files.close()
 
