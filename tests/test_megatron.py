@@ -209,10 +209,11 @@ def test_unknown_family_is_reported(megatron_root, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("model_type, reason", [("step3p7", "head-wise attention gate is not in megatron-core"),
-                                                ("gemma4_text", "norms after attention and MLP")])
+                                                ("gemma4_text", "norms after attention and MLP"),
+                                                ("deepseek_v4", "hyper-connections")])
 def test_family_megatron_core_cannot_build_says_why(megatron_root, tmp_path, capsys, model_type, reason):
-    """Step-3.7 and Gemma 4 need modules megatron-core 0.19.2 lacks, so merger has no layout of theirs to read: the
-    line says which, rather than only 'no Megatron mapping' and a list of every model type merger knows."""
+    """Step-3.7, Gemma 4 and DeepSeek-V4 need modules megatron-core 0.19.2 lacks, so merger has no layout of theirs to
+    read: the line says which, rather than only 'no Megatron mapping' and a list of every model type merger knows."""
     from merger.cli import main
 
     hf = tmp_path / "hf"

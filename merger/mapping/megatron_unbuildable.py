@@ -14,4 +14,8 @@ _GEMMA4 = ("megatron-core 0.19.2 has none of Gemma 4's norms after attention and
            "with its own norm and scales, or logit softcapping: Megatron-Bridge builds them itself, and merger does "
            "not map that layout yet")
 
-UNBUILDABLE = {"step3p7": _STEP3P7, "step3p5": _STEP3P7, "gemma4": _GEMMA4, "gemma4_text": _GEMMA4}
+_DEEPSEEK_V4 = ("megatron-core 0.19.2 has neither its hybrid compressed attention (Megatron-Bridge's dsv4_hybrid), nor "
+                "its hyper-connections, nor its hash-routed layers: Megatron-Bridge's DeepSeek-V4 asks for all three")
+
+UNBUILDABLE = {"step3p7": _STEP3P7, "step3p5": _STEP3P7, "gemma4": _GEMMA4, "gemma4_text": _GEMMA4,
+               "deepseek_v4": _DEEPSEEK_V4}
