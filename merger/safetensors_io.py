@@ -14,11 +14,15 @@ import torch
 from .errors import CorruptSourceError, MergerError, SourceError
 from .io import file_size, read_range
 
+# two e2m1 codes a byte (DeepSeek-V4's FP4 experts may be stored so); torch counts the bytes, safetensors' "F4" the
+# codes, so a header's last dim is twice the tensor's (header_shape, tensor_shape)
+FP4_X2 = getattr(torch, "float4_e2m1fn_x2", None)
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
     torch.float8_e8m0fnu: "F8_E8M0",  # DeepSeek-V4's block scales: powers of two
+    **({FP4_X2: "F4"} if FP4_X2 is not None else {}),
 }
 DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 
@@ -42,6 +46,19 @@ def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return n
 
 
+def header_shape(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...]:
+    """A tensor's shape as a safetensors header gives it: FP4_X2's last dim in codes, two a byte."""
+    return (*shape[:-1], shape[-1] * 2) if dtype == FP4_X2 and shape else tuple(shape)
+
+
+def tensor_shape(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...] | None:
+    """The shape torch gives a tensor that a safetensors header says is `shape` of `dtype` (None: no such tensor,
+    an FP4 one of an odd number of codes in a row or of no dims)."""
+    if dtype != FP4_X2:
+        return tuple(shape)
+    return (*shape[:-1], shape[-1] // 2) if shape and shape[-1] % 2 == 0 else None
+
+
 def build_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None) -> tuple[bytes, list[TensorEntry]]:
     """The full prefix of a safetensors file (length + JSON) and each tensor's data range, in order given."""
@@ -51,7 +68,8 @@ def build_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
         if dtype not in DTYPE_NAMES:
             raise MergerError(f"dtype {dtype} cannot be stored in safetensors, tensor {name}")
         size = nbytes_of(shape, dtype)
-        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(header_shape(shape, dtype)),
+                        "data_offsets": [offset, offset + size]}
         placed.append(TensorEntry(name, dtype, tuple(shape), offset, offset + size))
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -98,10 +116,13 @@ def read_header(path: str, start: int = 0) -> tuple[int, dict[str, TensorEntry],
     for name, info in header.items():
         try:
             dtype = DTYPES_BY_NAME[info["dtype"]]
-            shape = tuple(_strict_int(s) for s in info["shape"])
+            shape = tensor_shape(tuple(_strict_int(s) for s in info["shape"]), dtype)
             begin, end = (_strict_int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptSourceError(f"safetensors entry {name!r} is malformed, {path}") from e
+        if shape is None:
+            raise CorruptSourceError(f"safetensors entry {name!r} is FP4 (two codes a byte) with an odd number of "
+                                     f"codes in its last dim, {path}")
         if any(s < 0 for s in shape) or not 0 <= begin <= end:
             raise CorruptSourceError(f"safetensors entry {name!r} has a negative size or offset, {path}")
         if end - begin != nbytes_of(shape, dtype):

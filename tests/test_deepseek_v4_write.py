@@ -20,13 +20,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 from tests.helpers.in_process import merge_in_process
 from tests.helpers.processes import run_merger
 from tests.helpers.release_bytes import bits, trained, written_back_like
 from tests.helpers.weights import load_safetensors_folder
-from tests.writers.deepseek_v4_release import QUANTIZATION_CONFIG, SCALE
+from tests.writers.deepseek_v4_release import QUANTIZATION_CONFIG, SCALE, with_float4_experts
 from tests.writers.mxfp8_release import transformers_quantized
 
 pytestmark = pytest.mark.slow
@@ -155,3 +156,24 @@ def test_after_training_unchanged_tensors_and_blocks_keep_their_bytes_and_two_ra
                "--max_inflight", "16KiB", nproc=2)
     one, two = ((tmp_path / out / "model.safetensors").read_bytes() for out in ("out", "out-2"))
     assert one == two
+
+
+def test_experts_stored_as_float4_e2m1fn_x2_are_read_and_written_back_as_such(deepseek_v4, tmp_path):
+    """The same release with its experts stored as torch's float4_e2m1fn_x2 (safetensors' F4, whose header counts the
+    codes) instead of int8: merger reads each expert as transformers' dequantizer reads the float4 tensor, and reads
+    the rest as the int8 release's (transformers 5.24's loader itself fails on F4: it reshapes the bytes to the
+    header's count of codes); written back like it, every byte is the release's, F4 included."""
+    release, bf16 = deepseek_v4
+    f4 = with_float4_experts(release, tmp_path / "release")
+    stored = load_safetensors_folder(f4)
+    experts = [n for n, t in stored.items() if t.dtype == torch.float4_e2m1fn_x2]
+    with safe_open(f4 / "model.safetensors", "pt") as f:  # the premise: F4, a row of 256 codes in 128 bytes
+        assert len(experts) == 24 and f.get_slice(experts[0]).get_dtype() == "F4"
+        assert f.get_slice(experts[0]).get_shape() == [128, 256] and list(stored[experts[0]].shape) == [128, 128]
+    read, plain = load_safetensors_folder(merge_in_process(f4, tmp_path / "bf16")), load_safetensors_folder(bf16)
+    assert sorted(read) == sorted(plain) and all(torch.equal(bits(read[n]), bits(t)) for n, t in plain.items())
+    for name in experts:
+        want = Fp8Dequantize(SimpleNamespace())._dequantize_one(stored[name], stored[name + SCALE], torch.bfloat16)
+        assert torch.equal(bits(read[name]), bits(want)), name
+    assert sum(t.dtype == torch.float4_e2m1fn_x2 for t in written_back_like(f4, bf16, tmp_path / "back",
+                                                                           "bfloat16").values()) == 24

@@ -16,10 +16,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save
+from safetensors.torch import load_file, save
 
 from merger.errors import CorruptSourceError
-from merger.safetensors_io import read_header
+from merger.safetensors_io import build_header, read_header
 
 SEED = save({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
              "c": torch.zeros(0, dtype=torch.int64)}, metadata={"format": "pt"})
@@ -55,6 +55,19 @@ def check(content: bytes) -> None:
             assert 0 <= e.begin <= e.end and start + e.end <= len(content)
 
 
+def test_fp4_headers_count_codes_as_the_safetensors_library_does():
+    """torch's float4_e2m1fn_x2 holds two e2m1 codes an element; safetensors' F4 counts the codes: merger's reader
+    gives a file the library wrote torch's shape, and the library reads a header merger built back as that tensor."""
+    fp4 = torch.arange(24, dtype=torch.uint8).view(torch.float4_e2m1fn_x2).reshape(2, 3, 4)
+    _, entries, _ = read_header_of(save({"w": fp4}))
+    assert (entries["w"].dtype, entries["w"].shape, entries["w"].end) == (torch.float4_e2m1fn_x2, (2, 3, 4), 24)
+    prefix, _ = build_header([("w", torch.float4_e2m1fn_x2, (2, 3, 4))])
+    with tempfile.TemporaryDirectory() as d:  # load_file: the library's own `load` of bytes knows no F4
+        (Path(d) / "x.safetensors").write_bytes(prefix + fp4.view(torch.uint8).numpy().tobytes())
+        loaded = load_file(Path(d) / "x.safetensors")["w"]
+    assert loaded.dtype == fp4.dtype and torch.equal(loaded.view(torch.uint8), fp4.view(torch.uint8))
+
+
 def test_seed_is_valid():
     start, entries, metadata = read_header_of(SEED)
     assert sorted(entries) == ["a", "b", "c"] and metadata == {"format": "pt"} and start == 8 + _N
@@ -87,6 +100,8 @@ LIES = {
     "5000-digit number": with_header(_entry(), edit=(b"[2, 3]", b"[" + b"9" * 5000 + b", 3]")),
     "deep nesting": struct.pack("<Q", 200_000) + b"[" * 200_000,
     "unknown dtype": with_header(_entry(dtype="F128")),
+    "FP4 with an odd number of codes in a row": with_header(_entry(dtype="F4", shape=[4, 11], data_offsets=[0, 24])),
+    "FP4 of no dims": with_header(_entry(dtype="F4", shape=[], data_offsets=[0, 24])),
     "entry is not an object": with_header(_entry() | {"b": [1, 2]}),
     "data section too long": with_header(SEED_HEADER, SEED_DATA + b"\0" * 8),
     "data section too short": with_header(SEED_HEADER, SEED_DATA[:-1]),

@@ -8,7 +8,8 @@ scheme in `quantization_config` (`quant_method: "fp8"`, transformers' FineGraine
 "ue8m0"` a scale may be stored as its e8m0 exponent byte (uint8, 2^(byte - 127)): transformers' `mxfp8`
 (`quant_method: "mxfp8"`, blocks of [1, 32]) stores them so; a uint8 scale is refused under any other config.
 DeepSeek-V4 stores its scales as float8_e8m0fnu (the same powers of two, as a dtype) and, under `expert_dtype:
-"fp4"`, its routed experts as FP4: int8 [rows, cols / 2] of two e2m1 codes a byte, the even element in the low
+"fp4"`, its routed experts as FP4: int8 (or torch's float4_e2m1fn_x2, safetensors' F4: the same bytes) [rows,
+cols / 2] of two e2m1 codes a byte, the even element in the low
 nibble, in blocks of [1, 32] of the unpacked weight whatever `weight_block_size` says, as transformers'
 `Fp8Dequantize` reads them (it takes each tensor's block from its scale grid).
 
@@ -30,6 +31,7 @@ import torch
 from ..catalog import Catalog, SourceTensor
 from ..errors import MergerError
 from ..options import MergeOptions
+from ..safetensors_io import FP4_X2
 from .compressed_tensors_codec import e8m0, fp4_values
 from .hf import model_config
 from .quantized_formats import (FP8_BLOCK, MXFP8, QUANTIZATION_CONFIG, SCALE_SUFFIX, fp4_experts, fp8_block_config,
@@ -39,6 +41,7 @@ from .steps import DEQUANTIZED, FLOAT8, Mapping, OutputSpec, Step, cast
 
 E8M0_BYTES = torch.uint8  # a ue8m0 scale stored as its exponent byte
 FP4_PAIRS = torch.int8  # DeepSeek-V4's FP4 experts: two e2m1 codes a byte
+FP4_STORED = (FP4_PAIRS, *((FP4_X2,) if FP4_X2 is not None else ()))  # the same bytes as torch's own FP4 dtype
 FP4_BLOCK = (1, 32)
 BAND_ELEMENTS = 1 << 22  # about how many elements one band of the block-wise work takes (16 MiB in float32)
 
@@ -70,7 +73,7 @@ def dequantize(block: tuple[int, int], tensors: list[torch.Tensor]) -> list[torc
     if scale.dtype == E8M0_BYTES:
         scale = e8m0(scale)
     b0, b1 = block
-    out = fp4_values(weight.view(torch.uint8)) if weight.dtype == FP4_PAIRS else weight.to(DEQUANTIZED)
+    out = fp4_values(weight.view(torch.uint8)) if weight.dtype in FP4_STORED else weight.to(DEQUANTIZED)
     cols = out.shape[-1]
     step = band_rows(tuple(out.shape), block)
     for first in range(0, scale.shape[-2], step):
@@ -101,7 +104,7 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ..
 def weight_block(weight: SourceTensor, block: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, int]]:
     """(the shape of quantized `weight` as a weight, its block): FP4 pairs unpacked in blocks of FP4_BLOCK; FP8 as
     stored, in the config's `block`."""
-    if weight.dtype == FP4_PAIRS:
+    if weight.dtype in FP4_STORED:
         return (*weight.shape[:-1], 2 * weight.shape[-1]), FP4_BLOCK
     return weight.shape, block
 
@@ -111,9 +114,10 @@ def _check_scale(name: str, tensors: dict[str, SourceTensor], block: tuple[int, 
     """The scale of quantized weight `name`, checked against it (`ue8m0`: the config's scale_fmt, which makes a
     uint8 scale e8m0 bytes; `fp4`: the config's expert_dtype is fp4, which makes an int8 weight FP4 pairs)."""
     weight, scale = tensors[name], tensors[name + SCALE_SUFFIX]
-    if weight.dtype not in FLOAT8 and not (fp4 and weight.dtype == FP4_PAIRS):
+    pairs = weight.dtype in FP4_STORED
+    if not (fp4 and pairs) and (weight.dtype not in FLOAT8 or pairs):
         raise MergerError(f"tensor {name} has a block scale but is stored as {str(weight.dtype).removeprefix('torch.')}"
-                          f", not float8{' nor as FP4 pairs (int8)' if fp4 else ''}, {weight.file}")
+                          f", not float8{' nor as FP4 pairs (int8, float4_e2m1fn_x2)' if fp4 else ''}, {weight.file}")
     shape, block = weight_block(weight, block)
     if len(shape) < 2 or scale.shape != scale_shape(shape, block):
         want = list(scale_shape(shape, block)) if len(shape) >= 2 else "a weight of 2 dims or more"
@@ -160,7 +164,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     count = sum(not s.is_cast for s in steps)
     scheme = f"{MXFP8}: " if qc["quant_method"] == MXFP8 else ""
     e8m0_bytes = any(t.dtype == E8M0_BYTES for n, t in names.items() if n.endswith(SCALE_SUFFIX))
-    pairs = sum(names[s.inputs[0]].dtype == FP4_PAIRS for s in steps if not s.is_cast)
+    pairs = sum(names[s.inputs[0]].dtype in FP4_STORED for s in steps if not s.is_cast)
     note = (f"merger: FP8 block-scaled weights ({scheme}block {block[0]}x{block[1]}"
             f"{', e8m0 scales' if e8m0_bytes else ''}), {count} tensors dequantized"
             f"{f' ({pairs} of them FP4 experts, e2m1 in blocks of 1x32)' if pairs else ''}; {QUANTIZATION_CONFIG} "

@@ -6,10 +6,10 @@ ones quantized, every other tensor takes the dtype the release stores it in. Whe
 written, its codes and scales are read from the release (release_blocks.py: unchanged blocks keep their bytes). The
 scales are written float32, or as e8m0 where the release stores them so (`scale_fmt: "ue8m0"`): bytes (uint8) as
 transformers' `mxfp8` stores them, float8_e8m0fnu as DeepSeek-V4's. DeepSeek-V4's routed experts (`expert_dtype:
-"fp4"`, stored as int8 FP4 pairs) are written in FP4 as the release has them (fp4_experts_quantize.py). A local
-folder's headers are read from its files; a Hub snapshot (mapping/hub_folders.py fetches only its config files)
-has its headers read from the Hub by huggingface_hub's `get_safetensors_metadata` (ranged reads of each file's
-first bytes).
+"fp4"`, stored as FP4 pairs: int8 or float4_e2m1fn_x2) are written in FP4 as the release has them
+(fp4_experts_quantize.py). A local folder's headers are read from its files; a Hub snapshot (mapping/hub_folders.py
+fetches only its config files) has its headers read from the Hub by huggingface_hub's `get_safetensors_metadata`
+(ranged reads of each file's first bytes).
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import torch
 
 from ..errors import MergerError
 from ..hf_folder import read_config, weight_files
-from ..safetensors_io import DTYPES_BY_NAME, read_header
-from .fp8 import E8M0_BYTES, FP4_PAIRS, block_size, ue8m0_scales, weight_block
+from ..safetensors_io import DTYPES_BY_NAME, read_header, tensor_shape
+from .fp8 import E8M0_BYTES, FP4_STORED, block_size, ue8m0_scales, weight_block
 from .fp8_quantize import FP8, SCALE_DTYPE, Fp8Output
 from .hub_folders import hub_id_of
 from .release_blocks import StoredTensor
@@ -52,10 +52,12 @@ def _hub_headers(repo_id: str, revision: str, folder: Path) -> dict[str, StoredT
     tensors = {}
     for file, meta in metadata.files_metadata.items():
         for name, info in meta.tensors.items():
-            if info.dtype not in DTYPES_BY_NAME:
-                raise MergerError(f"{FLAG}: tensor {name} of Hub model {repo_id} is stored as {info.dtype}, which "
-                                  f"merger does not write, {file}")
-            tensors[name] = StoredTensor(DTYPES_BY_NAME[info.dtype], tuple(info.shape))  # no bytes here
+            dtype = DTYPES_BY_NAME.get(info.dtype)
+            shape = tensor_shape(tuple(info.shape), dtype) if dtype is not None else None
+            if shape is None:
+                raise MergerError(f"{FLAG}: tensor {name} of Hub model {repo_id} is stored as {info.dtype} "
+                                  f"{list(info.shape)}, which merger does not write, {file}")
+            tensors[name] = StoredTensor(dtype, shape)  # no bytes here
     return tensors
 
 
@@ -113,7 +115,7 @@ def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Fp8Outp
     block = block_size(qc, folder / "config.json")
     tensors = release_headers(folder)
     quantized = frozenset(name for name in tensors if name + SCALE_SUFFIX in tensors)
-    fp4 = frozenset(name for name in quantized if fp4_experts(qc) and tensors[name].dtype == FP4_PAIRS)
+    fp4 = frozenset(name for name in quantized if fp4_experts(qc) and tensors[name].dtype in FP4_STORED)
     for name in sorted(quantized & outputs.keys()):
         shape = weight_block(tensors[name], block)[0] if name in fp4 else tensors[name].shape
         if tuple(outputs[name]) != shape:
@@ -132,8 +134,12 @@ def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Fp8Outp
         raise MergerError(f"the release stores its scales as {stored} with scale_fmt {qc.get('scale_fmt')!r}: "
                           f"{FLAG} writes e8m0 scales (uint8 or float8_e8m0fnu) only where every scale is one and "
                           f"scale_fmt is 'ue8m0', {folder}")
+    pairs = {tensors[name].dtype for name in fp4}  # int8, or float4_e2m1fn_x2: the same bytes
+    if len(pairs) > 1:
+        raise MergerError(f"the release stores its FP4 experts both as int8 and as float4_e2m1fn_x2: {FLAG} writes "
+                          f"them in one dtype, {folder}")
     return Fp8Output(block, ue8m0_scales(qc), quantized, dtypes, qc, next(iter(e8m0), SCALE_DTYPE),
-                     readable(tensors), fp4)
+                     readable(tensors), fp4, *pairs)
 
 
 def readable(tensors: dict[str, StoredTensor]) -> dict[str, StoredTensor] | None:

@@ -17,10 +17,11 @@ from typing import Callable
 import torch
 
 from ..catalog import Catalog
-from ..safetensors_io import nbytes_of
+from ..safetensors_io import FP4_X2, nbytes_of
 
 Transform = Callable[[list[torch.Tensor]], list[torch.Tensor]]
-FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # stored scaled: a cast alone loses the scale
+# stored scaled: a cast alone loses the scale (FP4_X2: DeepSeek-V4's FP4 experts, two codes a byte, too)
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, *((FP4_X2,) if FP4_X2 is not None else ()))
 # the dtype merger dequantizes a quantized release's weights in (fp8.py, compressed_tensors.py): a dequantized
 # weight's natural dtype, which the dtype policy then casts to --dtype
 DEQUANTIZED = torch.float32

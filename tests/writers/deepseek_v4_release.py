@@ -4,7 +4,9 @@ weights stored as FP8 (e4m3) in 128x128 blocks and its routed experts as FP4 (tw
 element in the low nibble) in blocks of 1x32, every scale a power of two stored as float8_e8m0fnu beside its weight
 as `<weight>_scale_inv`, and config.json's quantization_config as FORMATS.md gives DeepSeek-V4's.
 
-    python -m tests.writers.deepseek_v4_release --out DIR
+    python -m tests.writers.deepseek_v4_release --out DIR [--float4]
+
+`--float4` stores the experts as torch's float4_e2m1fn_x2 (safetensors' F4) instead of int8: the same bytes.
 
 The codes are this writer's own rounding (transformers has no FP4 quantizer): what a reader must get back is what
 the release's bytes say, which transformers' dequantizer (`Fp8Dequantize`) reads, not how they were chosen. Dense
@@ -85,10 +87,26 @@ def write_release(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def with_float4_experts(release: Path, folder: Path) -> Path:
+    """A copy of `release` in `folder` whose FP4 experts are torch's float4_e2m1fn_x2 (safetensors' F4, which counts
+    the codes: a header's last dim twice int8's) instead of int8: the same bytes."""
+    tensors = load_file(release / "model.safetensors")
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in release.iterdir():
+        if file.name != "model.safetensors":
+            (folder / file.name).write_bytes(file.read_bytes())
+    save_file({n: t.view(torch.float4_e2m1fn_x2) if t.dtype == torch.int8 and n + SCALE in tensors else t
+               for n, t in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    print(write_release(p.parse_args().out))
+    p.add_argument("--float4", action="store_true")
+    args = p.parse_args()
+    release = write_release(args.out)
+    print(with_float4_experts(release, release) if args.float4 else release)
 
 
 if __name__ == "__main__":
