@@ -41,7 +41,7 @@ from .steps import DEQUANTIZED, FLOAT8, Mapping, OutputSpec, Step, cast
 
 E8M0_BYTES = torch.uint8  # a ue8m0 scale stored as its exponent byte
 FP4_PAIRS = torch.int8  # DeepSeek-V4's FP4 experts: two e2m1 codes a byte
-FP4_STORED = (FP4_PAIRS, *((FP4_X2,) if FP4_X2 is not None else ()))  # the same bytes as torch's own FP4 dtype
+FP4_STORED = (FP4_PAIRS, *((FP4_X2,) if FP4_X2 is not None else ()))  # or the same bytes as torch's FP4 dtype
 FP4_BLOCK = (1, 32)
 BAND_ELEMENTS = 1 << 22  # about how many elements one band of the block-wise work takes (16 MiB in float32)
 
