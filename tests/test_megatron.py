@@ -261,7 +261,8 @@ def test_a_vision_language_checkpoint_with_a_text_models_config_is_refused_in_on
         assert proc.returncode == 1
         assert single_error_line(proc.stderr) == (
             "merger: error: a Megatron vision-language checkpoint (language_model.* tensors and a vision tower's) "
-            "with config.json model_type 'qwen2': merger writes Megatron VLMs as qwen3_vl, glm4v_moe, qwen3_vl_moe "
+            "with config.json model_type 'qwen2': merger writes Megatron VLMs as qwen3_vl, glm4v_moe, qwen3_5, "
+            "qwen3_5_moe, qwen3_vl_moe "
             f"(docs/megatron.md; --hf_model_config_path gives the HF VLM's config), {src}")
         assert not (tmp_path / f"out_{src.name}").exists()
 

@@ -107,5 +107,6 @@ def test_a_text_models_config_is_refused_in_one_line(glm45v_root, tmp_path, caps
     text = text_config_folder(glm45v_root / CASE / "hf", tmp_path / "text")
     assert refused_here(capsys, tmp_path / "out", "--local_dir", src, "--hf_model_config_path", text) == [
         "merger: error: a Megatron vision-language checkpoint (language_model.* tensors and a vision tower's) with "
-        "config.json model_type 'glm4v_moe_text': merger writes Megatron VLMs as qwen3_vl, glm4v_moe, qwen3_vl_moe "
+        "config.json model_type 'glm4v_moe_text': merger writes Megatron VLMs as qwen3_vl, glm4v_moe, qwen3_5, "
+        "qwen3_5_moe, qwen3_vl_moe "
         f"(docs/megatron.md; --hf_model_config_path gives the HF VLM's config), {src}"]

@@ -23,6 +23,7 @@ from tests.helpers.in_process import refused_here
 from tests.helpers.legacy_copies import edited_copy
 from tests.helpers.megatron_mtp_models import (assert_megatron_logits, load_vlm, merged_once, oracle,
                                                text_config_folder, write_cases)
+from tests.helpers.qwen_vision_tower import assert_tower_is_megatrons
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 from tests.helpers.writers312 import writers312_python
 from tests.writers.tiny_models import build_image_processor
@@ -47,11 +48,6 @@ def merged(vl_root, tmp_path_factory):
     return merged_once(vl_root, tmp_path_factory)
 
 
-def _close(ours: torch.Tensor, megatron: torch.Tensor) -> None:
-    assert ours.shape == megatron.shape
-    assert (ours - megatron).abs().max().item() < 1e-4
-
-
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("fmt", ["legacy", "dist"])
 def test_text_logits_are_megatrons(case, fmt, vl_root, merged):
@@ -65,17 +61,7 @@ def test_text_logits_are_megatrons(case, fmt, vl_root, merged):
 def test_vision_tower_modules_compute_what_megatrons_do(case, vl_root, merged):
     """The blocks (fused qkv split per head into HF's [q; k; v], TP-split linears, LayerNorms), the final and
     deepstack patch mergers and the patch embedding, each given Megatron's inputs."""
-    expected = oracle(vl_root, case)
-    visual = load_vlm(merged(case, "dist")).model.visual
-    hidden, freqs = expected["hidden"], expected["freqs"]
-    cu_seqlens = torch.tensor([0, hidden.shape[0]], dtype=torch.int32)
-    with torch.no_grad():
-        for block in visual.blocks:
-            hidden = block(hidden, cu_seqlens=cu_seqlens, position_embeddings=(freqs.cos(), freqs.sin()))
-        _close(hidden, expected["blocks"])
-        for merger, out in zip((visual.merger, *visual.deepstack_merger_list), expected["mergers"], strict=True):
-            _close(merger(expected["hidden"]), out)
-        _close(visual.patch_embed(expected["pixels"]), expected["embedded"])
+    assert_tower_is_megatrons(load_vlm(merged(case, "dist")).model.visual, oracle(vl_root, case))
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -74,11 +74,13 @@ FAMILIES = (
     Family("glm4_moe", ("glm4_moe",), megatron=mr.ATTENTION + mr.QK_NORM + mr.DENSE_MLP + mr.DEEPSEEK_MOE,
            megatron_vision=mr.GLM4V_VISION, mtp=NEXTN),
     # Qwen3.5 / 3.6 dense and MoE (a Gated DeltaNet and gated full attention hybrid, layer_types in config.json):
-    # the VLM with its vision tower (qwen3_5, qwen3_5_moe), or the text model alone, the tower left out
+    # the VLM with its vision tower (qwen3_5, qwen3_5_moe), or the text model alone, the tower left out; Megatron's
+    # VLM (Megatron-Bridge's Qwen3VLModel) holds Qwen3-VL's tower without deepstack mergers
     Family("qwen3_5", ("qwen3_5_text", "qwen3_5_moe_text"),
            megatron=mr.GATED_ATTENTION + mr.gated_deltanet("deltanet_in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b",
                                                                                   "in_proj_a"))
            + mr.DENSE_MLP + mr.EXPERTS + mr.SHARED_EXPERT, layer_types=mr.DELTANET_LAYER_TYPES,
+           megatron_vision=mr.qwen3_vl_vision(("qwen3_5", "qwen3_5_moe"), deepstack=False),
            mtp=qwen_mtp("mtp_num_hidden_layers"),
            torchtitan=tr.NORMS + tr.QWEN3_5_ATTENTION + tr.GATED_DELTANET + tr.DENSE_FFN + tr.QWEN3_5_MOE,
            torchtitan_marks=("attn.wq.weight", "attn.in_proj_q.weight"), torchtitan_left_out=tr.VISION_TOWER,

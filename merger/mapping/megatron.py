@@ -93,8 +93,9 @@ def _step(name: str, shape: tuple[int, ...], kind: str, targets: tuple[str, ...]
     return kinds.step(name, shape, dtype, kind, targets, config)
 
 
-def _check_layer_types(catalog: Catalog, config: dict, family: Family) -> None:
-    """A hybrid's layers are of the types config.json's `layer_types` gives, which decide HF's modules."""
+def check_layer_types(catalog: Catalog, config: dict, family: Family, prefix: str = "") -> None:
+    """A hybrid's layers (their names after `prefix`: a VLM's text model's `language_model.`) are of the types
+    config.json's `layer_types` gives (its text_config's, for a VLM), which decide HF's modules."""
     if not family.layer_types:
         return
     types = config.get("layer_types")
@@ -102,7 +103,8 @@ def _check_layer_types(catalog: Catalog, config: dict, family: Family) -> None:
         raise MergerError(f"config.json has no layer_types, which a {family.name} model needs (the HF config of the "
                           f"model, --hf_model_config_path), {catalog.root}")
     for i, wanted in enumerate(types):
-        held = [t for t, row in family.layer_types.items() if f"{MEGATRON.decoder}{i}.{row}" in catalog.tensors]
+        held = [t for t, row in family.layer_types.items()
+                if f"{prefix}{MEGATRON.decoder}{i}.{row}" in catalog.tensors]
         if held != [wanted]:
             raise MergerError(f"layer {i} of the checkpoint is {' and '.join(held) or 'of no known type'} but "
                               f"config.json's layer_types[{i}] is {wanted!r}, {catalog.root}")
@@ -208,7 +210,7 @@ class ExpertStacks:
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
     family = family_of(config, options)
-    _check_layer_types(catalog, config, family)
+    check_layer_types(catalog, config, family)
     table = family_table(family)
     layers = mtp.mtp_layers(catalog, MEGATRON, family, config, options)
     first_mtp = config.get("num_hidden_layers", 0)

@@ -160,15 +160,17 @@ def _biased(rows: tuple[tuple[str, str], ...]) -> tuple[Row, ...]:
 
 
 # Qwen3-VL's vision tower as Megatron-Bridge's Qwen3VLModel saves it (`vision_model.`, the text model as
-# `language_model.`), written whole where config.json is the HF VLM's (qwen3_vl, qwen3_vl_moe). Its blocks are
+# `language_model.`), written whole where config.json is the HF VLM's (qwen3_vl, qwen3_vl_moe; Qwen3.5's qwen3_5 and
+# qwen3_5_moe, whose tower the bridge saves in the same module, without deepstack mergers). Its blocks are
 # megatron-core TransformerLayers with LayerNorms (TE's names fused into linear_qkv / linear_fc1, or the local spec's own), a
 # query group per head (linear_qkv per head [q; k; v], HF's qkv [q; k; v]), biased linears; its patch merger and
 # deepstack mergers (`patch_norm`, fc1, fc2) are HF's `norm`, fc1, fc2; the patch embedding is HF's Conv3d.
 _MERGER = _biased((("patch_norm", "norm"), ("linear_fc1", "linear_fc1"), ("linear_fc2", "linear_fc2")))
 
 
-def qwen3_vl_vision(model_types: tuple[str, ...]) -> VisionTower:
-    """Qwen3-VL's tower, the same in the dense VLM and the MoE one."""
+def qwen3_vl_vision(model_types: tuple[str, ...], deepstack: bool = True) -> VisionTower:
+    """Qwen3-VL's tower, the same in the dense VLM and the MoE one; Qwen3.5's without its deepstack mergers, which
+    HF's Qwen3.5 tower has no place for."""
     return VisionTower(
         model_types, "vision_model.", "vision_model.decoder.layers.", "model.visual.blocks.{i}.",
         globals=(*_biased((("vision_model.patch_embed.proj", "model.visual.patch_embed.proj"),)),
@@ -184,7 +186,7 @@ def qwen3_vl_vision(model_types: tuple[str, ...]) -> VisionTower:
               *(Row(f"self_attention.linear_qkv.{p}", "vision_qkv", (f"attn.qkv.{p}",)) for p in ("weight", "bias"))),
         text_prefixes=(("model.", "model.language_model."),),
         lists=(("vision_model.decoder.deepstack_merger_list.", "model.visual.deepstack_merger_list.{i}.",
-                _MERGER),))
+                _MERGER),) if deepstack else ())
 
 
 def _as_is(prefix: str, hf: str, names: tuple[str, ...]) -> tuple[Row, ...]:

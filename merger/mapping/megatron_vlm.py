@@ -3,8 +3,9 @@ under `language_model.`, the vision tower beside it, under `vision_model.` or, k
 as the HF VLM, whole.
 
 The VLM is found from config.json's model_type among the families' Megatron vision towers (family.megatron_vision:
-Qwen3-VL's qwen3_vl and qwen3_vl_moe, GLM-4.5V's glm4v_moe). The text model's tensors are the family's Megatron rows,
-mapped with config.json's `text_config` (its heads, its vocabulary) and written under the VLM's names
+Qwen3-VL's qwen3_vl and qwen3_vl_moe, Qwen3.5's qwen3_5 and qwen3_5_moe, GLM-4.5V's glm4v_moe). The text model's
+tensors are the family's Megatron rows, mapped with config.json's `text_config` (its heads, its vocabulary; a
+hybrid's layer_types, checked against the layers) and written under the VLM's names
 (`model.language_model.`, `lm_head`; experts stacked where a row says so, as megatron.py writes them);
 the tower's are the tower's rows, mapped with the whole config.json (its `vision_config`).
 """
@@ -18,7 +19,7 @@ from . import kinds
 from .families import MEGATRON_FAMILIES
 from .family import Family, VisionTower
 from .hf import model_config
-from .megatron import ExpertStacks, family_table, row_of
+from .megatron import ExpertStacks, check_layer_types, family_table, row_of
 from .megatron_rows import MEGATRON
 from .naming import lookup, tower_table
 from .policy import ties
@@ -57,6 +58,7 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
     family, tower = _family(config, catalog)
     text_config = config["text_config"]
+    check_layer_types(catalog, text_config, family, TEXT)
     text_table, vision_table = family_table(family), tower_table(tower, "Megatron vision")
     steps, stacks = [], ExpertStacks()
     for name, t in catalog.tensors.items():

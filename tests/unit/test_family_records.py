@@ -380,14 +380,15 @@ def test_every_megatron_family_has_a_test_case():
 
 
 def test_every_megatron_vision_tower_has_a_test_case():
-    """test_megatron_qwen3_vl.py and test_megatron_glm45v.py merge what their writers write for each of their cases,
-    whose HF config is the VLM's."""
+    """test_megatron_qwen3_vl.py, test_megatron_qwen3_5_vl.py and test_megatron_glm45v.py merge what their writers
+    write for each of their cases, whose HF config is the VLM's."""
     from argparse import Namespace
 
-    from tests import test_megatron_glm45v, test_megatron_qwen3_vl
-    from tests.writers import megatron_glm45v, megatron_qwen3_vl
+    from tests import test_megatron_glm45v, test_megatron_qwen3_5_vl, test_megatron_qwen3_vl
+    from tests.writers import megatron_glm45v, megatron_qwen3_5_vl, megatron_qwen3_vl
 
     cases = [(test_megatron_qwen3_vl.CASES, megatron_qwen3_vl, {"layers": 2}),
+             (test_megatron_qwen3_5_vl.CASES, megatron_qwen3_5_vl, {}),
              (test_megatron_glm45v.CASES, megatron_glm45v, {})]
     written = set()
     for specs, writer, fixed in cases:

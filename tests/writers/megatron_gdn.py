@@ -35,8 +35,12 @@ EXPERTS, TOPK, MOE_FFN, SHARED_FFN = 4, 2, 24, 32
 
 def gdn_patches() -> None:
     """GatedDeltaNet without fla: its torch l2norm (fla's, as HF's torch fallback computes it); the torch conv1d and
-    chunked delta rule come with deterministic_mode."""
-    from megatron.core.ssm import gated_delta_net
+    chunked delta rule come with deterministic_mode. megatron-core 0.16 keeps them in the module gated_delta_net,
+    0.19 in that package's common module (megatron_qwen3_5_vl.py writes with 0.19)."""
+    try:
+        from megatron.core.ssm.gated_delta_net import common as gated_delta_net
+    except ImportError:
+        from megatron.core.ssm import gated_delta_net
 
     gated_delta_net.HAVE_FLA = True
     gated_delta_net.l2norm = lambda x: x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
@@ -68,7 +72,7 @@ def transformer_config(a: Namespace):
         # the pattern as Megatron-LM gives it (1: a Gated DeltaNet): torch_dist then keys each layer by number
         linear_attention_freq=[int(c == "l") for c in a.pattern],
         deterministic_mode=True, tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
-        expert_model_parallel_size=a.ep,
+        expert_model_parallel_size=a.ep, expert_tensor_parallel_size=getattr(a, "etp", None),  # None: as TP
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0,
         attention_dropout=0.0,
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,

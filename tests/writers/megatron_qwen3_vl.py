@@ -48,6 +48,8 @@ PATCH, FRAMES, CHANNELS, MERGE, POSITIONS = 4, 2, 3, 2, 16
 DEEPSTACK = (0, 1)  # the vision blocks whose output a deepstack merger takes
 TEXT_HIDDEN = {"qwen3": 32, MOE: HIDDEN}  # megatron_checkpoint.transformer_config's, megatron_moe_renames.moe_config's
 TOKEN_IDS = {tok: len(WORDS) + 2 + i for i, tok in enumerate(VISION_TOKENS)}  # as build_tokenizer(vision=True)
+HF_TOKENS = dict(image_token_id=TOKEN_IDS["<|image_pad|>"], video_token_id=TOKEN_IDS["<|video_pad|>"],
+                 vision_start_token_id=TOKEN_IDS["<|vision_start|>"], vision_end_token_id=TOKEN_IDS["<|vision_end|>"])
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 
 
@@ -64,7 +66,9 @@ def vision_config(a: Namespace):
         init_method_std=0.05)
 
 
-def _classes():
+def vision_classes():
+    """The tower's module (with the deepstack mergers its `deepstack` block numbers ask for: Qwen3.5's has none)
+    and the VLM holding it beside the text model."""
     from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.module import MegatronModule
@@ -107,12 +111,12 @@ def _classes():
             return self.proj(pixels.view(-1, CHANNELS, FRAMES, PATCH, PATCH)).view(-1, V_HIDDEN)
 
     class VisionModel(MegatronModule):
-        def __init__(self, config, out: int):
+        def __init__(self, config, out: int, deepstack: tuple[int, ...]):
             super().__init__(config)
             self.patch_embed = PatchEmbed()
             self.pos_embed = torch.nn.Embedding(POSITIONS, V_HIDDEN)
             self.decoder = TransformerBlock(config, get_vit_layer_with_local_spec(), post_layer_norm=False)
-            self.decoder.deepstack_merger_list = Numbered(config, [PatchMerger(config, True, out) for _ in DEEPSTACK])
+            self.decoder.deepstack_merger_list = Numbered(config, [PatchMerger(config, True, out) for _ in deepstack])
             self.merger = PatchMerger(config, False, out)
 
     class Qwen3VLModel(MegatronModule):
@@ -136,14 +140,16 @@ def hf_config(a: Namespace):
     if a.arch == MOE:
         text.update(moe_intermediate_size=MOE_FFN, num_experts=EXPERTS, num_experts_per_tok=TOPK, mlp_only_layers=[0],
                     decoder_sparse_step=1)
-    vision = dict(depth=V_DEPTH, hidden_size=V_HIDDEN, intermediate_size=V_FFN, num_heads=V_HEADS,
-                  in_channels=CHANNELS, patch_size=PATCH, temporal_patch_size=FRAMES, spatial_merge_size=MERGE,
-                  out_hidden_size=hidden, num_position_embeddings=POSITIONS,
-                  deepstack_visual_indexes=list(DEEPSTACK))
+    vision = dict(hf_vision(hidden), deepstack_visual_indexes=list(DEEPSTACK))
     return (transformers.Qwen3VLMoeConfig if a.arch == MOE else transformers.Qwen3VLConfig)(
-        text_config=text, vision_config=vision, tie_word_embeddings=False,
-        image_token_id=TOKEN_IDS["<|image_pad|>"], video_token_id=TOKEN_IDS["<|video_pad|>"],
-        vision_start_token_id=TOKEN_IDS["<|vision_start|>"], vision_end_token_id=TOKEN_IDS["<|vision_end|>"])
+        text_config=text, vision_config=vision, tie_word_embeddings=False, **HF_TOKENS)
+
+
+def hf_vision(out_hidden: int) -> dict:
+    """The HF vision_config of the tower vision_config() builds, its merger's output `out_hidden` wide."""
+    return dict(depth=V_DEPTH, hidden_size=V_HIDDEN, intermediate_size=V_FFN, num_heads=V_HEADS,
+                in_channels=CHANNELS, patch_size=PATCH, temporal_patch_size=FRAMES, spatial_merge_size=MERGE,
+                out_hidden_size=out_hidden, num_position_embeddings=POSITIONS)
 
 
 def _moe_language_model(a: Namespace):
@@ -154,8 +160,8 @@ def _moe_language_model(a: Namespace):
     return oss_minimax.build_model(a, config, block_spec(a, config), ())
 
 
-def _oracle(a: Namespace, model) -> dict:
-    """Megatron's own forwards, on inputs every rank draws alike."""
+def oracle(a: Namespace, model) -> dict:
+    """Megatron's own forwards, on inputs every rank draws alike: the language model's logits, the tower's modules."""
     tokens = torch.tensor([[3, 17, 42, 5, 99, 64, 8]])
     assert tokens.shape[1] == SEQ
     g = torch.Generator().manual_seed(7)
@@ -179,16 +185,22 @@ def write_case(a: Namespace, out: Path) -> None:
     a.etp = 1 if a.arch == MOE else None  # the legacy files' args: the MoE model's expert TP, none else (TP's)
     ps.initialize_model_parallel(a.tp, expert_model_parallel_size=a.ep, expert_tensor_parallel_size=1)
     language_model = _moe_language_model(a) if a.arch == MOE else build_chunks(a, transformer_config(a))[0]
-    vision_class, model_class = _classes()
+    write_vlm(a, language_model, TEXT_HIDDEN[a.arch], DEEPSTACK, out, lambda: hf_config(a))
+    ps.destroy_model_parallel()
+
+
+def write_vlm(a: Namespace, language_model, out_hidden: int, deepstack: tuple[int, ...], out: Path, hf) -> None:
+    """The VLM of `language_model` and the tower (deepstack mergers after the `deepstack` blocks), saved with its
+    oracle and the HF VLM's config folder (megatron_qwen3_5_vl.py's too)."""
+    vision_class, model_class = vision_classes()
     torch.manual_seed(4321)  # every rank draws the tower alike, then keeps its TP slice
-    vision_model = vision_class(vision_config(a), TEXT_HIDDEN[a.arch]).eval()
+    vision_model = vision_class(vision_config(a), out_hidden, deepstack).eval()
     randomise_vectors([vision_model])
     model = model_class(language_model.config, language_model, vision_model)
 
-    write_model(a, model, out, lambda: _oracle(a, model), lambda: hf_config(a))
+    write_model(a, model, out, lambda: oracle(a, model), hf)
     if torch.distributed.get_rank() == 0:  # the VLM's own class, tokenizer and processor files over the text model's
-        save_vlm_folder(hf_config(a), out / "hf")
-    ps.destroy_model_parallel()
+        save_vlm_folder(hf(), out / "hf")
 
 
 def save_vlm_folder(config, folder: Path) -> None:
