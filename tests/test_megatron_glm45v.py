@@ -20,10 +20,9 @@ import torch
 
 from tests.helpers.in_process import refused_here
 from tests.helpers.legacy_copies import edited_copy
-from tests.helpers.megatron_mtp_models import (assert_megatron_logits, load_vlm, merged_once, oracle,
-                                               text_config_folder, write_cases)
+from tests.helpers.megatron_mtp_models import assert_megatron_logits, load_vlm, merged_once, oracle, text_config_folder
+from tests.helpers.megatron_vlms import assert_config_folder_files_copied, save_pretrained_shapes, write_vlm_cases
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
-from tests.helpers.writers312 import writers312_python
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +34,8 @@ CASES = {CASE: "tp=2,ep=2"}
 def glm45v_root(tmp_path_factory):
     import transformers
 
-    root = write_cases(tmp_path_factory, "megatron_glm45v", CASES, writer="megatron_glm45v.py",
-                       python=writers312_python())
-    transformers.Glm4vImageProcessorPil().save_pretrained(root / CASE / "hf")  # GLM-4.5V's own, without torchvision
-    return root
+    return write_vlm_cases(tmp_path_factory, "megatron_glm45v", CASES, "megatron_glm45v.py",
+                           transformers.Glm4vImageProcessorPil())  # GLM-4.5V's own, without torchvision
 
 
 @pytest.fixture(scope="session")
@@ -72,21 +69,14 @@ def test_torch_dist_merge_equals_legacy_merge(merged):
 
 
 def test_names_and_shapes_are_those_save_pretrained_writes(glm45v_root, merged, tmp_path):
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(glm45v_root / CASE / "hf")
-    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path / "own")
-    own = load_safetensors_folder(tmp_path / "own")
     ours = load_safetensors_folder(merged(CASE, "legacy"))
-    assert {n: t.shape for n, t in ours.items()} == {n: t.shape for n, t in own.items()}
+    assert {n: tuple(t.shape) for n, t in ours.items()} == save_pretrained_shapes(glm45v_root / CASE / "hf", tmp_path)
     # transformers saves GLM-4.5V's experts one by one, as the release holds them
     assert ours["model.language_model.layers.1.mlp.experts.3.gate_proj.weight"].shape == (24, 64)
 
 
 def test_processor_and_chat_template_files_are_the_config_folders(glm45v_root, merged):
-    given, out = glm45v_root / CASE / "hf", merged(CASE, "dist")
-    for name in ("preprocessor_config.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):
-        assert (out / name).read_bytes() == (given / name).read_bytes(), name
+    assert_config_folder_files_copied(glm45v_root / CASE / "hf", merged(CASE, "dist"))
 
 
 def test_a_checkpoint_without_its_tower_is_refused_in_one_line(glm45v_root, tmp_path, capsys):

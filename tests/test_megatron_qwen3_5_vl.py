@@ -21,11 +21,10 @@ import torch
 
 from tests.helpers.in_process import refused_here
 from tests.helpers.legacy_copies import edited_copy
-from tests.helpers.megatron_mtp_models import (assert_megatron_logits, load_vlm, merged_once, oracle,
-                                               text_config_folder, write_cases)
-from tests.helpers.qwen_vision_tower import assert_tower_is_megatrons
+from tests.helpers.megatron_mtp_models import assert_megatron_logits, load_vlm, merged_once, oracle, text_config_folder
+from tests.helpers.megatron_vlms import (assert_config_folder_files_copied, assert_tower_is_megatrons,
+                                        save_pretrained_shapes, write_vlm_cases)
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
-from tests.helpers.writers312 import writers312_python
 from tests.writers.tiny_models import build_image_processor
 
 pytestmark = pytest.mark.slow
@@ -36,11 +35,8 @@ CASES = {CASE: "tp=2,pattern=lf", MOE_CASE: "arch=qwen3_5_moe_text,moe=1,ep=2,pa
 
 @pytest.fixture(scope="session")
 def vl_root(tmp_path_factory):
-    root = write_cases(tmp_path_factory, "megatron_qwen3_5_vl", CASES, writer="megatron_qwen3_5_vl.py",
-                       python=writers312_python())
-    for case in CASES:  # the writer venv has no torchvision / PIL
-        build_image_processor().save_pretrained(root / case / "hf")
-    return root
+    return write_vlm_cases(tmp_path_factory, "megatron_qwen3_5_vl", CASES, "megatron_qwen3_5_vl.py",
+                           build_image_processor())
 
 
 @pytest.fixture(scope="session")
@@ -96,13 +92,8 @@ def test_torch_dist_merge_equals_legacy_merge(case, merged):
 
 @pytest.mark.parametrize("case", CASES)
 def test_names_and_shapes_are_those_save_pretrained_writes(case, vl_root, merged, tmp_path):
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(vl_root / case / "hf")
-    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path / "own")
-    own = load_safetensors_folder(tmp_path / "own")
     ours = load_safetensors_folder(merged(case, "legacy"))
-    assert {n: t.shape for n, t in ours.items()} == {n: t.shape for n, t in own.items()}
+    assert {n: tuple(t.shape) for n, t in ours.items()} == save_pretrained_shapes(vl_root / case / "hf", tmp_path)
     assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in ours
     assert not any("deepstack" in n for n in ours)
     if case == MOE_CASE:  # transformers saves Qwen3.5-MoE's experts one by one
@@ -110,9 +101,7 @@ def test_names_and_shapes_are_those_save_pretrained_writes(case, vl_root, merged
 
 
 def test_processor_and_chat_template_files_are_the_config_folders(vl_root, merged):
-    given, out = vl_root / MOE_CASE / "hf", merged(MOE_CASE, "dist")
-    for name in ("preprocessor_config.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):
-        assert (out / name).read_bytes() == (given / name).read_bytes(), name
+    assert_config_folder_files_copied(vl_root / MOE_CASE / "hf", merged(MOE_CASE, "dist"))
 
 
 def test_a_checkpoint_without_its_tower_is_refused_in_one_line(vl_root, tmp_path, capsys):

@@ -2,8 +2,8 @@
 multi-token-prediction layers): the cases written in one torchrun launch, each merged once per set of flags, the
 oracle the writer saved, the merged model loaded, its MTP layer's logits as transformers computes them, and the
 checks against Megatron's logits (fp32, max abs diff < 1e-4, the same argmax). The Megatron VLM tests
-(test_megatron_qwen3_vl.py, test_megatron_glm45v.py) share them too, with the merged VLM loaded and a config folder
-of a VLM's text_config."""
+(test_megatron_qwen3_vl.py, test_megatron_qwen3_5_vl.py, test_megatron_glm45v.py) share them too, with the merged
+VLM loaded and a config folder of a VLM's text_config."""
 from __future__ import annotations
 
 import json
