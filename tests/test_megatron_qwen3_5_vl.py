@@ -16,6 +16,10 @@ Megatron's per-head order, fail these checks.
 """
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -124,3 +128,17 @@ def test_a_text_models_config_is_refused_in_one_line(vl_root, tmp_path, capsys):
         "merger: error: a Megatron vision-language checkpoint (language_model.* tensors and a vision tower's) with "
         "config.json model_type 'qwen3_5_moe_text': merger writes Megatron VLMs as qwen3_vl, glm4v_moe, qwen3_5, "
         f"qwen3_5_moe, qwen3_vl_moe (docs/megatron.md; --hf_model_config_path gives the HF VLM's config), {src}"]
+
+
+def test_text_layer_types_the_checkpoint_does_not_have_are_refused_in_one_line(vl_root, tmp_path, capsys):
+    """text_config's layer_types decide which HF module each text layer is: a pattern other than the checkpoint's
+    stops the merge, naming the layer, instead of writing weights the VLM would not load."""
+    hf = Path(shutil.copytree(vl_root / CASE / "hf", tmp_path / "hf"))
+    config = json.loads((hf / "config.json").read_text())
+    assert config["text_config"]["layer_types"] == ["linear_attention", "full_attention"]
+    config["text_config"]["layer_types"] = ["full_attention", "linear_attention"]
+    (hf / "config.json").write_text(json.dumps(config))
+    src = vl_root / CASE / "dist"
+    assert refused_here(capsys, tmp_path / "out", "--local_dir", src, "--hf_model_config_path", hf) == [
+        f"merger: error: layer 0 of the checkpoint is linear_attention but config.json's layer_types[0] is "
+        f"'full_attention', {src}"]
