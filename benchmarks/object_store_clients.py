@@ -1,0 +1,307 @@
+"""Two S3 clients side by side: merger's own (s3fs over aiobotocore, as merger/io/object_store.py and s3_upload.py
+call it) against obstore (Rust object_store), on the reads and writes a merge makes (issue 51 item 1).
+
+    PYTHONPATH=/tmp/obstore-pkgs python benchmarks/object_store_clients.py [--objects 4] [--object_size 64MiB]
+        [--in_flight 4] [--upload_size 1GiB] [--part_size 16MiB] [--uploaders 2] [--repeats 3]
+
+obstore is not one of merger's dependencies: install it apart (`pip install --target /tmp/obstore-pkgs obstore`) and
+put that folder on PYTHONPATH; without it the script measures s3fs alone and says why.
+
+Against moto's S3 server (a process of its own on the loopback, as benchmarks/object_storage.py starts it), in one
+run, each client in turn, alternating (the order flips every repeat), after one untimed pass each that checks the
+bytes:
+- ranged reads: `--objects` objects of `--object_size`, read in ranges of 1 to 16 MiB (a fixed draw), the objects
+  taken in turn as a merge's plan jumps between files; one range at a time (merger's `read`: s3fs `cat_file`,
+  obstore `get_range`), then `--in_flight` ranges at once, a batch waited for before the next (merger's read-ahead:
+  s3fs `cat_ranges`, obstore `get_range_async` gathered);
+- a multipart upload of one `--upload_size` object in `--part_size` parts, `--uploaders` parts in flight: merger's
+  S3Writer (begin, upload_part from a thread pool, complete: botocore's calls) against obstore's `put` (its only
+  multipart upload: one process sends every part). Each upload's ETag is checked against the multipart ETag
+  computed from the bytes (the MD5 of the parts' MD5s), so both stored the same parts.
+Per client and test: throughput (bytes / wall), the client's CPU seconds per GB (this process's user + system time,
+every thread: aiobotocore's event loop and obstore's Rust runtime both run in it) and the server's (moto's process),
+medians of `--repeats`, and the ratios obstore / s3fs. On the loopback the server runs on the same cores as the
+client, and moto (Python) costs far more per byte than either client: the wall times mostly measure moto and the
+machine's load, the client CPU per GB is what tells the clients apart. The load average is printed before and after.
+
+It also tries what merger's target needs of a client beyond reads and uploads, against the same server: a put only
+where no object is (the target's lock, If-None-Match), a listing under a prefix, and an upload in parts that several
+processes share by its upload id (each rank sends its own parts, rank 0 completes: docs/object_storage.md).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from itertools import zip_longest
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.object_storage import ENV, start_server  # noqa: E402
+from merger.units import format_size, parse_size  # noqa: E402
+
+BUCKET = "clients"
+MiB = 1 << 20
+
+
+def cpu_of(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` so far, every thread."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def draw_ranges(objects: list[str], size: int, seed: int = 51) -> list[tuple[str, int, int]]:
+    """Every byte of each object in ranges of 1 to 16 MiB, the objects in turn (range 1 of each, range 2 of each...)."""
+    rng = random.Random(seed)
+    per_object = []
+    for key in objects:
+        spans, at = [], 0
+        while at < size:
+            end = min(size, at + rng.randint(1, 16) * MiB)
+            spans.append((key, at, end))
+            at = end
+        per_object.append(spans)
+    return [r for row in zip_longest(*per_object) for r in row if r is not None]
+
+
+def random_bytes(rng: random.Random, size: int) -> bytearray:
+    """`size` bytes drawn by `rng`, 64 MiB at a time (randbytes takes at most 256 MiB)."""
+    out = bytearray(size)
+    for at in range(0, size, 64 * MiB):
+        out[at:at + 64 * MiB] = rng.randbytes(min(64 * MiB, size - at))
+    return out
+
+
+def multipart_etag(data: memoryview, part: int) -> str:
+    """S3's ETag of an object uploaded in parts of `part` bytes: the MD5 of the parts' MD5s, and their count."""
+    digests = [hashlib.md5(data[i:i + part]).digest() for i in range(0, len(data), part)]
+    return f'"{hashlib.md5(b"".join(digests)).hexdigest()}-{len(digests)}"'
+
+
+class S3fsClient:
+    """merger's clients as merger builds them (its waits and retries: store_waits.py)."""
+    name = "s3fs/botocore"
+
+    def __init__(self):  # the server's address from AWS_ENDPOINT_URL, as merger finds it
+        from merger.io.object_store import ObjectStorage
+
+        self.storage = ObjectStorage("s3", f"s3://{BUCKET}")
+        self.fs = self.storage.fs
+
+    def read_one(self, key: str, start: int, end: int) -> int:
+        return len(self.fs.cat_file(f"{BUCKET}/{key}", start=start, end=end))
+
+    def read_batches(self, batches: list[list[tuple[str, int, int]]]) -> list[list[bytes]]:
+        return [self.fs.cat_ranges([f"{BUCKET}/{k}" for k, _, _ in batch], [a for _, a, _ in batch],
+                                   [b for _, _, b in batch], on_error="raise") for batch in batches]
+
+    def upload(self, key: str, data: memoryview, part: int, uploaders: int) -> str:
+        from merger.io.s3_upload import S3Writer
+
+        writer = S3Writer(f"s3://{BUCKET}")
+        upload_id = writer.begin(key)
+        with ThreadPoolExecutor(uploaders) as pool:
+            etags = list(pool.map(lambda i: writer.upload_part(key, upload_id, i // part + 1, data[i:i + part]),
+                                  range(0, len(data), part)))
+        writer.complete(key, upload_id, etags)
+        return self.fs.info(f"{BUCKET}/{key}", refresh=True)["ETag"]
+
+    def create(self, key: str, data: bytes) -> bool:
+        from merger.io.s3_upload import S3Writer
+
+        return S3Writer(f"s3://{BUCKET}").create(key, data)
+
+    def listing(self, prefix: str) -> list[str]:
+        return sorted(p.split("/", 1)[1] for p in self.fs.find(f"{BUCKET}/{prefix}", refresh=True))
+
+    def shared_upload(self) -> str | None:
+        """As ObstoreClient's: the calls by upload id that merger's writer makes (any process sends parts)."""
+        from merger.io.s3_upload import S3Writer
+
+        calls = ("begin", "upload_part", "complete", "abort", "open_uploads")
+        missing = [c for c in calls if not hasattr(S3Writer, c)]
+        return f"S3Writer has no {', '.join(missing)}" if missing else None
+
+
+class ObstoreClient:
+    name = "obstore"
+
+    def __init__(self, endpoint: str, use_async: bool = False):
+        import obstore
+        from obstore.store import S3Store
+
+        self.obs = obstore
+        self.use_async = use_async
+        self.store = S3Store(BUCKET, endpoint=endpoint, access_key_id=ENV["AWS_ACCESS_KEY_ID"],
+                             secret_access_key=ENV["AWS_SECRET_ACCESS_KEY"], region=ENV["AWS_DEFAULT_REGION"],
+                             client_options={"allow_http": True})
+
+    def read_one(self, key: str, start: int, end: int) -> int:
+        return len(self.obs.get_range(self.store, key, start=start, end=end))
+
+    def read_batches(self, batches: list[list[tuple[str, int, int]]]) -> list[list]:
+        if self.use_async:
+            async def each():  # one event loop for them all, a batch awaited before the next is sent
+                return [await asyncio.gather(*(self.obs.get_range_async(self.store, k, start=a, end=b)
+                                               for k, a, b in batch)) for batch in batches]
+            return asyncio.run(each())
+        # Its sync calls release the GIL while its Rust runtime fetches: a thread per range in flight. (Its async
+        # calls hold the GIL and are driven by Python's event loop: --obstore_async measures them.)
+        with ThreadPoolExecutor(max(map(len, batches))) as pool:
+            return [list(pool.map(lambda r: self.obs.get_range(self.store, r[0], start=r[1], end=r[2]), batch))
+                    for batch in batches]
+
+    def upload(self, key: str, data: memoryview, part: int, uploaders: int) -> str:
+        self.obs.put(self.store, key, (data[i:i + part] for i in range(0, len(data), part)), use_multipart=True,
+                     chunk_size=part, max_concurrency=uploaders)
+        return self.obs.head(self.store, key)["e_tag"]
+
+    def create(self, key: str, data: bytes) -> bool:
+        from obstore.exceptions import AlreadyExistsError
+
+        try:
+            self.obs.put(self.store, key, data, mode="create")
+        except AlreadyExistsError:
+            return False
+        return True
+
+    def listing(self, prefix: str) -> list[str]:
+        return sorted(m["path"] for batch in self.obs.list(self.store, prefix=prefix) for m in batch)
+
+    def shared_upload(self) -> str | None:
+        """Why an upload cannot take parts from several processes, or None where it can: the upload id has to be
+        begun, written to and completed by name (Rust object_store's MultipartStore), not only inside one put."""
+        calls = ("create_multipart", "put_part", "complete_multipart")
+        have = [c for c in calls if hasattr(self.obs, c) or hasattr(self.store, c)]
+        if len(have) == len(calls):
+            return None
+        return (f"obstore {self.obs.__version__} (object_store {self.obs._object_store_version}) has no "
+                f"{', '.join(c for c in calls if c not in have)} in Python: an upload's parts go through one put or "
+                f"open_writer, in one process")
+
+
+def timed(client_pid: int, server_pid: int, fn) -> tuple[float, float, float]:
+    """Wall seconds, this process's CPU seconds and the server's, of fn()."""
+    cpu0, srv0, t0 = cpu_of(client_pid), cpu_of(server_pid), time.perf_counter()
+    fn()
+    wall = time.perf_counter() - t0
+    return wall, cpu_of(client_pid) - cpu0, cpu_of(server_pid) - srv0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--objects", type=int, default=4)
+    p.add_argument("--object_size", default="64MiB", help="each read object's size")
+    p.add_argument("--in_flight", type=int, default=4, help="ranges in flight together (merger: 4 GETs of 8 MiB)")
+    p.add_argument("--upload_size", default="1GiB")
+    p.add_argument("--part_size", default="16MiB", help="merger's upload parts are 16 MiB")
+    p.add_argument("--uploaders", type=int, default=2, help="parts in flight together")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--obstore_async", action="store_true",
+                   help="obstore's ranges in flight through its async API (get_range_async on one asyncio loop) "
+                        "instead of its sync calls from a thread each")
+    args = p.parse_args()
+    object_size, upload_size, part = (parse_size(args.object_size), parse_size(args.upload_size),
+                                      parse_size(args.part_size))
+
+    server, endpoint = start_server()
+    os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
+    load_before = os.getloadavg()
+    try:
+        import boto3
+
+        s3 = boto3.client("s3")
+        s3.create_bucket(Bucket=BUCKET)
+        rng = random.Random(0)
+        objects = {f"read/{i}.bin": bytes(random_bytes(rng, object_size)) for i in range(args.objects)}
+        for key, data in objects.items():
+            s3.put_object(Bucket=BUCKET, Key=key, Body=data)
+        ranges = draw_ranges(list(objects), object_size)
+        batches = [ranges[i:i + args.in_flight] for i in range(0, len(ranges), args.in_flight)]
+        payload = memoryview(random_bytes(rng, upload_size))
+        want_etag = multipart_etag(payload, part)
+
+        clients = [S3fsClient()]
+        try:
+            clients.append(ObstoreClient(endpoint, args.obstore_async))
+        except ImportError as e:
+            print(f"obstore skipped: it is not installed here ({e}); pip install --target DIR obstore and put DIR "
+                  f"on PYTHONPATH")
+
+        # Untimed: every range's bytes as uploaded, and what merger's target asks beyond reads and uploads
+        features = {}
+        for c in clients:
+            for key, a, b in ranges[:8]:
+                if bytes(c.read_batches([[(key, a, b)]])[0][0]) != objects[key][a:b]:
+                    raise SystemExit(f"{c.name} read wrong bytes from {key} [{a}, {b})")
+            created = [c.create(f"lock/{c.name.replace('/', '-')}", b"one"),
+                       c.create(f"lock/{c.name.replace('/', '-')}", b"two")]
+            features[c.name] = {
+                "ranged reads": "yes",
+                "put only where none is (If-None-Match)": "yes" if created == [True, False] else f"no ({created})",
+                "listing under a prefix": "yes" if c.listing("read") == sorted(objects) else "no",
+                "upload id shared by processes": c.shared_upload() or "yes",
+            }
+
+        tests = {
+            f"ranged reads, one at a time ({format_size(object_size * args.objects)})":
+                (object_size * args.objects, lambda c: [c.read_one(*r) for r in ranges]),
+            f"ranged reads, {args.in_flight} in flight":
+                (object_size * args.objects, lambda c: c.read_batches(batches)),
+            f"multipart upload of {format_size(upload_size)}, {format_size(part)} parts, {args.uploaders} in flight":
+                (upload_size, None),
+        }
+        results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        for repeat in range(args.repeats):
+            for name, (size, fn) in tests.items():
+                for c in clients if repeat % 2 == 0 else clients[::-1]:
+                    if fn is None:
+                        key = f"upload/{c.name.replace('/', '-')}-{repeat}.bin"
+                        got = []
+                        run = timed(os.getpid(), server.pid,
+                                    lambda: got.append(c.upload(key, payload, part, args.uploaders)))
+                        if got[0].strip('"') != want_etag.strip('"'):
+                            raise SystemExit(f"{c.name}'s upload has ETag {got[0]}, not {want_etag}")
+                        s3.delete_object(Bucket=BUCKET, Key=key)  # moto holds objects in memory
+                    else:
+                        run = timed(os.getpid(), server.pid, lambda: fn(c))
+                    results.setdefault((name, c.name), []).append(run)
+        load_after = os.getloadavg()
+
+        gb = 1e9
+        print(f"\nmoto on the loopback ({endpoint}), {os.cpu_count()} cores, load average "
+              f"{' '.join(f'{x:.2f}' for x in load_before)} before, {' '.join(f'{x:.2f}' for x in load_after)} after; "
+              f"medians of {args.repeats}, the clients alternating\n")
+        print("| test | client | throughput | client CPU s / GB | server CPU s / GB |\n|---|---|---|---|---|")
+        medians = {}
+        for (name, client), runs in results.items():
+            size = tests[name][0]
+            wall, cpu, srv = (statistics.median(r[i] for r in runs) for i in range(3))
+            medians[(name, client)] = (size / wall, cpu * gb / size)
+            print(f"| {name} | {client} | {size / wall / gb:.3f} GB/s | {cpu * gb / size:.2f} | "
+                  f"{srv * gb / size:.2f} |")
+        if len(clients) > 1:
+            print("\n| test | throughput obstore / s3fs | client CPU per GB s3fs / obstore |\n|---|---|---|")
+            for name in tests:
+                (t0, c0), (t1, c1) = medians[(name, clients[0].name)], medians[(name, clients[1].name)]
+                print(f"| {name} | {t1 / t0:.2f}x | {c0 / c1:.2f}x |")
+        print("\n| what merger's target needs | " + " | ".join(c.name for c in clients) + " |\n|---|"
+              + "---|" * len(clients))
+        for feature in next(iter(features.values())):
+            print(f"| {feature} | " + " | ".join(features[c.name][feature] for c in clients) + " |")
+    finally:
+        server.terminate()
+        server.wait()
+
+
+if __name__ == "__main__":
+    main()
