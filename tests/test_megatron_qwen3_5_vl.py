@@ -12,7 +12,10 @@ the language model's logits on text tokens (and the same argmax); the vision blo
 rotary table given to both; the patch merger; the patch embedding. Names and shapes are those transformers'
 save_pretrained writes for the config; legacy and torch_dist merge to the same bytes; the tokenizer, chat template and
 image processor files are those of the config folder. Two experts taken for each other, or the vision qkv left in
-Megatron's per-head order, fail these checks.
+Megatron's per-head order, fail these checks. A third case has a multi-token-prediction layer, written as the
+release holds it (`mtp.*` beside the VLM): its logits, as vLLM's MTP forward computes them from transformers'
+modules (test_megatron_gdn.py's mtp_logits on the merged text model), are Megatron's MTP layer's; its own tensors
+are Megatron's MTP module's; --drop-mtp leaves it out.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests.helpers.in_process import refused_here
 from tests.helpers.legacy_copies import edited_copy
@@ -29,12 +33,14 @@ from tests.helpers.megatron_mtp_models import assert_megatron_logits, load_vlm, 
 from tests.helpers.megatron_vlms import (assert_config_folder_files_copied, assert_tower_is_megatrons,
                                         save_pretrained_shapes, write_vlm_cases)
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
+from tests.test_megatron_gdn import MTP_OWN, mtp_logits
 from tests.writers.tiny_models import build_image_processor
 
 pytestmark = pytest.mark.slow
 
-CASE, MOE_CASE = "qwen3_5_vl_tp2", "qwen3_5_moe_vl_tp2_ep2"
-CASES = {CASE: "tp=2,pattern=lf", MOE_CASE: "arch=qwen3_5_moe_text,moe=1,ep=2,pattern=lf"}
+CASE, MOE_CASE, MTP_CASE = "qwen3_5_vl_tp2", "qwen3_5_moe_vl_tp2_ep2", "qwen3_5_vl_mtp_tp2"
+CASES = {CASE: "tp=2,pattern=lf", MOE_CASE: "arch=qwen3_5_moe_text,moe=1,ep=2,pattern=lf",
+         MTP_CASE: "tp=2,pattern=lf,mtp=1"}  # a multi-token-prediction layer, written as the release's mtp.*
 
 
 @pytest.fixture(scope="session")
@@ -96,12 +102,18 @@ def test_torch_dist_merge_equals_legacy_merge(case, merged):
 
 @pytest.mark.parametrize("case", CASES)
 def test_names_and_shapes_are_those_save_pretrained_writes(case, vl_root, merged, tmp_path):
-    ours = load_safetensors_folder(merged(case, "legacy"))
-    assert {n: tuple(t.shape) for n, t in ours.items()} == save_pretrained_shapes(vl_root / case / "hf", tmp_path)
+    """The VLM's tensors are those save_pretrained writes; an MTP layer's transformer layer (transformers has no
+    module for it) has the names and shapes save_pretrained gives a full-attention decoder layer."""
+    ours = {n: tuple(t.shape) for n, t in load_safetensors_folder(merged(case, "legacy")).items()}
+    own = save_pretrained_shapes(vl_root / case / "hf", tmp_path)
+    assert {n: s for n, s in ours.items() if not n.startswith("mtp.")} == own
+    full = "model.language_model.layers.1."  # pattern lf
+    assert {n[len("mtp.layers.0."):]: s for n, s in ours.items() if n.startswith("mtp.layers.")} == (
+        {n[len(full):]: s for n, s in own.items() if n.startswith(full)} if case == MTP_CASE else {})
     assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in ours
     assert not any("deepstack" in n for n in ours)
     if case == MOE_CASE:  # transformers saves Qwen3.5-MoE's experts one by one
-        assert ours["model.language_model.layers.1.mlp.experts.3.gate_proj.weight"].shape == (24, 64)
+        assert ours["model.language_model.layers.1.mlp.experts.3.gate_proj.weight"] == (24, 64)
 
 
 def test_processor_and_chat_template_files_are_the_config_folders(vl_root, merged):
@@ -142,3 +154,48 @@ def test_text_layer_types_the_checkpoint_does_not_have_are_refused_in_one_line(v
     assert refused_here(capsys, tmp_path / "out", "--local_dir", src, "--hf_model_config_path", hf) == [
         f"merger: error: layer 0 of the checkpoint is linear_attention but config.json's layer_types[0] is "
         f"'full_attention', {src}"]
+
+
+def _text_model_folder(vlm: Path, dest: Path) -> Path:
+    """The merged VLM's text model (and MTP layer) as a Qwen3.5 causal LM folder: its text_config, its tensors under
+    the text model's names, the tower left out."""
+    dest.mkdir()
+    config = json.loads((vlm / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps(config["text_config"]))
+    weights = {n.replace("model.language_model.", "model.", 1): t for n, t in load_safetensors_folder(vlm).items()
+               if not n.startswith("model.visual.")}
+    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def test_mtp_layer_reproduces_megatron_mtp_logits(vl_root, merged, tmp_path):
+    """The MTP layer's logits as vLLM's Qwen3.5 MTP forward computes them from transformers' modules
+    (test_megatron_gdn.py's mtp_logits, on the merged text model) are those Megatron's MTP layer gives."""
+    expected = oracle(vl_root, MTP_CASE)
+    text = _text_model_folder(merged(MTP_CASE, "dist"), tmp_path / "text")
+    (tmp_path / "twin").mkdir()
+    assert_megatron_logits(mtp_logits(text, expected["tokens"], tmp_path / "twin"), expected["mtp_logits"][0])
+
+
+def test_mtp_tensors_are_the_megatron_mtp_module(vl_root, merged):
+    """The MTP layer's own tensors, as the writer gathered them from megatron-core's module, under the release's
+    names; text_config counts the one layer."""
+    expected = oracle(vl_root, MTP_CASE)["mtp_params"]
+    weights = load_safetensors_folder(merged(MTP_CASE, "legacy"))
+    assert sorted(expected) == sorted(f"mtp.layers.0.{n}" for n in MTP_OWN)
+    for megatron, hf in MTP_OWN.items():
+        assert torch.equal(weights[hf], expected[f"mtp.layers.0.{megatron}"]), hf
+    config = json.loads((merged(MTP_CASE, "legacy") / "config.json").read_text())
+    assert config["text_config"]["mtp_num_hidden_layers"] == 1
+
+
+def test_drop_mtp_leaves_the_mtp_layer_out(vl_root, merged):
+    """--drop-mtp writes the VLM without its MTP layer: every other tensor the same bytes, text_config counts no MTP
+    layer, and the text logits are Megatron's."""
+    out, whole = merged(MTP_CASE, "dist", "--drop-mtp"), load_safetensors_folder(merged(MTP_CASE, "dist"))
+    got = load_safetensors_folder(out)
+    assert sorted(got) == sorted(n for n in whole if not n.startswith("mtp."))
+    assert all(torch.equal(t, whole[n]) for n, t in got.items())
+    assert json.loads((out / "config.json").read_text())["text_config"]["mtp_num_hidden_layers"] == 0
+    expected = oracle(vl_root, MTP_CASE)
+    assert_megatron_logits(_text_logits(load_vlm(out), expected["tokens"]), expected["logits"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.in_process import refused_here
+from tests.helpers.in_process import merge_in_process, refused_here
 from tests.helpers.legacy_copies import edited_copy
 from tests.helpers.megatron_mtp_models import assert_megatron_logits, load_vlm, merged_once, oracle, text_config_folder
 from tests.helpers.megatron_vlms import (assert_config_folder_files_copied, assert_tower_is_megatrons,
@@ -79,8 +79,9 @@ def test_processor_and_chat_template_files_are_the_config_folders(vl_root, merge
     assert_config_folder_files_copied(vl_root / CASE / "hf", merged(CASE, "dist"))
 
 
-def test_an_mtp_layer_in_the_text_model_is_refused_in_one_line(vl_root, tmp_path, capsys):
-    """transformers' Qwen3-VL has no multi-token-prediction layer: one would otherwise land on decoder layer 0."""
+def test_an_mtp_layer_in_the_text_model_is_refused_in_one_line(vl_root, merged, tmp_path, capsys):
+    """transformers' Qwen3-VL has no multi-token-prediction layer: one would otherwise land on decoder layer 0.
+    --drop-mtp leaves it out: the merge is then the one without it, byte for byte."""
     def add_mtp(state):
         state["model"]["language_model.mtp.layers.0.enorm.weight"] = torch.ones(32)
 
@@ -88,7 +89,10 @@ def test_an_mtp_layer_in_the_text_model_is_refused_in_one_line(vl_root, tmp_path
     assert refused_here(capsys, tmp_path / "out", "--local_dir", legacy, "--hf_model_config_path",
                         vl_root / CASE / "hf") == [
         f"merger: error: Megatron tensor language_model.mtp.layers.0.enorm.weight is a multi-token-prediction "
-        f"layer's, which HF qwen3_vl has no place for, {legacy}"]
+        f"layer's, which HF qwen3_vl has no place for (pass --drop-mtp to leave MTP layers out), {legacy}"]
+    dropped = merge_in_process(legacy, tmp_path / "dropped", "--hf_model_config_path", vl_root / CASE / "hf",
+                               "--dtype", "float32", "--drop-mtp")
+    assert_same_weights(dropped, merged(CASE, "legacy"), None)
 
 
 def test_a_qwen3_vl_moe_text_model_without_its_tower_is_refused_in_one_line(vl_root, tmp_path, capsys):

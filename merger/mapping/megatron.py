@@ -131,9 +131,10 @@ def claims(catalog: Catalog, options: MergeOptions) -> bool:
     return catalog.naming == "megatron"
 
 
-def _mtp_note(catalog: Catalog, family: Family, layers: list[int], first: int) -> tuple[str, ...]:
-    """The log line saying what became of the checkpoint's MTP layers."""
-    held = {n.split(".")[2] for n in catalog.tensors if n.startswith(MEGATRON.mtp.prefix)}
+def mtp_note(catalog: Catalog, family: Family, layers: list[int], first: int, prefix: str = "") -> tuple[str, ...]:
+    """The log line saying what became of the checkpoint's MTP layers (named after `prefix`)."""
+    start = prefix + MEGATRON.mtp.prefix
+    held = {n[len(start):].split(".")[0] for n in catalog.tensors if n.startswith(start)}
     if layers:
         return (f"merger: {len(layers)} multi-token-prediction layer(s) written as "
                 f"{mtp.where(family, layers, first)} (--drop-mtp leaves them out)",)
@@ -239,4 +240,4 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
         raise MergerError(f"config.json has untied embeddings but the checkpoint has no output_layer.weight, "
                           f"{catalog.root}")
     return Mapping(steps, hf_dir, config, config_updates=mtp.count_update(family, layers),
-                   notes=_mtp_note(catalog, family, layers, first_mtp))
+                   notes=mtp_note(catalog, family, layers, first_mtp))

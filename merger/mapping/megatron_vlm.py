@@ -7,7 +7,9 @@ Qwen3-VL's qwen3_vl and qwen3_vl_moe, Qwen3.5's qwen3_5 and qwen3_5_moe, GLM-4.5
 tensors are the family's Megatron rows, mapped with config.json's `text_config` (its heads, its vocabulary; a
 hybrid's layer_types, checked against the layers) and written under the VLM's names
 (`model.language_model.`, `lm_head`; experts stacked where a row says so, as megatron.py writes them);
-the tower's are the tower's rows, mapped with the whole config.json (its `vision_config`).
+the tower's are the tower's rows, mapped with the whole config.json (its `vision_config`). A text model's
+multi-token-prediction layers are written where the family's HF layout keeps them outside the model (Qwen3.5's
+`mtp.*`, counted in text_config), refused for the others, left out with --drop-mtp.
 """
 from __future__ import annotations
 
@@ -15,11 +17,11 @@ from ..catalog import Catalog
 from ..errors import MergerError
 from ..options import MergeOptions
 from ..sources.megatron_dist import VLM_PREFIXES
-from . import kinds
+from . import kinds, mtp
 from .families import MEGATRON_FAMILIES
 from .family import Family, VisionTower
 from .hf import model_config
-from .megatron import ExpertStacks, check_layer_types, family_table, row_of
+from .megatron import ExpertStacks, check_layer_types, family_table, mtp_note, row_of
 from .megatron_rows import MEGATRON
 from .naming import lookup, tower_table
 from .policy import ties
@@ -54,19 +56,39 @@ def _family(config: dict, catalog: Catalog) -> tuple[Family, VisionTower]:
     return found
 
 
+def _beside_vlm(family: Family) -> bool:
+    """The family's HF layout keeps its MTP layers outside the model (Qwen3.5's `mtp.*`, where its VLM release holds
+    them): a VLM can hold them. A DeepSeek-style layer repeats the embedding as `model.layers.{L+j}` of a text model
+    the VLM keeps elsewhere: no VLM has a place for it."""
+    return family.mtp is not None and not family.mtp.shared
+
+
+def _mtp_layers(catalog: Catalog, config: dict, family: Family, options: MergeOptions) -> list[int]:
+    """The text model's MTP layers to write beside the VLM; those no VLM has a place for are refused unless
+    --drop-mtp leaves them out."""
+    held = next((n for n in catalog.tensors if n.startswith(TEXT + MEGATRON.mtp.prefix)), None)
+    if held is None or options.drop_mtp:
+        return []
+    if not _beside_vlm(family):
+        raise MergerError(f"Megatron tensor {held} is a multi-token-prediction layer's, which HF "
+                          f"{config['model_type']} has no place for (pass --drop-mtp to leave MTP layers out), "
+                          f"{catalog.root}")
+    return mtp.mtp_layers(catalog, MEGATRON, family, config["text_config"], options, TEXT)
+
+
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
     family, tower = _family(config, catalog)
     text_config = config["text_config"]
     check_layer_types(catalog, text_config, family, TEXT)
     text_table, vision_table = family_table(family), tower_table(tower, "Megatron vision")
+    layers, first_mtp = _mtp_layers(catalog, config, family, options), text_config.get("num_hidden_layers", 0)
     steps, stacks = [], ExpertStacks()
     for name, t in catalog.tensors.items():
-        if name.startswith(TEXT + MEGATRON.mtp.prefix):
-            raise MergerError(f"Megatron tensor {name} is a multi-token-prediction layer's, which HF "
-                              f"{config['model_type']} has no place for, {catalog.root}")
+        if name.startswith(TEXT + MEGATRON.mtp.prefix) and not layers:
+            continue  # --drop-mtp
         if name.startswith(TEXT):
-            row, targets = row_of(text_table, name[len(TEXT):], 0, family, catalog)
+            row, targets = row_of(text_table, name[len(TEXT):], first_mtp, family, catalog)
             targets = tuple(map(tower.text_name, targets))
             if row.stacked:
                 stacks.add(row, targets[0], name)
@@ -84,5 +106,9 @@ def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     if not ties(config, options) and f"{TEXT}output_layer.weight" not in catalog.tensors:
         raise MergerError(f"config.json has untied embeddings but the checkpoint has no "
                           f"{TEXT}output_layer.weight, {catalog.root}")
-    return Mapping(steps, hf_dir, config, notes=(f"merger: Megatron {family.name} VLM names, written as HF "
-                                                 f"{config['model_type']} with its vision tower",))
+    # the MTP layer count is the text model's (text_config's mtp_num_hidden_layers): config.json's whole text_config
+    # is set again with it
+    counted = mtp.count_update(family, layers) if _beside_vlm(family) else {}
+    return Mapping(steps, hf_dir, config, config_updates={"text_config": {**text_config, **counted}} if counted else {},
+                   notes=(f"merger: Megatron {family.name} VLM names, written as HF {config['model_type']} with its "
+                          f"vision tower", *mtp_note(catalog, family, layers, first_mtp, TEXT)))

@@ -17,23 +17,25 @@ def _number(name: str, prefix: str) -> str:
     return name[len(prefix):].split(".", 1)[0]
 
 
-def mtp_layers(catalog: Catalog, naming: Naming, family: Family, config: dict, options: MergeOptions) -> list[int]:
+def mtp_layers(catalog: Catalog, naming: Naming, family: Family, config: dict, options: MergeOptions,
+               prefix: str = "") -> list[int]:
     """The MTP layer numbers to write: none with --drop-mtp; an error for a family HF has no MTP layers for, for
-    more layers than its layout holds, or when config.json's layer count would misnumber them."""
-    names = [n for n in catalog.tensors if n.startswith(naming.mtp.prefix)]
+    more layers than its layout holds, or when config.json's layer count would misnumber them. The model's names
+    follow `prefix` (a Megatron VLM's text model's `language_model.`), and `config` is the text model's."""
+    names = [n for n in catalog.tensors if n.startswith(prefix + naming.mtp.prefix)]
     if not names or options.drop_mtp:
         return []
     if family.mtp is None:
         raise MergerError(f"{naming.name} tensor {names[0]} belongs to a multi-token-prediction layer, which the "
                           f"{family.name} family has no HF names for (pass --drop-mtp to leave MTP layers out), "
                           f"{catalog.root}")
-    layers = sorted({int(_number(n, naming.mtp.prefix)) for n in names})
+    layers = sorted({int(_number(n, prefix + naming.mtp.prefix)) for n in names})
     if family.mtp.own and len(layers) > 1:
         own = ", ".join(family.mtp.own.values())
         raise MergerError(f"the checkpoint has {len(layers)} multi-token-prediction layers, each with its own "
                           f"projection and norms, but HF's {family.name} holds one ({own}; pass --drop-mtp to leave "
                           f"MTP layers out), {catalog.root}")
-    decoder = {_number(n, naming.decoder) for n in catalog.tensors if n.startswith(naming.decoder)}
+    decoder = {_number(n, prefix + naming.decoder) for n in catalog.tensors if n.startswith(prefix + naming.decoder)}
     if not family.mtp.layer and len(decoder) != config.get("num_hidden_layers"):
         raise MergerError(f"the checkpoint has {len(decoder)} decoder layers but config.json's num_hidden_layers is "
                           f"{config.get('num_hidden_layers')}, so its MTP layers would be misnumbered, {catalog.root}")

@@ -120,15 +120,17 @@ def block_spec(a: Namespace, config):
 def mtp_block_spec(a: Namespace, config):
     """The MTP layers (None without, and on the pipeline stages before the last): megatron-core's MTP spec around a
     full-attention layer, its enorm, hnorm and final norm zero-centred as every norm of these models is."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
-    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
 
     class ZeroCentredNorms(LocalSpecProvider):
         def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
             return ZeroCentredRMSNorm
 
-    if not a.mtp or not mtp_on_this_rank(config):
+    # without a custom pipeline layout megatron-core puts the MTP layers on the last stage (mtp_on_this_rank, whose
+    # arguments 0.16 and 0.19 name differently)
+    if not a.mtp or not ps.is_pipeline_last_stage():
         return None
     return get_gpt_mtp_block_spec_for_backend(config, layer_spec(a, "f"), ZeroCentredNorms())
 

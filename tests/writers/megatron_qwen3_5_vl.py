@@ -12,10 +12,12 @@ deepstack mergers (Qwen3.5's HF tower has none). This writer builds that layout 
   the EP ranks' experts differ;
 - `vision_model`: megatron_qwen3_vl.py's tower (patch and position embeddings, ViT blocks with a per-head
   [q; k; v] linear_qkv, the final patch merger, split over TP), no deepstack mergers.
+With `mtp=1` the text model has megatron_gdn.py's multi-token-prediction layer (`language_model.mtp.*`).
 Saved by megatron_checkpoint.py's write_model (legacy/, dist/, hf/ with Qwen3_5Config or Qwen3_5MoeConfig, a
 tokenizer with the vision tokens and a chat template). logits.pt holds Megatron's own forwards as
-megatron_qwen3_vl.py's oracle computes them: the language model's logits on text tokens, the vision blocks, the
-patch merger and the patch embedding, each on its own input.
+megatron_qwen3_vl.py's oracle computes them: the language model's logits on text tokens (megatron_gdn.py's forward:
+with MTP also its layer's logits and own tensors), the vision blocks, the patch merger and the patch embedding, each
+on its own input.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from tests.writers.megatron_checkpoint import cpu_patches, parse, write_cases
 from tests.writers.megatron_gpt_oss_minimax import distinct_values
 from tests.writers.megatron_qwen3_vl import HF_TOKENS, hf_vision, write_vlm
 
-DEFAULTS = dict(arch="qwen3_5_text", tp=2, ep=1, moe=0, pattern="lf", vocab=101)
+DEFAULTS = dict(arch="qwen3_5_text", tp=2, ep=1, moe=0, pattern="lf", mtp=0, vocab=101)
 MOE = "qwen3_5_moe_text"
 
 
@@ -53,14 +55,15 @@ def write_case(a: Namespace, out: Path) -> None:
     # each rank's experts drew the same values from the one seed: draw them (and the vectors) from their global
     # names, so experts taken for one another change the logits
     distinct_values(language_model, a, ())
-    write_vlm(a, language_model, gdn.HIDDEN, (), out, lambda: hf_config(a))
+    write_vlm(a, language_model, gdn.HIDDEN, (), out, lambda: hf_config(a), lambda: gdn.forward(a, language_model))
     ps.destroy_model_parallel()
 
 
 def main() -> None:
     out, cases = parse(DEFAULTS, f"arch: qwen3_5_text (Qwen3.5's text model) or {MOE} (Qwen3.5-MoE's, with moe=1); "
                        "pattern: the text layers, l a Gated DeltaNet, f full attention; ep: expert-parallel size; "
-                       "the vision tower is fixed", fixed=dict(pp=1, vpp=None, tied=False, mtp=0))
+                       "mtp: multi-token-prediction layers; the vision tower is fixed",
+                       fixed=dict(pp=1, vpp=None, tied=False))
     cpu_patches()
     gdn.gdn_patches()
     for _, a in cases:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from argparse import Namespace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -160,10 +161,16 @@ def _moe_language_model(a: Namespace):
     return oss_minimax.build_model(a, config, block_spec(a, config), ())
 
 
-def oracle(a: Namespace, model) -> dict:
-    """Megatron's own forwards, on inputs every rank draws alike: the language model's logits, the tower's modules."""
+def text_logits(a: Namespace, language_model) -> dict:
+    """The language model's logits on text tokens."""
     tokens = torch.tensor([[3, 17, 42, 5, 99, 64, 8]])
     assert tokens.shape[1] == SEQ
+    return dict(tokens=tokens, logits=forward_logits(a, [language_model], tokens))
+
+
+def oracle(model, text: Callable[[], dict]) -> dict:
+    """Megatron's own forwards, on inputs every rank draws alike: the language model's (`text()`: its tokens and
+    logits, at least), the tower's modules."""
     g = torch.Generator().manual_seed(7)
     patches = 8  # two 2x2 merge groups
     pixels = torch.randn(patches, CHANNELS * FRAMES * PATCH * PATCH, generator=g)
@@ -175,8 +182,7 @@ def oracle(a: Namespace, model) -> dict:
         blocks = vision.decoder(hidden[:, None], None, rotary_pos_emb=freqs[:, None, None])[:, 0]
         mergers = [m(hidden) for m in (vision.merger, *vision.decoder.deepstack_merger_list.children())]
         embedded = vision.patch_embed(pixels)
-    return dict(tokens=tokens, logits=forward_logits(a, [model.language_model], tokens), pixels=pixels,
-                hidden=hidden, freqs=freqs, blocks=blocks, mergers=mergers, embedded=embedded)
+    return dict(text(), pixels=pixels, hidden=hidden, freqs=freqs, blocks=blocks, mergers=mergers, embedded=embedded)
 
 
 def write_case(a: Namespace, out: Path) -> None:
@@ -185,20 +191,22 @@ def write_case(a: Namespace, out: Path) -> None:
     a.etp = 1 if a.arch == MOE else None  # the legacy files' args: the MoE model's expert TP, none else (TP's)
     ps.initialize_model_parallel(a.tp, expert_model_parallel_size=a.ep, expert_tensor_parallel_size=1)
     language_model = _moe_language_model(a) if a.arch == MOE else build_chunks(a, transformer_config(a))[0]
-    write_vlm(a, language_model, TEXT_HIDDEN[a.arch], DEEPSTACK, out, lambda: hf_config(a))
+    write_vlm(a, language_model, TEXT_HIDDEN[a.arch], DEEPSTACK, out, lambda: hf_config(a),
+              lambda: text_logits(a, language_model))
     ps.destroy_model_parallel()
 
 
-def write_vlm(a: Namespace, language_model, out_hidden: int, deepstack: tuple[int, ...], out: Path, hf) -> None:
+def write_vlm(a: Namespace, language_model, out_hidden: int, deepstack: tuple[int, ...], out: Path, hf,
+              text: Callable[[], dict]) -> None:
     """The VLM of `language_model` and the tower (deepstack mergers after the `deepstack` blocks), saved with its
-    oracle and the HF VLM's config folder (megatron_qwen3_5_vl.py's too)."""
+    oracle (`text()`: the language model's) and the HF VLM's config folder (megatron_qwen3_5_vl.py's too)."""
     vision_class, model_class = vision_classes()
     torch.manual_seed(4321)  # every rank draws the tower alike, then keeps its TP slice
     vision_model = vision_class(vision_config(a), out_hidden, deepstack).eval()
     randomise_vectors([vision_model])
     model = model_class(language_model.config, language_model, vision_model)
 
-    write_model(a, model, out, lambda: oracle(a, model), hf)
+    write_model(a, model, out, lambda: oracle(model, text), hf)
     if torch.distributed.get_rank() == 0:  # the VLM's own class, tokenizer and processor files over the text model's
         save_vlm_folder(hf(), out / "hf")
 
