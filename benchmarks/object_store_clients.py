@@ -1,28 +1,30 @@
-"""Two S3 clients side by side: merger's own (s3fs over aiobotocore, as merger/io/object_store.py and s3_upload.py
-call it) against obstore (Rust object_store), on the reads and writes a merge makes (issue 51 item 1).
+"""merger's object-store clients side by side with obstore (Rust object_store), on the reads and writes a merge
+makes (issue 51 item 1).
 
-    PYTHONPATH=/tmp/obstore-pkgs python benchmarks/object_store_clients.py [--objects 4] [--object_size 64MiB]
-        [--in_flight 4] [--upload_size 1GiB] [--part_size 16MiB] [--uploaders 2] [--repeats 3]
+    PYTHONPATH=/tmp/obstore-pkgs python benchmarks/object_store_clients.py [--store s3|az] [--objects 4]
+        [--object_size 64MiB] [--in_flight 4] [--upload_size 1GiB] [--part_size 16MiB] [--uploaders 2]
+        [--repeats 3] [--obstore_async]
 
 obstore is not one of merger's dependencies: install it apart (`pip install --target /tmp/obstore-pkgs obstore`) and
-put that folder on PYTHONPATH; without it the script measures s3fs alone and says why.
+put that folder on PYTHONPATH; without it the script measures merger's client alone and says why.
 
-Against moto's S3 server (a process of its own on the loopback, as benchmarks/object_storage.py starts it), in one
-run, each client in turn, alternating (the order flips every repeat), after one untimed pass each that checks the
-bytes:
+Against moto's S3 server (`--store s3`, as benchmarks/object_storage.py starts it) or Azurite (`--store az`, as
+tests/helpers/emulators.py starts it), a process of its own on the loopback, in one run, each client in turn,
+alternating (the order flips every repeat), after one untimed pass each that checks the bytes:
 - ranged reads: `--objects` objects of `--object_size`, read in ranges of 1 to 16 MiB (a fixed draw), the objects
-  taken in turn as a merge's plan jumps between files; one range at a time (merger's `read`: s3fs `cat_file`,
-  obstore `get_range`), then `--in_flight` ranges at once, a batch waited for before the next (merger's read-ahead:
-  s3fs `cat_ranges`, obstore `get_range_async` gathered);
-- a multipart upload of one `--upload_size` object in `--part_size` parts, `--uploaders` parts in flight: merger's
-  S3Writer (begin, upload_part from a thread pool, complete: botocore's calls) against obstore's `put` (its only
-  multipart upload: one process sends every part). Each upload's ETag is checked against the multipart ETag
-  computed from the bytes (the MD5 of the parts' MD5s), so both stored the same parts.
+  taken in turn as a merge's plan jumps between files; one range at a time (fsspec's `cat_file`, obstore's
+  `get_range`), then `--in_flight` ranges at once, a batch waited for before the next (merger's read-ahead: fsspec's
+  `cat_ranges`; obstore's sync `get_range` from a thread each, or its `get_range_async` gathered on one asyncio
+  loop with --obstore_async);
+- an upload in parts of one `--upload_size` object in `--part_size` parts, `--uploaders` parts in flight: merger's
+  writer for the store (object_writers.py: begin, upload_part from a thread pool, complete; S3's multipart upload,
+  Azure's Put Block and Put Block List) against obstore's `put` (its only upload in parts: one process sends every
+  part). Each client's first upload is read back whole and compared (MD5) with the bytes sent.
 Per client and test: throughput (bytes / wall), the client's CPU seconds per GB (this process's user + system time,
-every thread: aiobotocore's event loop and obstore's Rust runtime both run in it) and the server's (moto's process),
-medians of `--repeats`, and the ratios obstore / s3fs. On the loopback the server runs on the same cores as the
-client, and moto (Python) costs far more per byte than either client: the wall times mostly measure moto and the
-machine's load, the client CPU per GB is what tells the clients apart. The load average is printed before and after.
+every thread: aiobotocore's event loop and obstore's Rust runtime both run in it) and the server's (its process),
+medians of `--repeats`, and the ratios. On the loopback the server runs on the same cores as the client, and moto
+(Python) costs far more per byte than either client: the wall times mostly measure the server and the machine's
+load, the client CPU per GB is what tells the clients apart. The load average is printed before and after.
 
 It also tries what merger's target needs of a client beyond reads and uploads, against the same server: a put only
 where no object is (the target's lock, If-None-Match), a listing under a prefix, and an upload in parts that several
@@ -39,6 +41,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from itertools import zip_longest
 from pathlib import Path
 
@@ -81,21 +84,20 @@ def random_bytes(rng: random.Random, size: int) -> bytearray:
     return out
 
 
-def multipart_etag(data: memoryview, part: int) -> str:
-    """S3's ETag of an object uploaded in parts of `part` bytes: the MD5 of the parts' MD5s, and their count."""
-    digests = [hashlib.md5(data[i:i + part]).digest() for i in range(0, len(data), part)]
-    return f'"{hashlib.md5(b"".join(digests)).hexdigest()}-{len(digests)}"'
+class MergerClient:
+    """merger's clients as merger builds them (its waits and retries: store_waits.py), the store's address from the
+    environment, as merger finds it: reads through ObjectStorage's fsspec client, writes through the store's
+    ObjectWriter (S3: botocore's calls; Azure: Put Block and Put Block List)."""
+    NAMES = {"s3": "s3fs/botocore", "az": "adlfs/azure-storage-blob"}
 
-
-class S3fsClient:
-    """merger's clients as merger builds them (its waits and retries: store_waits.py)."""
-    name = "s3fs/botocore"
-
-    def __init__(self):  # the server's address from AWS_ENDPOINT_URL, as merger finds it
+    def __init__(self, scheme: str):
         from merger.io.object_store import ObjectStorage
+        from merger.io.object_writers import object_writer
 
-        self.storage = ObjectStorage("s3", f"s3://{BUCKET}")
+        self.name = self.NAMES[scheme]
+        self.storage = ObjectStorage(scheme, f"{scheme}://{BUCKET}")
         self.fs = self.storage.fs
+        self.writer = object_writer(f"{scheme}://{BUCKET}")
 
     def read_one(self, key: str, start: int, end: int) -> int:
         return len(self.fs.cat_file(f"{BUCKET}/{key}", start=start, end=end))
@@ -104,46 +106,51 @@ class S3fsClient:
         return [self.fs.cat_ranges([f"{BUCKET}/{k}" for k, _, _ in batch], [a for _, a, _ in batch],
                                    [b for _, _, b in batch], on_error="raise") for batch in batches]
 
-    def upload(self, key: str, data: memoryview, part: int, uploaders: int) -> str:
-        from merger.io.s3_upload import S3Writer
+    def read_whole(self, key: str) -> bytes:
+        return self.fs.cat_file(f"{BUCKET}/{key}")
 
-        writer = S3Writer(f"s3://{BUCKET}")
-        upload_id = writer.begin(key)
+    def upload(self, key: str, data: memoryview, part: int, uploaders: int) -> None:
+        upload_id = self.writer.begin(key)
         with ThreadPoolExecutor(uploaders) as pool:
-            etags = list(pool.map(lambda i: writer.upload_part(key, upload_id, i // part + 1, data[i:i + part]),
+            etags = list(pool.map(lambda i: self.writer.upload_part(key, upload_id, i // part + 1, data[i:i + part]),
                                   range(0, len(data), part)))
-        writer.complete(key, upload_id, etags)
-        return self.fs.info(f"{BUCKET}/{key}", refresh=True)["ETag"]
+        self.writer.complete(key, upload_id, etags)
+
+    def remove(self, key: str) -> None:
+        self.writer.remove([key])
 
     def create(self, key: str, data: bytes) -> bool:
-        from merger.io.s3_upload import S3Writer
-
-        return S3Writer(f"s3://{BUCKET}").create(key, data)
+        return self.writer.create(key, data)
 
     def listing(self, prefix: str) -> list[str]:
         return sorted(p.split("/", 1)[1] for p in self.fs.find(f"{BUCKET}/{prefix}", refresh=True))
 
     def shared_upload(self) -> str | None:
         """As ObstoreClient's: the calls by upload id that merger's writer makes (any process sends parts)."""
-        from merger.io.s3_upload import S3Writer
-
         calls = ("begin", "upload_part", "complete", "abort", "open_uploads")
-        missing = [c for c in calls if not hasattr(S3Writer, c)]
-        return f"S3Writer has no {', '.join(missing)}" if missing else None
+        missing = [c for c in calls if not hasattr(self.writer, c)]
+        return f"{type(self.writer).__name__} has no {', '.join(missing)}" if missing else None
 
 
 class ObstoreClient:
     name = "obstore"
 
-    def __init__(self, endpoint: str, use_async: bool = False):
+    def __init__(self, scheme: str, endpoint: str, use_async: bool = False):
         import obstore
-        from obstore.store import S3Store
+        from obstore.store import AzureStore, S3Store
 
         self.obs = obstore
         self.use_async = use_async
-        self.store = S3Store(BUCKET, endpoint=endpoint, access_key_id=ENV["AWS_ACCESS_KEY_ID"],
-                             secret_access_key=ENV["AWS_SECRET_ACCESS_KEY"], region=ENV["AWS_DEFAULT_REGION"],
-                             client_options={"allow_http": True})
+        # obstore reads AWS_ENDPOINT_URL but not AZURE_STORAGE_CONNECTION_STRING: each store's address given here
+        if scheme == "s3":
+            self.store = S3Store(BUCKET, endpoint=endpoint, access_key_id=ENV["AWS_ACCESS_KEY_ID"],
+                                 secret_access_key=ENV["AWS_SECRET_ACCESS_KEY"], region=ENV["AWS_DEFAULT_REGION"],
+                                 client_options={"allow_http": True})
+        else:
+            from tests.helpers.emulators import ACCOUNT, ACCOUNT_KEY
+
+            self.store = AzureStore(BUCKET, account_name=ACCOUNT, account_key=ACCOUNT_KEY,
+                                    endpoint=f"{endpoint}/{ACCOUNT}", client_options={"allow_http": True})
 
     def read_one(self, key: str, start: int, end: int) -> int:
         return len(self.obs.get_range(self.store, key, start=start, end=end))
@@ -160,10 +167,9 @@ class ObstoreClient:
             return [list(pool.map(lambda r: self.obs.get_range(self.store, r[0], start=r[1], end=r[2]), batch))
                     for batch in batches]
 
-    def upload(self, key: str, data: memoryview, part: int, uploaders: int) -> str:
+    def upload(self, key: str, data: memoryview, part: int, uploaders: int) -> None:
         self.obs.put(self.store, key, (data[i:i + part] for i in range(0, len(data), part)), use_multipart=True,
                      chunk_size=part, max_concurrency=uploaders)
-        return self.obs.head(self.store, key)["e_tag"]
 
     def create(self, key: str, data: bytes) -> bool:
         from obstore.exceptions import AlreadyExistsError
@@ -189,6 +195,36 @@ class ObstoreClient:
                 f"open_writer, in one process")
 
 
+@contextmanager
+def serving(store: str):
+    """The store's server on the loopback, in a process of its own, with the bucket made and the environment set
+    as merger's clients find it: its process id, its address, and a function putting an object."""
+    import psutil
+
+    if store == "s3":
+        import boto3
+
+        server, endpoint = start_server()
+        os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
+        try:
+            s3 = boto3.client("s3")
+            s3.create_bucket(Bucket=BUCKET)
+            yield server.pid, endpoint, lambda key, data: s3.put_object(Bucket=BUCKET, Key=key, Body=data)
+        finally:
+            server.terminate()
+            server.wait()
+        return
+    from tests.helpers.emulators import AZURITE, azurite, node_missing
+
+    if node_missing() or not AZURITE.exists():
+        raise SystemExit(f"az needs Azurite: {node_missing() or 'make azurite installs it'}")
+    with azurite() as az:
+        os.environ.update(az.env)
+        pid = next(p.pid for p in psutil.Process().children() if "azurite" in " ".join(p.cmdline()))
+        container = az.bucket(BUCKET)
+        yield pid, az.endpoint, lambda key, data: container.upload_blob(key, data, overwrite=True)
+
+
 def timed(client_pid: int, server_pid: int, fn) -> tuple[float, float, float]:
     """Wall seconds, this process's CPU seconds and the server's, of fn()."""
     cpu0, srv0, t0 = cpu_of(client_pid), cpu_of(server_pid), time.perf_counter()
@@ -199,6 +235,8 @@ def timed(client_pid: int, server_pid: int, fn) -> tuple[float, float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--store", choices=("s3", "az"), default="s3",
+                   help="s3: moto's server; az: Azurite (`make azurite` installs it; node and npm needed)")
     p.add_argument("--objects", type=int, default=4)
     p.add_argument("--object_size", default="64MiB", help="each read object's size")
     p.add_argument("--in_flight", type=int, default=4, help="ranges in flight together (merger: 4 GETs of 8 MiB)")
@@ -213,26 +251,22 @@ def main() -> None:
     object_size, upload_size, part = (parse_size(args.object_size), parse_size(args.upload_size),
                                       parse_size(args.part_size))
 
-    server, endpoint = start_server()
-    os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
     load_before = os.getloadavg()
-    try:
-        import boto3
-
-        s3 = boto3.client("s3")
-        s3.create_bucket(Bucket=BUCKET)
+    with ExitStack() as stack:
+        server_pid, endpoint, put = stack.enter_context(serving(args.store))
         rng = random.Random(0)
         objects = {f"read/{i}.bin": bytes(random_bytes(rng, object_size)) for i in range(args.objects)}
         for key, data in objects.items():
-            s3.put_object(Bucket=BUCKET, Key=key, Body=data)
+            put(key, data)
         ranges = draw_ranges(list(objects), object_size)
         batches = [ranges[i:i + args.in_flight] for i in range(0, len(ranges), args.in_flight)]
         payload = memoryview(random_bytes(rng, upload_size))
-        want_etag = multipart_etag(payload, part)
+        want = hashlib.md5(payload).digest()
 
-        clients = [S3fsClient()]
+        merger_client = MergerClient(args.store)
+        clients = [merger_client]
         try:
-            clients.append(ObstoreClient(endpoint, args.obstore_async))
+            clients.append(ObstoreClient(args.store, endpoint, args.obstore_async))
         except ImportError as e:
             print(f"obstore skipped: it is not installed here ({e}); pip install --target DIR obstore and put DIR "
                   f"on PYTHONPATH")
@@ -266,19 +300,18 @@ def main() -> None:
                 for c in clients if repeat % 2 == 0 else clients[::-1]:
                     if fn is None:
                         key = f"upload/{c.name.replace('/', '-')}-{repeat}.bin"
-                        got = []
-                        run = timed(os.getpid(), server.pid,
-                                    lambda: got.append(c.upload(key, payload, part, args.uploaders)))
-                        if got[0].strip('"') != want_etag.strip('"'):
-                            raise SystemExit(f"{c.name}'s upload has ETag {got[0]}, not {want_etag}")
-                        s3.delete_object(Bucket=BUCKET, Key=key)  # moto holds objects in memory
+                        run = timed(os.getpid(), server_pid, lambda: c.upload(key, payload, part, args.uploaders))
+                        if repeat == 0 and hashlib.md5(merger_client.read_whole(key)).digest() != want:
+                            raise SystemExit(f"{c.name}'s upload does not read back as the bytes sent")
+                        merger_client.remove(key)  # both servers hold objects in memory
                     else:
-                        run = timed(os.getpid(), server.pid, lambda: fn(c))
+                        run = timed(os.getpid(), server_pid, lambda: fn(c))
                     results.setdefault((name, c.name), []).append(run)
         load_after = os.getloadavg()
 
         gb = 1e9
-        print(f"\nmoto on the loopback ({endpoint}), {os.cpu_count()} cores, load average "
+        server_name = "moto" if args.store == "s3" else "Azurite"
+        print(f"\n{server_name} on the loopback ({endpoint}), {os.cpu_count()} cores, load average "
               f"{' '.join(f'{x:.2f}' for x in load_before)} before, {' '.join(f'{x:.2f}' for x in load_after)} after; "
               f"medians of {args.repeats}, the clients alternating\n")
         print("| test | client | throughput | client CPU s / GB | server CPU s / GB |\n|---|---|---|---|---|")
@@ -290,7 +323,8 @@ def main() -> None:
             print(f"| {name} | {client} | {size / wall / gb:.3f} GB/s | {cpu * gb / size:.2f} | "
                   f"{srv * gb / size:.2f} |")
         if len(clients) > 1:
-            print("\n| test | throughput obstore / s3fs | client CPU per GB s3fs / obstore |\n|---|---|---|")
+            print(f"\n| test | throughput obstore / {clients[0].name} | client CPU per GB {clients[0].name} / obstore "
+                  f"|\n|---|---|---|")
             for name in tests:
                 (t0, c0), (t1, c1) = medians[(name, clients[0].name)], medians[(name, clients[1].name)]
                 print(f"| {name} | {t1 / t0:.2f}x | {c0 / c1:.2f}x |")
@@ -298,9 +332,6 @@ def main() -> None:
               + "---|" * len(clients))
         for feature in next(iter(features.values())):
             print(f"| {feature} | " + " | ".join(features[c.name][feature] for c in clients) + " |")
-    finally:
-        server.terminate()
-        server.wait()
 
 
 if __name__ == "__main__":
