@@ -2,22 +2,20 @@
 1x32), every scale float8_e8m0fnu (#49 item 1). The release is transformers' own `deepseek_v4` model as
 save_pretrained names it, stored as DeepSeek ships V4 (tests/writers/deepseek_v4_release.py). The oracle is
 transformers: its loader dequantizes the release on CPU (`Fp8Dequantize`), and the model it loads from merger's
-output must hold the same bits in every parameter. As a LoRA base the release is refused in one line (it is
-written back by `--quantize_like`: test_deepseek_v4_write.py).
+output must hold the same bits in every parameter. It is written back by `--quantize_like`
+(test_deepseek_v4_write.py), and a LoRA folded into it by `merger lora` (test_lora_deepseek_v4.py).
 """
 from __future__ import annotations
 
 import json
 
-import peft
 import pytest
 import torch
 import transformers
 from safetensors import safe_open
 
-from tests.helpers.in_process import command_here
 from tests.helpers.release_bytes import bits
-from tests.writers.deepseek_v4_release import SCALE, TINY
+from tests.writers.deepseek_v4_release import SCALE
 
 pytestmark = pytest.mark.slow
 
@@ -39,15 +37,3 @@ def test_every_parameter_is_transformers_dequantization_of_the_release(deepseek_
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(bits(got[name]), bits(tensor)), name
 
-
-def test_as_a_lora_base_it_is_refused(deepseek_v4, tmp_path, capsys):
-    release, _ = deepseek_v4
-    torch.manual_seed(1)
-    model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**TINY))
-    adapter = tmp_path / "adapter"
-    peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_a_proj"])).save_pretrained(adapter)
-    code, errors = command_here(capsys, "lora", "--base_model", release, "--adapter", adapter, "--target_dir",
-                                tmp_path / "merged")
-    assert code == 1 and len(errors) == 1 and "(DeepSeek-V4's layout, config.json's quantization_config) as a LoRA " \
-        "base" in errors[0] and errors[0].endswith(f", {release / 'config.json'}"), errors
-    assert not (tmp_path / "merged").exists()

@@ -6,9 +6,10 @@ Oracles, none of them merger's code:
 - the release's own bytes, names, dtypes and config, for whatever training left alone;
 - transformers' `Fp8Quantize` (ue8m0, 128x128) for a dense weight training changed;
 - for an expert training changed, DeepSeek's own FP4 quantizer, `fp4_quant_kernel` of the inference code DeepSeek
-  ships with V4 (`inference/kernel.py`), retyped here in torch (it needs TileLang and a CUDA GPU): transformers has
-  no FP4 quantizer. Its output is checked against transformers' dequantizer (`Fp8Dequantize._dequantize_one`,
-  which reads FP4 pairs with `_unpack_fp4`): every element the nearest value of its block's e2m1 grid.
+  ships with V4 (`inference/kernel.py`), retyped in torch (tests/helpers/deepseek_v4_quantizers.py: it needs
+  TileLang and a CUDA GPU): transformers has no FP4 quantizer. Its output is checked here against transformers'
+  dequantizer (`Fp8Dequantize._dequantize_one`, which reads FP4 pairs with `_unpack_fp4`): every element the
+  nearest value of its block's e2m1 grid.
 The premise that makes byte identity a test: quantizing the release's own values again by that rule gives other
 bytes in many blocks (a block whose largest code is 3 comes back with half the scale), and the release has -0 codes.
 """
@@ -19,46 +20,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import transformers
 from safetensors import safe_open
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
+from tests.helpers.deepseek_v4_quantizers import E2M1, GROUP, deepseek_fp4, fp8_quantized
 from tests.helpers.in_process import merge_in_process
 from tests.helpers.processes import run_merger
 from tests.helpers.release_bytes import bits, trained, written_back_like
 from tests.helpers.weights import load_safetensors_folder
 from tests.writers.deepseek_v4_release import QUANTIZATION_CONFIG, SCALE, with_float4_experts
-from tests.writers.mxfp8_release import transformers_quantized
 
 pytestmark = pytest.mark.slow
-
-GROUP = 32
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
-def deepseek_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V4's `fp4_quant_kernel` (inference/kernel.py, not in place) retyped: per block of 32, amax at least
-    6 x 2^-126; the scale 2^ceil(log2(amax x float32(1/6))) as its `fast_round_scale` takes it from the bits of the
-    float32 product (exponent, plus one unless the mantissa bits are zero); each w / scale clamped to ±6 and cast to
-    e2m1 as CUDA casts (nearest, a tie to the even code, the sign kept); codes two a byte, the even element low.
-    (packed codes as uint8, e8m0 scale bytes)."""
-    x = w.float().unflatten(-1, (-1, GROUP))
-    amax = torch.maximum(x.abs().amax(-1), torch.tensor(6 * 2.0**-126))
-    product = (amax * torch.tensor(1 / 6, dtype=torch.float32)).view(torch.int32)
-    exponent = ((product >> 23) & 0xFF) - 127 + ((product & 0x7FFFFF) != 0).to(torch.int32)
-    y = (x / torch.pow(2.0, exponent.double()).float().unsqueeze(-1)).clamp(-6, 6)
-    distance = (y.abs().unsqueeze(-1) - E2M1).abs()
-    nearest = distance == distance.amin(-1, keepdim=True)  # one magnitude, or two at a tie
-    even = nearest & (torch.arange(8) % 2 == 0)
-    magnitude = torch.where(even.any(-1), even.int().argmax(-1), nearest.int().argmax(-1))
-    codes = (magnitude | torch.signbit(y).long() << 3).flatten(-2)
-    return (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8), (exponent + 127).to(torch.uint8)
-
-
-def fp8_quantized(name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' Fp8Quantize under the release's config: (float8 codes, e8m0 scale bytes)."""
-    config = transformers.FineGrainedFP8Config(weight_block_size=[128, 128], scale_fmt="ue8m0")
-    return transformers_quantized(name, weight, config)
 
 
 def transformers_dequantized(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -157,7 +157,7 @@ def release_steps(names: dict[str, SourceTensor], qc: dict, where) -> list[Step]
 
 def build(catalog: Catalog, options: MergeOptions) -> Mapping:
     hf_dir, config = model_config(catalog, options)
-    qc = fp8_block_config(config, fp4=True)
+    qc = fp8_block_config(config)
     block = block_size(qc, hf_dir / "config.json")
     names = catalog.tensors
     steps = release_steps(names, qc, hf_dir / "config.json")

@@ -108,7 +108,7 @@ def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]]) -> Fp8Outp
     """How to write `outputs` (name -> shape) as the release in `folder` stores them (DeepSeek-V4's: its experts
     FP4, where its config says `expert_dtype: fp4` and the release stores them as FP4 pairs)."""
     config = read_config(folder)
-    qc = fp8_block_config(config, fp4=True)
+    qc = fp8_block_config(config)
     if qc is None:
         raise MergerError(f"{FLAG} needs an FP8 block-scaled release: its config.json's {QUANTIZATION_CONFIG} must "
                           f"say quant_method fp8 with a weight_block_size, {folder / 'config.json'}")

@@ -3,7 +3,7 @@ merge of the folder (or of any checkpoint under HF names), a LoRA base, `--quant
 
 merger handles four: FP8 block-scaled releases (`quant_method: "fp8"` with a `weight_block_size`, dequantized by
 fp8.py, written by fp8_quantize.py; DeepSeek-V4's, whose routed experts are FP4 (`expert_dtype: "fp4"`,
-fp4_experts_quantize.py), too, but not as a LoRA base),
+fp4_experts_quantize.py), too),
 gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`, written by mxfp4_quantize.py; as a source its `_blocks` and
 `_scales` are kept as stored, with the quantization_config that says what they are), compressed-tensors releases in
 `nvfp4-pack-quantized`, INT4 `pack-quantized`, `mxfp4-pack-quantized` or `mxfp8-quantized` with the scheme
@@ -62,10 +62,10 @@ def fp4_experts(qc: dict) -> bool:
     return qc.get("expert_dtype") == "fp4"
 
 
-def _is_fp8_block(qc: object, fp4: bool = False) -> bool:
+def _is_fp8_block(qc: object) -> bool:
     """A quantization_config of FP8 block scaling: quant_method fp8 with blocks, or mxfp8 in MXFP8_SCHEME; its experts
-    FP8 too (transformers' own config says `expert_dtype: "fp8"`), or with `fp4` FP4 as DeepSeek-V4's may be."""
-    if not isinstance(qc, dict) or qc.get("expert_dtype") not in (None, "fp8", *(("fp4",) if fp4 else ())):
+    FP8 too (transformers' own config says `expert_dtype: "fp8"`), or FP4 as DeepSeek-V4's (quant_method fp8 only)."""
+    if not isinstance(qc, dict) or qc.get("expert_dtype") not in (None, "fp8", "fp4"):
         return False
     if fp4_experts(qc) and qc.get("quant_method") != FP8_BLOCK:
         return False
@@ -74,11 +74,11 @@ def _is_fp8_block(qc: object, fp4: bool = False) -> bool:
     return qc.get("quant_method") == FP8_BLOCK and qc.get("weight_block_size") is not None
 
 
-def fp8_block_config(config: dict, fp4: bool = False) -> dict | None:
-    """config.json's quantization_config when it names FP8 block scaling (with `fp4`, FP4 experts allowed: what
-    merger reads and writes, but folds no LoRA into), else None."""
+def fp8_block_config(config: dict) -> dict | None:
+    """config.json's quantization_config when it names FP8 block scaling (DeepSeek-V4's FP4 experts included), else
+    None."""
     qc = config.get(QUANTIZATION_CONFIG)
-    return qc if _is_fp8_block(qc, fp4) else None
+    return qc if _is_fp8_block(qc) else None
 
 
 def _unhandled(qc: object) -> str | None:
@@ -86,7 +86,7 @@ def _unhandled(qc: object) -> str | None:
     if not isinstance(qc, dict) or not isinstance(qc.get("quant_method"), str):
         return "weights quantized with no quant_method"
     method = qc["quant_method"]
-    if method == MXFP4 or _is_fp8_block(qc, fp4=True):
+    if method == MXFP4 or _is_fp8_block(qc):
         return None
     if method == COMPRESSED_TENSORS:
         return unread(qc)
@@ -115,7 +115,7 @@ def config_format(folder: Path, config: dict) -> str | None:
     if what is not None:
         raise MergerError(f"{what} (config.json's {QUANTIZATION_CONFIG}), {HANDLED}, {folder / 'config.json'}")
     qc = config[QUANTIZATION_CONFIG]
-    return FP8_BLOCK if _is_fp8_block(qc, fp4=True) else COMPRESSED_TENSORS if qc["quant_method"] == COMPRESSED_TENSORS else MXFP4
+    return FP8_BLOCK if _is_fp8_block(qc) else COMPRESSED_TENSORS if qc["quant_method"] == COMPRESSED_TENSORS else MXFP4
 
 
 def _described(found: str | None, folder: Path, config: dict) -> tuple[str | None, tuple[str, ...]]:
@@ -127,16 +127,6 @@ def _described(found: str | None, folder: Path, config: dict) -> tuple[str | Non
         algo = modelopt_scheme.described(folder, config)[0]["quant_algo"]
         return f"ModelOpt {algo}", modelopt_scheme.READ[algo][1]
     return DESCRIBED.get(found, (None, ()))
-
-
-def refuse_fp4_experts(use: str, folder: Path, config: dict) -> None:
-    """Raise when `folder`'s config says FP8 with FP4 experts (DeepSeek-V4's layout), which merger reads and writes
-    but takes as no `use` (a LoRA base) yet."""
-    qc = config.get(QUANTIZATION_CONFIG)
-    if isinstance(qc, dict) and fp4_experts(qc):
-        raise MergerError(f"FP8 weights with FP4 experts (DeepSeek-V4's layout, config.json's {QUANTIZATION_CONFIG}) "
-                          f"as {use}: merger reads such a release (merger merge dequantizes it) but does not take one "
-                          f"as {use} yet, {folder / 'config.json'}")
 
 
 def _packed_part(name: str, names: Collection[str]) -> str | None:

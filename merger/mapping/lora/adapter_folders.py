@@ -25,6 +25,7 @@ from ..steps import Mapping, Step
 from .adapter import LoraAdapter, adapter_from_folder
 from .experts_orientation import experts_transposed
 from .fold_steps import fold_steps
+from .module_names import adapter_names, under_own_names
 from .quantized_base import base_weights, dequantizing_inputs
 
 
@@ -65,10 +66,14 @@ def fold_into_base(base: Catalog, parts: dict[str, Catalog], adapters: list[Lora
     # read is refused (quantized_base.py)
     weights = base_weights(base)
     tensors = {**{n: t for n, t in catalog.tensors.items() if n not in base.tensors}, **weights.tensors}
-    result = fold_steps({n: n for n in weights.tensors if n not in written}, adapters, tensors,
+    # the fold reads the base under the names the adapters give its modules, and writes it under its own
+    names = adapter_names(local_config_folder(base_dir), config, list(weights.tensors), adapters,
+                          options.trust_remote_code)
+    result = fold_steps({names.get(n, n): n for n in weights.tensors if n not in written}, adapters, tensors,
                         ties(config, options),
                         experts_transposed(local_config_folder(base_dir), config, options.trust_remote_code))
-    steps = result.steps + list(folds)
+    folded, renamed = under_own_names(result.steps, names)
+    steps, notes = folded + list(folds), (*notes, *renamed)
     quantized = bool(weights.dequantizers)
     if quantized:  # folds by other rules (Megatron-Bridge's shards) read the base too
         steps = dequantizing_inputs(steps, weights.dequantizers)

@@ -12,7 +12,7 @@ The base holds a parameter either as transformers holds it (gpt-oss saves `<expe
 per expert, as save_pretrained writes Qwen3-MoE, Qwen3.5-MoE, DeepSeek-V3 and the rest of the Qwen2-MoE family:
 transformers' conversion_mapping stacks `<experts>.{e}.gate_proj.weight` and `up_proj` ([I, in] each) into
 gate_up_proj[e] (gate's rows first), and `<experts>.{e}.down_proj.weight` into down_proj[e]; each such tensor then
-gets its expert's rows of the delta.
+gets its expert's rows of the delta. DeepSeek-V4 stores them as `<experts>.{e}.w1`, `w3` and `w2`.
 """
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ from ...errors import MergerError
 from .fold import ExpertDelta, lora_scale, pattern_value
 
 # The checkpoint's per-expert tensors of a fused parameter, in row order (transformers' conversion_mapping for
-# the Qwen2-MoE family: MergeModulelist(dim=0), then Concatenate(dim=1)).
-PER_EXPERT = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+# the Qwen2-MoE family: MergeModulelist(dim=0), then Concatenate(dim=1)), in HF's names or in DeepSeek-V4's own
+# (w1 the gate, w3 the up projection, w2 down: its conversion stacks w1 before w3; module_names.py).
+PER_EXPERT = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
 _WRAPPED = re.compile(r"^(.*?)((?:\.base_layer)*)$")
 _ROUNDED = (torch.bfloat16, torch.float16)  # PEFT casts the delta to these; float8 and float32 keep it float32
 
@@ -67,10 +68,15 @@ def _params_named(module: str, target_parameters) -> list[str]:
     return names
 
 
+def _per_expert(module: str, param: str, current: dict[str, str]) -> tuple[str, ...]:
+    """The names of the per-expert tensors the base holds `<module>.<param>` in (none: it holds none per expert)."""
+    return next((parts for parts in PER_EXPERT.get(param, ()) if all(f"{module}.0.{p}.weight" in current
+                                                                   for p in parts)), ())
+
+
 def holds_parameter(module: str, target_parameters, current: dict[str, str]) -> bool:
     """Whether the base holds a parameter of `module` that target_parameters names, fused or per expert."""
-    return any(f"{module}.{param}" in current or any(f"{module}.0.{part}.weight" in current
-                                                     for part in PER_EXPERT.get(param, ()))
+    return any(f"{module}.{param}" in current or _per_expert(module, param, current)
                for param in _params_named(module, target_parameters))
 
 
@@ -106,7 +112,7 @@ def _layouts(module: str, param: str, current: dict[str, str], tensors: dict[str
             orientations = [answer]
         return [_Layout(param, experts, d2 if t else d1, d1 if t else d2, t, ((fused, None, None),))
                 for t in orientations]
-    parts = PER_EXPERT.get(param, ())
+    parts = _per_expert(module, param, current)
     experts = 0
     while parts and all(f"{module}.{experts}.{p}.weight" in current for p in parts):
         experts += 1

@@ -1,5 +1,6 @@
-"""A LoRA base stored quantized, as the fold rules read it: an FP8 block-scaled release, a compressed-tensors release
-(NVFP4, INT4 `pack-quantized`, MXFP4, MXFP8) or a ModelOpt export (NVFP4, MXFP8).
+"""A LoRA base stored quantized, as the fold rules read it: an FP8 block-scaled release (DeepSeek-V4's too, its routed
+experts FP4), a compressed-tensors release (NVFP4, INT4 `pack-quantized`, MXFP4, MXFP8) or a ModelOpt export (NVFP4,
+MXFP8).
 
 The fold rules (fold_steps.py) name the base's tensors and take their shapes and dtypes. A quantized weight is no one
 tensor in such a release but its parts (codes and scales), which `merger merge` reads with one step per weight
@@ -11,7 +12,8 @@ weight through its dequantizer: the adapter is folded into the values `merger me
 
 With --dtype keep (`merger lora`'s default) the mapping is written like the release (policy.py's --quantize_like):
 a weight no adapter changed holds the release's own values, so it keeps the release's bytes (release_blocks.py), and
-what an adapter changed is quantized by the producing tool's rule, shared scales as the release shares them.
+what an adapter changed is quantized by the producing tool's rule, shared scales as the release shares them
+(DeepSeek-V4: transformers' Fp8Quantize for its FP8 weights, DeepSeek's FP4 rule for its experts: fp8_quantize.py).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from ...io import location
 from .. import compressed_tensors, fp8, modelopt
 from ..compressed_tensors_scheme import COMPRESSED_TENSORS
 from ..modelopt_scheme import MODELOPT, MODELOPT_CONFIG, described
-from ..quantized_formats import FP8_BLOCK, QUANTIZATION_CONFIG, fp8_block_config, refuse_fp4_experts, stored_format
+from ..quantized_formats import FP8_BLOCK, QUANTIZATION_CONFIG, fp4_experts, fp8_block_config, stored_format
 from ..steps import DEQUANTIZED, Step
 
 
@@ -46,10 +48,10 @@ def _steps(base: Catalog, folder: Path, config: dict) -> tuple[list[Step], str, 
     """(the steps `merger merge` reads the release with, its format as the log names it, its files left out of a
     plain output), or None for a base that is not quantized (or gpt-oss's MXFP4 experts, kept as stored)."""
     stored = stored_format(folder, config, base.tensors)
-    refuse_fp4_experts("a LoRA base", folder, config)
     if stored == FP8_BLOCK:
-        return fp8.release_steps(base.tensors, fp8_block_config(config), folder / "config.json"), \
-            "an FP8 block-scaled release", ()
+        qc = fp8_block_config(config)
+        what = "a DeepSeek-V4 release (FP8 with FP4 experts)" if fp4_experts(qc) else "an FP8 block-scaled release"
+        return fp8.release_steps(base.tensors, qc, folder / "config.json"), what, ()
     if stored == COMPRESSED_TENSORS:
         return (compressed_tensors.release_steps(base.tensors, config)[0],
                 f"a compressed-tensors {config[QUANTIZATION_CONFIG]['format']} release", ())
