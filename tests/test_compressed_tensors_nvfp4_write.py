@@ -26,7 +26,7 @@ from tests.helpers.processes import run_merger
 from tests.helpers.release_bytes import (assert_only_changed_groups_redone, groups_differ, same_bytes,
                                         written_back_like)
 from tests.helpers.weights import load_safetensors_folder
-from tests.writers.compressed_tensors_release import SHARED, TINY, write_release
+from tests.writers.compressed_tensors_release import SHARED, TINY, compress_checkpoint, write_release
 
 FMT = "nvfp4-pack-quantized"
 PARTS = (".weight_packed", ".weight_scale", ".weight_global_scale")
@@ -171,3 +171,67 @@ def test_merge_ranks_write_the_bytes_one_process_writes(plain, tmp_path):
     assert sorted(one) == sorted(two) == sorted(stored)
     assert all(same_bytes(one[n], two[n]) for n in one)
     assert not all(same_bytes(one[n], stored[n]) for n in one)  # training changed what was written
+
+
+# A tiny Qwen3-MoE: 4 routed experts 32 wide, attention 4 heads of 16: every Linear layer whole groups of 16
+QWEN3_MOE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                 num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, tie_word_embeddings=False)
+# what llmcompressor's model_free_ptq is told to leave alone (it quantizes every 2-dim weight, norms aside)
+MODEL_FREE_PTQ_IGNORE = ["model.embed_tokens", "lm_head", "re:.*mlp.gate$"]
+
+
+def test_a_moe_release_made_by_model_free_ptq_is_read_as_compressed_tensors_reads_it_and_written_back(tmp_path):
+    """A Qwen3-MoE release as llmcompressor 0.14.0.1's `model_free_ptq(..., scheme="NVFP4A16")` writes it: each
+    expert's projections their own Linear layers, the global scale shared across q/k/v only, each expert's gate and
+    up their own; config.json's quantization_config as it writes it (its group named after the scheme, `ignore` with
+    the regex it was given). compressed_tensors_release.compress_checkpoint writes model_free_ptq's bytes for this
+    model, every tensor (checked against llmcompressor 0.14.0.1 on 2026-11-30; it is no test dependency).
+    - merger reads it as compressed-tensors' dequantizer does, bit for bit;
+    - written back with `--quantize_like`, every byte and the quantization_config are the release's;
+    - after training changed one expert's gate_proj, that layer is what compressed-tensors writes for it, and its
+      up_proj, which shares no scale with it in this release, keeps its bytes (as every other tensor)."""
+    from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE)).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "plain")
+    weights = load_safetensors_folder(tmp_path / "plain")  # one tensor per expert and projection, as released
+    linear = sorted(n for n, t in weights.items() if t.dim() == 2)
+
+    def release_of(weights: dict, folder) -> dict:
+        tensors, config = compress_checkpoint(folder, weights, FMT, linear, MODEL_FREE_PTQ_IGNORE,
+                                              SHARED["model_free_ptq"])
+        config = dict(config, config_groups={"NVFP4A16": config["config_groups"]["group_0"]},
+                      ignore=MODEL_FREE_PTQ_IGNORE)
+        plain = json.loads((tmp_path / "plain" / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(dict(plain, quantization_config=config)))
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return tensors
+
+    stored = release_of(weights, tmp_path / "release")
+    release = tmp_path / "release"
+    assert len(modules(stored)) == 2 * (4 + 4 * 3)
+    expert = "model.layers.1.mlp.experts.{}."
+    gate = next(expert.format(e) + "gate_proj" for e in range(4)  # an expert whose gate and up scales differ
+                if not same_bytes(stored[expert.format(e) + "gate_proj" + GLOBAL],
+                                  stored[expert.format(e) + "up_proj" + GLOBAL]))
+
+    bf16 = merge_in_process(release, tmp_path / "bf16")
+    got = load_safetensors_folder(bf16)
+    want = CompressedTensorsDequantizer(release, dtype=torch.bfloat16).process(dict(stored))
+    assert sorted(got) == sorted(want)
+    assert all(same_bytes(got[n], want[n]) for n in want)
+
+    written_back_like(release, bf16, tmp_path / "back", "bfloat16")
+    assert (json.loads((tmp_path / "back" / "config.json").read_text())["quantization_config"]
+            == json.loads((release / "config.json").read_text())["quantization_config"])
+
+    got[gate + ".weight"] = got[gate + ".weight"] * 1.5  # its largest magnitude, and so its global scale, change
+    shutil.copytree(bf16, tmp_path / "trained")
+    save_file(got, str(tmp_path / "trained" / "model.safetensors"), metadata={"format": "pt"})
+    out = load_safetensors_folder(merge_in_process(tmp_path / "trained", tmp_path / "out", "--quantize_like", release))
+    redone = release_of(got, tmp_path / "want")
+    assert not same_bytes(redone[gate + GLOBAL], stored[gate + GLOBAL])
+    assert all(same_bytes(out[gate + part], redone[gate + part]) for part in PARTS)
+    assert all(same_bytes(out[n], stored[n]) for n in stored if not n.startswith(gate + "."))
