@@ -25,13 +25,19 @@ SHARD_BYTES = 1 << 30
 
 
 def build(folder: Path, layers: int, hidden: int) -> int:
-    """A bf16 HF folder of random weights, in ~1 GiB shards with an index; returns its bytes of weights."""
+    """A bf16 HF folder of a random Llama, in ~1 GiB shards with an index; returns its bytes of weights."""
     config = transformers.LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
                                       num_hidden_layers=layers, num_attention_heads=hidden // 128,
                                       num_key_value_heads=hidden // 128, tie_word_embeddings=False,
                                       architectures=["LlamaForCausalLM"])
     with torch.device("meta"):
         shapes = {n: t.shape for n, t in transformers.LlamaForCausalLM(config).state_dict().items()}
+    return write_random_folder(folder, config, shapes)
+
+
+def write_random_folder(folder: Path, config: transformers.PretrainedConfig, shapes: dict[str, torch.Size]) -> int:
+    """A bf16 HF safetensors folder of `config` holding `shapes` (name -> shape) as random values, written shard by
+    shard (~1 GiB each, with an index), never the whole model; returns its bytes of weights."""
     folder.mkdir(parents=True)
     config.dtype = torch.bfloat16
     config.save_pretrained(folder)

@@ -40,7 +40,8 @@ PARTS = ("weight_packed", "weight", "weight_scale", "weight_shape", "weight_glob
 FORMATS = {"pack-quantized": INT4_GROUP_32, "mxfp4-pack-quantized": "MXFP4A16",
            "nvfp4-pack-quantized": "NVFP4A16", "mxfp8-quantized": "MXFP8A16"}
 # NVFP4's global scale as llmcompressor's tools share it (FORMATS.md): oneshot across q/k/v and across gate/up,
-# model_free_ptq across q/k/v only
+# model_free_ptq (0.14.0.1) across q/k/v only where the gate/up are an expert's (its pattern is `mlp.gate_proj`: a
+# dense MLP's it shares too, so on a dense Llama this stands for a release that shares q/k/v alone)
 SHARED = {"oneshot": (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
           "model_free_ptq": (("q_proj", "k_proj", "v_proj"),)}
 # what a test calls another scheme -> (its format, the preset or the weights' arguments)
