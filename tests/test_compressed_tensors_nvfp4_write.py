@@ -181,7 +181,8 @@ QWEN3_MOE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, moe_inter
 MODEL_FREE_PTQ_IGNORE = ["model.embed_tokens", "lm_head", "re:.*mlp.gate$"]
 
 
-def test_a_moe_release_made_by_model_free_ptq_is_read_as_compressed_tensors_reads_it_and_written_back(tmp_path):
+@pytest.mark.parametrize("scales", ["different", "equal"])
+def test_a_moe_release_made_by_model_free_ptq_is_read_as_compressed_tensors_reads_it_and_written_back(tmp_path, scales):
     """A Qwen3-MoE release as llmcompressor 0.14.0.1's `model_free_ptq(..., scheme="NVFP4A16")` writes it: each
     expert's projections their own Linear layers, the global scale shared across q/k/v only, each expert's gate and
     up their own; config.json's quantization_config as it writes it (its group named after the scheme, `ignore` with
@@ -190,7 +191,9 @@ def test_a_moe_release_made_by_model_free_ptq_is_read_as_compressed_tensors_read
     - merger reads it as compressed-tensors' dequantizer does, bit for bit;
     - written back with `--quantize_like`, every byte and the quantization_config are the release's;
     - after training changed one expert's gate_proj, that layer is what compressed-tensors writes for it, and its
-      up_proj, which shares no scale with it in this release, keeps its bytes (as every other tensor)."""
+      up_proj, which shares no scale with it in this release, keeps its bytes (as every other tensor): both where the
+      tool gave the two different global scales and where they came out equal without being shared (other experts'
+      differ, so no expert's are read as shared)."""
     from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
 
     torch.manual_seed(0)
@@ -209,13 +212,17 @@ def test_a_moe_release_made_by_model_free_ptq_is_read_as_compressed_tensors_read
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
         return tensors
 
+    expert = "model.layers.1.mlp.experts.0."
+    if scales == "equal":  # the same largest magnitude, so the same global scale, though the tool shares none
+        gate_up = [weights[expert + part + ".weight"].view(-1) for part in ("gate_proj", "up_proj")]
+        top = max(w.abs().max() for w in gate_up)
+        for w in gate_up:
+            w[w.abs().argmax()] = top
     stored = release_of(weights, tmp_path / "release")
     release = tmp_path / "release"
     assert len(modules(stored)) == 2 * (4 + 4 * 3)
-    expert = "model.layers.1.mlp.experts.{}."
-    gate = next(expert.format(e) + "gate_proj" for e in range(4)  # an expert whose gate and up scales differ
-                if not same_bytes(stored[expert.format(e) + "gate_proj" + GLOBAL],
-                                  stored[expert.format(e) + "up_proj" + GLOBAL]))
+    gate = expert + "gate_proj"
+    assert same_bytes(stored[gate + GLOBAL], stored[expert + "up_proj" + GLOBAL]) == (scales == "equal")
 
     bf16 = merge_in_process(release, tmp_path / "bf16")
     got = load_safetensors_folder(bf16)

@@ -27,8 +27,9 @@ The shared scale: vLLM fuses q/k/v and gate/up, and the tools give such layers o
 amax (llmcompressor's `update_fused_layer_weight_global_scales` takes the smallest global scale, ModelOpt's export
 `preprocess_linear_fusion` the largest amax): llmcompressor's `oneshot` and ModelOpt across q/k/v and across
 gate/up, its `model_free_ptq` across q/k/v only. Which layers share is read off the release: the q/k/v (and
-gate/up) of one module whose stored shared scales are equal share one (a Hub id's release, whose bytes are not
-read: q/k/v and gate/up, as oneshot and ModelOpt).
+gate/up) of each module of a kind (its name with the layer and expert numbers left out) share one where their stored
+shared scales are equal in every module of that kind (a Hub id's release, whose bytes are not read: q/k/v and
+gate/up, as oneshot and ModelOpt).
 
 Kept bytes (release_blocks.py): where every weight of a sharing set (or a weight of its own) holds the release's
 values, it is the release's bytes. Where one changed, the set's shared scale is computed again, by the tool's rule,
@@ -41,6 +42,7 @@ out another after any change to its set; ModelOpt's, amax / (6 x 448), mostly co
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -136,19 +138,34 @@ MODELOPT = Producer("ModelOpt", ("", "_scale", "_scale_2"), ".input_scale", (), 
 
 def shared_groups(here: frozenset[str], release: dict[str, StoredTensor] | None, shared_part: str,
                   fused: tuple[tuple[str, ...], ...] = FUSED) -> list[frozenset[str]]:
-    """The sets of quantized weights (by name) that share a global scale: the fused layers of one module (`fused`)
-    whose shared scales (`<m>.weight` + `shared_part`) in the release are equal (every fused set, for a release
-    whose bytes are not read)."""
+    """The sets of quantized weights (by name) that share a global scale: the fused layers of one module (`fused`),
+    of every module of a kind (its name with the layer and expert numbers left out) whose fused layers have equal
+    shared scales (`<m>.weight` + `shared_part`) in the release, in each module of that kind; every fused set, for
+    a release whose bytes are not read.
+
+    A kind, not a module: a tool shares by the kind of layer (model_free_ptq q/k/v but not a routed expert's
+    gate/up), and two scales the tool did not share may still be equal. In model_free_ptq's NVFP4 of a Qwen3-MoE
+    about half the experts' gate and up came out with equal global scales: read as shared, a trained gate would
+    have had its untouched up quantized again."""
     found = []
     for names in fused:
-        fused: dict[tuple, list[str]] = {}
+        modules: dict[str, list[str]] = {}
         for name in sorted(here):
             parent, _, leaf = name.removesuffix(".weight").rpartition(".")
             if leaf in names and name.endswith(".weight"):
-                key = (parent,) if release is None else (parent, release[name + shared_part].read().numpy().tobytes())
-                fused.setdefault(key, []).append(name)
-        found += [frozenset(members) for members in fused.values() if len(members) > 1]
+                modules.setdefault(parent, []).append(name)
+        sets = {parent: members for parent, members in modules.items() if len(members) > 1}
+        if release is not None:
+            unshared = {_kind(parent) for parent, members in sets.items()
+                        if len({release[m + shared_part].read().numpy().tobytes() for m in members}) > 1}
+            sets = {parent: members for parent, members in sets.items() if _kind(parent) not in unshared}
+        found += [frozenset(members) for members in sets.values()]
     return found
+
+
+def _kind(module: str) -> str:
+    """A module's name with its numbers (layer, expert) left out: `model.layers.#.mlp.experts.#`."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "#", module)
 
 
 @dataclass(frozen=True)
