@@ -17,6 +17,7 @@ routed experts) whose last dim is whole groups (an experts module: all of its we
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -125,6 +126,32 @@ def test_nvfp4_of_a_moe_is_compressed_tensors_and_names_what_is_not_whole_groups
     assert (f"4 tensors left at bfloat16, not whole groups of 16 along the last dim (a 2-dim weight in whole groups "
             f"is what compressed-tensors' readers take; an experts module with one such weight whole), their modules "
             f"in the quantization_config's ignore: {named}") in notes
+
+
+def test_a_trained_mla_down_projection_requantizes_its_sharing_sibling_as_oneshot_would(deepseek, tmp_path):
+    """`--quantize nvfp4`'s output (oneshot's sharing: q_a_proj with kv_a_proj_with_mqa) as the release of
+    `--quantize_like`: after training changed layer 0's q_a_proj, its sibling is quantized again with their new shared
+    scale, the bytes compressed-tensors writes for the trained model with oneshot's sets; every other tensor keeps
+    the release's bytes."""
+    from safetensors.torch import save_file
+
+    weights = load_safetensors_folder(deepseek)
+    linear = _linear(weights)
+    left = [n.removesuffix(".weight") for n in linear if n == "lm_head.weight" or weights[n].shape[-1] % 16]
+    release = merge_in_process(deepseek, tmp_path / "release", "--quantize", "nvfp4")
+    stored = load_safetensors_folder(release)
+    attention = "model.layers.0.self_attn."
+    trained = dict(weights)
+    trained[attention + "q_a_proj.weight"] = weights[attention + "q_a_proj.weight"] * 1.5
+    shutil.copytree(deepseek, tmp_path / "trained")
+    save_file(trained, str(tmp_path / "trained" / "model.safetensors"), metadata={"format": "pt"})
+    got = load_safetensors_folder(merge_in_process(tmp_path / "trained", tmp_path / "out", "--quantize_like", release))
+    want, _ = compress_checkpoint(tmp_path / "want", trained, NVFP4, linear, left, ONESHOT)
+    redone = [n for n in want if n.startswith((attention + "q_a_proj.", attention + "kv_a_proj_with_mqa."))]
+    assert not same_bytes(stored[attention + "kv_a_proj_with_mqa.weight_packed"],
+                          want[attention + "kv_a_proj_with_mqa.weight_packed"])  # the shared scale moved it
+    assert all(same_bytes(got[n], want[n]) for n in redone)
+    assert all(same_bytes(got[n], stored[n]) for n in stored if n not in redone)
 
 
 def test_int4_quantizes_the_routed_experts_as_compressed_tensors_does(deepseek, tmp_path):

@@ -34,12 +34,10 @@ import torch
 from ..errors import MergerError
 from .fp8_default_modules import default_weights
 from .int4_release_layout import GROUP as INT4_GROUP, PACK_QUANTIZED, Int4Output
-from .nvfp4_release_layout import FUSED, GROUP as NVFP4_GROUP, NVFP4_PACK_QUANTIZED, Nvfp4Output, shared_groups
+from .nvfp4_release_layout import GROUP as NVFP4_GROUP, NVFP4_PACK_QUANTIZED, ONESHOT_FUSED, Nvfp4Output, shared_groups
 
 SCHEMES = ("nvfp4", "int4")
 COMPRESSED_TENSORS_VERSION = "0.20.0"  # the version whose ModelCompressor writes this config
-# llmcompressor 0.14's FUSED_LAYER_NAMES beyond nvfp4_release_layout's q/k/v and gate/up: oneshot shares these too
-ONESHOT_FUSED = (*FUSED, ("q_a_proj", "kv_a_proj_with_mqa"), ("w1", "w3"))
 # what compressed-tensors writes for each scheme's weights (QuantizationArgs.model_dump, its defaults left out)
 WEIGHTS = {"nvfp4": {"dynamic": False, "group_size": NVFP4_GROUP, "num_bits": 4, "scale_dtype": "torch.float8_e4m3fn",
                      "strategy": "tensor_group", "symmetric": True, "type": "float"},

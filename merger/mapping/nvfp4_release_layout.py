@@ -26,10 +26,10 @@ The rules, on the weights at --dtype (amax: the largest magnitude):
 The shared scale: vLLM fuses q/k/v and gate/up, and the tools give such layers one scale computed on their largest
 amax (llmcompressor's `update_fused_layer_weight_global_scales` takes the smallest global scale, ModelOpt's export
 `preprocess_linear_fusion` the largest amax): llmcompressor's `oneshot` and ModelOpt across q/k/v and across
-gate/up, its `model_free_ptq` across q/k/v only. Which layers share is read off the release: the q/k/v (and
-gate/up) of each module of a kind (its name with the layer and expert numbers left out) share one where their stored
-shared scales are equal in every module of that kind (a Hub id's release, whose bytes are not read: q/k/v and
-gate/up, as oneshot and ModelOpt).
+gate/up, its `model_free_ptq` across q/k/v only. Which layers share is read off the release: the q/k/v (gate/up,
+DeepSeek's q_a_proj/kv_a_proj_with_mqa, Mixtral's w1/w3) of each module of a kind (its name with the layer and
+expert numbers left out) share one where their stored shared scales are equal in every module of that kind (a Hub
+id's release, whose bytes are not read: q/k/v and gate/up, as oneshot and ModelOpt).
 
 Kept bytes (release_blocks.py): where every weight of a sharing set (or a weight of its own) holds the release's
 values, it is the release's bytes. Where one changed, the set's shared scale is computed again, by the tool's rule,
@@ -70,6 +70,9 @@ FP8_SMALLEST = 2.0**-9  # ModelOpt clamps a group's scale to [2^-9, 448] (and ma
 E4M3_HALF_ULP, E4M3_SUBNORMAL_HALF_STEP = 2.0**-4, 2.0**-10
 # the layers whose global scales llmcompressor's oneshot and ModelOpt share, by the last part of their module's name
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# llmcompressor 0.14's FUSED_LAYER_NAMES: FUSED, DeepSeek's MLA down-projections, Mixtral's w1/w3. A release's bytes
+# say which of these its tool shared (shared_groups); one whose bytes are not read is taken to share FUSED only
+ONESHOT_FUSED = (*FUSED, ("q_a_proj", "kv_a_proj_with_mqa"), ("w1", "w3"))
 
 
 def _amax(weights: list[torch.Tensor]) -> torch.Tensor:
@@ -269,5 +272,6 @@ def release_layout(folder: Path, outputs: dict[str, tuple[int, ...]], producer: 
                           f"copies the calibration from the release's files, and only their headers are here (a Hub "
                           f"id): download the release and name its folder, {folder}")
     return Nvfp4Output(here, dtypes, read_config(folder)[QUANTIZATION_CONFIG], producer, release,
-                       shared_groups(here, release, producer.parts[2]), weights,
+                       shared_groups(here, release, producer.parts[2], FUSED if release is None else ONESHOT_FUSED),
+                       weights,
                        {name: (folder / name).read_text() for name in files})
