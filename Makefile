@@ -24,11 +24,15 @@ unexport PYTHONDONTWRITEBYTECODE
 setup: $(VENV_STAMP)
 
 # torch is pinned to the CPU build that lies on this machine's disk; a bare `torch` would pull CUDA wheels.
+# llmcompressor writes the NVFP4 release a test checks merger against (its model_free_ptq); it goes in without its
+# dependencies, which pin transformers <= 5.17: FORMATS.md verified it with transformers 5.24 and compressed-tensors
+# 0.20, which the test extras pin. merger itself never imports it.
 $(VENV_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile --upgrade pip
 	$(PY) -m pip install -q --no-compile torch==2.13.0
 	$(PY) -m pip install -q --no-compile -e '.[test]'
+	$(PY) -m pip install -q --no-compile --no-deps llmcompressor==0.14.0.1
 	touch $@
 
 # megatron-core 0.17 and later (DeepSeek Sparse Attention) need Python >= 3.12: tests/writers/megatron_dsa.py runs

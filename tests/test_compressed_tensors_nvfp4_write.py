@@ -187,7 +187,7 @@ def test_a_moe_release_made_by_model_free_ptq_is_read_as_compressed_tensors_read
     expert's projections their own Linear layers, the global scale shared across q/k/v only, each expert's gate and
     up their own; config.json's quantization_config as it writes it (its group named after the scheme, `ignore` with
     the regex it was given). compressed_tensors_release.compress_checkpoint writes model_free_ptq's bytes for this
-    model, every tensor (checked against llmcompressor 0.14.0.1 on 2026-11-30; it is no test dependency).
+    model, every tensor, and the quantization_config (checked here against llmcompressor 0.14.0.1's own output).
     - merger reads it as compressed-tensors' dequantizer does, bit for bit;
     - written back with `--quantize_like`, every byte and the quantization_config are the release's;
     - after training changed one expert's gate_proj, that layer is what compressed-tensors writes for it, and its
@@ -207,6 +207,7 @@ def test_a_moe_release_made_by_model_free_ptq_is_read_as_compressed_tensors_read
                                               SHARED["model_free_ptq"])
         config = dict(config, config_groups={"NVFP4A16": config["config_groups"]["group_0"]},
                       ignore=MODEL_FREE_PTQ_IGNORE)
+        del config["sparsity_config"]  # model_free_ptq writes none
         plain = json.loads((tmp_path / "plain" / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps(dict(plain, quantization_config=config)))
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -221,6 +222,15 @@ def test_a_moe_release_made_by_model_free_ptq_is_read_as_compressed_tensors_read
     stored = release_of(weights, tmp_path / "release")
     release = tmp_path / "release"
     assert len(modules(stored)) == 2 * (4 + 4 * 3)
+    if scales == "different":  # the weights as saved: the release is what llmcompressor itself writes, every byte
+        from llmcompressor import model_free_ptq
+
+        model_free_ptq(str(tmp_path / "plain"), str(tmp_path / "tool"), scheme="NVFP4A16",
+                       ignore=MODEL_FREE_PTQ_IGNORE, device="cpu")
+        tool = load_safetensors_folder(tmp_path / "tool")
+        assert sorted(tool) == sorted(stored) and all(same_bytes(tool[n], stored[n]) for n in stored)
+        assert (json.loads((tmp_path / "tool" / "config.json").read_text())["quantization_config"]
+                == json.loads((release / "config.json").read_text())["quantization_config"])
     gate = expert + "gate_proj"
     assert same_bytes(stored[gate + GLOBAL], stored[expert + "up_proj" + GLOBAL]) == (scales == "equal")
 
