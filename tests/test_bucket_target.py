@@ -15,12 +15,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
 
 from merger.output.bucket_target import MAX_PARTS, PART, parts_of, shares
-from tests.helpers.files import allocated, assert_same_files, peak_allocated
+from tests.helpers.files import allocated, assert_same_files, peak_allocated, removed_after
 from tests.helpers.in_process import run_in_process, single_error_line
 from tests.helpers.object_store import KEY_ID, SECRET, STREAMED, download, open_uploads, paused_merge
 from tests.helpers.processes import run_merger
@@ -38,7 +39,7 @@ def store(s3_server):
 
 
 @pytest.fixture(scope="module")
-def layered_model(tmp_path_factory) -> Path:
+def layered_model(tmp_path_factory) -> Iterator[Path]:
     """A save_pretrained Llama of ~580 MB in float32, in tensors of 4 MiB at most: merged with STREAMED's flags it
     is 29 files of 20 MB (two parts each) written in about 110 batches."""
     import transformers
@@ -46,17 +47,17 @@ def layered_model(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=2048, num_hidden_layers=36,
                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    folder = tmp_path_factory.mktemp("bucket_stream") / "hf"
-    transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="1GB")
-    return folder
+    with removed_after(tmp_path_factory.mktemp("bucket_stream")) as folder:
+        transformers.LlamaForCausalLM(config).save_pretrained(folder / "hf", max_shard_size="1GB")
+        yield folder / "hf"
 
 
 @pytest.fixture(scope="module")
-def layered_local(layered_model, tmp_path_factory) -> Path:
+def layered_local(layered_model, tmp_path_factory) -> Iterator[Path]:
     """The oracle: layered_model merged with STREAMED's flags into a local folder."""
-    local = tmp_path_factory.mktemp("bucket_stream") / "local"
-    run_in_process("merge", "--local_dir", layered_model, "--target_dir", local, *STREAMED)
-    return local
+    with removed_after(tmp_path_factory.mktemp("bucket_stream")) as folder:
+        run_in_process("merge", "--local_dir", layered_model, "--target_dir", folder / "local", *STREAMED)
+        yield folder / "local"
 
 
 def no_secret(proc: subprocess.CompletedProcess, folder: Path) -> None:

@@ -12,9 +12,11 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
+from tests.helpers.files import removed_after
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import run, run_merger, torchrun_cmd
 
@@ -25,11 +27,11 @@ MARGIN = 48 * MiB  # a few 1 MiB chunks and allocator slack; the checkpoint is 3
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    actor = tmp_path_factory.mktemp("verify_memory") / "actor"
-    run(torchrun_cmd(2) + [str(ROOT / "benchmarks" / "build_checkpoint.py"), "--out", str(actor), "--layers", "2",
-                           "--hidden", "1024", "--format", "fsdp"], timeout=600)
-    return actor
+def checkpoint(tmp_path_factory) -> Iterator[Path]:
+    with removed_after(tmp_path_factory.mktemp("verify_memory")) as folder:
+        run(torchrun_cmd(2) + [str(ROOT / "benchmarks" / "build_checkpoint.py"), "--out", str(folder / "actor"),
+                               "--layers", "2", "--hidden", "1024", "--format", "fsdp"], timeout=600)
+        yield folder / "actor"
 
 
 def _peak(actor: Path, root: Path, *extra) -> int:
@@ -43,8 +45,9 @@ def _peak(actor: Path, root: Path, *extra) -> int:
 
 @pytest.fixture(scope="module")
 def plain(checkpoint, tmp_path_factory) -> int:
-    """The peak of the merge every test compares with, merged once."""
-    return _peak(checkpoint, tmp_path_factory.mktemp("plain"))
+    """The peak of the merge every test compares with, merged once (the merged model is not kept)."""
+    with removed_after(tmp_path_factory.mktemp("plain")) as folder:
+        return _peak(checkpoint, folder)
 
 
 def test_verify_peak_stays_near_the_merge_peak(checkpoint, plain, tmp_path):

@@ -1,6 +1,6 @@
-"""Files on disk: a snapshot to prove nothing was written, the disk space a folder takes, which pages of a file the
-page cache holds, and damage done the way a test needs it (found by content or rewritten with torch's own
-classes, never by merger's idea of the file)."""
+"""Files on disk: a snapshot to prove nothing was written, the disk space a folder takes (and a large one given
+back early), which pages of a file the page cache holds, and damage done the way a test needs it (found by content
+or rewritten with torch's own classes, never by merger's idea of the file)."""
 from __future__ import annotations
 
 import ctypes
@@ -8,6 +8,7 @@ import ctypes.util
 import hashlib
 import mmap
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -82,6 +83,16 @@ def allocated(folder: Path) -> int:
             except FileNotFoundError:
                 pass
     return total
+
+
+@contextmanager
+def removed_after(folder: Path):
+    """`folder`, removed with what it holds when the block ends: for a module fixture's large files, which would
+    otherwise take their disk space until the whole run ends (tmp_path_factory's folders live as long as the run)."""
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextmanager
