@@ -43,7 +43,8 @@ class CorruptSourceError(MergerError):
 
 
 class TargetError(MergerError):
-    """The target cannot take the merged model: not writable, not empty, not enough space."""
+    """The target cannot take the merged model: not writable, not empty, not enough space; or the scratch folder
+    ($TMPDIR) cannot take merger's local copies of a bucket's files."""
     kind, exit_code = "target", 73
 
 

@@ -23,7 +23,7 @@ import torch
 
 import merger
 from merger.catalog import Catalog
-from tests.helpers.files import assert_same_files
+from tests.helpers.files import assert_same_files, tmpfs
 from tests.helpers.in_process import run_in_process, single_error_line, stdout_in_process
 from tests.helpers.emulators import ACCOUNT_KEY, SERVERS
 from tests.helpers.object_store import KEY_ID, SECRET, ObjectStore
@@ -249,6 +249,24 @@ def test_a_merge_from_a_bucket_leaves_no_local_copy_behind(store, fsdp_checkpoin
     assert kinds.count("merger-fetched") == 1 and set(kinds) == {"merger-fetched", "merger-shadow"}, made
     assert_same_weights(tmp_path / "out", reference, torch.bfloat16)
     assert not list(scratch.glob("merger-*")), list(scratch.iterdir())
+
+
+def test_a_scratch_folder_with_no_room_is_one_line_naming_it(store, fsdp_checkpoint, tmp_path):
+    """$TMPDIR with no room for the local shadows of a bucket's rank files (a one-page tmpfs): one line that names
+    the object, the file merger could not write and the scratch folder, with the target's exit code, not a damaged
+    source's (a write's ENOSPC names no file, and torch_load took any OSError for a file it could not load); nothing
+    left at the target or in the scratch folder."""
+    actor, _ = fsdp_checkpoint()
+    url = store.upload(actor, "ckpt", "runs/fsdp_no_room/global_step_1/actor")
+    with tmpfs(tmp_path / "tmp", "size=4k") as scratch:
+        proc = run_merger("merge", "--local_dir", url, "--target_dir", tmp_path / "out", check=False,
+                          env={**store.env, "TMPDIR": str(scratch)})
+        left = list(scratch.iterdir())
+    line = single_error_line(proc.stderr)
+    assert proc.returncode == 73 and "Traceback" not in proc.stderr, proc.stderr
+    assert line.startswith(f"merger: error: no space left on device for the local copy of {url}/model_world_size_"), line
+    assert f" in the scratch folder (TMPDIR), {scratch}/merger-shadow-" in line, line
+    assert not left and not (tmp_path / "out").exists(), left
 
 
 @pytest.mark.parametrize("fmt", ["dist", "legacy"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import SourceError
 from .locations import ObjectPath
-from .scratch_folders import scratch_folder
+from .scratch_folders import copying, scratch_folder
 
 _LARGEST = 64 << 20  # a file past this is no config or tokenizer: not fetched
 _ORIGINS: dict[Path, ObjectPath] = {}  # each local copy -> the folder it was fetched from
@@ -32,6 +32,8 @@ def fetched_folder(folder: ObjectPath, wanted) -> Path:
         key = f"{folder.key}/{entry.name}"
         if storage.size(key) > _LARGEST:
             continue
-        (local / entry.name).write_bytes(storage.read(key))
+        data = storage.read(key)
+        with copying(f"{folder}/{entry.name}", local / entry.name):
+            (local / entry.name).write_bytes(data)
     _ORIGINS[local] = folder
     return local

@@ -8,16 +8,35 @@ from __future__ import annotations
 import atexit
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
+
+from ..errors import TargetError
 
 _MADE: list[Path] = []
 
 
 def scratch_folder(prefix: str) -> Path:
     """A new empty folder in $TMPDIR whose name starts with `prefix`, removed by remove_all()."""
-    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        folder = Path(tempfile.mkdtemp(prefix=prefix))
+    except OSError as e:
+        raise TargetError(f"cannot make a scratch folder in TMPDIR ({(e.strerror or str(e)).lower()}), "
+                          f"{tempfile.gettempdir()}") from e
     _MADE.append(folder)
     return folder
+
+
+@contextmanager
+def copying(origin: str, copy: Path | str) -> Iterator[None]:
+    """The writes of `copy`, a scratch folder's local copy of `origin`: an OSError they raise (a full $TMPDIR: a
+    write's ENOSPC names no file) becomes one line naming both and the folder, not a fault of the source."""
+    try:
+        yield
+    except OSError as e:
+        raise TargetError(f"{(e.strerror or str(e)).lower()} for the local copy of {origin} in the scratch folder "
+                          f"(TMPDIR), {copy}") from e
 
 
 def remove_all() -> None:

@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 from .locations import is_remote, storage_of
 from .range_file import RangeFile
-from .scratch_folders import scratch_folder
+from .scratch_folders import copying, scratch_folder
 
 _HEADER = 30  # a zip local header's fixed part
 _PADDING = 128  # torch pads a record's extra field so its data starts 64-byte aligned: kept whole with this
@@ -56,7 +56,7 @@ def zip_shadow(file: str) -> str:
         except zipfile.BadZipFile:
             ranges = [(0, min(size, 1 << 16))]
         shadow = str(scratch_folder("merger-shadow-") / Path(key).name)
-        with open(shadow, "wb") as f:
+        with copying(file, shadow), open(shadow, "wb") as f:
             f.truncate(size)
             for (start, _), data in zip(ranges, storage.read_ranges(key, ranges)):
                 os.pwrite(f.fileno(), data, start)
