@@ -12,9 +12,12 @@ the MoE text logits depend on which expert is which: the EP ranks' experts are d
 the language model's logits on text tokens (and the same argmax); the vision blocks over a patch sequence, the same
 rotary table given to both; each patch merger (final and deepstack) on the same input; the patch embedding. Names
 and shapes are those transformers' save_pretrained writes for the config; legacy and torch_dist merge to the same
-bytes; the tokenizer, chat template and image processor files are those of the config folder.
+bytes; the tokenizer, chat template and image processor files are those of the config folder. verl's Megatron actor
+folders of the same torch_dist save (its current layout and the one before) merge to the same bytes as it.
 """
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -26,6 +29,7 @@ from tests.helpers.megatron_vlms import (assert_config_folder_files_copied, asse
                                         save_pretrained_shapes, write_vlm_cases)
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 from tests.writers.tiny_models import build_image_processor
+from tests.writers.verl_megatron_lora import DIST, HF, write_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -108,3 +112,22 @@ def test_a_qwen3_vl_moe_text_model_without_its_tower_is_refused_in_one_line(vl_r
             "merger: error: the Megatron checkpoint holds no vision tower (vision_model.*), and merger writes the "
             "qwen3_vl_moe family only as HF qwen3_vl_moe with it: transformers has no causal LM of "
             "qwen3_vl_moe_text alone, config.json"]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("layout", ["ckpt_contents", "before"])
+def test_a_verl_megatron_actor_merges_as_its_torch_dist_save(case, layout, vl_root, merged, tmp_path):
+    """verl's Megatron actor saves the model with dist_checkpointing under the names Megatron-Bridge's and mbridge's
+    Qwen3VLModel both give it (language_model.*, vision_model.*): its current layout (ckpt_contents.json,
+    model/dist_ckpt/, model/huggingface/) and the one before it (dist_ckpt/, huggingface/) are merged from actor/
+    with no flag, the config and processor files found beside the shards, into the same bytes as the torch_dist save
+    merged with its config folder (which the tests above hold to Megatron's forward)."""
+    actor = tmp_path / "actor"
+    model = actor / "model" if layout == "ckpt_contents" else actor
+    shutil.copytree(vl_root / case / "dist" / "iter_0000001", model / "dist_ckpt")
+    shutil.copytree(vl_root / case / "hf", model / "huggingface")
+    if layout == "ckpt_contents":
+        write_manifest(actor, {"model": DIST, "hf_config": HF}, dist=True)
+    out = merge_in_process(actor, tmp_path / "out", "--dtype", "float32")
+    assert_same_weights(out, merged(case, "dist"), None)
+    assert_config_folder_files_copied(vl_root / case / "hf", out)
