@@ -251,21 +251,26 @@ def test_a_merge_from_a_bucket_leaves_no_local_copy_behind(store, fsdp_checkpoin
     assert not list(scratch.glob("merger-*")), list(scratch.iterdir())
 
 
-def test_a_scratch_folder_with_no_room_is_one_line_naming_it(store, fsdp_checkpoint, tmp_path):
-    """$TMPDIR with no room for the local shadows of a bucket's rank files (a one-page tmpfs): one line that names
-    the object, the file merger could not write and the scratch folder, with the target's exit code, not a damaged
-    source's (a write's ENOSPC names no file, and torch_load took any OSError for a file it could not load); nothing
-    left at the target or in the scratch folder."""
-    actor, _ = fsdp_checkpoint()
-    url = store.upload(actor, "ckpt", "runs/fsdp_no_room/global_step_1/actor")
+@pytest.mark.parametrize("source", ["rank files", "HF folder"])
+def test_a_scratch_folder_with_no_room_is_one_line_naming_it(store, fsdp_checkpoint, dcp_root, source, tmp_path):
+    """$TMPDIR with no room (a one-page tmpfs) for merger's local copies of a bucket's files: the shadows of verl's
+    rank files, or the config and tokenizer files of an HF folder fetched beside its ranged reads. One line that names
+    the object, the copy merger could not write and the scratch folder, with the target's exit code, not a damaged
+    source's (a write's ENOSPC names no file: CI's full disk read `no space left on device, unknown file`, and
+    torch_load took any OSError for a file it could not load); nothing left at the target or in the scratch folder."""
+    if source == "rank files":
+        folder, copy = fsdp_checkpoint()[0], "merger-shadow-"
+    else:
+        folder, copy = dcp_root / "reference", "merger-fetched-"
+    url = store.upload(folder, "ckpt", f"runs/no_room/{source.replace(' ', '_')}")
     with tmpfs(tmp_path / "tmp", "size=4k") as scratch:
         proc = run_merger("merge", "--local_dir", url, "--target_dir", tmp_path / "out", check=False,
                           env={**store.env, "TMPDIR": str(scratch)})
         left = list(scratch.iterdir())
     line = single_error_line(proc.stderr)
     assert proc.returncode == 73 and "Traceback" not in proc.stderr, proc.stderr
-    assert line.startswith(f"merger: error: no space left on device for the local copy of {url}/model_world_size_"), line
-    assert f" in the scratch folder (TMPDIR), {scratch}/merger-shadow-" in line, line
+    assert line.startswith(f"merger: error: no space left on device for the local copy of {url}/"), line
+    assert f" in the scratch folder (TMPDIR), {scratch}/{copy}" in line, line
     assert not left and not (tmp_path / "out").exists(), left
 
 
