@@ -123,8 +123,13 @@ class Staging:
         if self.options.resume:
             log.info("merger: --resume: reusing %d of %d output files (checksums verified) from %s",
                      len(self.reused), len(self.plan.files), self.target.stage)
-        # (an s3:// target's stage keeps on disk only the parts in flight: its blocks are never all reserved)
-        prepare_files(self.target.stage, self.plan, keep=frozenset(self.reused), allocate=self.stream is None)
+        # An s3:// target's stage keeps on disk only the parts in flight: its blocks are never all reserved, and it
+        # needs room for those, not for the model.
+        room = None if self.stream is None else self.stream.room(
+            {f.name: f.size for f in self.plan.files if f.name not in self.reused}, self.manifest.checksum_block_bytes,
+            self.plan.max_inflight, self.group.world)
+        prepare_files(self.target.stage, self.plan, keep=frozenset(self.reused), allocate=self.stream is None,
+                      room=room)
         write_manifest(self.target.stage, self.manifest)
 
     def write(self, reader) -> None:

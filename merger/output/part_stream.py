@@ -130,6 +130,18 @@ class StreamedUpload:
     weights: frozenset[str] = frozenset()  # every weight file, streamed or not (reused by --resume, too large)
     etags: dict[tuple[str, int], str] = field(default_factory=dict)  # rank 0, after the merge: every part's
 
+    def room(self, files: dict[str, int], block: int, max_inflight: int, world: int) -> int:
+        """The most disk the staging folder needs at once for `files` (name -> size), checksum blocks of `block`
+        bytes: each rank's batch of `max_inflight` and its parts in flight, since a part's space is given back once
+        the store has it (docs/object_storage.md), plus whole the files sent after the merge; never more than all
+        the files. Without release (--verify) the files stay whole."""
+        total = sum(files.values())
+        if not self.release:
+            return total
+        later = sum(size for size in files.values() if not streams(size, block))
+        step = max(map(part_size, files.values()), default=part_size(0))
+        return min(total, later + world * (max_inflight + UPLOADS_IN_FLIGHT * step))
+
     def begin(self, group: Group, files: dict[str, int], reused: frozenset[str], block: int,
               debug: bool) -> PartSender:
         """Every rank, before streaming: rank 0 begins the uploads of the weight files (name -> size) to be written,
