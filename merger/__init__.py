@@ -5,13 +5,13 @@ As a library: `merger.merge(local_dir=..., target_dir=..., **options)`, `merger.
 (merger.SourceError, merger.TargetBusyError, ...; docs/api.md). They are loaded on first use, so
 `import merger` stays light (torch is imported only by a call).
 """
-from .errors import (CorruptSourceError, CredentialsError, Interrupted, MergerError, SourceError, TargetBusyError,
-                     TargetError, UsageError)
+from .errors import (CorruptSourceError, CredentialsError, Interrupted, MergerError, SourceError,
+                     StoreUnavailableError, TargetBusyError, TargetError, UsageError)
 from .version import __version__
 
 _API = ("merge", "inspect", "verify")
-__all__ = ["CorruptSourceError", "CredentialsError", "Interrupted", "MergerError", "SourceError", "TargetBusyError",
-           "TargetError", "UsageError", "__version__", *_API]
+__all__ = ["CorruptSourceError", "CredentialsError", "Interrupted", "MergerError", "SourceError",
+           "StoreUnavailableError", "TargetBusyError", "TargetError", "UsageError", "__version__", *_API]
 
 
 def __getattr__(name: str):

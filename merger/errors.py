@@ -53,6 +53,12 @@ class TargetBusyError(MergerError):
     kind, exit_code = "target_busy", 75
 
 
+class StoreUnavailableError(MergerError):
+    """The object store throttled, reset or stalled every try its client's retries allow: the same request may
+    succeed later (EX_TEMPFAIL, as for a busy target)."""
+    kind, exit_code = "store_unavailable", 75
+
+
 class CredentialsError(MergerError):
     """The object store refused the credentials, or found none."""
     kind, exit_code = "credentials", 77
@@ -66,7 +72,7 @@ class AgreedError(MergerError):
 
 KINDS: dict[str, type[MergerError]] = {c.kind: c for c in (MergerError, UsageError, SourceError,
                                                             CorruptSourceError, TargetError, TargetBusyError,
-                                                            CredentialsError)}
+                                                            StoreUnavailableError, CredentialsError)}
 
 
 class Interrupted(KeyboardInterrupt):

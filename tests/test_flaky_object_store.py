@@ -10,6 +10,7 @@ no manifest, no multipart upload left open), after a bounded number of tries of 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -112,7 +113,7 @@ def test_a_source_that_always_stalls_is_one_line_after_bounded_tries(store, sour
         proc = run_merger("merge", "--local_dir", source, "--target_dir", tmp_path / "out", check=False,
                           env=through(store, proxy))
     line = single_error_line(proc.stderr)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == os.EX_TEMPFAIL and "Traceback" not in proc.stderr, proc.stderr
     assert f"{source}/" in line and "broke off" in line, line
     bounded(proxy)
     assert list(tmp_path.iterdir()) == []  # neither the target nor its staging folder
@@ -123,7 +124,7 @@ def test_a_target_that_always_resets_is_one_line_and_no_model(store, llama34, tm
         proc = run_merger("merge", "--local_dir", llama34, "--target_dir", "s3://flaky-out/resets", check=False,
                           env=through(store, proxy))
     line = single_error_line(proc.stderr)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == os.EX_TEMPFAIL and "Traceback" not in proc.stderr, proc.stderr
     assert "s3://flaky-out/resets/" in line and "broke off" in line, line
     bounded(proxy)
     assert_nothing_finished(store, "resets", tmp_path)
@@ -137,7 +138,7 @@ def test_a_manifest_that_cannot_be_put_takes_the_entry_points_put_before_it(stor
         proc = run_merger("merge", "--local_dir", llama34, "--target_dir", "s3://flaky-out/late",
                           "--max_shard_size", "20MB", check=False, env=through(store, proxy))
     line = single_error_line(proc.stderr)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == os.EX_TEMPFAIL and "Traceback" not in proc.stderr, proc.stderr
     assert "throttling" in line and line.endswith(", s3://flaky-out/late/merge_manifest.json"), line
     bounded(proxy)
     assert_nothing_finished(store, "late", tmp_path)
@@ -182,7 +183,7 @@ def test_a_gcs_or_azure_source_that_always_fails_is_one_line_after_bounded_tries
         proc = run_merger("merge", "--local_dir", emulated_source, "--target_dir", tmp_path / "out", check=False,
                           env=through(emulator, proxy))
     line = single_error_line(proc.stderr)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == os.EX_TEMPFAIL and "Traceback" not in proc.stderr, proc.stderr
     assert f"{emulated_source}/" in line and said in line, line
     bounded(proxy, emulator.scheme)
     assert list(tmp_path.iterdir()) == []

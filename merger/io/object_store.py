@@ -25,7 +25,7 @@ import threading
 import warnings
 from collections import OrderedDict
 
-from ..errors import CredentialsError, MergerError
+from ..errors import CredentialsError, MergerError, StoreUnavailableError
 from .read_plan import BLOCK, FETCH, SMALL, Plan
 from .store_waits import store_filesystem
 from .storage import Entry
@@ -113,11 +113,11 @@ def _refusal(e: Exception, url: str, doing: str = "a read") -> Exception:
     if (isinstance(e, OSError) and e.errno == errno.EBUSY) or status in (429, 503) or \
             any(code in text for code in ("SlowDown", "reduce your request rate", "Throttl", "RequestLimitExceeded",
                                           "503", "ServerBusy")):
-        return MergerError(f"the object store kept throttling ({THROTTLING[package]}) after the client's retries, "
-                           f"{url}")
+        return StoreUnavailableError(f"the object store kept throttling ({THROTTLING[package]}) after the client's "
+                                     f"retries, {url}")
     if set(_causes(e)) & set(BROKEN):
-        return MergerError(f"{doing} failed after the client's retries: the object store's answers broke off "
-                           f"(connection reset, stalled past the read timeout, or cut short), {url}")
+        return StoreUnavailableError(f"{doing} failed after the client's retries: the object store's answers broke "
+                                     f"off (connection reset, stalled past the read timeout, or cut short), {url}")
     first = text.strip().splitlines()[0][:200] if text.strip() else ""
     return MergerError(f"the object store refused {doing} ({name}{': ' + first if first else ''}), {url}")
 
