@@ -118,11 +118,13 @@ def load_metadata(folder: Path):
     """The `Metadata` of a DCP folder (dcp_classes' stand-in), unpickled with only DCP's own classes allowed:
     every chunk and storage entry an object, as the pickle holds them."""
     metadata, records = load_compact(folder)
+    # A damaged pickle may leave out any field (its BUILD state is a dict like any other): what is not there, or
+    # not a list or dict, is left as it was for the caller's checks, as load_chunk_table's are.
     for meta in metadata.state_dict_metadata.values():
-        if isinstance(meta, TensorStorageMetadata) and isinstance(meta.chunks, list):
+        if isinstance(meta, TensorStorageMetadata) and isinstance(getattr(meta, "chunks", None), list):
             meta.chunks = [c for item in meta.chunks
                            for c in (records.expanded(item) if isinstance(item, Rows) else [item])]
-    if isinstance(metadata.storage_data, dict):
+    if isinstance(getattr(metadata, "storage_data", None), dict):
         metadata.storage_data = dict(pair for key, value in metadata.storage_data.items()
                                      for pair in (records.expanded(key) if isinstance(key, Rows) else [(key, value)]))
     return metadata
