@@ -129,12 +129,17 @@ def kind_of(e: BaseException) -> str:
     return MergerError.kind
 
 
+def os_reason(e: OSError) -> str:
+    """What an OS error says, as the middle of a sentence: "no space left on device"."""
+    return (e.strerror or str(e)).lower()
+
+
 def describe_error(e: BaseException, rank: int, debug: bool) -> str:
     """One line for any failure on a rank: user errors as they are, OS errors with their file, bugs labelled."""
     if isinstance(e, MergerError):
         return str(e)
     if isinstance(e, OSError):
-        return f"{(e.strerror or str(e)).lower()}, {e.filename or 'unknown file'}"
+        return f"{os_reason(e)}, {e.filename or 'unknown file'}"
     text = f"internal error on rank {rank}: {type(e).__name__}: {e}"
     return text + ("\n" + traceback.format_exc() if debug else "")
 

@@ -31,7 +31,7 @@ from .engine.dist import Group
 from .errors import MergerError, SourceError
 from .io import is_remote
 from .options import MergeOptions
-from .output.target import earlier_merge, lock_of, stage_of
+from .output.target_folder import earlier_merge, lock_of, stage_of
 from .output.target_lock import TargetLock
 from .sources.megatron_layout import TRACKER
 from .units import format_size

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import merger.api.staging
+import merger.output.local_target
 from merger.engine.process_id import ProcessId
 from merger.output.target_lock import STALE_AFTER_S
 from tests.helpers.files import snapshot, tmpfs
@@ -155,7 +155,7 @@ def test_a_second_merge_into_the_same_target_fails_at_once_naming_the_first(ckpt
                                                                               monkeypatch):
     out = tmp_path / "out"
     seen = {}
-    real_finish = merger.api.staging.finish
+    real_finish = merger.output.local_target.finish
 
     def finish_after_a_rival(*args, **kwargs):
         # The first merge has streamed every byte into its staging folder; a second one starts now.
@@ -168,7 +168,7 @@ def test_a_second_merge_into_the_same_target_fails_at_once_naming_the_first(ckpt
         seen["stage"] = sorted(p.name for p in (tmp_path / ".out.merger-partial").iterdir())
         return real_finish(*args, **kwargs)
 
-    monkeypatch.setattr(merger.api.staging, "finish", finish_after_a_rival)
+    monkeypatch.setattr(merger.output.local_target, "finish", finish_after_a_rival)
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", out)
     assert code == 0, errors
     rival = seen["rival"]
@@ -223,13 +223,13 @@ def _rewrite_same_size(path: Path) -> None:
 def test_a_source_rewritten_during_the_merge_is_an_error_and_nothing_is_moved(ckpt, tmp_path, capsys,
                                                                                 monkeypatch):
     out = tmp_path / "out"
-    real_finish = merger.api.staging.finish
+    real_finish = merger.output.local_target.finish
 
     def finish_after_a_rewrite(*args, **kwargs):
         _rewrite_same_size(ckpt / RANK1)
         return real_finish(*args, **kwargs)
 
-    monkeypatch.setattr(merger.api.staging, "finish", finish_after_a_rewrite)
+    monkeypatch.setattr(merger.output.local_target, "finish", finish_after_a_rewrite)
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", out)
     assert code == 1 and len(errors) == 1, errors
     assert "source file changed while it was being merged" in errors[0] and "ctime_ns" in errors[0], errors
@@ -240,13 +240,13 @@ def test_a_source_rewritten_during_the_merge_is_an_error_and_nothing_is_moved(ck
 def test_a_source_deleted_during_the_merge_is_one_line_and_nothing_is_moved(ckpt, tmp_path, capsys, monkeypatch):
     """A trainer that keeps its last K checkpoints deletes the oldest while a merge reads it (#52 item 2)."""
     out = tmp_path / "out"
-    real_finish = merger.api.staging.finish
+    real_finish = merger.output.local_target.finish
 
     def finish_after_a_rotation(*args, **kwargs):
         shutil.rmtree(ckpt)
         return real_finish(*args, **kwargs)
 
-    monkeypatch.setattr(merger.api.staging, "finish", finish_after_a_rotation)
+    monkeypatch.setattr(merger.output.local_target, "finish", finish_after_a_rotation)
     code, errors = merge_here(capsys, "--local_dir", ckpt, "--target_dir", out)
     assert code == 1 and len(errors) == 1, errors
     assert str(ckpt) in errors[0], errors

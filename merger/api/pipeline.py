@@ -1,4 +1,4 @@
-"""The merge operation: catalog, plan, stream into a staging folder, finish, rename. Runs on every rank.
+"""The merge operation: catalog, plan, then the target's steps (output/target.py). Runs on every rank.
 
 Each phase ends at a sync point where every rank learns whether any rank failed, so an error on one rank
 stops all of them with the same message and no rank is left waiting in a collective.
@@ -16,20 +16,17 @@ from ..engine.dist import Group, on_every_rank, on_rank_zero
 from ..engine.memory import peak_rss_per_rank
 from ..engine.plan import Plan, plan_layout
 from ..engine.plan_agreement import agree_on_plan, source_files
+from ..engine.prepared import Prepared
 from ..engine.tie_check import settle_tie
 from ..errors import AgreedError, MergerError
-from ..io import is_remote, location
+from ..io import location
 from ..mapping.hub_folders import with_hub_folders
 from ..mapping.registry import build_mapping
 from ..options import MergeOptions
-from ..output.part_stream import StreamedUpload
 from ..output.summary import merge_summary, write_summary
-from ..output.target import Target
+from ..output.target import Target, target_of
 from ..sources import open_catalog
 from ..units import format_size
-from .bucket_merge import merge_into_bucket
-from .prepared import Prepared
-from .staging import Staging
 
 log = logging.getLogger("merger")
 
@@ -113,33 +110,29 @@ def verify_staged(stage: Path, prepared: Prepared, group: Group, options: MergeO
     return result
 
 
-def _stage_and_place(options: MergeOptions, group: Group, prepared: Prepared, started: float,
-                     stream: StreamedUpload | None = None, temporary: bool = False) -> CompareResult | None:
-    """Stream into the staging folder, finish it, verify it when asked, rename it into place.
+def _write(options: MergeOptions, group: Group, prepared: Prepared, started: float) -> CompareResult | None:
+    """Take the target through its steps (output/target.py), verifying what was written when asked.
 
-    On failure the staging folder is removed (or kept for --keep-partial / --resume, and after Ctrl-C): the
-    target only ever holds a complete model; a kept one is replaced only with --overwrite. Rank 0 holds the
-    target's lock throughout, so no other merge writes there. `stream`: an s3:// target's uploads, whose parts
-    the checksum threads send while the merge streams (output/part_stream.py). `temporary`: the target is a
-    folder the caller removes at the end (an s3:// merge without --stage_dir), so nothing is kept to resume.
-    """
+    On failure the target discards what was made (or keeps it for --keep-partial / --resume, and after Ctrl-C): it
+    only ever holds a complete model; a kept one is replaced only with --overwrite. Rank 0 holds the target's lock
+    throughout, so no other merge writes there."""
     reader = open_checked_reader(prepared, group, options.debug)  # bad input fails before anything is created
-    staging = Staging(options, group, prepared, stream, temporary)
-    group.clean_up_on_loss(staging.cleanup)
+    target = target_of(options, group, prepared)
+    group.clean_up_on_loss(target.cleanup)
     try:
-        if not staging.open():
+        if not target.open():
             return None  # --resume found the merge finished
-        staging.reuse_finished()
-        staging.write(reader)
-        staging.complete()
-        verified = verify_staged(staging.target.stage, prepared, group, options) if options.verify else None
-        staging.place()
+        target.prepare()
+        target.write(reader)
+        target.finish()
+        verified = verify_staged(target.written, prepared, group, options) if options.verify else None
+        target.commit()
     except BaseException as e:
-        staging.fail(e)
+        target.fail(e)
         raise
     finally:
-        staging.release()
-    _log_written(staging.target, prepared.plan, group, started)
+        target.release()
+    _log_written(target, prepared.plan, group, started)
     return verified
 
 
@@ -148,7 +141,7 @@ def _log_written(target: Target, plan: Plan, group: Group, started: float) -> No
     peaks = peak_rss_per_rank(group)  # the largest of them is what a rank needs: rank 0 may have held least
     if group.rank == 0:
         peak = max(range(group.world), key=peaks.__getitem__)
-        log.info("merger: wrote %s to %s in %.1fs (peak RSS: %s%s)", format_size(plan.total_bytes), target.path,
+        log.info("merger: wrote %s to %s in %.1fs (peak RSS: %s%s)", format_size(plan.total_bytes), target.where,
                  time.monotonic() - started, format_size(peaks[peak]),
                  f", rank {peak} of {group.world}" if group.distributed else "")
 
@@ -167,11 +160,7 @@ def run_merge(options: MergeOptions, group: Group, prepared: Prepared | None = N
         return said
 
     try:
-        if is_remote(options.target_dir):
-            verified = merge_into_bucket(options, group, lambda local, stream, temporary: _stage_and_place(
-                local, group, prepared, started, stream, temporary))
-        else:
-            verified = _stage_and_place(options, group, prepared, started)
+        verified = _write(options, group, prepared, started)
         if options.hf_upload_path:
             from ..output.publish import upload_merged
 

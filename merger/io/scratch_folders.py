@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import TargetError
+from ..errors import TargetError, os_reason
 
 _MADE: list[Path] = []
 
@@ -22,7 +22,7 @@ def scratch_folder(prefix: str) -> Path:
     try:
         folder = Path(tempfile.mkdtemp(prefix=prefix))
     except OSError as e:
-        raise TargetError(f"cannot make a scratch folder in TMPDIR ({(e.strerror or str(e)).lower()}), "
+        raise TargetError(f"cannot make a scratch folder in TMPDIR ({os_reason(e)}), "
                           f"{tempfile.gettempdir()}") from e
     _MADE.append(folder)
     return folder
@@ -35,7 +35,7 @@ def copying(origin: str, copy: Path | str) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        raise TargetError(f"{(e.strerror or str(e)).lower()} for the local copy of {origin} in the scratch folder "
+        raise TargetError(f"{os_reason(e)} for the local copy of {origin} in the scratch folder "
                           f"(TMPDIR), {copy}") from e
 
 

@@ -122,7 +122,7 @@ class PartSender:
 @dataclass
 class StreamedUpload:
     """An s3:// target's files streamed during the merge: begun by rank 0 before the first batch, their parts sent
-    by every rank (PartSender), completed by rank 0 after the merge (bucket_merge.py)."""
+    by every rank (PartSender), completed by rank 0 after the merge (object_store_target.py)."""
     url: str
     bucket: BucketTarget | None  # rank 0's; None on the others
     release: bool

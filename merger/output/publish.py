@@ -17,7 +17,7 @@ from huggingface_hub import HfApi
 from ..errors import MergerError
 from ..units import format_size
 from .manifest import MANIFEST, read_manifest
-from .target import is_staging
+from .target_folder import is_staging
 
 log = logging.getLogger("merger")
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..catalog import Catalog
-from ..engine.plan import Plan
+from .plan import Plan
 
 
 @dataclass
