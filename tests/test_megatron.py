@@ -267,19 +267,6 @@ def test_a_vision_language_checkpoint_with_a_text_models_config_is_refused_in_on
         assert not (tmp_path / f"out_{src.name}").exists()
 
 
-def test_a_pipelined_legacy_vision_language_checkpoint_is_refused_in_one_line(megatron_root, tmp_path):
-    """Its stages number their language_model.* layers from 0 each: read as they are, they would overwrite one
-    another."""
-    _vlm_legacy(megatron_root, "qwen3_mqa_pp2", tmp_path / "legacy")
-    proc = run_merger("merge", "--local_dir", tmp_path / "legacy", "--target_dir", tmp_path / "out",
-                      "--hf_model_config_path", megatron_root / "qwen3_mqa_pp2" / "hf", check=False)
-    assert proc.returncode == 1
-    error = single_error_line(proc.stderr)
-    assert error.startswith("merger: error: a Megatron vision-language checkpoint saved in 2 pipeline stages: merger "
-                            "reads Megatron VLMs saved without pipeline parallelism (docs/megatron.md), "), error
-    assert not (tmp_path / "out").exists()
-
-
 class _RunsCode:
     """A pickle that would run a shell command when loaded by plain pickle.load."""
 

@@ -3,7 +3,9 @@ Qwen3VLForConditionalGeneration / Qwen3VLMoeForConditionalGeneration, vision tow
 Megatron's own forward passes.
 
 tests/writers/megatron_qwen3_vl.py writes both with megatron-core 0.19.2 at TP 2 (the MoE one with EP 2, expert TP
-1), legacy and torch_dist, in Megatron-Bridge's Qwen3VLModel layout rebuilt on megatron-core's local modules: the
+1), and Qwen3-VL in 2 pipeline stages (TP 1, 4 text layers, the tower on the first stage, each stage's text layers
+numbered from 0 in the legacy files), legacy and torch_dist, in Megatron-Bridge's Qwen3VLModel layout rebuilt on
+megatron-core's local modules: the
 text model as `language_model` (Qwen3's; Qwen3-VL-MoE's with a dense first layer, then 4 experts transformers keeps
 stacked on disk), the vision tower as `vision_model` (patch embedding, position embedding, ViT blocks with a fused
 per-head [q; k; v] linear_qkv, two deepstack mergers and the final patch merger, split over TP).
@@ -33,8 +35,10 @@ from tests.writers.verl_megatron_lora import DIST, HF, write_manifest
 
 pytestmark = pytest.mark.slow
 
-CASE, MOE_CASE = "qwen3_vl_tp2", "qwen3_vl_moe_tp2_ep2"
-CASES = {CASE: "tp=2", MOE_CASE: "arch=qwen3_vl_moe_text,ep=2"}
+CASE, MOE_CASE, PP_CASE = "qwen3_vl_tp2", "qwen3_vl_moe_tp2_ep2", "qwen3_vl_pp2"
+# PP 2 at TP 1: the writer's 2 ranks; 2 text layers a stage, as many as the tower's deepstack mergers feed (the
+# bridge asks the first stage for that many)
+CASES = {CASE: "tp=2", MOE_CASE: "arch=qwen3_vl_moe_text,ep=2", PP_CASE: "tp=1,pp=2,layers=4"}
 
 
 @pytest.fixture(scope="session")
@@ -97,6 +101,21 @@ def test_an_mtp_layer_in_the_text_model_is_refused_in_one_line(vl_root, merged, 
     dropped = merge_in_process(legacy, tmp_path / "dropped", "--hf_model_config_path", vl_root / CASE / "hf",
                                "--dtype", "float32", "--drop-mtp")
     assert_same_weights(dropped, merged(CASE, "legacy"), None)
+
+
+def test_a_vision_tower_split_over_pipeline_stages_is_refused_in_one_line(vl_root, tmp_path, capsys):
+    """Megatron-Bridge's VLMs build the tower on the first stage alone; a tower layer in the second stage's file too
+    (numbered from 0 there, as a tower pipelined by stage would be) could not be told from the first stage's."""
+    def tower_layer_in_stage_1(state):
+        if not any(k.startswith("vision_model.") for k in state["model"]):
+            state["model"]["vision_model.decoder.layers.0.mlp.linear_fc2.weight"] = torch.zeros(32, 48)
+
+    legacy = edited_copy(vl_root / PP_CASE / "legacy", tmp_path / "legacy", tower_layer_in_stage_1)
+    assert refused_here(capsys, tmp_path / "out", "--local_dir", legacy, "--hf_model_config_path",
+                        vl_root / PP_CASE / "hf") == [
+        f"merger: error: a Megatron vision-language checkpoint whose vision tower is split over pipeline chunks "
+        f"(stage 0, chunk 0), (stage 1, chunk 0): merger reads a tower saved whole by one stage, as "
+        f"Megatron-Bridge's VLMs save it (docs/megatron.md), {legacy / 'iter_0000001'}"]
 
 
 def test_a_qwen3_vl_moe_text_model_without_its_tower_is_refused_in_one_line(vl_root, tmp_path, capsys):

@@ -3,7 +3,8 @@
 Each file is one (TP, PP, EP) rank's `torch.save` of `{"model" | "model0", "model1"..., "args", ...}` with
 layer numbers local to its pipeline chunk and expert numbers local to its EP rank. The catalog reads the
 lowest-TP-rank file of every (PP, EP) slice (memory-mapped: no tensor bytes) and describes the canonical
-global tensors: layers renumbered in (virtual stage, stage) order, experts as ep * local_count + local under
+global tensors: layers renumbered in (virtual stage, stage) order (a VLM's text model's too, its tower being one
+chunk's, whole), experts as ep * local_count + local under
 SequentialMLP's names whichever module saved them (GroupedMLP, TEGroupedMLP), TP shards placed as pieces
 (split along the dim megatron_tp.py gives, or whole as one piece with a copy in every file);
 experts are split by expert TP instead, which may differ from TP. A gated fc1 holds [gate_r; up_r] per TP
@@ -36,7 +37,9 @@ from .safe_load import check_zip_end, torch_load
 
 FILE = "model_optim_rng.pt"
 MP_DIR = re.compile(r"mp_rank_(\d{2})((?:_\d{3}){0,2})")
-LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
+TEXT = VLM_PREFIXES[0]  # a VLM's text model, a GPTModel: language_model.*
+# a GPTModel's layers, or a VLM's text model's (which are pipelined as a GPTModel's are); a tower's are not matched
+LAYER = re.compile(rf"((?:{re.escape(TEXT)})?decoder\.layers\.)(\d+)\.(.*)")
 EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
 GROUPED = re.compile(r"(.*\.mlp\.experts\.)weight([12])")  # GroupedMLP: all local experts in one matrix
 TE_GROUPED = re.compile(r"(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)")  # TEGroupedMLP
@@ -203,22 +206,24 @@ def open_catalog(root: Path) -> Catalog:
     chunk_keys = _chunks(first[0])
 
     # Global layer number of every (chunk, stage, local layer): chunks hold contiguous layers in (vp, pp) order.
+    # A VLM's text model is pipelined as a GPTModel is, its layers numbered from 0 in every chunk too.
     offsets, count = {}, 0
     for vp, key in enumerate(chunk_keys):
         for pp in range(pp_size):
-            layers = {int(m.group(1)) for n in first[pp][key] if (m := LAYER.fullmatch(n))}
+            layers = {int(m.group(2)) for n in first[pp][key] if (m := LAYER.fullmatch(n))}
             offsets[(vp, pp)] = count
             count += len(layers)
 
     def global_name(name: str, vp: int, pp: int, ep: int, per_rank: int) -> str:
         if m := LAYER.fullmatch(name):
-            name = f"decoder.layers.{offsets[(vp, pp)] + int(m.group(1))}.{m.group(2)}"
+            name = f"{m.group(1)}{offsets[(vp, pp)] + int(m.group(2))}.{m.group(3)}"
         if m := EXPERT.fullmatch(name):
             name = f"{m.group(1)}{ep * per_rank + int(m.group(2))}{m.group(3)}"
         return name
 
     entries: dict[str, dict] = {}
     skipped: dict[str, str] = {}
+    towers: dict[tuple[int, int], set[str]] = {}  # (vp, pp) -> the names beside a VLM's text model in that chunk
     for pp in range(pp_size):
         for ep in range(ep_size):
             # The slice's experts are read from the file of its lowest TP rank; every file of the slice is a copy.
@@ -229,6 +234,8 @@ def open_catalog(root: Path) -> Catalog:
                 local, left_out = _local_weights(state[key], local_experts, reference)
                 shapes = {n: tuple(v.shape) for n, (v, _) in local.items()}
                 per_rank = len({int(m.group(2)) for n in local if (m := EXPERT.fullmatch(n))})
+                if any(n.startswith(TEXT) for n in local):
+                    towers.setdefault((vp, pp), set()).update(n for n in local if not n.startswith(TEXT))
                 skipped.update({global_name(n, vp, pp, ep, per_rank): rule for n, rule in left_out.items()})
                 for name, (value, stored) in local.items():
                     g = global_name(name, vp, pp, ep, per_rank)
@@ -244,10 +251,13 @@ def open_catalog(root: Path) -> Catalog:
                     for tp, file in slice_files:
                         rank = etp_of[file] if expert else tp
                         entry["copies"].setdefault(rank, []).append(PieceCopy(file, f"{key}/{stored}"))
-    if pp_size > 1 and any(n.startswith(VLM_PREFIXES) for n in entries):
-        # its stages number their language_model.* and vision_model.* layers locally, which is not renumbered here
-        raise MergerError(f"a Megatron vision-language checkpoint saved in {pp_size} pipeline stages: merger reads "
-                          f"Megatron VLMs saved without pipeline parallelism (docs/megatron.md), {ckpt}")
+    # Megatron-Bridge's VLMs (Qwen3VLModel, GLM45VModel) build the tower on the first chunk of the first stage alone
+    # (pre_process), whole, its layers numbered as one block, so its names are global as they stand. A tower held by
+    # several chunks would number its layers per chunk, which no rule here renumbers.
+    if len(held := sorted(c for c, names in towers.items() if names)) > 1:
+        raise MergerError(f"a Megatron vision-language checkpoint whose vision tower is split over pipeline chunks "
+                          f"{', '.join(f'(stage {pp}, chunk {vp})' for vp, pp in held)}: merger reads a tower saved "
+                          f"whole by one stage, as Megatron-Bridge's VLMs save it (docs/megatron.md), {ckpt}")
     tensors = {}
     for g, entry in entries.items():
         shape, pieces = _pieces(entry["value"], entry["dim"], entry["sections"], entry["copies"],

@@ -1,7 +1,7 @@
 """Write Qwen3-VL Megatron checkpoints with megatron-core 0.19.2, on CPU under gloo (torchrun).
 
     torchrun --nproc_per_node 2 -m tests.writers.megatron_qwen3_vl --out ROOT --case qwen3_vl:tp=2 \
-        --case moe:arch=qwen3_vl_moe_text,ep=2
+        --case moe:arch=qwen3_vl_moe_text,ep=2 --case pp:tp=1,pp=2,layers=4
 
 Megatron-Bridge trains Qwen3-VL as its Qwen3VLModel: a GPTModel (Qwen3's text model) as `language_model` and the
 vision tower as `vision_model`, both on Transformer Engine's specs, which have no CPU build (shared/FORMATS.md). This
@@ -18,6 +18,9 @@ lays it out:
 - `vision_model.decoder.deepstack_merger_list.N` and `vision_model.merger`: patch mergers (`patch_norm`, a
   column-parallel linear_fc1, GELU, a row-parallel linear_fc2; the deepstack ones normalise after merging 2x2
   patches, the final one before).
+With `pp` stages (Qwen3's text model), the text model is pipelined as any GPTModel (the first stage holds the
+embedding, the last the final norm and output layer, each its layers numbered from 0 in the legacy files) and the
+tower is built on the first stage alone, as the bridge's Qwen3VLModel does (pre_process; its vision config at PP 1).
 Saved by megatron_checkpoint.py's write_model (legacy/, dist/, hf/ with Qwen3VLConfig or Qwen3VLMoeConfig, a
 tokenizer with the vision tokens and a chat template; the test adds Qwen2-VL's image processor, which needs
 torchvision and PIL, absent from the writer venv). The oracle logits.pt holds Megatron's own forwards: the language
@@ -42,7 +45,7 @@ from tests.writers.megatron_moe_renames import FFN, HEAD_DIM, HIDDEN, MOE_FFN, T
 from tests.writers.megatron_gpt_oss_minimax import EXPERTS
 from tests.writers.tiny_models import VISION_TOKENS, WORDS, build_tokenizer
 
-DEFAULTS = dict(arch="qwen3", tp=2, ep=1, heads=4, groups=2, vocab=101)
+DEFAULTS = dict(arch="qwen3", tp=2, pp=1, layers=2, ep=1, heads=4, groups=2, vocab=101)
 MOE = "qwen3_vl_moe_text"
 V_HIDDEN, V_HEADS, V_FFN, V_DEPTH = 32, 4, 48, 2
 PATCH, FRAMES, CHANNELS, MERGE, POSITIONS = 4, 2, 3, 2, 16
@@ -168,28 +171,44 @@ def text_logits(a: Namespace, language_model) -> dict:
     return dict(tokens=tokens, logits=forward_logits(a, [language_model], tokens))
 
 
-def oracle(model, text: Callable[[], dict]) -> dict:
+def oracle(model, text: Callable[[], dict]) -> dict | None:
     """Megatron's own forwards, on inputs every rank draws alike: the language model's (`text()`: its tokens and
-    logits, at least), the tower's modules."""
+    logits, at least), the tower's modules. With pipeline stages, the tower's outputs are the first stage's and the
+    logits the last's: both are gathered to the last stage, which returns them (None elsewhere)."""
+    from megatron.core import parallel_state as ps
+
+    found = text()  # collective: every stage runs its part of the forward
+    if model.vision_model is not None:
+        found.update(tower_outputs(model.vision_model))
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return found
+    stages = [None] * ps.get_pipeline_model_parallel_world_size()
+    torch.distributed.all_gather_object(stages, found, group=ps.get_pipeline_model_parallel_group())
+    if not ps.is_pipeline_last_stage():
+        return None
+    return {k: v for stage in stages for k, v in stage.items() if v is not None}
+
+
+def tower_outputs(vision) -> dict:
+    """The tower's modules' forwards, on inputs drawn alike on every rank that holds it."""
     g = torch.Generator().manual_seed(7)
     patches = 8  # two 2x2 merge groups
     pixels = torch.randn(patches, CHANNELS * FRAMES * PATCH * PATCH, generator=g)
     hidden = torch.randn(patches, V_HIDDEN, generator=g)
     rotary = torch.randn(patches, V_HIDDEN // V_HEADS // 2, generator=g)
     freqs = torch.cat([rotary, rotary], dim=-1)  # megatron-core's (and HF's) rotate-half table, one per patch
-    vision = model.vision_model
     with torch.no_grad():
         blocks = vision.decoder(hidden[:, None], None, rotary_pos_emb=freqs[:, None, None])[:, 0]
         mergers = [m(hidden) for m in (vision.merger, *vision.decoder.deepstack_merger_list.children())]
         embedded = vision.patch_embed(pixels)
-    return dict(text(), pixels=pixels, hidden=hidden, freqs=freqs, blocks=blocks, mergers=mergers, embedded=embedded)
+    return dict(pixels=pixels, hidden=hidden, freqs=freqs, blocks=blocks, mergers=mergers, embedded=embedded)
 
 
 def write_case(a: Namespace, out: Path) -> None:
     from megatron.core import parallel_state as ps
 
     a.etp = 1 if a.arch == MOE else None  # the legacy files' args: the MoE model's expert TP, none else (TP's)
-    ps.initialize_model_parallel(a.tp, expert_model_parallel_size=a.ep, expert_tensor_parallel_size=1)
+    ps.initialize_model_parallel(a.tp, a.pp, expert_model_parallel_size=a.ep, expert_tensor_parallel_size=1)
     language_model = _moe_language_model(a) if a.arch == MOE else build_chunks(a, transformer_config(a))[0]
     write_vlm(a, language_model, TEXT_HIDDEN[a.arch], DEEPSTACK, out, lambda: hf_config(a),
               lambda: text_logits(a, language_model))
@@ -199,11 +218,17 @@ def write_case(a: Namespace, out: Path) -> None:
 def write_vlm(a: Namespace, language_model, out_hidden: int, deepstack: tuple[int, ...], out: Path, hf,
               text: Callable[[], dict]) -> None:
     """The VLM of `language_model` and the tower (deepstack mergers after the `deepstack` blocks), saved with its
-    oracle (`text()`: the language model's) and the HF VLM's config folder (megatron_qwen3_5_vl.py's too)."""
+    oracle (`text()`: the language model's) and the HF VLM's config folder (megatron_qwen3_5_vl.py's too). With
+    pipeline stages the tower is the first stage's alone, whole, as Megatron-Bridge's Qwen3VLModel builds it (only
+    where pre_process, its vision config at PP 1): the other stages save the text model's layers and no tower."""
+    from megatron.core import parallel_state as ps
+
     vision_class, model_class = vision_classes()
-    torch.manual_seed(4321)  # every rank draws the tower alike, then keeps its TP slice
-    vision_model = vision_class(vision_config(a), out_hidden, deepstack).eval()
-    randomise_vectors([vision_model])
+    vision_model = None
+    if ps.is_pipeline_first_stage():
+        torch.manual_seed(4321)  # every rank draws the tower alike, then keeps its TP slice
+        vision_model = vision_class(vision_config(a), out_hidden, deepstack).eval()
+        randomise_vectors([vision_model])
     model = model_class(language_model.config, language_model, vision_model)
 
     write_model(a, model, out, lambda: oracle(model, text), hf)
@@ -223,8 +248,9 @@ def save_vlm_folder(config, folder: Path) -> None:
 
 def main() -> None:
     out, cases = parse(DEFAULTS, f"arch: qwen3 (Qwen3-VL's text model) or {MOE} (Qwen3-VL-MoE's); ep: expert-parallel "
-                       "size, MoE only (expert TP 1); the vision tower is fixed",
-                       fixed=dict(pp=1, vpp=None, tied=False, layers=2, experts=EXPERTS, lora=0, value=0))
+                       "size, MoE only (expert TP 1); pp: pipeline stages, qwen3 only (the tower on the first stage); "
+                       "the vision tower is fixed",
+                       fixed=dict(vpp=None, tied=False, experts=EXPERTS, lora=0, value=0))
     cpu_patches()
     write_cases(out, cases, write_case)
 
