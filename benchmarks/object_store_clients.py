@@ -2,7 +2,7 @@
 makes (issue 51 item 1).
 
     PYTHONPATH=/tmp/obstore-pkgs python benchmarks/object_store_clients.py [--store s3|az] [--objects 4]
-        [--object_size 64MiB] [--in_flight 4] [--upload_size 1GiB] [--part_size 16MiB] [--uploaders 2]
+        [--object_size 64MiB] [--in_flight 4] [--upload_size 512MiB] [--part_size 16MiB] [--uploaders 4]
         [--repeats 3] [--obstore_async]
 
 obstore is not one of merger's dependencies: install it apart (`pip install --target /tmp/obstore-pkgs obstore`) and
@@ -10,8 +10,10 @@ put that folder on PYTHONPATH; without it the script measures merger's client al
 
 Against moto's S3 server (`--store s3`, as benchmarks/object_storage.py starts it) or Azurite (`--store az`, as
 tests/helpers/emulators.py starts it), a process of its own on the loopback, in one run, each client in turn,
-alternating (the order flips every repeat), after one untimed pass each that checks the bytes:
-- ranged reads: `--objects` objects of `--object_size`, read in ranges of 1 to 16 MiB (a fixed draw), the objects
+alternating (the order flips every repeat), after one untimed pass each that checks the bytes. The defaults are
+merger's own: GETs of at most read_plan.BLOCK (8 MiB), FETCH // BLOCK (4) of them in flight, parts of
+bucket_target.PART (16 MiB), UPLOADS_IN_FLIGHT (4) of them in flight per rank.
+- ranged reads: `--objects` objects of `--object_size`, read in ranges of 1 MiB to BLOCK (a fixed draw), the objects
   taken in turn as a merge's plan jumps between files; one range at a time (fsspec's `cat_file`, obstore's
   `get_range`), then `--in_flight` ranges at once, a batch waited for before the next (merger's read-ahead: fsspec's
   `cat_ranges`; obstore's sync `get_range` from a thread each, or its `get_range_async` gathered on one asyncio
@@ -20,6 +22,9 @@ alternating (the order flips every repeat), after one untimed pass each that che
   writer for the store (object_writers.py: begin, upload_part from a thread pool, complete; S3's multipart upload,
   Azure's Put Block and Put Block List) against obstore's `put` (its only upload in parts: one process sends every
   part). Each client's first upload is read back whole and compared (MD5) with the bytes sent.
+The floor, `raw HTTP`: the same requests through http.client, a kept-alive connection per thread and nothing else
+(S3: URLs presigned by boto3, outside the timing for reads, inside it for the upload's calls; Azure: one container
+SAS): what moving the bytes through a socket costs a client that does no more than that.
 Per client and test: throughput (bytes / wall), the client's CPU seconds per GB (this process's user + system time,
 every thread: aiobotocore's event loop and obstore's Rust runtime both run in it) and the server's (its process),
 medians of `--repeats`, and the ratios. On the loopback the server runs on the same cores as the client, and moto
@@ -34,20 +39,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import hashlib
 import os
 import random
+import re
 import statistics
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from datetime import datetime, timedelta, timezone
 from itertools import zip_longest
 from pathlib import Path
+from urllib.parse import quote
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.object_storage import ENV, start_server  # noqa: E402
+from merger.io.read_plan import BLOCK, FETCH  # noqa: E402
+from merger.output.bucket_target import PART, UPLOADS_IN_FLIGHT  # noqa: E402
 from merger.units import format_size, parse_size  # noqa: E402
 
 BUCKET = "clients"
@@ -63,13 +75,14 @@ def cpu_of(pid: int) -> float:
 
 
 def draw_ranges(objects: list[str], size: int, seed: int = 51) -> list[tuple[str, int, int]]:
-    """Every byte of each object in ranges of 1 to 16 MiB, the objects in turn (range 1 of each, range 2 of each...)."""
+    """Every byte of each object in ranges of 1 MiB to BLOCK (merger's largest GET), the objects in turn (range 1 of
+    each, range 2 of each...): a tensor's piece ends a GET short of BLOCK."""
     rng = random.Random(seed)
     per_object = []
     for key in objects:
         spans, at = [], 0
         while at < size:
-            end = min(size, at + rng.randint(1, 16) * MiB)
+            end = min(size, at + rng.randint(1, BLOCK // MiB) * MiB)
             spans.append((key, at, end))
             at = end
         per_object.append(spans)
@@ -195,6 +208,99 @@ class ObstoreClient:
                 f"open_writer, in one process")
 
 
+class RawHttpClient:
+    """The floor: each request as one http.client call on a kept-alive connection of the calling thread, the body
+    read into bytes, no retries, checksums or parsing beyond the upload id. Its requests are signed as cheaply as
+    the store allows: S3 by presigned URLs (a read's computed once per object, before the timing; the upload's
+    inside it, one HMAC each), Azure by one container SAS."""
+    name = "raw HTTP (floor)"
+
+    def __init__(self, scheme: str, endpoint: str):
+        self.scheme, self.host = scheme, endpoint.split("//", 1)[1]
+        self.local = threading.local()
+        if scheme == "s3":
+            import boto3
+
+            self.s3 = boto3.client("s3")
+            self.urls: dict[str, str] = {}
+        else:
+            from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+            from tests.helpers.emulators import ACCOUNT, ACCOUNT_KEY
+
+            sas = generate_container_sas(ACCOUNT, BUCKET, account_key=ACCOUNT_KEY,
+                                         expiry=datetime.now(timezone.utc) + timedelta(days=1),
+                                         permission=ContainerSasPermissions(read=True, write=True, create=True))
+            self.blob = lambda key, query="": f"/{ACCOUNT}/{BUCKET}/{quote(key)}?{query}{sas}"
+
+    def _call(self, method: str, url: str, body=None, headers=None):
+        import http.client
+
+        for again in (True, False):
+            if getattr(self.local, "conn", None) is None:
+                self.local.conn = http.client.HTTPConnection(self.host)
+            try:
+                self.local.conn.request(method, url, body=body, headers=headers or {})
+                response = self.local.conn.getresponse()
+                data = response.read()
+                break
+            except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+                # a server closes a kept-alive connection left idle (Azurite after 5 s): a new one, as urllib3 does
+                self.local.conn.close()
+                self.local.conn = None
+                if not again:
+                    raise
+        if response.status >= 300:
+            raise SystemExit(f"raw HTTP: {method} {url} answered {response.status}: {data[:200]!r}")
+        return response, data
+
+    def _signed(self, call: str, **params) -> str:
+        url = self.s3.generate_presigned_url(call, Params={"Bucket": BUCKET, **params})
+        return url.split(self.host, 1)[1]
+
+    def _get(self, key: str, start: int, end: int) -> bytes:
+        if self.scheme == "s3":
+            url = self.urls.get(key) or self.urls.setdefault(key, self._signed("get_object", Key=key))
+        else:
+            url = self.blob(key)
+        return self._call("GET", url, headers={"Range": f"bytes={start}-{end - 1}"})[1]
+
+    def sign_reads(self, keys: list[str]) -> None:
+        if self.scheme == "s3":
+            for key in keys:
+                self._get(key, 0, 1)
+
+    def read_one(self, key: str, start: int, end: int) -> int:
+        return len(self._get(key, start, end))
+
+    def read_batches(self, batches: list[list[tuple[str, int, int]]]) -> list[list[bytes]]:
+        with ThreadPoolExecutor(max(map(len, batches))) as pool:
+            return [list(pool.map(lambda r: self._get(*r), batch)) for batch in batches]
+
+    def upload(self, key: str, data: memoryview, part: int, uploaders: int) -> None:
+        starts = range(0, len(data), part)
+        if self.scheme == "s3":
+            body = self._call("POST", self._signed("create_multipart_upload", Key=key))[1]
+            upload_id = re.search(rb"<UploadId>(.+?)</UploadId>", body).group(1).decode()
+
+            def send(at: int) -> str:
+                url = self._signed("upload_part", Key=key, UploadId=upload_id, PartNumber=at // part + 1)
+                return self._call("PUT", url, body=data[at:at + part])[0].getheader("ETag")
+            with ThreadPoolExecutor(uploaders) as pool:
+                etags = list(pool.map(send, starts))
+            listing = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{e}</ETag></Part>"
+                              for n, e in enumerate(etags, 1))
+            self._call("POST", self._signed("complete_multipart_upload", Key=key, UploadId=upload_id),
+                       body=f"<CompleteMultipartUpload>{listing}</CompleteMultipartUpload>".encode())
+            return
+        ids = [base64.b64encode(f"{n:05d}".encode()).decode() for n in range(len(starts))]
+        with ThreadPoolExecutor(uploaders) as pool:
+            list(pool.map(lambda n: self._call("PUT", self.blob(key, f"comp=block&blockid={quote(ids[n])}&"),
+                                               body=data[starts[n]:starts[n] + part]), range(len(starts))))
+        listing = "".join(f"<Latest>{i}</Latest>" for i in ids)
+        self._call("PUT", self.blob(key, "comp=blocklist&"),
+                   body=f'<?xml version="1.0" encoding="utf-8"?><BlockList>{listing}</BlockList>'.encode())
+
+
 @contextmanager
 def serving(store: str):
     """The store's server on the loopback, in a process of its own, with the bucket made and the environment set
@@ -239,10 +345,13 @@ def main() -> None:
                    help="s3: moto's server; az: Azurite (`make azurite` installs it; node and npm needed)")
     p.add_argument("--objects", type=int, default=4)
     p.add_argument("--object_size", default="64MiB", help="each read object's size")
-    p.add_argument("--in_flight", type=int, default=4, help="ranges in flight together (merger: 4 GETs of 8 MiB)")
-    p.add_argument("--upload_size", default="1GiB")
-    p.add_argument("--part_size", default="16MiB", help="merger's upload parts are 16 MiB")
-    p.add_argument("--uploaders", type=int, default=2, help="parts in flight together")
+    p.add_argument("--in_flight", type=int, default=FETCH // BLOCK,
+                   help="ranges in flight together (merger: FETCH // BLOCK, 4 GETs of at most 8 MiB)")
+    p.add_argument("--upload_size", default="512MiB",
+                   help="moto spends some 10 CPU s per GB taking parts: 512 MiB keeps the run near 3 minutes")
+    p.add_argument("--part_size", default=format_size(PART), help="merger's upload parts (bucket_target.PART)")
+    p.add_argument("--uploaders", type=int, default=UPLOADS_IN_FLIGHT,
+                   help="parts in flight together (merger: UPLOADS_IN_FLIGHT per rank)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--obstore_async", action="store_true",
                    help="obstore's ranges in flight through its async API (get_range_async on one asyncio loop) "
@@ -264,6 +373,8 @@ def main() -> None:
         want = hashlib.md5(payload).digest()
 
         merger_client = MergerClient(args.store)
+        floor = RawHttpClient(args.store, endpoint)
+        floor.sign_reads(list(objects))
         clients = [merger_client]
         try:
             clients.append(ObstoreClient(args.store, endpoint, args.obstore_async))
@@ -273,10 +384,12 @@ def main() -> None:
 
         # Untimed: every range's bytes as uploaded, and what merger's target asks beyond reads and uploads
         features = {}
-        for c in clients:
+        for c in [*clients, floor]:
             for key, a, b in ranges[:8]:
                 if bytes(c.read_batches([[(key, a, b)]])[0][0]) != objects[key][a:b]:
                     raise SystemExit(f"{c.name} read wrong bytes from {key} [{a}, {b})")
+            if c is floor:
+                continue
             created = [c.create(f"lock/{c.name.replace('/', '-')}", b"one"),
                        c.create(f"lock/{c.name.replace('/', '-')}", b"two")]
             features[c.name] = {
@@ -295,9 +408,10 @@ def main() -> None:
                 (upload_size, None),
         }
         results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        timed_clients = [*clients, floor]
         for repeat in range(args.repeats):
             for name, (size, fn) in tests.items():
-                for c in clients if repeat % 2 == 0 else clients[::-1]:
+                for c in timed_clients if repeat % 2 == 0 else timed_clients[::-1]:
                     if fn is None:
                         key = f"upload/{c.name.replace('/', '-')}-{repeat}.bin"
                         run = timed(os.getpid(), server_pid, lambda: c.upload(key, payload, part, args.uploaders))
@@ -322,12 +436,18 @@ def main() -> None:
             medians[(name, client)] = (size / wall, cpu * gb / size)
             print(f"| {name} | {client} | {size / wall / gb:.3f} GB/s | {cpu * gb / size:.2f} | "
                   f"{srv * gb / size:.2f} |")
+        # Each client's CPU per GB over the floor's: what it spends beyond moving the bytes through a socket
+        base, other = clients[0].name, clients[-1].name
+        head = f"| test | {base} CPU/GB / floor's |"
         if len(clients) > 1:
-            print(f"\n| test | throughput obstore / {clients[0].name} | client CPU per GB {clients[0].name} / obstore "
-                  f"|\n|---|---|---|")
-            for name in tests:
-                (t0, c0), (t1, c1) = medians[(name, clients[0].name)], medians[(name, clients[1].name)]
-                print(f"| {name} | {t1 / t0:.2f}x | {c0 / c1:.2f}x |")
+            head += f" {other} CPU/GB / floor's | throughput {other} / {base} | CPU/GB {base} / {other} |"
+        print(f"\n{head}\n|---|" + "---|" * (head.count("|") - 2))
+        for name in tests:
+            (tb, cb), (to, co), (_, cf) = (medians[(name, n)] for n in (base, other, floor.name))
+            row = f"| {name} | {cb / cf:.2f}x |"
+            if len(clients) > 1:
+                row += f" {co / cf:.2f}x | {to / tb:.2f}x | {cb / co:.2f}x |"
+            print(row)
         print("\n| what merger's target needs | " + " | ".join(c.name for c in clients) + " |\n|---|"
               + "---|" * len(clients))
         for feature in next(iter(features.values())):
