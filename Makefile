@@ -44,9 +44,12 @@ PYTHON312 ?= $(shell $(PYTHON) tests/helpers/python_of_version.py 3.12)
 
 writers312: $(WRITERS312)/.installed
 
-$(WRITERS312)/.installed: tests/writers/requirements312.txt
+# requirements312-nodeps.txt goes in without its packages' dependencies (Megatron-Bridge pins transformers <= 5.12.1;
+# the writers import only the modules that run here on 5.24: shared/FORMATS.md).
+$(WRITERS312)/.installed: tests/writers/requirements312.txt tests/writers/requirements312-nodeps.txt
 	@if [ -z "$(PYTHON312)" ]; then echo "make: no Python 3.12 (python3.12 or pyenv's 3.12.x): $(WRITERS312) not built, the megatron-core 0.19 tests skip"; \
-	else set -e; $(PYTHON312) -m venv $(WRITERS312); $(WRITERS312)/bin/python -m pip install -q --no-compile -r $<; touch $@; fi
+	else set -e; $(PYTHON312) -m venv $(WRITERS312); $(WRITERS312)/bin/python -m pip install -q --no-compile -r $<; \
+	$(WRITERS312)/bin/python -m pip install -q --no-compile --no-deps -r tests/writers/requirements312-nodeps.txt; touch $@; fi
 
 # tests/test_object_storage.py reads az:// from Azurite, an npm package: installed into .azurite/ (about a minute,
 # most of it npm fetching its dependencies), once. Without node and npm it is not, and the az:// tests skip.

@@ -8,8 +8,9 @@ modules: the Gated DeltaNet hybrid text model as `language_model` (megatron_gdn.
 gated full attention; dense, or 4 routed experts and a gated shared expert), Qwen3-VL's vision tower as
 `vision_model` without deepstack mergers (megatron_qwen3_vl.py's).
 Oracles, all Megatron's own forwards against transformers' forward of the merged folder (fp32, max abs diff < 1e-4):
-the language model's logits on text tokens (and the same argmax); the vision blocks over a patch sequence, the same
-rotary table given to both; the patch merger; the patch embedding. Names and shapes are those transformers'
+the language model's logits on text tokens (and the same argmax); Megatron-Bridge's own Qwen3VLModel's logits on text
+and an image, with the hybrid as its text model (and the same argmax; measured within 5.3e-6); the vision blocks over
+a patch sequence, the same rotary table given to both; the patch merger; the patch embedding. Names and shapes are those transformers'
 save_pretrained writes for the config; legacy and torch_dist merge to the same bytes; the tokenizer, chat template and
 image processor files are those of the config folder. Two experts taken for each other, or the vision qkv left in
 Megatron's per-head order, fail these checks. A third case has a multi-token-prediction layer, written as the
@@ -30,8 +31,8 @@ from safetensors.torch import save_file
 from tests.helpers.in_process import refused_here
 from tests.helpers.legacy_copies import edited_copy
 from tests.helpers.megatron_mtp_models import assert_megatron_logits, load_vlm, merged_once, oracle, text_config_folder
-from tests.helpers.megatron_vlms import (assert_config_folder_files_copied, assert_tower_is_megatrons,
-                                        save_pretrained_shapes, write_vlm_cases)
+from tests.helpers.megatron_vlms import (assert_config_folder_files_copied, assert_image_logits_are_megatrons,
+                                        assert_tower_is_megatrons, save_pretrained_shapes, write_vlm_cases)
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 from tests.test_megatron_gdn import MTP_OWN, mtp_logits
 from tests.writers.tiny_models import build_image_processor
@@ -61,9 +62,15 @@ def _text_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("fmt", ["legacy", "dist"])
-def test_text_logits_are_megatrons(case, fmt, vl_root, merged):
+def test_text_and_image_logits_are_megatrons(case, fmt, vl_root, merged):
+    """The text logits are the language model's; the text+image logits Megatron-Bridge's own Qwen3VLModel's over the
+    saved tensors (megatron_qwen3_vl.py's image oracle: the tower on the pixel patches, its output in place of the
+    image pads, MRoPE positions through the hybrid's full-attention layers), against transformers' forward from the
+    same tokens, pixels, grid and token types."""
     expected = oracle(vl_root, case)
-    assert_megatron_logits(_text_logits(load_vlm(merged(case, fmt)), expected["tokens"]), expected["logits"])
+    model = load_vlm(merged(case, fmt))
+    assert_megatron_logits(_text_logits(model, expected["tokens"]), expected["logits"])
+    assert_image_logits_are_megatrons(model, expected)
 
 
 @pytest.mark.parametrize("case", CASES)

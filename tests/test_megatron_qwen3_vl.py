@@ -11,8 +11,11 @@ stacked on disk), the vision tower as `vision_model` (patch embedding, position 
 per-head [q; k; v] linear_qkv, two deepstack mergers and the final patch merger, split over TP).
 Oracles, all Megatron's own forwards against transformers' forward of the merged folder (fp32, max abs diff < 1e-4;
 the MoE text logits depend on which expert is which: the EP ranks' experts are drawn apart):
-the language model's logits on text tokens (and the same argmax); the vision blocks over a patch sequence, the same
-rotary table given to both; each patch merger (final and deepstack) on the same input; the patch embedding. Names
+the language model's logits on text tokens (and the same argmax); Megatron-Bridge's own Qwen3VLModel's logits on
+text and a 6 x 4-patch image (and the same argmax; measured within 6e-7, the bridge's patch mergers given HF's exact
+GELU: the writer's bridge_model says why), with transformers given the same tokens, pixel patches, grid and token
+types; the vision blocks over a patch sequence, the same rotary table given
+to both; each patch merger (final and deepstack) on the same input; the patch embedding. Names
 and shapes are those transformers' save_pretrained writes for the config; legacy and torch_dist merge to the same
 bytes; the tokenizer, chat template and image processor files are those of the config folder. verl's Megatron actor
 folders of the same torch_dist save (its current layout and the one before) merge to the same bytes as it.
@@ -27,8 +30,8 @@ import torch
 from tests.helpers.in_process import merge_in_process, refused_here
 from tests.helpers.legacy_copies import edited_copy
 from tests.helpers.megatron_mtp_models import assert_megatron_logits, load_vlm, merged_once, oracle, text_config_folder
-from tests.helpers.megatron_vlms import (assert_config_folder_files_copied, assert_tower_is_megatrons,
-                                        save_pretrained_shapes, write_vlm_cases)
+from tests.helpers.megatron_vlms import (assert_config_folder_files_copied, assert_image_logits_are_megatrons,
+                                        assert_tower_is_megatrons, save_pretrained_shapes, write_vlm_cases)
 from tests.helpers.weights import assert_same_weights, load_safetensors_folder
 from tests.writers.tiny_models import build_image_processor
 from tests.writers.verl_megatron_lora import DIST, HF, write_manifest
@@ -54,11 +57,29 @@ def merged(vl_root, tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("fmt", ["legacy", "dist"])
-def test_text_logits_are_megatrons(case, fmt, vl_root, merged):
+def test_text_and_image_logits_are_megatrons(case, fmt, vl_root, merged):
+    """The text logits are the language model's; the text+image logits Megatron-Bridge's own Qwen3VLModel's over the
+    saved tensors (its tower on the pixel patches with their grid, interpolated position embeddings and 2D rotary,
+    the deepstack mergers' output added into the first text layers, MRoPE positions; pipelined over the two stages
+    for the PP case), against transformers' forward from the same tokens, pixels, grid and token types."""
     expected = oracle(vl_root, case)
+    model = load_vlm(merged(case, fmt))
     with torch.no_grad():
-        logits = load_vlm(merged(case, fmt))(input_ids=expected["tokens"]).logits
+        logits = model(input_ids=expected["tokens"]).logits
     assert_megatron_logits(logits, expected["logits"])
+    assert_image_logits_are_megatrons(model, expected)
+
+
+def test_position_embeddings_with_h_and_w_swapped_fail_the_image_check(vl_root, merged):
+    """The tower's 4 x 4 table of position embeddings, which only the image's forward reads (interpolated to its 6 x 4
+    patches; no module check does), transposed: the text+image check the merge passes fails."""
+    expected = oracle(vl_root, CASE)
+    model = load_vlm(merged(CASE, "dist"))
+    table = model.model.visual.pos_embed.weight
+    side = int(table.shape[0] ** 0.5)
+    table.data = table.data.view(side, side, -1).transpose(0, 1).reshape(table.shape).clone()
+    with pytest.raises(AssertionError):
+        assert_image_logits_are_megatrons(model, expected)
 
 
 @pytest.mark.parametrize("case", CASES)

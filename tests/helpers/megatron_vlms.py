@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers.megatron_mtp_models import write_cases
+from tests.helpers.megatron_mtp_models import assert_megatron_logits, write_cases
 from tests.helpers.weights import load_safetensors_folder
 from tests.helpers.writers312 import writers312_python
 
@@ -41,6 +41,16 @@ def assert_config_folder_files_copied(given: Path, out: Path) -> None:
 def assert_close(ours: torch.Tensor, megatron: torch.Tensor) -> None:
     assert ours.shape == megatron.shape
     assert (ours - megatron).abs().max().item() < 1e-4
+
+
+def assert_image_logits_are_megatrons(model, expected: dict) -> None:
+    """transformers' forward of the merged VLM `model` from the oracle's text and image (tokens, pixel patches, their
+    grid, token types; the positions its own) gives the logits Megatron's forward gave on them (fp32, max abs diff
+    < 1e-4, the same argmax): megatron_qwen3_vl.py's image_inputs and image_logits, megatron_glm45v.py's oracle."""
+    with torch.no_grad():
+        logits = model(input_ids=expected["image_tokens"], pixel_values=expected["image_pixels"],
+                       image_grid_thw=expected["image_grid"], mm_token_type_ids=expected["image_token_types"]).logits
+    assert_megatron_logits(logits, expected["image_logits"])
 
 
 def assert_tower_is_megatrons(visual, expected: dict) -> None:

@@ -1,5 +1,6 @@
 """The writer venv of the test writers that need Python >= 3.12 (megatron-core 0.19: tests/writers/megatron_dsa.py):
-.venv-writers312, which `make writers312` (and so `make test`) builds from tests/writers/requirements312.txt."""
+.venv-writers312, which `make writers312` (and so `make test`) builds from tests/writers/requirements312.txt, then
+tests/writers/requirements312-nodeps.txt without dependencies (Megatron-Bridge: tests/writers/megatron_qwen3_vl.py)."""
 from __future__ import annotations
 
 import pytest

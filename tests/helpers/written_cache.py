@@ -38,7 +38,7 @@ WRITER_TIMES = ROOT / ".test-cache" / "times" / "writers"
 
 # The distributions whose code runs in the writers (absent ones key as null).
 LIBRARIES = ("torch", "megatron-core", "deepspeed", "torchtitan", "transformers", "peft", "accelerate", "safetensors",
-             "tokenizers", "fla-core", "numpy", "einops", "triton", "nvidia-modelopt")
+             "tokenizers", "fla-core", "numpy", "einops", "triton", "nvidia-modelopt", "megatron-bridge")
 _VERSIONS = """import importlib.metadata as m, json, sys
 def version(name):
     try:

@@ -144,14 +144,20 @@ class ValueHead(torch.nn.Linear):
         return super().forward(x), None
 
 
+def layer_spec(a: Namespace):
+    """The local layer spec of `a.arch`'s GPTModel."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(num_experts=a.experts if a.arch in MOE else None,
+                                    qk_layernorm=a.arch in QK_NORM, normalization="RMSNorm")
+
+
 def build_chunks(a: Namespace, config) -> list:
     """This rank's model chunks (one, or `vpp` with a virtual pipeline), built from one seed."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=a.experts if a.arch in MOE else None,
-                                    qk_layernorm=a.arch in QK_NORM, normalization="RMSNorm")
+    spec = layer_spec(a)
     chunks = []
     for vp in range(a.vpp or 1):
         vp_stage = vp if a.vpp else None
@@ -248,14 +254,17 @@ def write_model(a: Namespace, model, out: Path, oracle: Callable[[], dict | None
     dist.barrier()
 
 
-def forward_logits(a: Namespace, chunks: list, tokens: torch.Tensor):
-    """Megatron's own forward over the whole pipeline: stage by stage, hidden states sent over gloo."""
+def forward_logits(a: Namespace, chunks: list, tokens: torch.Tensor, run: Callable | None = None):
+    """Megatron's own forward over the whole pipeline: stage by stage, hidden states sent over gloo. Each chunk is
+    called as `run(chunk)` where given (a VLM's own forward, which takes the image and makes its positions), else
+    on `tokens` with their positions and a causal mask."""
     from megatron.core import parallel_state as ps
 
-    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
-    positions = torch.arange(SEQ)[None]
+    seq = tokens.shape[1]
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    positions = torch.arange(seq)[None]
     pp_rank, pp = ps.get_pipeline_model_parallel_rank(), a.pp
-    hidden_shape = (SEQ, 1, chunks[0].config.hidden_size)
+    hidden_shape = (seq, 1, chunks[0].config.hidden_size)
     out = None
     with torch.no_grad():
         for vp, chunk in enumerate(chunks):
@@ -268,7 +277,7 @@ def forward_logits(a: Namespace, chunks: list, tokens: torch.Tensor):
                     src = ps.get_pipeline_model_parallel_prev_rank()
                     dist.recv(h, src)
                     chunk.set_input_tensor(h)
-                out = chunk(tokens, positions, mask)
+                out = run(chunk) if run else chunk(tokens, positions, mask)
                 last = vp == len(chunks) - 1 and stage == pp - 1
                 if not last:
                     dist.send(out.contiguous(), ps.get_pipeline_model_parallel_next_rank())

@@ -4,7 +4,8 @@
 
 Megatron-Bridge trains GLM-4.5V as its GLM45VModel: a GPTModel (GLM-4.5's text model) as `language_model` and HF's
 own Glm4vMoe vision module as `visual`, saved under HF's names and whole on every rank (shared/FORMATS.md). Its
-provider needs Megatron-Bridge, which is not installed here; this writer builds the same layout:
+provider imports Megatron-Bridge's provider machinery (omegaconf and more), which the writer venv leaves out (it has
+the bridge without its dependencies, for megatron_qwen3_vl.py's model code); this writer builds the same layout:
 - `language_model`: a GPTModel on megatron-core's local spec as GLM-4.5's (GQA with qkv bias, half-rotary heads,
   RMSNorm, a dense first layer, then a sigmoid router whose expert bias steers the choice, top-k weights
   renormalised and scaled, one shared expert: megatron_moe_renames.py's moe_config), with GLM-4.5V's multimodal
@@ -30,7 +31,7 @@ from tests.writers import megatron_gpt_oss_minimax as oss_minimax
 from tests.writers.megatron_checkpoint import cpu_patches, parse, write_cases, write_model
 from tests.writers.megatron_gpt_oss_minimax import EXPERTS
 from tests.writers.megatron_moe_renames import FFN, HEAD_DIM, HIDDEN, MOE_FFN, SCALE, TOPK, block_spec, moe_config
-from tests.writers.megatron_qwen3_vl import TOKEN_IDS, save_vlm_folder
+from tests.writers.megatron_qwen3_vl import TOKEN_IDS, image_inputs, save_vlm_folder
 
 DEFAULTS = dict(tp=2, ep=2, layers=2, dense=1, heads=4, groups=2, vocab=101)
 ROTARY = 0.5  # GLM's rotary on half of each head: 8 of 16 channels, 4 frequencies
@@ -114,18 +115,13 @@ def _logits(a: Namespace, language_model, tokens, positions, image=None):
 
 def _oracle(a: Namespace, model, hf) -> dict:
     text = torch.tensor([TEXT])
-    start, end = TOKEN_IDS["<|vision_start|>"], TOKEN_IDS["<|vision_end|>"]
-    merged = GRID[0] * GRID[1] * GRID[2] // MERGE ** 2
-    tokens = torch.tensor([[3, 17, start] + [IMAGE_TOKEN] * merged + [end, 42, 5]])
-    token_types = (tokens == IMAGE_TOKEN).int()
-    grid = torch.tensor([GRID])
-    g = torch.Generator().manual_seed(7)
-    pixels = torch.randn(GRID[0] * GRID[1] * GRID[2], CHANNELS * FRAMES * PATCH * PATCH, generator=g)
+    inputs = image_inputs(GRID, CHANNELS * FRAMES * PATCH * PATCH, MERGE)
+    tokens, grid = inputs["image_tokens"], inputs["image_grid"]
     with torch.no_grad():
-        image = hf.visual(pixels, grid_thw=grid).pooler_output
-        positions, _ = hf.get_rope_index(tokens, token_types, image_grid_thw=grid)
-    return dict(tokens=text, logits=_logits(a, model.language_model, text, torch.arange(len(TEXT)).expand(3, 1, -1)),
-                image_tokens=tokens, token_types=token_types, pixels=pixels, grid=grid,
+        image = hf.visual(inputs["image_pixels"], grid_thw=grid).pooler_output
+        positions, _ = hf.get_rope_index(tokens, inputs["image_token_types"], image_grid_thw=grid)
+    return dict(inputs, tokens=text,
+                logits=_logits(a, model.language_model, text, torch.arange(len(TEXT)).expand(3, 1, -1)),
                 image_logits=_logits(a, model.language_model, tokens, positions, image),
                 visual={f"model.visual.{k}": v.clone() for k, v in hf.visual.state_dict().items()})
 

@@ -16,8 +16,9 @@ With `mtp=1` the text model has megatron_gdn.py's multi-token-prediction layer (
 Saved by megatron_checkpoint.py's write_model (legacy/, dist/, hf/ with Qwen3_5Config or Qwen3_5MoeConfig, a
 tokenizer with the vision tokens and a chat template). logits.pt holds Megatron's own forwards as
 megatron_qwen3_vl.py's oracle computes them: the language model's logits on text tokens (megatron_gdn.py's forward:
-with MTP also its layer's logits and own tensors), the vision blocks, the patch merger and the patch embedding, each
-on its own input.
+with MTP also its layer's logits and own tensors); Megatron-Bridge's own Qwen3VLModel's on text and an image, over the
+saved tensors, its text model on the same block spec (and MTP block spec) as the bridge's Qwen3.5 provider builds it;
+the vision blocks, the patch merger and the patch embedding, each on its own input.
 """
 from __future__ import annotations
 
@@ -55,7 +56,10 @@ def write_case(a: Namespace, out: Path) -> None:
     # each rank's experts drew the same values from the one seed: draw them (and the vectors) from their global
     # names, so experts taken for one another change the logits
     distinct_values(language_model, a, ())
-    write_vlm(a, language_model, gdn.HIDDEN, (), out, lambda: hf_config(a), lambda: gdn.forward(a, language_model))
+    config = language_model.config
+    write_vlm(a, language_model, gdn.HIDDEN, (), out, lambda: hf_config(a), lambda: gdn.forward(a, language_model),
+              lambda: dict(language_transformer_layer_spec=gdn.block_spec(a, config),
+                           mtp_block_spec=gdn.mtp_block_spec(a, config)))
     ps.destroy_model_parallel()
 
 
