@@ -1,12 +1,15 @@
 """The safetensors format, small and strict: headers computed before any data exists, and a validating reader.
 
-A header depends only on names, dtypes and shapes, so the planner builds every output file's header up
-front; writers on any rank then put each tensor's bytes at `data_start + begin` with os.pwrite.
+Each tensor's range in the data section depends only on the dtypes and shapes before it, and the header only on
+names, dtypes and shapes: the planner places every output's range (place_tensors), the output side writes each
+file's header (header_bytes, once per file: output/safetensors_layout.py), and writers on any rank put each
+tensor's bytes at `data_start + begin` with os.pwrite.
 """
 from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,22 +62,29 @@ def tensor_shape(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...] 
     return (*shape[:-1], shape[-1] // 2) if shape and shape[-1] % 2 == 0 else None
 
 
-def build_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> tuple[bytes, list[TensorEntry]]:
-    """The full prefix of a safetensors file (length + JSON) and each tensor's data range, in order given."""
-    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+def place_tensors(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[TensorEntry]:
+    """Each tensor's byte range in a safetensors data section, packed from 0 in the order given; an error for a dtype
+    safetensors cannot store. The ranges depend on no header: a plan fixes them before any header exists."""
     placed, offset = [], 0
     for name, dtype, shape in entries:
         if dtype not in DTYPE_NAMES:
             raise MergerError(f"dtype {dtype} cannot be stored in safetensors, tensor {name}")
         size = nbytes_of(shape, dtype)
-        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(header_shape(shape, dtype)),
-                        "data_offsets": [offset, offset + size]}
         placed.append(TensorEntry(name, dtype, tuple(shape), offset, offset + size))
         offset += size
+    return placed
+
+
+def header_bytes(entries: Sequence[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
+    """The bytes before a safetensors file's data section (the header's length, then its JSON) for `entries`, as
+    place_tensors laid them out, in that order."""
+    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    for e in entries:
+        header[e.name] = {"dtype": DTYPE_NAMES[e.dtype], "shape": list(header_shape(e.shape, e.dtype)),
+                          "data_offsets": [e.begin, e.end]}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the reference writer aligns the data section to 8 bytes
-    return struct.pack("<Q", len(text)) + text, placed
+    return struct.pack("<Q", len(text)) + text
 
 
 def _strict_int(value: object) -> int:

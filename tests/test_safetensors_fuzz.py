@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save
 
 from merger.errors import CorruptSourceError
-from merger.safetensors_io import build_header, read_header
+from merger.safetensors_io import header_bytes, place_tensors, read_header
 
 SEED = save({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
              "c": torch.zeros(0, dtype=torch.int64)}, metadata={"format": "pt"})
@@ -61,7 +61,7 @@ def test_fp4_headers_count_codes_as_the_safetensors_library_does():
     fp4 = torch.arange(24, dtype=torch.uint8).view(torch.float4_e2m1fn_x2).reshape(2, 3, 4)
     _, entries, _ = read_header_of(save({"w": fp4}))
     assert (entries["w"].dtype, entries["w"].shape, entries["w"].end) == (torch.float4_e2m1fn_x2, (2, 3, 4), 24)
-    prefix, _ = build_header([("w", torch.float4_e2m1fn_x2, (2, 3, 4))])
+    prefix = header_bytes(place_tensors([("w", torch.float4_e2m1fn_x2, (2, 3, 4))]))
     with tempfile.TemporaryDirectory() as d:  # load_file: the library's own `load` of bytes knows no F4
         (Path(d) / "x.safetensors").write_bytes(prefix + fp4.view(torch.uint8).numpy().tobytes())
         loaded = load_file(Path(d) / "x.safetensors")["w"]

@@ -26,6 +26,7 @@ from ..engine.source_check import SourceCheck, check_sources
 from ..errors import MergerError
 from ..flags import keyword_values, merge_options
 from ..io.fetched import origin
+from ..output.summary import output_files
 from .pipeline import prepare, run_merge
 from ..options import MergeOptions
 
@@ -93,7 +94,7 @@ def inspect_with(options: MergeOptions, merge_ranks: int) -> dict:
         "format": c.format, "root": str(c.root), "source_files": len(c.files), **c.details,
         "tensors": len(c.tensors), "source_bytes": c.nbytes, "hf_dir": str(origin(prepared.hf_dir)),
         "output_dtype": options.dtype, "output_tensors": len(plan.location), "output_bytes": plan.total_bytes,
-        "output_files": [{"name": f.name, "bytes": f.size, "tensors": len(f.entries)} for f in plan.files],
+        "output_files": output_files(plan),
         "merge_ranks": merge_ranks, "bytes_per_rank": traffic(plan),
         "notes": [note.removeprefix("merger: ") for note in prepared.notes],  # what the mapping found and does
     }

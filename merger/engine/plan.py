@@ -2,8 +2,9 @@
 
 The steps come from the mapping (mapping/steps.py): a cast or a pure transform whose output names, shapes and
 dtypes are declared up front. `plan_layout` then fixes everything before any data moves: the output
-files and their safetensors headers, each tensor's byte offset, the rank that writes each step, the copy of
+files, each tensor's byte range in its file's data section, the rank that writes each step, the copy of
 each piece to read and the rank that reads it, and the batches that keep every rank under its memory budget.
+The header before each data section is the output format's, not the plan's (output/safetensors_layout.py).
 The plan is a plain value: every rank computes the same one, `inspect` prints it, tests compare it.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..catalog import Catalog, ShardPiece, row_major_index
 from ..errors import MergerError
 from ..hf_folder import shard_name
 from ..mapping.steps import OutputSpec, Step, Tie
-from ..safetensors_io import TensorEntry, build_header
+from ..safetensors_io import TensorEntry, place_tensors
 from .routes import COLUMNS, Routes, RouteTable
 
 
@@ -36,13 +37,14 @@ class Batch:
 @dataclass(frozen=True)
 class OutputFile:
     name: str
-    prefix: bytes  # length + JSON header: the data section starts right after it
-    entries: tuple[TensorEntry, ...]
+    entries: tuple[TensorEntry, ...]  # in file order; begin and end count from the start of the data section
     indexed: bool = True  # one of the model's weight files (in its index), not a side file like an adapter
 
     @property
-    def size(self) -> int:
-        return len(self.prefix) + (self.entries[-1].end if self.entries else 0)
+    def data_bytes(self) -> int:
+        """The data section's bytes: what max_shard_size limits and the index's total_size counts. The file is its
+        header longer, which the output lays out (output/safetensors_layout.py: a file's total size, data start)."""
+        return self.entries[-1].end if self.entries else 0
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Plan:
 
     @property
     def total_bytes(self) -> int:
+        """Every output's bytes, headers left out: what the stream writes, and what progress and summaries count."""
         return sum(e.end - e.begin for _, e in self.location.values())
 
     @property
@@ -214,8 +217,8 @@ def plan_layout(catalog: Catalog, steps: list[Step], world: int, max_shard_size:
     named += [(name, group, False) for name, group in side.items()]
     files, location = [], {}
     for i, (name, group, indexed) in enumerate(named):
-        prefix, entries = build_header([(s.name, s.dtype, s.shape) for s in group])
-        files.append(OutputFile(name, prefix, tuple(entries), indexed))
+        entries = place_tensors([(s.name, s.dtype, s.shape) for s in group])
+        files.append(OutputFile(name, tuple(entries), indexed))
         for entry in entries:
             location[entry.name] = (i, entry)
 

@@ -4,8 +4,9 @@ Every rank builds the catalog and the plan itself, from what its own filesystem 
 older copy of the checkpoint, or sees a file the others don't, would plan another merge: the ranks would meet at
 the first exchange with mismatched sizes, or write a model mixed from two checkpoints. So after planning they
 compare a digest of both: the source files (each one's path inside the checkpoint and its size) and the plan
-(every output file's header, which names, shapes, dtypes and offsets fix, the writing rank of each step and the
-batches). A mismatch stops every rank with the same line, naming the ranks and the first difference.
+(every output file's tensors: names, dtypes, shapes and data ranges, which fix its header; the writing rank of
+each step and the batches). A mismatch stops every rank with the same line, naming the ranks and the first
+difference.
 
 Paths and sizes, not inodes or mtimes: copies of one checkpoint on each node's own disk are as good as one
 shared folder, and their inodes and mtimes differ.
@@ -30,7 +31,7 @@ class PlanDigest:
     source_bytes: int
     files: str  # sha256 of every (path, size), in catalog order
     tensors: int  # source tensors
-    plan: str  # sha256 of the output headers, the writer of each step and the batches
+    plan: str  # sha256 of the output files' tensors, the writer of each step and the batches
 
 
 # The fields in the order a difference is reported: the plainest first.
@@ -58,7 +59,7 @@ def _sha256(*parts) -> str:
 
 def plan_digest(files: list[tuple[str, int]], catalog: Catalog, plan: Plan | None) -> PlanDigest:
     """The digest of what a rank merges; `plan` None: of the checkpoint alone, before planning."""
-    layout = [(f.name, f.prefix) for f in plan.files] if plan is not None else None
+    layout = [(f.name, f.indexed, f.entries) for f in plan.files] if plan is not None else None
     batches = [(b.steps, len(b.routes), b.out_bytes) for b in plan.batches] if plan is not None else None
     return PlanDigest(len(files), sum(size for _, size in files), _sha256(files), len(catalog.tensors),
                       _sha256(layout, plan.writers if plan is not None else None, batches))

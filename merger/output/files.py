@@ -25,6 +25,7 @@ from ..sources.file_reads import Placed, source_shrank
 from ..units import format_size
 from .direct_writes import ALIGN, DirectWrites
 from .manifest import MANIFEST, Manifest, write_manifest
+from .safetensors_layout import file_layout
 from .written_crcs import WrittenCrcs
 from .write_turns import copy_at, write_at
 
@@ -61,18 +62,17 @@ def prepare_files(stage: Path, plan: Plan, keep: frozenset[str] = frozenset(), a
     for f in plan.files:  # a resumed merge's unfinished files: written anew, so their space counts as free
         if f.name not in keep:
             (stage / f.name).unlink(missing_ok=True)
-    check_free_space(stage, sum(f.size for f in plan.files if f.name not in keep) if room is None else room)
-    for f in plan.files:
-        if f.name in keep:
-            continue
-        path = stage / f.name
+    made = [(f.name, file_layout(f)) for f in plan.files if f.name not in keep]
+    check_free_space(stage, sum(layout.size for _, layout in made) if room is None else room)
+    for name, layout in made:
+        path = stage / name
         try:
             path.parent.mkdir(parents=True, exist_ok=True)  # side files may sit in a subfolder
             with open(path, "wb") as out:
-                out.write(f.prefix)
-                out.truncate(f.size)
+                out.write(layout.header)
+                out.truncate(layout.size)
                 if allocate:
-                    preallocate(out.fileno(), f.size)
+                    preallocate(out.fileno(), layout.size)
         except OSError as e:
             raise TargetError(f"cannot write the merged model ({e.strerror}), {path}") from e
 
@@ -107,6 +107,7 @@ class FileSink:
         self.opening = threading.Lock()
         # Files a resumed merge reuses: their bytes are already right, so outputs landing there are dropped.
         self.skip = {i for i, f in enumerate(plan.files) if f.name in skip}
+        self.data_starts = [file_layout(f).data_start for f in plan.files]  # by file index: _placed asks per step
         self.kernel_copies = hasattr(os, "copy_file_range")  # until a copy is refused (_CANNOT_COPY)
 
     def _fd(self, index: int) -> int:
@@ -125,7 +126,7 @@ class FileSink:
     def _placed(self, spec: OutputSpec) -> tuple[int, int, int]:
         """(file index, byte offset of output `spec`'s tensor in its file, its planned bytes)."""
         index, entry = self.plan.location[spec.name]
-        return index, len(self.plan.files[index].prefix) + entry.begin, entry.end - entry.begin
+        return index, self.data_starts[index] + entry.begin, entry.end - entry.begin
 
     @staticmethod
     def _check_fit(spec: OutputSpec, runs: Runs, nbytes: int, item: int, planned: int) -> None:
@@ -341,7 +342,7 @@ def finish(stage: Path, plan: Plan, hf_dir: Path | None, out_dtype: torch.dtype 
     (`target.place`) is separate so that `--verify` can check the complete folder first.
     """
     if len(plan.model_files) > 1:
-        total = sum(f.size - len(f.prefix) for f in plan.model_files)
+        total = sum(f.data_bytes for f in plan.model_files)
         index = {"metadata": {"total_size": total}, "weight_map": plan.weight_map}
         _write_into(stage, INDEX, (json.dumps(index, indent=2) + "\n").encode())
     copied = []

@@ -22,6 +22,7 @@ from .manifest import write_manifest
 from .part_stream import StreamedUpload
 from .resume import (FileTracker, intact_files, resume_candidates, skip_finished, start_manifest, verify_share,
                      why_not_done)
+from .safetensors_layout import file_sizes
 from .source_identity import check_unchanged, source_identity
 from .target_folder import TargetFolder, check_config_dir_entries, place, resolve_target
 from .target_lock import TargetLock
@@ -139,7 +140,7 @@ class LocalTarget:
         # An s3:// target's stage keeps on disk only the parts in flight: its blocks are never all reserved, and it
         # needs room for those, not for the model.
         room = None if self.stream is None else self.stream.room(
-            {f.name: f.size for f in self.plan.files if f.name not in self.reused}, self.manifest.checksum_block_bytes,
+            file_sizes(f for f in self.plan.files if f.name not in self.reused), self.manifest.checksum_block_bytes,
             self.plan.max_inflight, self.group.world)
         prepare_files(self.folder.stage, self.plan, keep=frozenset(self.reused), allocate=self.stream is None,
                       room=room)
@@ -162,7 +163,7 @@ class LocalTarget:
         self.sink = FileSink(stage, plan, skip=reused, take_turns=turns, direct=local and self.stream is None,
                              bounce=turns)
         sender = None if self.stream is None else self.stream.begin(
-            group, {f.name: f.size for f in plan.files}, reused, self.manifest.checksum_block_bytes, debug)
+            group, file_sizes(plan.files), reused, self.manifest.checksum_block_bytes, debug)
         self.tracker = FileTracker(todo, self.sink, group, stage, self.manifest, one_host, sender)
         progress = Progress(sum(b.out_bytes for b in todo.batches)) if group.rank == 0 and progress_shown() else None
         run_plan(todo, self.prepared.catalog, group, self.sink, progress, debug, reader=reader, observer=self.tracker,

@@ -44,6 +44,7 @@ from ..options import MergeOptions
 from ..sources.crc32 import CrcSpans, crc32
 from .files import FileSink
 from .manifest import Manifest, OutputEntry, read_manifest, write_manifest
+from .safetensors_layout import file_layout
 from .source_identity import source_folder
 from .written_crcs import WrittenCrcs
 
@@ -86,8 +87,9 @@ def deal_blocks(sizes: list[tuple[K, int]], block: int, world: int) -> list[list
 def block_outputs(f: OutputFile, block: int) -> list[list[str]]:
     """Per checksum block of `f`: the outputs whose bytes lie in it. The header needs none: it is written
     before streaming starts."""
-    blocks: list[list[str]] = [[] for _ in block_spans(f.size, block)]
-    base = len(f.prefix)
+    layout = file_layout(f)
+    blocks: list[list[str]] = [[] for _ in block_spans(layout.size, block)]
+    base = layout.data_start
     for e in f.entries:
         if e.end > e.begin:
             for k in range((base + e.begin) // block, (base + e.end - 1) // block + 1):
@@ -137,14 +139,15 @@ def start_manifest(catalog: Catalog, sources: dict[str, dict[str, int]], options
                    world: int) -> Manifest:
     """What a staging folder is the start of; everything but the block checksums is known before streaming.
     `sources` is the source files' identity, taken when the checkpoint was opened (source_identity.py)."""
+    layouts = {f.name: file_layout(f) for f in plan.files}
     return Manifest(
         merger_version=__version__, source_format=catalog.format,
         source_dir=source_folder(catalog), source_files=sources,
         options=_shaping(options), dtype=options.dtype,
         merge_ranks=world, checksum_algorithm=CHECKSUM, checksum_block_bytes=CHECKSUM_BLOCK,
-        output_files={f.name: OutputEntry(size=f.size, header_crc32=crc32_hex(zlib.crc32(f.prefix)),  # a few KiB
-                                          crc32_blocks=[None] * len(block_spans(f.size, CHECKSUM_BLOCK)))
-                      for f in plan.files},
+        output_files={name: OutputEntry(size=layout.size, header_crc32=crc32_hex(zlib.crc32(layout.header)),
+                                        crc32_blocks=[None] * len(block_spans(layout.size, CHECKSUM_BLOCK)))
+                      for name, layout in layouts.items()},
         complete=False,
     )
 
@@ -298,7 +301,7 @@ class FileTracker:
         for name, bi in written_in.items():
             index = plan.location[name][0]
             self.last_batch[index] = max(self.last_batch.get(index, -1), bi)
-        pending = [(i, f.size) for i, f in enumerate(plan.files) if i not in sink.skip]
+        pending = [(i, file_layout(f).size) for i, f in enumerate(plan.files) if i not in sink.skip]
         shares = deal_blocks(pending, self.block, group.world)
         mine = shares[group.rank]
         # The CRCs of the bytes every rank writes (FileSink.write_crcs), of blocks of files the sender does not
@@ -311,7 +314,7 @@ class FileTracker:
         self.crcs = sink.write_crcs(crc_files, self.block)
         headers = WrittenCrcs(crc_files, self.block)  # written by rank 0 before streaming; every rank has them
         for i in crc_files:
-            headers.add(i, memoryview(bytearray(plan.files[i].prefix)), 0)
+            headers.add(i, memoryview(bytearray(file_layout(plan.files[i]).header)), 0)
         self._add_crcs([r for r in headers.take() if self.owner[(r[0], r[1] // self.block)] == group.rank])
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="merger-crc32") if mine else None
         # This rank's units not yet handed to the hashing thread -> the outputs in them not known written yet;
@@ -343,8 +346,9 @@ class FileTracker:
         f = self.plan.files[i]
         if self.sender is None or f.name not in self.sender.files:
             return [((i, k, None), block_outputs(f, self.block)[k])]
-        step = self.sender.step(f.size)  # divides the block: block k holds whole parts
-        start, end = block_span(f.size, self.block, k)
+        size = file_layout(f).size
+        step = self.sender.step(size)  # divides the block: block k holds whole parts
+        start, end = block_span(size, self.block, k)
         outputs = block_outputs(f, step)
         return [((i, k, j), outputs[j]) for j in range(start // step, -(-end // step))]
 
@@ -431,11 +435,12 @@ class FileTracker:
 
     def _hash(self, index: int, k: int, part: int | None, mark: int) -> None:
         f = self.plan.files[index]
+        size = file_layout(f).size
         # The unit's bytes, written here by the time it was handed over, in the file before its CRC is recorded or
         # it is read: not every write handed over so far, which a writer that keeps handing them over could delay.
         self.sink.wait_written(mark)
         if part is None:
-            start, end = block_span(f.size, self.block, k)
+            start, end = block_span(size, self.block, k)
             spans = self.spans.pop((index, k), None)
             crc = spans.covered(start, end) if spans is not None else None
             if crc is not None:
@@ -443,7 +448,7 @@ class FileTracker:
             else:  # read back
                 digest = crc32_range(self.stage / f.name, start, end, self.buffer)
         else:
-            digest = self.sender.part_written(self.stage / f.name, f.name, f.size, block_span(f.size, self.block, k),
+            digest = self.sender.part_written(self.stage / f.name, f.name, size, block_span(size, self.block, k),
                                               part)
             if digest is None:  # the block has parts still to come
                 return

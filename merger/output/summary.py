@@ -13,6 +13,12 @@ from ..engine.memory import peak_rss_per_rank
 from ..engine.plan import Plan, traffic
 from ..io import fetched_bytes, is_remote, location
 from ..options import MergeOptions
+from .safetensors_layout import file_layout
+
+
+def output_files(plan: Plan) -> list[dict]:
+    """Each output file: its name, its bytes on disk (header and data) and its tensors (a summary's and inspect's)."""
+    return [{"name": f.name, "bytes": file_layout(f).size, "tensors": len(f.entries)} for f in plan.files]
 
 
 def merge_summary(catalog: Catalog, plan: Plan, options: MergeOptions, group: Group, started: float,
@@ -27,7 +33,7 @@ def merge_summary(catalog: Catalog, plan: Plan, options: MergeOptions, group: Gr
         "checkpoint_world_size": c.details.get("world_size"), "merge_world_size": group.world,
         "target_dir": str(options.target_dir if is_remote(options.target_dir) else Path(options.target_dir).absolute()), "dtype": options.dtype,
         "tensors": len(plan.location), "bytes": plan.total_bytes,
-        "output_files": [{"name": f.name, "bytes": f.size, "tensors": len(f.entries)} for f in plan.files],
+        "output_files": output_files(plan),
         "wall_time_s": round(time.monotonic() - started, 3), "peak_rss_bytes_per_rank": peaks,
         "bytes_per_rank": traffic(plan),
         # what the ranks GET from a bucket, read-ahead included: about `bytes` of source when each byte is read once

@@ -22,6 +22,7 @@ from merger.catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from merger.engine.dist import Group
 from merger.engine.plan import Plan, Runs
 from merger.mapping.steps import OutputSpec, Step
+from merger.output.safetensors_layout import file_layout
 from merger.catalog import Stored
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32)
@@ -60,8 +61,9 @@ class MemorySink:
 
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.data = [bytearray(f.prefix) + bytearray(f.size - len(f.prefix)) for f in plan.files]
-        self.writes = [np.zeros(f.size, dtype=np.int64) for f in plan.files]
+        self.layouts = [file_layout(f) for f in plan.files]
+        self.data = [bytearray(f.header) + bytearray(f.size - f.data_start) for f in self.layouts]
+        self.writes = [np.zeros(f.size, dtype=np.int64) for f in self.layouts]
         self.lock = threading.Lock()
 
     def put(self, spec: OutputSpec, tensor: torch.Tensor) -> None:
@@ -71,11 +73,12 @@ class MemorySink:
     def put_part(self, spec: OutputSpec, runs: Runs, piece: torch.Tensor) -> None:
         index, entry = self.plan.location[spec.name]
         raw = piece.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        base, size = len(self.plan.files[index].prefix) + entry.begin, runs.length * piece.element_size()
+        data_start = self.layouts[index].data_start
+        base, size = data_start + entry.begin, runs.length * piece.element_size()
         assert len(raw) == runs.count * size, spec.name
         for k, start in enumerate(runs.starts()):
             at = base + start * piece.element_size()
-            assert start >= 0 and at + size <= len(self.plan.files[index].prefix) + entry.end, spec.name
+            assert start >= 0 and at + size <= data_start + entry.end, spec.name
             with self.lock:
                 self.data[index][at:at + size] = raw[k * size:(k + 1) * size]
                 self.writes[index][at:at + size] += 1

@@ -271,13 +271,15 @@ def test_resume_counts_only_the_bytes_still_to_write_against_free_space(ckpt, tm
     from merger.api.pipeline import prepare
     from merger.options import MergeOptions
     from merger.output.files import prepare_files
+    from merger.output.safetensors_layout import file_sizes
 
     plan = prepare(MergeOptions(local_dir=ckpt, max_shard_size=20_000), Group()).plan
     assert len(plan.files) > 2
-    total = sum(f.size for f in plan.files)
+    sizes = file_sizes(plan.files)
+    total = sum(sizes.values())
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    size = sum(-(-f.size // 4096) * 4096 for f in plan.files) + 2 * 4096  # every file, two pages to spare
+    size = sum(-(-n // 4096) * 4096 for n in sizes.values()) + 2 * 4096  # every file, two pages to spare
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
@@ -285,13 +287,13 @@ def test_resume_counts_only_the_bytes_still_to_write_against_free_space(ckpt, tm
         stage = mnt / ".model.merger-partial"
         stage.mkdir()
         for f in plan.files:  # every file written to its full size, none finished but the first
-            (stage / f.name).write_bytes(os.urandom(f.size))
+            (stage / f.name).write_bytes(os.urandom(sizes[f.name]))
         st = os.statvfs(mnt)
-        assert st.f_bavail * st.f_frsize < total - plan.files[0].size  # the old check would refuse
+        assert st.f_bavail * st.f_frsize < total - sizes[plan.files[0].name]  # the old check would refuse
         keep = plan.files[0].name
         kept = (stage / keep).read_bytes()
         prepare_files(stage, plan, keep=frozenset({keep}))
         assert (stage / keep).read_bytes() == kept
-        assert all((stage / f.name).stat().st_size == f.size for f in plan.files)
+        assert all((stage / name).stat().st_size == n for name, n in sizes.items())
     finally:
         subprocess.run(["umount", str(mnt)], check=True)

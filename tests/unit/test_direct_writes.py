@@ -19,29 +19,32 @@ from safetensors.torch import load_file
 
 from merger.catalog import Catalog, PieceCopy, ShardPiece, SourceTensor
 from merger.engine.dist import Group
-from merger.engine.plan import block_runs, plan_layout
+from merger.engine.plan import OutputFile, block_runs, plan_layout
 from merger.engine.stream import run_plan
 from merger.mapping.steps import OutputSpec, Step
 from merger.errors import MergerError
 from merger.output import direct_writes
 from merger.output.files import FileSink, prepare_files
+from merger.output.safetensors_layout import file_layout
+from merger.safetensors_io import place_tensors
 from tests.helpers.files import cached_pages, takes_o_direct, tmpfs
 from tests.helpers.synthetic import MemoryReader
 
 pytestmark = pytest.mark.unit
 
 SHAPE = (96, 8191)  # bfloat16 rows of 16382 bytes: pieces start and end off the 4 KiB grid
-HEADER = b"h" * 1001
+(ENTRY,) = place_tensors([("w", torch.bfloat16, SHAPE)])
+FILE = OutputFile("model.safetensors", (ENTRY,))
+HEADER = file_layout(FILE).header
 PAGE = mmap.PAGESIZE
 
 
 class _OneTensor:
-    """The least of a plan FileSink writes through: one file holding one bfloat16 tensor after a header."""
+    """The least of a plan FileSink writes through: one file holding one bfloat16 tensor after its header."""
 
     def __init__(self):
-        nbytes = SHAPE[0] * SHAPE[1] * 2
-        self.files = [SimpleNamespace(name="model.safetensors", prefix=HEADER)]
-        self.location = {"w": (0, SimpleNamespace(begin=0, end=nbytes))}
+        self.files = [FILE]
+        self.location = {"w": (0, ENTRY)}
 
     def create(self, folder: Path) -> Path:
         path = folder / self.files[0].name
@@ -230,8 +233,7 @@ def test_output_files_are_created_with_their_blocks_reserved_for_direct_writes(a
     """prepare_files with `allocate` reserves every block of the file (the kernel's st_blocks), which reads as the
     header and zeros all the same; without it the file is a hole past its header."""
     plan = _OneTensor()
-    size = len(HEADER) + plan.location["w"][1].end
-    plan.files[0].size = size
+    size = len(HEADER) + ENTRY.end
     prepare_files(tmp_path, plan, allocate=allocate)
     path = tmp_path / "model.safetensors"
     if allocate and path.stat().st_blocks * 512 < size:

@@ -11,9 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from merger.engine.plan import Runs, block_runs
+from merger.engine.plan import OutputFile, Runs, block_runs
 from merger.errors import MergerError
 from merger.output.files import FileSink
+from merger.output.safetensors_layout import file_layout
+from merger.safetensors_io import place_tensors
 from merger.sources.file_reads import SourceReads
 from merger.sources.mapped_states import MappedStates
 from merger.sources.safe_load import torch_load
@@ -21,19 +23,21 @@ from merger.sources.safe_load import torch_load
 pytestmark = pytest.mark.unit
 
 SHAPE = (6, 1024)  # float32: rows of 4 KiB, above MIN_RUN_BYTES
+(ENTRY,) = place_tensors([("w", torch.float32, SHAPE)])
+FILE = OutputFile("model.safetensors", (ENTRY,))
+HEADER = file_layout(FILE).header
 
 
 class _OneTensor:
-    """The least of a plan FileSink writes through: one file holding one float32 tensor of SHAPE after a header."""
+    """The least of a plan FileSink writes through: one file holding one float32 tensor of SHAPE after its header."""
 
     def __init__(self):
-        nbytes = SHAPE[0] * SHAPE[1] * 4
-        self.files = [SimpleNamespace(name="model.safetensors", prefix=b"header")]
-        self.location = {"w": (0, SimpleNamespace(begin=0, end=nbytes))}
+        self.files = [FILE]
+        self.location = {"w": (0, ENTRY)}
 
     def create(self, folder: Path) -> Path:
-        path = folder / self.files[0].name
-        path.write_bytes(self.files[0].prefix + bytes(self.location["w"][1].end))
+        path = folder / FILE.name
+        path.write_bytes(HEADER + bytes(ENTRY.end))
         return path
 
 
@@ -60,7 +64,7 @@ def test_a_copied_piece_lands_where_its_runs_say(tmp_path, offsets, sizes):
     sink.close()
     expected = torch.zeros(SHAPE)
     expected[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]] = block
-    assert out.read_bytes() == b"header" + expected.numpy().tobytes()
+    assert out.read_bytes() == HEADER + expected.numpy().tobytes()
     assert placed.file == str(out) and sum(size for _, size in placed.runs) == block.numel() * 4
 
 
@@ -122,7 +126,7 @@ def test_a_copied_piece_is_checked_against_its_record(tmp_path):
     assert all(check is None for check in reads.checks.values())
     reads.close()
     sink.close()
-    merged = torch.frombuffer(bytearray(out.read_bytes()[len(b"header"):]), dtype=torch.float32).view(SHAPE)
+    merged = torch.frombuffer(bytearray(out.read_bytes()[len(HEADER):]), dtype=torch.float32).view(SHAPE)
     assert torch.equal(merged[1:5], w[1:5]) and not merged[0].any() and not merged[5].any()
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from merger.engine.plan import MIN_RUN_BYTES, Plan, plan_layout, rerouted, traffic
 from merger.engine.routes import Route
+from merger.output.safetensors_layout import file_layout
 from tests.helpers.synthetic import plan_args, single_tensor_steps, synthetics
 
 pytestmark = pytest.mark.unit
@@ -37,9 +38,10 @@ def test_every_output_byte_has_exactly_one_place(syn, args):
     placed = Counter()
     for index, f in enumerate(plan.files):
         # the header as a safetensors reader sees it: its length, then JSON naming each tensor's data range
-        (length,) = struct.unpack("<Q", f.prefix[:8])
-        assert len(f.prefix) == 8 + length
-        header = json.loads(f.prefix[8:])
+        layout = file_layout(f)
+        (length,) = struct.unpack("<Q", layout.header[:8])
+        assert layout.data_start == len(layout.header) == 8 + length
+        header = json.loads(layout.header[8:])
         header.pop("__metadata__")
         at = 0
         for entry in sorted(f.entries, key=lambda e: e.begin):  # the data region tiled: no gap, no overlap
@@ -48,7 +50,7 @@ def test_every_output_byte_has_exactly_one_place(syn, args):
             assert plan.location[entry.name] == (index, entry)
             at = entry.end
             placed[entry.name] += 1
-        assert header == {} and f.size == len(f.prefix) + at
+        assert header == {} and f.data_bytes == at and layout.size == layout.data_start + at
         spec = [specs[e.name] for e in f.entries]
         assert all((e.shape, e.dtype) == (s.shape, s.dtype) for e, s in zip(f.entries, spec))
         assert all(s.file == (None if f.indexed else f.name) for s in spec)  # side files hold their own only
@@ -66,7 +68,7 @@ def test_model_files_follow_max_shard_size(syn, args):
     count = len(files)
     assert [f.name for f in files] == (["model.safetensors"] if count == 1 else
                                        [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)])
-    data = [f.size - len(f.prefix) for f in files]
+    data = [f.data_bytes for f in files]
     assert all(size <= limit or len(f.entries) == 1 for f, size in zip(files, data))
     for before, after, size in zip(files, files[1:], data):
         assert size + (after.entries[0].end - after.entries[0].begin) > limit

@@ -15,9 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from merger.engine.plan import Runs
+from merger.engine.plan import OutputFile, Runs
 from merger.output.files import FileSink
+from merger.output.safetensors_layout import file_layout
 from merger.output.write_turns import HOST_LOCAL, filesystem_type, host_local, should_take_turns
+from merger.safetensors_io import place_tensors
 
 pytestmark = pytest.mark.unit
 
@@ -64,14 +66,16 @@ class _OneFile:
     """The least of a plan FileSink writes through: one file of 64 KiB with one tensor in it."""
 
     def __init__(self):
-        entry = SimpleNamespace(begin=0, end=1 << 16)
-        self.files = [SimpleNamespace(name="model.safetensors", prefix=b"")]
+        (entry,) = place_tensors([("w", torch.uint8, (1 << 16,))])
+        self.files = [OutputFile("model.safetensors", (entry,))]
         self.location = {"w": (0, entry)}
 
 
 def test_a_turn_waits_for_the_host_lock(tmp_path):
-    (tmp_path / "model.safetensors").write_bytes(bytes(1 << 16))
-    sink = FileSink(tmp_path, _OneFile(), take_turns=True)
+    plan = _OneFile()
+    header = file_layout(plan.files[0]).header
+    (tmp_path / "model.safetensors").write_bytes(header + bytes(1 << 16))
+    sink = FileSink(tmp_path, plan, take_turns=True)
     spec = SimpleNamespace(name="w")
     piece = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint8)
     holder = os.open(tmp_path / "model.safetensors", os.O_RDONLY)  # another open file: as another rank's
@@ -80,10 +84,10 @@ def test_a_turn_waits_for_the_host_lock(tmp_path):
     writer.start()
     time.sleep(0.5)
     assert writer.is_alive(), "the write went ahead while another rank held the turn"
-    assert (tmp_path / "model.safetensors").read_bytes() == bytes(1 << 16)
+    assert (tmp_path / "model.safetensors").read_bytes() == header + bytes(1 << 16)
     fcntl.flock(holder, fcntl.LOCK_UN)
     writer.join(10)
     os.close(holder)
     sink.close()
     assert not writer.is_alive()
-    assert (tmp_path / "model.safetensors").read_bytes() == piece.numpy().tobytes()
+    assert (tmp_path / "model.safetensors").read_bytes() == header + piece.numpy().tobytes()
