@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -102,6 +103,9 @@ class BucketTarget:
         self.uploads: dict[str, str] = {}  # name -> multipart upload id, begun and not yet completed
         self.earlier: list[str] = []
         self.entry_points: list[str] = []  # the LAST objects this merge put
+        # abort() and release() one at a time: the failure path and a peer watch's cleanup may both run them at once
+        # (torchrun's SIGTERM and the watch both see a lost rank), and an upload aborted twice fails the second time.
+        self.ending = threading.RLock()
 
     def open(self, overwrite: bool, resume: bool) -> None:
         """Check the prefix and take its lock, before the merge writes anything: an earlier merge there is replaced only
@@ -176,32 +180,34 @@ class BucketTarget:
     def abort(self) -> None:
         """After a failure: abort the uploads begun (their parts are dropped), remove the entry points put before
         the failure (a config.json without its manifest would read as a model), release the lock."""
-        for name, upload_id in sorted(self.uploads.items()):
+        with self.ending:
+            for name, upload_id in sorted(self.uploads.items()):
+                try:
+                    self.writer.abort(name, upload_id)
+                except MergerError as e:
+                    log.warning("merger: could not abort the upload of %s/%s (%s); the bucket's lifecycle rule for "
+                                "incomplete uploads removes it", self.url, name, e)
+            self.uploads.clear()
             try:
-                self.writer.abort(name, upload_id)
+                self.writer.remove(self.entry_points)
             except MergerError as e:
-                log.warning("merger: could not abort the upload of %s/%s (%s); the bucket's lifecycle rule for "
-                            "incomplete uploads removes it", self.url, name, e)
-        self.uploads.clear()
-        try:
-            self.writer.remove(self.entry_points)
-        except MergerError as e:
-            log.warning("merger: could not remove %s, put before the merge failed (%s): remove it by hand",
-                        ", ".join(f"{self.url}/{n}" for n in self.entry_points), e)
-        self.entry_points.clear()
-        self.release()
+                log.warning("merger: could not remove %s, put before the merge failed (%s): remove it by hand",
+                            ", ".join(f"{self.url}/{n}" for n in self.entry_points), e)
+            self.entry_points.clear()
+            self.release()
 
     def release(self) -> None:
-        if not self.locked:
-            return
-        self.locked = False
-        try:
-            holder = json.loads(self.writer.read(LOCK) or b"{}")
-            if isinstance(holder, dict) and holder.get("token") == self.token:
-                self.writer.remove([LOCK])
-        except (ValueError, MergerError) as e:
-            # after a failure, whose line this must not replace: the next merge on this host finds the lock stale
-            log.warning("merger: could not release the lock %s/%s (%s)", self.url, LOCK, e)
+        with self.ending:
+            if not self.locked:
+                return
+            self.locked = False
+            try:
+                holder = json.loads(self.writer.read(LOCK) or b"{}")
+                if isinstance(holder, dict) and holder.get("token") == self.token:
+                    self.writer.remove([LOCK])
+            except (ValueError, MergerError) as e:
+                # after a failure, whose line this must not replace: the next merge on this host finds the lock stale
+                log.warning("merger: could not release the lock %s/%s (%s)", self.url, LOCK, e)
 
 
 def give_back(path: Path, start: int, size: int) -> None:

@@ -41,7 +41,7 @@ class ObjectStoreTarget:
         self.folder: Path | None = None  # every rank's, once open() agreed on it: where the model is merged first
         self.stream: StreamedUpload | None = None
         self.local: LocalTarget | None = None
-        self.cleanup = Cleanup(self._discard)  # a lost rank: the local target's own cleanup, once it exists
+        self.cleanup = Cleanup(self._discard)  # what the peer watch runs when a rank is lost
 
     @property
     def where(self) -> str:
@@ -131,9 +131,16 @@ class ObjectStoreTarget:
                                       f"keep a partial merge that --resume continues") from e
 
     def _discard(self) -> None:
+        """A lost rank: the peer watch of the lowest surviving rank runs this before its process ends, with no
+        failure path after it. The local target's cleanup; on rank 0 (the only one holding `bucket`) the uploads begun
+        aborted and the lock released, so the bucket holds nothing of this merge; the temporary folder removed."""
         local = self.local
         if local is not None and local.cleanup is not None:
             local.cleanup()
+        if self.bucket is not None:
+            self.bucket.abort()
+        if self.made is not None:
+            shutil.rmtree(self.made, ignore_errors=True)
 
     def release(self) -> None:
         if self.local is not None:
