@@ -26,7 +26,7 @@ from tests.helpers.files import allocated, assert_same_files, peak_allocated, re
 from tests.helpers.in_process import run_in_process, single_error_line
 from tests.helpers.object_store import KEY_ID, SECRET, STREAMED, download, open_uploads, paused_merge
 from tests.helpers.processes import run_merger
-from tests.helpers.reliability import lost_line, start_merge, wait_all, wait_paused
+from tests.helpers.reliability import kill_rank_mid_merge, lost_line
 from tests.helpers.weights import assert_same_weights
 
 pytestmark = [pytest.mark.infra, pytest.mark.slow]
@@ -284,23 +284,21 @@ def test_a_lost_rank_leaves_nothing_of_the_merge_in_the_bucket(launch, store, la
     """Rank 1 of 2 killed mid-stream, rank 0 in a collective: one line names the lost rank, and before its process
     ends rank 0 aborts the uploads begun and releases the bucket's lock, and its temporary folder goes: nothing of
     the merge is left, and the next merge needs no stale lock to be found first."""
-    url, temp, pause = "s3://models/lost-" + launch, tmp_path / "tmp", tmp_path / "paused"
+    prefix, temp = f"lost-{launch}", tmp_path / "tmp"
     temp.mkdir()
-    env = {**store.env, "TMPDIR": str(temp), "MERGER_TEST_PAUSE_AFTER_BATCH": "5", "MERGER_TEST_PAUSE_FILE": str(pause),
-           "MERGER_TEST_PAUSE_RANK": "1"}
-    args = ["merge", "--local_dir", layered_model, "--target_dir", url, *STREAMED]
-    procs = start_merge(launch, args, 2, env)
-    wait_paused(procs, pause, [1])
-    assert _sent_parts(store, f"lost-{launch}") > 0
-    killed = int(Path(f"{pause}.1").read_text())
-    os.kill(killed, signal.SIGKILL)
-    proc, took = wait_all(procs, args)
+
+    def parts_sent() -> None:
+        assert _sent_parts(store, prefix) > 0
+
+    proc, took, killed = kill_rank_mid_merge(layered_model, f"s3://models/{prefix}", tmp_path, *STREAMED,
+                                             after_batch=5, pause_all=False, launch=launch,
+                                             env={**store.env, "TMPDIR": str(temp)}, before_kill=parts_sent)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("merger: error:")]
     assert took < 15 and proc.returncode != 0, (took, proc.stderr)
     assert errors == [lost_line(1, killed)], proc.stderr
-    left = store.client().list_objects_v2(Bucket="models", Prefix=f"lost-{launch}/").get("Contents", [])
+    left = store.client().list_objects_v2(Bucket="models", Prefix=f"{prefix}/").get("Contents", [])
     assert [o["Key"] for o in left] == [], proc.stderr  # not even the lock
-    assert [k for k in open_uploads(store) if k.startswith(f"lost-{launch}/")] == []
+    assert [k for k in open_uploads(store) if k.startswith(f"{prefix}/")] == []
     assert [p.name for p in temp.iterdir() if p.name.startswith("merger-")] == []  # (torchrun leaves its own)
 
 

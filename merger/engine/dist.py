@@ -15,6 +15,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -94,6 +95,12 @@ class Group:
         with _collective(self.rank, self.watch):
             dist.all_gather_object(values, value, group=self.control)
         return values
+
+    @cached_property
+    def hosts(self) -> list[str]:
+        """Each rank's host name, in rank order: a collective the first time (every rank asks at the same step), then
+        kept, as a rank's host does not change."""
+        return self.all_gather(socket.gethostname())
 
     def barrier(self) -> None:
         if self.distributed:

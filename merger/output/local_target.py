@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-import socket
 from pathlib import Path
 
 from ..engine.dist import Group, on_every_rank, on_rank_zero
@@ -152,7 +151,7 @@ class LocalTarget:
         group, stage, plan, debug = self.group, self.folder.stage, self.plan, self.options.debug
         reused = frozenset(self.reused)
         todo = skip_finished(plan, set(reused))
-        hosts = group.all_gather(socket.gethostname())
+        hosts = group.hosts
         one_host = len(set(hosts)) == 1  # one page cache: hash as batches land
         # On a host-local filesystem the pieces that lie aligned in the batch buffers are written past the page cache
         # (direct_writes.py); ranks that take turns at a file (several on this host) write the rest so too, through

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -58,7 +57,7 @@ class ObjectStoreTarget:
         if options.hf_upload_path:
             raise MergerError(f"--hf_upload_path publishes a local folder: merge to one, then `merger upload` it, "
                               f"{self.url}")
-        hosts = group.all_gather(socket.gethostname())
+        hosts = group.hosts
         if options.stage_dir is None and len(set(hosts)) > 1:
             raise MergerError(f"ranks on {len(set(hosts))} hosts write the model before uploading it: give them a "
                               f"--stage_dir on a filesystem they all share, {self.url}")

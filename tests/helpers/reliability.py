@@ -8,6 +8,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 from tests.helpers.processes import start_merger, start_ranks, wait_ranks
 
@@ -51,21 +52,25 @@ def wait_paused(procs: list[subprocess.Popen], pause: Path, ranks) -> None:
         time.sleep(0.2)
 
 
-def kill_rank_mid_merge(ckpt: Path, out: Path, tmp_path: Path, *extra, nproc: int = 2, victim: int = 1,
-                        after_batch: int = 12, pause_all: bool = True, launch: str = "torchrun"
+def kill_rank_mid_merge(ckpt: Path, out: Path | str, tmp_path: Path, *extra, nproc: int = 2, victim: int = 1,
+                        after_batch: int = 12, pause_all: bool = True, launch: str = "torchrun",
+                        env: dict | None = None, before_kill: Callable[[], None] = lambda: None
                         ) -> tuple[subprocess.CompletedProcess, float, int]:
     """Start a real merge, let it pause after `after_batch` (test hook), SIGKILL one rank, wait for the end.
     Returns what the processes said, the seconds from the kill until every process ended, and the pid killed.
 
-    With pause_all=False only the victim pauses: the other ranks are inside a collective when it dies.
+    With pause_all=False only the victim pauses: the other ranks are inside a collective when it dies. `extra`
+    flags come after SMALL's, so they may replace them; `env` is added to the ranks' environment; `before_kill`
+    runs once the ranks are paused (a check of what the merge has done so far).
     """
     pause = tmp_path / "paused"
-    env = {"MERGER_TEST_PAUSE_AFTER_BATCH": str(after_batch), "MERGER_TEST_PAUSE_FILE": str(pause)}
+    env = {**(env or {}), "MERGER_TEST_PAUSE_AFTER_BATCH": str(after_batch), "MERGER_TEST_PAUSE_FILE": str(pause)}
     if not pause_all:
         env["MERGER_TEST_PAUSE_RANK"] = str(victim)
     args = ["merge", "--local_dir", ckpt, "--target_dir", out, *SMALL, *extra]
     procs = start_merge(launch, args, nproc, env)
     wait_paused(procs, pause, range(nproc) if pause_all else [victim])
+    before_kill()
     workers = [w for p in procs for w in children(p.pid)]
     killed = int(Path(f"{pause}.{victim}").read_text())
     os.kill(killed, signal.SIGKILL)
