@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import transformers
 from safetensors import safe_open
 
 from tests.helpers.in_process import merge_in_process, run_in_process
-from tests.helpers.processes import run_merger
+from tests.helpers.processes import run, run_merger
 from tests.helpers.weights import load_safetensors_folder
 from tests.writers.fp8_release import write_release
 
@@ -92,26 +93,58 @@ def test_torchtitan_deepseek_v3_dtypes_are_save_pretrained_s(deepseek_v3_root, t
     assert kept and all(torch.equal(bf16[name], fp32[name]) for name in kept)
 
 
-def test_the_source_text_check_finds_every_class_that_keeps_modules_in_float32():
-    """merger imports a model's transformers class only where its modeling source names the keep-in-fp32 lists
-    (model_class._sources_name_it): for every causal LM transformers has, a class that keeps a module in float32
-    must be one whose sources the check finds, and the check must skip most classes (or it saves nothing)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def _built_on_meta(model_type: str, arch: str):
+    """transformers' `arch` from its default config cut to one layer, built on the meta device (post_init joins
+    the lists of the models it holds); None where transformers cannot build it so here (a missing optional
+    dependency, a config that needs arguments)."""
+    try:
+        config = transformers.AutoConfig.for_model(model_type)
+        for key in ("num_hidden_layers", "num_layers", "n_layer", "encoder_layers", "decoder_layers"):
+            if isinstance(getattr(config, key, None), int):
+                setattr(config, key, 1)
+        with torch.device("meta"):
+            return getattr(transformers, arch)(config), config
+    except Exception:  # noqa: BLE001 - a model this transformers cannot build here: nothing to compare
+        return None
 
-    from merger.mapping.model_class import _sources_name_it
 
-    keeping, skipped = [], 0
-    for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
-        try:
-            cls = getattr(transformers, name)
-        except Exception:  # noqa: BLE001 - a class whose optional dependency is missing here: nothing to load
+def test_the_keep_in_fp32_lists_are_those_of_the_model_transformers_builds():
+    """Oracle: for every model type whose transformers source names a keep-in-fp32 list, the model transformers
+    builds from its config: its lists after post_init, at bfloat16 (the strict one) and float16 (both). merger
+    reads them from the sources without importing transformers; a class's own attributes would not do: HY-V4's
+    causal LM names only lm_head, its base model the rest."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    from merger.mapping.keep_in_fp32 import keep_in_fp32
+
+    models = Path(transformers.__file__).parent / "models"
+    types = sorted({p.parent.name for p in models.glob("*/modeling_*.py") if "_keep_in_fp32_modules" in p.read_text()})
+    compared, joined = [], []
+    for model_type in types:
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_MAPPING_NAMES.get(model_type)
+        if arch is None or (built := _built_on_meta(model_type, arch)) is None:
             continue
-        keeps = bool(cls._keep_in_fp32_modules or cls._keep_in_fp32_modules_strict)
-        found = _sources_name_it({"model_type": model_type})
-        assert found or not keeps, f"{model_type}: {name} keeps modules in float32, the source check misses it"
-        keeping += [model_type] if keeps else []
-        skipped += not found
-    assert "deepseek_v3" in keeping and skipped > len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) / 2
+        model, config = built
+        strict, loose = set(model._keep_in_fp32_modules_strict), set(model._keep_in_fp32_modules)
+        config = {**config.to_dict(), "architectures": [arch]}
+        assert set(keep_in_fp32(config, torch.bfloat16)) == strict, model_type
+        assert set(keep_in_fp32(config, torch.float16)) == strict | loose, model_type
+        assert keep_in_fp32(config, torch.float32) == ()
+        compared.append(model_type)
+        if strict != set(type(model)._keep_in_fp32_modules_strict or ()):
+            joined.append(model_type)  # post_init added a held model's list to the class's
+    assert len(compared) > 30 and "deepseek_v3" in compared and joined, (compared, joined)
+
+
+def test_the_keep_in_fp32_lists_are_read_without_importing_transformers(tmp_path):
+    """DeepSeek-V3 keeps its router in float32: found, with no module of transformers imported (importing the
+    model's module cost a rank 3.7 s here)."""
+    config = {**transformers.AutoConfig.for_model("deepseek_v3").to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code = ("import json, sys, torch; from merger.mapping.keep_in_fp32 import keep_in_fp32; "
+            f"print(keep_in_fp32(json.load(open({str(tmp_path / 'config.json')!r})), torch.bfloat16), "
+            "sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'huggingface_hub'}))")
+    assert run([sys.executable, "-c", code]).stdout.strip() == "('e_score_correction_bias', 'gate.weight') []"
 
 
 def loads_as_stored(folder) -> bool:

@@ -29,8 +29,8 @@ from . import (compressed_tensors_default, int4_release_layout, modelopt_scheme,
 from .compressed_tensors_scheme import COMPRESSED_TENSORS
 from .fp8_default_modules import default_layout
 from .fp8_release_layout import release_layout
-from .model_class import keep_in_fp32
 from .int4_release_layout import PACK_QUANTIZED, Int4Output
+from .keep_in_fp32 import keep_in_fp32
 from .modelopt_scheme import MODELOPT, MODELOPT_CONFIG
 from .mxfp4_pack_release_layout import MXFP4_PACK_QUANTIZED, Mxfp4PackOutput
 from .mxfp4_quantize import Mxfp4Output
