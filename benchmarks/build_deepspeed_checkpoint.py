@@ -29,8 +29,11 @@ def main() -> None:
     cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
            "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
     config = bench_config(args.layers, args.hidden)
+    # The model's module is imported before zero.Init: inside it, DeepSpeed's patched tensor constructors fail the
+    # signature check of the torch._dynamo polyfills that transformers' masking_utils imports (torch 2.13).
+    model_class = transformers.LlamaForCausalLM
     with deepspeed.zero.Init(config_dict_or_path=cfg):
-        model = transformers.LlamaForCausalLM(config)
+        model = model_class(config)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
     engine.save_checkpoint(str(args.out), tag="global_step1")
     dist.barrier()
