@@ -343,8 +343,12 @@ def after_startup(rows: list[tuple]) -> list[str]:
     for (fmt, size, name), wall in walls.items():
         startup, synced = walls.get((fmt, size, STARTUP)), walls.get((fmt, size, SYNCED_FLOOR))
         if name == ONE_RANK and startup is not None and synced:
+            of = f"import torch: {startup:.2f} s of {wall:.2f} s"
+            # a checkpoint too small for the two medians to part: the merge ended within the start-up's spread
             lines.append(f"{fmt} {format_size(size)}: merger on 1 rank after the start-up, {wall - startup:.2f} s = "
-                         f"{(wall - startup) / synced:.2f} x cp+sync (import torch: {startup:.2f} s of {wall:.2f} s)")
+                         f"{(wall - startup) / synced:.2f} x cp+sync ({of})" if wall > startup else
+                         f"{fmt} {format_size(size)}: merger on 1 rank took no longer than a start-up importing torch "
+                         f"({of}): too small to time the merge itself")
     return lines
 
 
