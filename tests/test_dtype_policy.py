@@ -147,6 +147,16 @@ def test_the_keep_in_fp32_lists_are_read_without_importing_transformers(tmp_path
     assert run([sys.executable, "-c", code]).stdout.strip() == "('e_score_correction_bias', 'gate.weight') []"
 
 
+def test_a_model_type_whose_folder_is_not_its_name_finds_its_class_through_transformers():
+    """transformers keeps some models in a folder their model type does not name (`kosmos-2.5` in kosmos2_5/): the
+    class config.json names is then found through transformers, and its lists read from its source."""
+    from merger.mapping.keep_in_fp32 import keep_in_fp32
+
+    config = {**transformers.AutoConfig.for_model("deepseek_v3").to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+    assert keep_in_fp32({**config, "model_type": "deepseek-v3.renamed"}, torch.bfloat16) == \
+        keep_in_fp32(config, torch.bfloat16) == ("e_score_correction_bias", "gate.weight")
+
+
 def loads_as_stored(folder) -> bool:
     """The oracle for config.json's dtype: transformers loading the folder with no dtype (it reads config.json's)
     gives every parameter the dtype the folder stores it in."""

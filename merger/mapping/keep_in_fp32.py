@@ -13,8 +13,8 @@ modules it imports classes from; a list as the first class in the bases (depth f
 singly, with mixins that have no lists) that assigns it; the modules held, as `__init__` (or the one a class
 inherits, and its `super().__init__`) assigns `self.<name> = Class(...)` or `Class._from_config(...)`. A model held
 through `AutoModel.from_config(config.<sub>)` (a VLM's) is the class transformers' auto mapping names for the
-sub-config's model type: only then is transformers imported, to name it and find its source, and such composite
-models import it anyway (saved_names.py).
+sub-config's model type: only then is transformers imported, to name it and find its source (such composite models
+import it anyway: saved_names.py), and where a model type's folder is not its name (`kosmos-2.5`).
 Most families name no list: the sources are first searched as text, and parsed only where they name one.
 """
 from __future__ import annotations
@@ -182,7 +182,7 @@ class _Sources:
         func = call.func
         if isinstance(func, ast.Attribute) and func.attr in _FROM_CONFIG and isinstance(func.value, ast.Name):
             if func.value.id.startswith("AutoModel"):
-                found = _auto_model(self, config.get("model_type"))
+                found = _transformers_class(self, _auto_model_name(config.get("model_type")))
                 return [(*found, config)] if found is not None else []
             func = func.value
         if isinstance(func, ast.Name) and (found := self.find(path, func.id)) is not None:
@@ -212,19 +212,29 @@ def _calls_super_init(node: ast.AST) -> bool:
         and node.func.value.func.id == "super"
 
 
-def _auto_model(sources: _Sources, model_type: str | None) -> tuple[Path, ast.ClassDef] | None:
-    """The class `AutoModel.from_config` makes for a config of `model_type`: the one transformers' auto mapping
-    names, found in its source."""
+def _transformers_class(sources: _Sources, name: str | None) -> tuple[Path, ast.ClassDef] | None:
+    """transformers' class `name`, found in its source through transformers itself: for a model type whose folder
+    is not its name (`kosmos-2.5`, `nemo_speechlm`), and for a model transformers' auto classes make. Imports
+    transformers."""
     try:
         import transformers
-        from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-        cls = getattr(transformers, MODEL_MAPPING_NAMES.get(model_type) or "", None)
+        cls = getattr(transformers, name or "", None)
         path = Path(inspect.getsourcefile(cls)) if isinstance(cls, type) else None
     except Exception as e:  # noqa: BLE001 - transformers failing to import its module: nothing to read there
-        log.debug("merger: no keep-in-fp32 modules from %s's model (%s)", model_type, e)
+        log.debug("merger: no keep-in-fp32 modules of %s (%s)", name, e)
         return None
     return sources.find(path, cls.__name__) if path is not None else None
+
+
+def _auto_model_name(model_type: str | None) -> str | None:
+    """The class `AutoModel.from_config` makes for a config of `model_type` (transformers' auto mapping)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    except Exception as e:  # noqa: BLE001 - as above
+        log.debug("merger: no auto model class for %s (%s)", model_type, e)
+        return None
+    return MODEL_MAPPING_NAMES.get(model_type)
 
 
 def keep_in_fp32(config: dict, dtype: torch.dtype | None) -> tuple[str, ...]:
@@ -238,7 +248,8 @@ def keep_in_fp32(config: dict, dtype: torch.dtype | None) -> tuple[str, ...]:
     lists = (STRICT, LOOSE) if dtype == torch.float16 else (STRICT,)
     names = set()
     for arch in config.get("architectures") or []:
-        found = next((c for t in _model_types(config) if (c := sources.find(_module_file(models, t), arch))), None)
+        found = next((c for t in _model_types(config) if (c := sources.find(_module_file(models, t), arch))),
+                     None) or _transformers_class(sources, arch)
         if found is None:
             log.debug("merger: no source of %s in transformers: no keep-in-fp32 modules", arch)
             continue
