@@ -226,6 +226,7 @@ def _read_batch(plan: Plan, batch: Batch, group: Group, reader, reads: SourceRea
             local[i] = route, out
         else:
             send_split[route.writer] += _slot(route.nbytes)
+    reads.batch_read()
     return local, buf[:sum(send_split)], send_split
 
 

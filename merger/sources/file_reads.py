@@ -37,7 +37,7 @@ class SourceFiles:
     """Source files read at offsets, each through the storage that holds it (merger/io)."""
 
     def __init__(self):
-        self.local = LocalStorage()  # descriptors of its own, closed with it
+        self.local = LocalStorage(drop_cold=True)  # descriptors of its own, closed with it
         self.used: list = [self.local]
 
     def _storage(self, file: str):
@@ -81,6 +81,10 @@ class SourceFiles:
             planned.setdefault(storage, []).append((key, start, end))
         for storage, found in planned.items():
             storage.will_read(found)
+
+    def drop_read(self) -> None:
+        """Drop from the page cache what was read of local files that were not cached (io/local.py)."""
+        self.local.drop_read()
 
     def range_file(self, file: str, start: int, length: int) -> RangeFile:
         """Bytes [start, start + length) of the source file as a read-only file (zipfile reads a DCP blob)."""
@@ -330,6 +334,10 @@ class SourceReads:
                     self._fill(check, *gap)
                 check.verify()
                 self.checks[key] = None
+
+    def batch_read(self) -> None:
+        """A batch is read: what it read of local files that were not cached leaves the page cache."""
+        self.files.drop_read()
 
     def close(self) -> None:
         self.files.close()
