@@ -56,31 +56,9 @@ def _module_file(models: Path, model_type: str) -> Path:
     return models / name / f"modeling_{name}.py"
 
 
-def _sources_name_them(models: Path, config: dict) -> bool:
-    """Whether the modeling sources of the config's model types (and those they import classes from) name the
-    lists; True too where a source cannot be found, so that it is looked for by class."""
-    todo = [_module_file(models, t) for t in _model_types(config)]
-    seen = set()
-    while todo:
-        path = todo.pop()
-        if path in seen:
-            continue
-        seen.add(path)
-        try:
-            text = path.read_text()
-        except OSError:
-            return True
-        if LOOSE in text:  # STRICT contains it
-            return True
-        todo += [(models / folder if folder else path.parent) / f"{module}.py"
-                 for folder, module in _MODELING_IMPORT.findall(text)]
-    return False
-
-
 @dataclass
 class _Module:
     """One parsed modeling module: its classes, and the names it imports from other modeling modules."""
-    path: Path
     classes: dict[str, ast.ClassDef] = field(default_factory=dict)
     imported: dict[str, tuple[Path, str]] = field(default_factory=dict)  # local name -> (module file, its name)
 
@@ -90,16 +68,47 @@ class _Sources:
     file, its definition), and a model held as that and the config (or sub-config) it is made with."""
 
     def __init__(self):
-        self.modules: dict[Path, _Module] = {}
+        self.texts: dict[Path, str | None] = {}
+        self.modules: dict[Path, _Module | None] = {}
         self.lists: dict[tuple, frozenset[str]] = {}
+
+    def text(self, path: Path) -> str | None:
+        """The module's source, read once; None where there is none."""
+        if path not in self.texts:
+            try:
+                self.texts[path] = path.read_text()
+            except OSError:
+                self.texts[path] = None
+        return self.texts[path]
+
+    def name_them(self, models: Path, config: dict) -> bool:
+        """Whether the modeling sources of the config's model types (and those they import classes from) name the
+        lists; True too where a source cannot be found, so that it is looked for by class."""
+        todo = [_module_file(models, t) for t in _model_types(config)]
+        seen = set()
+        while todo:
+            path = todo.pop()
+            if path in seen:
+                continue
+            seen.add(path)
+            text = self.text(path)
+            if text is None or LOOSE in text:  # STRICT contains LOOSE
+                return True
+            todo += [(models / folder if folder else path.parent) / f"{module}.py"
+                     for folder, module in _MODELING_IMPORT.findall(text)]
+        return False
 
     def module(self, path: Path) -> _Module | None:
         if path not in self.modules:
+            text = self.text(path)
             try:
-                tree = ast.parse(path.read_text(), str(path))
-            except (OSError, SyntaxError, ValueError):
+                tree = ast.parse(text, str(path)) if text is not None else None
+            except (SyntaxError, ValueError):
+                tree = None
+            if tree is None:
+                self.modules[path] = None
                 return None
-            module = self.modules[path] = _Module(path)
+            module = self.modules[path] = _Module()
             for node in tree.body:
                 if isinstance(node, ast.ClassDef):
                     module.classes[node.name] = node
@@ -240,11 +249,10 @@ def _auto_model_name(model_type: str | None) -> str | None:
 def keep_in_fp32(config: dict, dtype: torch.dtype | None) -> tuple[str, ...]:
     """The module patterns transformers keeps in float32 when the model is loaded, and so saved, at `dtype`. Each
     pattern is a regular expression searched in a tensor's name. Remote code (`auto_map`) has none here."""
-    models = _models_folder()
+    models, sources = _models_folder(), _Sources()
     if dtype not in (torch.float16, torch.bfloat16) or "auto_map" in config or models is None \
-            or not _sources_name_them(models, config):
+            or not sources.name_them(models, config):
         return ()
-    sources = _Sources()
     lists = (STRICT, LOOSE) if dtype == torch.float16 else (STRICT,)
     names = set()
     for arch in config.get("architectures") or []:
