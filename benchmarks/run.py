@@ -3,7 +3,7 @@
     python benchmarks/run.py [--formats fsdp,dcp,deepspeed,megatron_moe,megatron_qwen35_moe] [--sizes 7,19|16GB]
                              [--repeats 3] [--cap 2GiB] [--hidden 2048] [--settle 5] [--keep]
                              [--chart docs/benchmark.png]
-                             [--ranks 1,2] [--torchrun 2] [--cuda] [--no_baselines] [--build_ranks 2]
+                             [--ranks 1,2] [--torchrun 2] [--cuda] [--no_baselines] [--build_ranks 2] [--cold]
 
 For each format and checkpoint size (fp32 FSDP2 on 2 ranks, built once under bench_out/ on the meta device
 by benchmarks/build_checkpoint.py) it times, alternating and repeated, each run right after its data files are
@@ -16,6 +16,9 @@ importing torch (what every merge pays before its first read: the lines under th
 1-rank wall), the baselines, and merger with each of --ranks ranks (several started by `launcher local`, and
 those of --torchrun also by torchrun), and with --cuda on 1 rank with `--device cuda` (skipped, with the reason in
 the table, where torch sees no CUDA device).
+With --cold, each run starts instead with the data files out of the page cache (`evict`; Python, torch and merger
+stay in it), as a checkpoint is that other nodes wrote or that was evicted since: every run then reads them from
+the disk, and a `disk read` row (`cat` of the data files) times the disk's reading of them alone.
 - fsdp (verl's `model_world_size_W_rank_r.pt`): baseline the naive merge (benchmarks/naive_merge.py).
 - dcp (`dcp.save` folder): baselines torch's `dcp_to_torch_save` + `save_file` and accelerate's
   `merge_fsdp_weights` (benchmarks/dcp_baselines.py); both keep fp32, so merger runs with `--dtype keep`.
@@ -77,7 +80,10 @@ _DISK_WRITE = ("import mmap, os, sys; path, size = sys.argv[1], int(sys.argv[2])
 # A Python start-up that imports torch, as merger imports it (the cyclic GC off: cli.load_library): every merge pays it
 # before it reads a byte, and no tool that casts with torch can overlap it with the disk's work.
 STARTUP = "import torch"
-FLOORS = (FLOOR, SYNCED_FLOOR, USER_FLOOR, DISK, STARTUP)
+# --cold: the checkpoint's bytes read from the disk and thrown away, at one reader per data file as merger's ranks
+# read them (2 ranks, one rank file each, read them at once)
+DISK_READ = "disk read"
+FLOORS = (FLOOR, SYNCED_FLOOR, USER_FLOOR, DISK, DISK_READ, STARTUP)
 ONE_RANK = "merger, 1 rank"
 VERIFIED = ONE_RANK  # the run that --cap also tries with --verify
 CUDA_ROW = "merger, 1 rank, cuda"
@@ -112,15 +118,27 @@ def warm(files: list[Path]) -> None:
                 pass
 
 
+def evict(files: list[Path]) -> None:
+    """Drop `files` from the page cache, and nothing else: their pages are clean (the build was synced), so the
+    kernel lets them go at once (`posix_fadvise(DONTNEED)`, as `vmtouch -e` does), without root and without
+    emptying the cache of other work, as `echo 1 > /proc/sys/vm/drop_caches` would."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def measure(cmd: list[str], cap: int | None = None, settle: float = 0.0,
-            sources: list[Path] = ()) -> tuple[float, int, int, float]:
+            sources: list[Path] = (), cold: bool = False) -> tuple[float, int, int, float]:
     os.sync()  # no run starts while the previous one's output is still being written back to disk
     # A VM that hands freed memory back to its host (virtio-balloon free page reporting, about 2 s after it is
     # freed; this machine's does) backs the next pages written for free only until then, and several times
     # slower after: a run that starts right after the previous output was deleted would be timed on cheaper
     # memory than one that starts later. Each waits alike.
     time.sleep(settle)
-    warm(sources)
+    (evict if cold else warm)(sources)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     prefix = [PY, "-c", _MEASURE]
     preexec = None
@@ -208,9 +226,9 @@ def merger_runs(merge: list[str], ranks: list[int], torchrun: list[int], cuda: b
 
 
 def commands(fmt: str, ckpt: Path, dst: Path, ranks: list[int] = (1, 2), torchrun: list[int] = (2,),
-             cuda: bool = False, with_baselines: bool = True) -> dict[str, list[str]]:
-    """Row name -> command line; the floors first, then the baselines (the first is the ratios' reference), then
-    merger's runs (merger_runs)."""
+             cuda: bool = False, with_baselines: bool = True, cold: bool = False) -> dict[str, list[str]]:
+    """Row name -> command line; the floors first (with `cold`, the disk's reading too), then the baselines (the
+    first is the ratios' reference), then merger's runs (merger_runs)."""
     # relative paths kept under dst (--parents): Megatron's rank files all have the same name
     files = " ".join(str(p.relative_to(ckpt)) for p in data_files(fmt, ckpt))
     merge = ["merge", "--local_dir", str(ckpt), "--target_dir", str(dst), "--overwrite", "--log_level", "WARNING"]
@@ -236,20 +254,22 @@ def commands(fmt: str, ckpt: Path, dst: Path, ranks: list[int] = (1, 2), torchru
     # `sync FILE...` fsyncs those files alone (coreutils), as merger fsyncs its own: not other work's dirty pages
     synced = f"{cp} && cd {dst} && sync {files}"
     size = sum(f.stat().st_size for f in data_files(fmt, ckpt))
+    read = " & ".join(f"cat {f} > /dev/null" for f in files.split()) + " & wait"
     return {FLOOR: ["bash", "-c", cp], SYNCED_FLOOR: ["bash", "-c", synced], USER_FLOOR: ["bash", "-c", f"cd {ckpt} && {dd}"],
             DISK: [PY, "-c", _DISK_WRITE, str(dst / "disk_write"), str(size)],
+            **({DISK_READ: ["bash", "-c", f"cd {ckpt} && {read}"]} if cold else {}),
             STARTUP: [PY, "-c", "import gc; gc.disable(); import torch"],
             **(baselines if with_baselines else {}), **merger_runs(merge, ranks, torchrun, cuda)}
 
 
 def time_all(cmds: dict[str, list[str]], dst: Path, repeats: int, label: str, settle: float,
-             sources: list[Path]) -> dict[str, list[tuple[float, int, int, float]]]:
+             sources: list[Path], cold: bool = False) -> dict[str, list[tuple[float, int, int, float]]]:
     results: dict[str, list[tuple[float, int, int, float]]] = {k: [] for k in cmds}
     for rep in range(repeats + 1):  # the first round is dropped
         for name, cmd in cmds.items():
             shutil.rmtree(dst, ignore_errors=True)
             print(f"{label}: {name}, {f'run {rep} of {repeats}' if rep else 'warm-up'} ...", end=" ", flush=True)
-            r = measure(cmd, settle=settle, sources=sources)
+            r = measure(cmd, settle=settle, sources=sources, cold=cold)
             print(f"{r[0]:.1f} s", flush=True)
             if r[2] != 0:
                 raise SystemExit(f"{name} failed with exit code {r[2]}: {' '.join(cmd)}")
@@ -297,7 +317,7 @@ def rows_for(fmt: str, size: int, results: dict, capped: dict[str, str], skipped
     return rows + [(fmt, size, name, None, None, {}, None, None, f"skipped: {why}") for name, why in skipped.items()]
 
 
-def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
+def print_table(rows: list[tuple], cap: int | None, repeats: int, cold: bool = False) -> None:
     cap_col = f"under {format_size(cap)}" if cap else ""
     cols = [*RATIOS, "x base"]
     width = max([12, *(len(row[0]) for row in rows)])  # the format column fits the longest name
@@ -315,7 +335,8 @@ def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
               f"{cell(cpu / (size / 1e9) if cpu is not None else None, 8, '8.3f')} | "
               + " | ".join(cell(ratios.get(c), 9) for c in cols)
               + f" | {format_size(rss) if rss is not None else '':>13} | {cell(vs_rss, 10)} | {note}")
-    print(f"\nmedians of {repeats} warm runs; {os.cpu_count()} cores; CPU s = user + system CPU of every process of "
+    state = "cold runs (the data files out of the page cache)" if cold else "warm runs"
+    print(f"\nmedians of {repeats} {state}; {os.cpu_count()} cores; CPU s = user + system CPU of every process of "
           "the run; CPU s/GB = per GB (1e9 bytes) of the checkpoint's data files; disk write = as many bytes from "
           "memory, written past the page cache and fsynced (the disk's durable write speed); peak RSS = largest "
           "process of the run; "
@@ -323,16 +344,19 @@ def print_table(rows: list[tuple], cap: int | None, repeats: int) -> None:
           "conv=fsync (the bytes through memory, durably); x 1 rank = against merger on 1 rank (the scaling); "
           "x base = against the naive merge (fsdp), dcp_to_torch_save + save_file (dcp), DeepSpeed's zero_to_fp32.py "
           "--safe_serialization (deepspeed), the naive fp32 merge (megatron_moe, megatron_qwen35_moe); import torch = "
-          "a Python start-up importing torch, which every merge pays before its first read. Targets (issue 34): merger "
+          "a Python start-up importing torch, which every merge pays before its first read; disk read = the data files read "
+          "from the disk (cold runs), one reader per file at once. Targets (issue 34): merger "
           "on 2 ranks <= 1.00 x 1 rank; merger on 1 rank <= 0.75 x cp+sync")
     for line in disk_speeds(rows) + after_startup(rows):
         print(line)
 
 
 def disk_speeds(rows: list[tuple]) -> list[str]:
-    """Per checkpoint, the disk's durable write speed measured in the same run (the `disk write` row)."""
-    return [f"{fmt} {format_size(size)}: the disk wrote {size / wall / 1e9:.2f} GB/s durably (disk write: "
-            f"{format_size(size)} in {wall:.2f} s)" for fmt, size, name, wall, *_ in rows if name == DISK and wall]
+    """Per checkpoint, the disk's durable write speed measured in the same run (the `disk write` row), and with
+    --cold its reading speed (`disk read`)."""
+    done = {DISK: "wrote {} GB/s durably", DISK_READ: "read {} GB/s"}
+    return [f"{fmt} {format_size(size)}: the disk {done[name].format(f'{size / wall / 1e9:.2f}')} ({name}: "
+            f"{format_size(size)} in {wall:.2f} s)" for fmt, size, name, wall, *_ in rows if name in done and wall]
 
 
 def after_startup(rows: list[tuple]) -> list[str]:
@@ -372,6 +396,8 @@ def main() -> None:
     p.add_argument("--cuda", action="store_true", help="also merger on 1 rank with --device cuda (skipped, with the "
                    "reason in the table, where torch sees no CUDA device)")
     p.add_argument("--no_baselines", action="store_true", help="leave out the baselines (floors and merger only)")
+    p.add_argument("--cold", action="store_true", help="start every run with the data files out of the page cache "
+                   "(read from the disk), not in it")
     p.add_argument("--build_ranks", type=int, default=2,
                    help="ranks that write the fsdp and dcp checkpoints, one rank file each (default 2)")
     args = p.parse_args()
@@ -393,9 +419,9 @@ def main() -> None:
                 files = data_files(fmt, ckpt)
                 size = sum(f.stat().st_size for f in files)
                 cmds = commands(fmt, ckpt, dst, ranks, torchrun, args.cuda and no_cuda is None,
-                                not args.no_baselines)
+                                not args.no_baselines, args.cold)
                 results = time_all(cmds, dst, args.repeats, f"{fmt} {format_size(size)}", args.settle,
-                                   files)
+                                   files, args.cold)
                 capped = fits_under(cmds, dst, args.cap) if args.cap else {}
                 shutil.rmtree(dst, ignore_errors=True)
                 rows += rows_for(fmt, size, results, capped, {CUDA_ROW: no_cuda} if args.cuda and no_cuda else {})
@@ -408,7 +434,7 @@ def main() -> None:
                 ckpt.parent.rmdir()
         if OUT.is_dir() and not any(OUT.iterdir()):
             OUT.rmdir()
-    print_table(rows, args.cap, args.repeats)
+    print_table(rows, args.cap, args.repeats, args.cold)
     draw_chart([(fmt, size, name, wall, rss) for fmt, size, name, wall, _, _, rss, _, _ in rows if wall is not None],
                args.chart, FLOOR)
     print(f"chart: {args.chart}")
