@@ -114,11 +114,16 @@ class LocalStorage:
         return [self.read(key, start, end - start) for start, end in ranges]
 
     def read_into(self, key: str, view: memoryview, offset: int) -> int:
-        fd = self.local_fd(key)
-        got = pread_into(fd, view, offset)
-        if fd in self.cold:
-            self.cold[fd].append((offset, offset + got))
+        got = pread_into(self.local_fd(key), view, offset)
+        self.was_read(key, offset, offset + got)
         return got
+
+    def was_read(self, key: str, start: int, end: int) -> None:
+        """Count bytes [start, end) of the file as read, here (read_into) or by the kernel for this process (a copy
+        between files): a cold file's leave the page cache at the next drop_read."""
+        ranges = self.cold.get(self.local_fd(key))
+        if ranges is not None:
+            ranges.append((start, end))
 
     def drop_read(self) -> None:
         """Drop from the page cache the whole folios of cold files read since the last call (a batch's)."""

@@ -82,6 +82,11 @@ class SourceFiles:
         for storage, found in planned.items():
             storage.will_read(found)
 
+    def copied(self, file: str, start: int, end: int) -> None:
+        """Bytes [start, end) of the local file `file` were copied out of it inside the kernel (a piece wanted as
+        stored): read as the page cache sees them, so dropped with the rest of a cold file's (drop_read)."""
+        self.local.was_read(self._storage(file)[1], start, end)
+
     def drop_read(self) -> None:
         """Drop from the page cache what was read of local files that were not cached (io/local.py)."""
         self.local.drop_read()
@@ -196,12 +201,14 @@ class SourceReads:
         if stored.start is None or view.numel() == 0 or not view.is_contiguous():
             return False
         first = view.storage_offset() * view.element_size()
+        end = first + view.numel() * view.element_size()
         fd = self.files.fd(stored.file)
         if fd is None:
             return False  # an object in a bucket: no kernel copy from it
         placed = place(fd, stored.start + first, stored.file)
         if placed is None:
             return False
+        self.files.copied(stored.file, stored.start + first, stored.start + end)
         if stored.record is not None:
             def read_back(part: memoryview, at: int) -> None:
                 if pread_into(placed.fd, part, at) < len(part):
@@ -211,7 +218,7 @@ class SourceReads:
             crc = 0
             for at, size in placed.runs:
                 crc = self._crc_in_chunks(read_back, at, at + size, crc)
-            self._record(stored, first, first + view.numel() * view.element_size(), crc, name)
+            self._record(stored, first, end, crc, name)
         return True
 
     def verify(self, stored: Stored, name: str) -> int:
